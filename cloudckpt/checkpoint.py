@@ -1,0 +1,443 @@
+"""Immutable checkpoints: write objects, commit a manifest, open, verify, list.
+
+A checkpoint is every object under one prefix plus the manifest at
+``<prefix>/cloudckpt-manifest.json``. The manifest is written last and
+create-only, so a checkpoint is either complete and verifiable or invisible
+(DESIGN.md invariants 1 and 2).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .crc import Buffer, crc32c_hex
+from .errors import (
+    CheckpointNotFoundError,
+    CommitConflictError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    ManifestError,
+    StorageError,
+)
+from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, Manifest, validate_path
+from .storage import ObjectInfo, ObjectWriter, Store, open_store
+
+log = logging.getLogger("cloudckpt")
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointInfo",
+    "CheckpointWriter",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "open_checkpoint",
+]
+
+
+def _store_for(uri_or_store: str | Store, storage_options: Mapping[str, Any] | None) -> Store:
+    if isinstance(uri_or_store, Store):
+        return uri_or_store
+    return open_store(uri_or_store, storage_options)
+
+
+class CheckpointWriter:
+    """Write the objects of one checkpoint, then commit it.
+
+    >>> with CheckpointWriter("s3://bucket/run/step-100", step=100) as w:  # doctest: +SKIP
+    ...     w.put("model.bin", data)
+    ...     with w.open("big.bin") as f:
+    ...         f.write(chunk)
+
+    Leaving the ``with`` block normally commits; leaving it by an exception
+    writes no manifest, so nothing becomes visible. Objects already written
+    then stay as an uncommitted prefix for ``cloudckpt gc`` or a retry of the
+    same save to overwrite.
+    """
+
+    def __init__(
+        self,
+        uri: str | Store,
+        *,
+        step: int | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        kind: str = "generic",
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.store = _store_for(uri, storage_options)
+        self.step = step
+        self.metadata = dict(metadata or {})
+        self.kind = kind
+        self._entries: dict[str, FileEntry] = {}
+        self._open: set[str] = set()
+        self._lock = threading.Lock()
+        self._committed: Checkpoint | None = None
+        if self.store.exists(MANIFEST_NAME):
+            raise CommitConflictError(
+                f"a checkpoint is already committed at {self.store.uri}; checkpoints are "
+                "immutable. Choose a new URI, or delete it first (cloudckpt rm)."
+            )
+
+    @property
+    def uri(self) -> str:
+        return self.store.uri
+
+    def _record(self, info: ObjectInfo) -> None:
+        assert info.crc32c is not None
+        with self._lock:
+            self._entries[info.key] = FileEntry(info.size, info.crc32c)
+
+    def _check_path(self, path: str) -> str:
+        if self._committed is not None:
+            raise CommitConflictError(f"{self.uri} is committed; no more objects can be added")
+        return validate_path(path, source=f"object for {self.uri}")
+
+    def put(self, path: str, data: Buffer) -> ObjectInfo:
+        """Write one object of the checkpoint."""
+        info = self.store.put(self._check_path(path), data)
+        self._record(info)
+        return info
+
+    def put_many(self, items: Mapping[str, Buffer]) -> dict[str, ObjectInfo]:
+        """Write many objects in parallel."""
+        for p in items:
+            self._check_path(p)
+        infos = self.store.put_many(items)
+        for info in infos.values():
+            self._record(info)
+        return infos
+
+    def open(self, path: str) -> _TrackedWriter:
+        """Stream a large object; it is recorded when the writer closes."""
+        self._check_path(path)
+        with self._lock:
+            self._open.add(path)
+        return _TrackedWriter(self, path)
+
+    def add_existing(self, path: str, size: int, crc32c: str) -> None:
+        """Record an object written by another process (e.g. another rank)."""
+        self._check_path(path)
+        with self._lock:
+            self._entries[path] = FileEntry(size, crc32c)
+
+    @property
+    def entries(self) -> dict[str, FileEntry]:
+        with self._lock:
+            return dict(self._entries)
+
+    def commit(self) -> Checkpoint:
+        """Write the manifest (create-only). Everything listed must be written already."""
+        if self._committed is not None:
+            return self._committed
+        with self._lock:
+            if self._open:
+                raise StorageError(
+                    f"cannot commit {self.uri}: streamed objects still open: {sorted(self._open)}"
+                )
+            manifest = Manifest(files=dict(self._entries), step=self.step,
+                                metadata=self.metadata, kind=self.kind)
+        self.store.put_if_absent(MANIFEST_NAME, manifest.to_json())
+        log.info("committed %s (step %s, %d objects, %d bytes)", self.uri, self.step,
+                 len(manifest.files), manifest.total_size)
+        self._committed = Checkpoint(self.store, manifest)
+        return self._committed
+
+    def __enter__(self) -> CheckpointWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.commit()
+        elif self._committed is None:
+            log.warning("save to %s failed (%s); no manifest written, the prefix stays "
+                        "uncommitted and invisible", self.uri, exc_type.__name__)
+
+
+class _TrackedWriter:
+    """An :class:`ObjectWriter` that reports to its checkpoint when closed."""
+
+    def __init__(self, owner: CheckpointWriter, path: str) -> None:
+        self._owner = owner
+        self._path = path
+        self._w: ObjectWriter = owner.store.open_write(path)
+
+    def write(self, data: Buffer) -> int:
+        return self._w.write(data)
+
+    def writable(self) -> bool:
+        return True
+
+    def close(self) -> ObjectInfo:
+        try:
+            info = self._w.close()
+        finally:
+            with self._owner._lock:
+                self._owner._open.discard(self._path)
+        self._owner._record(info)
+        return info
+
+    def abort(self) -> None:
+        self._w.abort()
+        with self._owner._lock:
+            self._owner._open.discard(self._path)
+
+    def __enter__(self) -> _TrackedWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class Checkpoint:
+    """A committed checkpoint: its manifest and verified reads of its objects."""
+
+    def __init__(self, store: Store, manifest: Manifest) -> None:
+        self.store = store
+        self.manifest = manifest
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({self.uri!r}, step={self.step}, files={len(self.files)})"
+
+    @property
+    def uri(self) -> str:
+        return self.store.uri
+
+    @property
+    def step(self) -> int | None:
+        return self.manifest.step
+
+    @property
+    def metadata(self) -> Mapping[str, Any]:
+        return self.manifest.metadata
+
+    @property
+    def files(self) -> list[str]:
+        """Object paths, from the manifest (never from a listing)."""
+        return sorted(self.manifest.files)
+
+    @property
+    def total_size(self) -> int:
+        return self.manifest.total_size
+
+    def entry(self, path: str) -> FileEntry:
+        try:
+            return self.manifest.files[path]
+        except KeyError:
+            raise FileNotFoundError(
+                f"{path!r} is not part of checkpoint {self.uri}; it has: "
+                f"{', '.join(self.files[:10])}{' ...' if len(self.files) > 10 else ''}"
+            ) from None
+
+    def _check(self, path: str, data: bytes) -> bytes:
+        entry = self.entry(path)
+        problem = _problem(entry, data)
+        if problem:
+            raise CorruptCheckpointError(
+                f"object {path!r} of {self.uri} is corrupt: {problem}. Restore it from a "
+                "copy or fall back to an earlier checkpoint.",
+                {path: problem},
+            )
+        return data
+
+    def read(self, path: str) -> bytes:
+        """Read a whole object, checking size and CRC32C."""
+        self.entry(path)
+        try:
+            data = self.store.get(path)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"object {path!r} of {self.uri} is listed in the manifest but missing",
+                {path: "missing"},
+            ) from None
+        return self._check(path, data)
+
+    def read_many(self, paths: Sequence[str]) -> dict[str, bytes]:
+        """Read many objects in parallel, each checked."""
+        for p in paths:
+            self.entry(p)
+        return dict(zip(paths, self.store.map(self.read, list(paths)), strict=True))
+
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        """Read bytes ``[start, end)`` of an object.
+
+        A range cannot be checked against the whole object's CRC32C; only its
+        bounds are checked. Use :meth:`read` or :meth:`verify` for integrity.
+        """
+        entry = self.entry(path)
+        if not 0 <= start <= end <= entry.size:
+            raise ValueError(f"range [{start}, {end}) outside {path!r} of size {entry.size}")
+        try:
+            return self.store.get_range(path, start, end)
+        except (FileNotFoundError, EOFError) as exc:
+            raise CorruptCheckpointError(
+                f"object {path!r} of {self.uri} is missing or short: {exc}", {path: "short"}
+            ) from None
+
+    def iter_objects(self) -> Iterator[tuple[str, bytes]]:
+        """Yield ``(path, bytes)`` for every object, checked, in parallel batches."""
+        batch = max(self.store.max_concurrency, 1)
+        files = self.files
+        for i in range(0, len(files), batch):
+            yield from self.read_many(files[i : i + batch]).items()
+
+    def verify(self, deep: bool = False) -> None:
+        """Check every object exists with the right size; with ``deep``, also its CRC32C.
+
+        Raises :class:`CorruptCheckpointError` listing every bad object.
+        """
+        problems: dict[str, str] = {}
+        listed = {o.key: o.size for o in self.store.list()}
+        for path, entry in self.manifest.files.items():
+            if path not in listed:
+                problems[path] = "missing"
+            elif listed[path] != entry.size:
+                problems[path] = f"size {listed[path]} != {entry.size} in manifest"
+        if deep:
+            todo = [p for p in self.files if p not in problems]
+
+            def check(path: str) -> tuple[str, str | None]:
+                try:
+                    return path, _problem(self.manifest.files[path], self.store.get(path))
+                except FileNotFoundError:
+                    return path, "missing"
+
+            for path, problem in self.store.map(check, todo):
+                if problem:
+                    problems[path] = problem
+        if problems:
+            names = ", ".join(f"{p} ({why})" for p, why in sorted(problems.items()))
+            raise CorruptCheckpointError(
+                f"checkpoint {self.uri} failed verification: {names}", problems
+            )
+
+
+def _problem(entry: FileEntry, data: bytes) -> str | None:
+    if len(data) != entry.size:
+        return f"size {len(data)} != {entry.size} in manifest"
+    crc = crc32c_hex(data)
+    if crc != entry.crc32c:
+        return f"crc32c {crc} != {entry.crc32c} in manifest"
+    return None
+
+
+def read_manifest(store: Store) -> Manifest:
+    """Load and validate the manifest of the checkpoint rooted at ``store``.
+
+    Raises :class:`CheckpointNotFoundError` when nothing is there and
+    :class:`IncompleteCheckpointError` when objects exist without a manifest.
+    """
+    info = store.info(MANIFEST_NAME)
+    if info is not None and info.size > MAX_MANIFEST_BYTES:
+        raise ManifestError(
+            f"{store.key_uri(MANIFEST_NAME)} is {info.size} bytes, over the "
+            f"{MAX_MANIFEST_BYTES} limit; refusing to read it"
+        )
+    try:
+        data = store.get(MANIFEST_NAME)
+    except FileNotFoundError:
+        objects = store.list()
+        if objects:
+            raise IncompleteCheckpointError(
+                f"{store.uri} has {len(objects)} objects but no manifest: a save that never "
+                "committed (crashed or still running). Load an earlier checkpoint; "
+                "`cloudckpt gc` removes such prefixes. If it was written by another tool, "
+                "`cloudckpt adopt` can check it and write a manifest."
+            ) from None
+        raise CheckpointNotFoundError(
+            f"no checkpoint at {store.uri}: nothing is stored there. Check the URI; "
+            "`cloudckpt ls` on the parent lists the checkpoints."
+        ) from None
+    return Manifest.from_json(data, source=store.key_uri(MANIFEST_NAME))
+
+
+def open_checkpoint(
+    uri: str | Store, storage_options: Mapping[str, Any] | None = None
+) -> Checkpoint:
+    """Open the committed checkpoint at ``uri`` (its manifest is read and validated)."""
+    store = _store_for(uri, storage_options)
+    return Checkpoint(store, read_manifest(store))
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One entry of a listing: a committed checkpoint, or an uncommitted prefix."""
+
+    name: str
+    uri: str
+    committed: bool
+    step: int | None = None
+    created: float | None = None
+    size: int = 0
+    files: int = 0
+    error: str | None = None
+
+
+def _sort_key(c: CheckpointInfo) -> tuple[int, float, str]:
+    return (c.step if c.step is not None else -1, c.created or 0.0, c.name)
+
+
+def list_checkpoints(
+    root: str | Store,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    include_uncommitted: bool = False,
+) -> list[CheckpointInfo]:
+    """The checkpoints directly below ``root``, oldest step first.
+
+    Only committed checkpoints by default; ``include_uncommitted`` adds
+    prefixes without a manifest (torn or in-progress saves) and prefixes whose
+    manifest cannot be read, flagged ``committed=False``.
+    """
+    store = _store_for(root, storage_options)
+    names = store.list_prefixes()
+
+    def probe(name: str) -> CheckpointInfo:
+        sub = store.child(name)
+        try:
+            m = Manifest.from_json(sub.get(MANIFEST_NAME), source=sub.key_uri(MANIFEST_NAME))
+        except FileNotFoundError:
+            return CheckpointInfo(name, sub.uri, False)
+        except CorruptCheckpointError as exc:
+            return CheckpointInfo(name, sub.uri, False, error=str(exc))
+        return CheckpointInfo(name, sub.uri, True, m.step, m.created, m.total_size,
+                              len(m.files))
+
+    infos = store.map(probe, names)
+    if not include_uncommitted:
+        infos = [i for i in infos if i.committed]
+    return sorted(infos, key=_sort_key)
+
+
+def latest_checkpoint(
+    root: str | Store, storage_options: Mapping[str, Any] | None = None
+) -> Checkpoint | None:
+    """The committed checkpoint with the highest step below ``root``, or None."""
+    store = _store_for(root, storage_options)
+    committed = list_checkpoints(store)
+    if not committed:
+        return None
+    return open_checkpoint(store.child(committed[-1].name))
+
+
+def delete_checkpoint(uri: str | Store, storage_options: Mapping[str, Any] | None = None,
+                      *, force: bool = False) -> int:
+    """Delete a checkpoint: manifest first (it vanishes at once), then its objects.
+
+    An uncommitted prefix is deleted only with ``force``. Returns the number
+    of objects deleted.
+    """
+    store = _store_for(uri, storage_options)
+    try:
+        read_manifest(store)
+    except IncompleteCheckpointError:
+        if not force:
+            raise
+    store.delete([MANIFEST_NAME])
+    return store.delete_prefix("") + 1
+

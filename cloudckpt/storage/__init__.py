@@ -1,0 +1,18 @@
+"""Storage layer: one :class:`Store` interface, one module per backend."""
+
+from .base import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, ObjectInfo, ObjectWriter, Store
+from .registry import open_store, register_backend, split_uri
+from .retry import RetryPolicy, is_transient
+
+__all__ = [
+    "DEFAULT_CONCURRENCY",
+    "DEFAULT_PART_SIZE",
+    "ObjectInfo",
+    "ObjectWriter",
+    "RetryPolicy",
+    "Store",
+    "is_transient",
+    "open_store",
+    "register_backend",
+    "split_uri",
+]

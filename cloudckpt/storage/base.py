@@ -1,0 +1,520 @@
+"""The Store: one object over an fsspec filesystem and a root prefix.
+
+A Store speaks in *keys*, paths relative to its root (``"step-10/a.bin"``).
+Backends implement a handful of primitives (``_put``, ``_get``, the two
+conditional writes, a streamed writer); everything a caller uses — retries,
+checksums, parallel batches, key validation — lives here once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+import fsspec
+
+from ..crc import Buffer, Crc32c, crc32c_hex
+from ..errors import CommitConflictError, ConfigError, StorageError
+from .retry import RetryPolicy
+
+log = logging.getLogger("cloudckpt.storage")
+
+T = TypeVar("T")
+
+#: Default number of requests a batch keeps in flight.
+DEFAULT_CONCURRENCY = 16
+#: Default part size of streamed (multipart) writes.
+DEFAULT_PART_SIZE = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What the store knows about one object. ``version`` is the CAS token."""
+
+    key: str
+    size: int
+    crc32c: str | None = None
+    version: str | None = None
+    mtime: float | None = None
+
+
+def validate_key(key: str) -> str:
+    """Refuse keys that could leave the store's root or are not plain relative paths."""
+    if not isinstance(key, str) or not key:
+        raise ConfigError(f"invalid object key {key!r}: must be a non-empty string")
+    if "://" in key or key.startswith("/") or "\\" in key or "\x00" in key:
+        raise ConfigError(f"invalid object key {key!r}: must be a relative POSIX path")
+    parts = key.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise ConfigError(f"invalid object key {key!r}: empty, '.' or '..' path component")
+    return key
+
+
+def join_key(*parts: str) -> str:
+    """Join key parts with '/', ignoring empty ones."""
+    return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
+
+
+class Store(ABC):
+    """Objects under one root prefix of one filesystem.
+
+    Subclasses set :attr:`protocols` and implement the primitives; see the
+    backend modules in this package. Instances are cheap and thread-safe;
+    :meth:`child` makes a store rooted at a sub-prefix sharing the same pool.
+    """
+
+    protocols: ClassVar[tuple[str, ...]] = ()
+    #: Whether conditional writes are enforced by the server (vs. emulated).
+    native_conditional_writes: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        fs: fsspec.AbstractFileSystem,
+        root: str,
+        *,
+        protocol: str,
+        retry: RetryPolicy | None = None,
+        max_concurrency: int = DEFAULT_CONCURRENCY,
+        part_size: int = DEFAULT_PART_SIZE,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        if max_concurrency < 1:
+            raise ConfigError("max_concurrency must be >= 1")
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.protocol = protocol
+        self.retry = retry or RetryPolicy()
+        self.max_concurrency = max_concurrency
+        self.part_size = part_size
+        self.storage_options: dict[str, Any] = dict(storage_options or {})
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ naming
+
+    @property
+    def uri(self) -> str:
+        """The URI of the store's root, as a user would write it."""
+        if self.protocol in ("file", ""):
+            return self.root
+        return f"{self.protocol}://{self.root}"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.uri!r})"
+
+    def path(self, key: str) -> str:
+        """The filesystem path of ``key`` (for fsspec calls)."""
+        return f"{self.root}/{validate_key(key)}" if key else self.root
+
+    def key_uri(self, key: str) -> str:
+        """The full URI of ``key``, for messages."""
+        return f"{self.uri}/{key}" if key else self.uri
+
+    def child(self, prefix: str) -> Store:
+        """A store rooted at ``prefix`` below this one, sharing filesystem and pool."""
+        if not prefix:
+            return self
+        validate_key(prefix.strip("/"))
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.root = f"{self.root}/{prefix.strip('/')}"
+        return new
+
+    # -------------------------------------------------------------- primitives
+    # Backends implement these on full filesystem paths. They may raise any
+    # exception; the public methods below classify, retry and wrap them.
+
+    @abstractmethod
+    def _put(self, path: str, data: Buffer) -> str | None:
+        """Write a whole object; return its version token if cheaply known."""
+
+    def _get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        return self.fs.cat_file(path, start=start, end=end)
+
+    @abstractmethod
+    def _put_if_absent(self, path: str, data: Buffer) -> str:
+        """Create ``path`` only if it does not exist; FileExistsError otherwise."""
+
+    @abstractmethod
+    def _put_if_match(self, path: str, data: Buffer, version: str) -> str:
+        """Replace ``path`` only if its version is ``version``; FileExistsError otherwise."""
+
+    @abstractmethod
+    def _get_versioned(self, path: str) -> tuple[bytes, str]:
+        """Read a whole object together with its version token."""
+
+    def _head(self, path: str) -> dict[str, Any] | None:
+        self.fs.invalidate_cache(path)
+        try:
+            info = self.fs.info(path)
+        except FileNotFoundError:
+            return None
+        return info if info.get("type") == "file" else None
+
+    def _find(self, path: str) -> dict[str, dict[str, Any]]:
+        self.fs.invalidate_cache(path)
+        try:
+            return self.fs.find(path, detail=True)
+        except FileNotFoundError:
+            return {}
+
+    def _ls_dirs(self, path: str) -> list[str]:
+        self.fs.invalidate_cache(path)
+        try:
+            entries = self.fs.ls(path, detail=True)
+        except FileNotFoundError:
+            return []
+        return [e["name"] for e in entries if e.get("type") == "directory"]
+
+    def _delete(self, paths: list[str]) -> None:
+        for p in paths:
+            try:
+                self.fs.rm_file(p)
+            except FileNotFoundError:
+                pass
+
+    @abstractmethod
+    def _open_writer(self, path: str) -> RawWriter:
+        """A writer for a large object, made durable only by ``commit()``."""
+
+    def _version_of(self, info: Mapping[str, Any]) -> str | None:
+        return None
+
+    def _is_internal(self, path: str) -> bool:
+        """True for backend bookkeeping files (temp files) hidden from listings."""
+        return False
+
+    # ----------------------------------------------------------- public API
+
+    def _call(self, fn: Callable[[], T], op: str, key: str) -> T:
+        return self.retry.call(fn, op=op, key=self.key_uri(key))
+
+    def _write(self, fn: Callable[[], T], op: str, key: str) -> T:
+        # On a write, "not found" can only mean the bucket (or container) is missing.
+        try:
+            return self._call(fn, op, key)
+        except FileNotFoundError as exc:
+            raise StorageError(
+                f"{op} {self.key_uri(key)} failed: the bucket does not exist ({exc}); "
+                "create it first or fix the URI"
+            ) from exc
+
+    def put(self, key: str, data: Buffer) -> ObjectInfo:
+        """Write a whole object (overwriting) and return its size and CRC32C."""
+        path = self.path(key)
+        crc = crc32c_hex(data)
+        version = self._write(lambda: self._put(path, data), "put", key)
+        return ObjectInfo(key, _nbytes(data), crc, version)
+
+    def get(self, key: str) -> bytes:
+        """Read a whole object. ``FileNotFoundError`` if missing."""
+        path = self.path(key)
+        return self._call(lambda: self._get(path), "get", key)
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Read bytes ``[start, end)`` of an object."""
+        if start < 0 or end < start:
+            raise ConfigError(f"invalid byte range [{start}, {end}) for {key}")
+        if end == start:
+            return b""
+        path = self.path(key)
+        data = self._call(lambda: self._get(path, start, end), "get_range", key)
+        if len(data) != end - start:
+            raise EOFError(
+                f"short read of {self.key_uri(key)} [{start}, {end}): got {len(data)} bytes"
+            )
+        return data
+
+    def info(self, key: str) -> ObjectInfo | None:
+        """Size and version of ``key``, or None if it does not exist."""
+        path = self.path(key)
+        raw = self._call(lambda: self._head(path), "head", key)
+        if raw is None:
+            return None
+        return ObjectInfo(key, int(raw.get("size") or 0), None, self._version_of(raw))
+
+    def exists(self, key: str) -> bool:
+        return self.info(key) is not None
+
+    def size(self, key: str) -> int:
+        info = self.info(key)
+        if info is None:
+            raise FileNotFoundError(self.key_uri(key))
+        return info.size
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Every object below ``prefix`` (recursively), sorted by key."""
+        base = self.path(prefix.strip("/")) if prefix.strip("/") else self.root
+        found = self._call(lambda: self._find(base), "list", prefix)
+        out = []
+        for name, raw in found.items():
+            if raw.get("type", "file") != "file" or self._is_internal(name):
+                continue
+            key = self._key_of(name)
+            if key is None:
+                continue
+            out.append(ObjectInfo(key, int(raw.get("size") or 0), None, self._version_of(raw),
+                                  _mtime(raw)))
+        return sorted(out, key=lambda o: o.key)
+
+    def list_prefixes(self, prefix: str = "") -> list[str]:
+        """The immediate sub-prefixes ("directories") below ``prefix``, as keys."""
+        base = self.path(prefix.strip("/")) if prefix.strip("/") else self.root
+        names = self._call(lambda: self._ls_dirs(base), "list", prefix)
+        keys = [self._key_of(n.rstrip("/")) for n in names]
+        return sorted(k for k in keys if k)
+
+    def delete(self, keys: Iterable[str]) -> None:
+        """Delete objects; missing ones are ignored."""
+        keys = list(keys)
+        for chunk in _chunks(keys, 1000):
+            paths = [self.path(k) for k in chunk]
+            self._call(lambda paths=paths: self._delete(paths), "delete", chunk[0])
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every object below ``prefix``; return how many."""
+        objs = self.list(prefix)
+        self.delete(o.key for o in objs)
+        return len(objs)
+
+    def put_if_absent(self, key: str, data: Buffer) -> ObjectInfo:
+        """Create ``key`` only if it does not exist (S3 ``If-None-Match: *``,
+        GCS ``ifGenerationMatch=0``, local ``link``). Raises CommitConflictError."""
+        path = self.path(key)
+        return self._conditional(key, data, lambda: self._put_if_absent(path, data),
+                                 "create-only put", "it exists already")
+
+    def put_if_match(self, key: str, data: Buffer, version: str) -> ObjectInfo:
+        """Replace ``key`` only if its version token is still ``version`` (compare-and-swap)."""
+        if not version:
+            raise ConfigError("put_if_match needs the version token returned by a read or write")
+        path = self.path(key)
+        return self._conditional(key, data, lambda: self._put_if_match(path, data, version),
+                                 "compare-and-swap put", f"its version is no longer {version}")
+
+    def _conditional(self, key: str, data: Buffer, fn: Callable[[], str], what: str,
+                     why: str) -> ObjectInfo:
+        crc = crc32c_hex(data)
+        attempts = 0
+
+        def once() -> str:
+            nonlocal attempts
+            attempts += 1
+            return fn()
+
+        try:
+            version = self._write(once, what, key)
+        except FileExistsError as exc:
+            # A retried request may lose to its own earlier attempt that the
+            # server applied before the connection broke: same bytes, ours.
+            if attempts > 1:
+                try:
+                    current, current_version = self.get_with_version(key)
+                except FileNotFoundError:
+                    current = None
+                if current is not None and crc32c_hex(current) == crc and len(current) == _nbytes(
+                    data
+                ):
+                    return ObjectInfo(key, _nbytes(data), crc, current_version)
+            raise CommitConflictError(
+                f"{what} of {self.key_uri(key)} lost: {why}. Another writer got there first; "
+                "re-read the current state before trying again."
+            ) from exc
+        return ObjectInfo(key, _nbytes(data), crc, version)
+
+    def get_with_version(self, key: str) -> tuple[bytes, str]:
+        """Read a whole object and the version token to pass to :meth:`put_if_match`."""
+        path = self.path(key)
+        return self._call(lambda: self._get_versioned(path), "get", key)
+
+    def open_write(self, key: str) -> ObjectWriter:
+        """Stream a large object. The object appears only when the writer closes
+        without error; on error it is discarded. Use as a context manager."""
+        return ObjectWriter(self, key)
+
+    # ------------------------------------------------------------- batches
+
+    def map(self, fn: Callable[[Any], T], items: Sequence[Any]) -> list[T]:
+        """Run ``fn`` over ``items`` with at most ``max_concurrency`` in flight.
+
+        Results keep the order of ``items``. The first failure is raised after
+        the requests already in flight have finished (nothing keeps running
+        behind the caller's back).
+        """
+        if len(items) <= 1:
+            return [fn(i) for i in items]
+        futures = [self._executor().submit(fn, i) for i in items]
+        results: list[T] = []
+        error: BaseException | None = None
+        for f in futures:
+            try:
+                results.append(f.result())
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                error = error or exc
+                for g in futures:
+                    g.cancel()
+        if error is not None:
+            raise error
+        return results
+
+    def put_many(self, items: Mapping[str, Buffer]) -> dict[str, ObjectInfo]:
+        """Write many objects in parallel; return their infos by key."""
+        infos = self.map(lambda kv: self.put(kv[0], kv[1]), list(items.items()))
+        return {i.key: i for i in infos}
+
+    def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
+        """Read many whole objects in parallel."""
+        keys = list(keys)
+        return dict(zip(keys, self.map(self.get, keys), strict=True))
+
+    def get_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
+        """Read many ``(key, start, end)`` ranges in parallel, in the given order."""
+        return self.map(lambda r: self.get_range(*r), list(ranges))
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    self.max_concurrency, thread_name_prefix="cloudckpt-io"
+                )
+            return self._pool
+
+    # --------------------------------------------------------------- helpers
+
+    def _key_of(self, name: str) -> str | None:
+        name = self._strip_protocol(name)
+        if name == self.root or not name.startswith(self.root + "/"):
+            return None
+        return name[len(self.root) + 1 :]
+
+    def _strip_protocol(self, name: str) -> str:
+        return name.split("://", 1)[1] if "://" in name else name
+
+
+class RawWriter(ABC):
+    """A backend's streamed upload: parts in, one object out on ``commit``."""
+
+    @abstractmethod
+    def write(self, data: Buffer) -> None: ...
+
+    @abstractmethod
+    def commit(self) -> None: ...
+
+    @abstractmethod
+    def abort(self) -> None: ...
+
+
+class ObjectWriter:
+    """File-like streamed writer that counts size and CRC32C as data passes.
+
+    The object becomes visible only on a clean :meth:`close`; leaving the
+    ``with`` block by an exception discards it.
+    """
+
+    def __init__(self, store: Store, key: str) -> None:
+        self.store = store
+        self.key = key
+        self._raw = store._open_writer(store.path(key))
+        self._crc = Crc32c()
+        self.info: ObjectInfo | None = None
+        self.closed = False
+
+    def write(self, data: Buffer) -> int:
+        if self.closed:
+            raise ValueError(f"write to closed writer for {self.key}")
+        n = _nbytes(data)
+        if n:
+            self._crc.update(data)
+            self._raw.write(data)
+        return n
+
+    def writable(self) -> bool:
+        return True
+
+    def close(self) -> ObjectInfo:
+        """Finish the upload and return the object's info."""
+        if self.closed:
+            assert self.info is not None
+            return self.info
+        self.closed = True
+        try:
+            self._raw.commit()
+        except BaseException:
+            self._raw.abort()
+            raise
+        self.info = ObjectInfo(self.key, self._crc.size, self._crc.hexdigest())
+        return self.info
+
+    def abort(self) -> None:
+        """Discard everything written so far."""
+        if not self.closed:
+            self.closed = True
+            self._raw.abort()
+
+    def __enter__(self) -> ObjectWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class BufferedRawWriter(RawWriter):
+    """Collect everything, then one retried ``put`` on commit.
+
+    Right for backends without a cheaper multipart path; memory use is the
+    object's size.
+    """
+
+    def __init__(self, store: Store, path: str) -> None:
+        self._store = store
+        self._path = path
+        self._buf = bytearray()
+
+    def write(self, data: Buffer) -> None:
+        self._buf += data
+
+    def commit(self) -> None:
+        data = bytes(self._buf)
+        self._buf = bytearray()
+        self._store.retry.call(lambda: self._store._put(self._path, data), op="put",
+                               key=self._path)
+
+    def abort(self) -> None:
+        self._buf = bytearray()
+
+
+def _nbytes(data: Buffer) -> int:
+    return data.nbytes if isinstance(data, memoryview) else len(data)
+
+
+def _mtime(raw: Mapping[str, Any]) -> float | None:
+    for k in ("mtime", "LastModified", "updated", "created"):
+        v = raw.get(k)
+        if v is None:
+            continue
+        if isinstance(v, (int, float)):
+            return float(v)
+        if hasattr(v, "timestamp"):
+            return v.timestamp()
+        if isinstance(v, str):
+            from datetime import datetime
+
+            try:
+                return datetime.fromisoformat(v.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+    return None
+
+
+def _chunks(seq: list[T], n: int) -> Iterable[list[T]]:
+    for i in range(0, len(seq), n):
+        yield seq[i : i + n]
+

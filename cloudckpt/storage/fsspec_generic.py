@@ -1,0 +1,70 @@
+"""Any other fsspec filesystem (``hdfs://``, ``abfs://``, ``sftp://`` ...).
+
+Plain reads and writes go through fsspec. These filesystems offer no
+conditional write that fsspec exposes, so create-only and compare-and-swap
+are emulated by check-then-write: safe for one writer, NOT against
+concurrent writers to the same key. A warning says so once per protocol.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from typing import Any, ClassVar
+
+import fsspec
+
+from ..crc import Buffer
+from .base import BufferedRawWriter, RawWriter, Store
+
+log = logging.getLogger("cloudckpt.storage")
+_warned: set[str] = set()
+_LOCK = threading.Lock()
+
+
+class FsspecStore(Store):
+    """Fallback over any fsspec filesystem, with emulated conditional writes."""
+
+    native_conditional_writes: ClassVar[bool] = False
+
+    def __init__(self, protocol: str, root: str, **kwargs: Any) -> None:
+        options = dict(kwargs.pop("storage_options", None) or {})
+        fs = fsspec.filesystem(protocol, **options)
+        super().__init__(fs, root, protocol=protocol, storage_options=options, **kwargs)
+
+    def _warn(self) -> None:
+        if self.protocol not in _warned:
+            _warned.add(self.protocol)
+            log.warning(
+                "%s:// has no conditional writes; cloudckpt emulates them, which is not safe "
+                "against two writers committing the same checkpoint at once", self.protocol)
+
+    def _put(self, path: str, data: Buffer) -> str:
+        self.fs.pipe_file(path, bytes(data))
+        return _version(bytes(data))
+
+    def _put_if_absent(self, path: str, data: Buffer) -> str:
+        self._warn()
+        with _LOCK:
+            if self.fs.exists(path):
+                raise FileExistsError(path)
+            return self._put(path, data)
+
+    def _put_if_match(self, path: str, data: Buffer, version: str) -> str:
+        self._warn()
+        with _LOCK:
+            if _version(self.fs.cat_file(path)) != version:
+                raise FileExistsError(path)
+            return self._put(path, data)
+
+    def _get_versioned(self, path: str) -> tuple[bytes, str]:
+        data = self.fs.cat_file(path)
+        return data, _version(data)
+
+    def _open_writer(self, path: str) -> RawWriter:
+        return BufferedRawWriter(self, path)
+
+
+def _version(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=12).hexdigest()

@@ -1,0 +1,177 @@
+"""Retries with exponential backoff and jitter, bounded in attempts and time.
+
+One policy serves every backend. Transient failures (throttling, 5xx,
+connection resets, timeouts) are retried; anything else fails at once with a
+:class:`~cloudckpt.errors.StorageError` that says what to check. Missing
+objects are not failures of the store: ``FileNotFoundError`` passes through
+untouched so callers can turn it into their own error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TypeVar
+
+import tenacity
+
+from ..errors import CloudCkptError, StorageError
+
+log = logging.getLogger("cloudckpt.storage")
+
+T = TypeVar("T")
+
+_TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
+_TRANSIENT_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "TooManyRequests",
+    "RequestLimitExceeded",
+    "RequestTimeout",
+    "InternalError",
+    "ServiceUnavailable",
+    "OperationAborted",
+}
+_TRANSIENT_ERRNO = {errno.EBUSY, errno.EREMOTEIO, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET}
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How hard to try before a storage operation is declared failed.
+
+    ``deadline`` bounds the total time of one operation, retries included;
+    ``max_attempts`` bounds the number of tries.
+    """
+
+    max_attempts: int = 8
+    initial_backoff: float = 0.2
+    max_backoff: float = 10.0
+    deadline: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError("RetryPolicy.max_attempts must be >= 1")
+        if self.deadline <= 0 or self.initial_backoff < 0 or self.max_backoff < 0:
+            raise ValueError("RetryPolicy times must be positive")
+
+    def call(self, fn: Callable[[], T], *, op: str, key: str) -> T:
+        """Run ``fn`` under this policy; ``op`` and ``key`` name it in logs and errors."""
+        start = time.monotonic()
+        retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(self.max_attempts)
+            | tenacity.stop_after_delay(self.deadline),
+            wait=tenacity.wait_random_exponential(
+                multiplier=self.initial_backoff, max=self.max_backoff
+            ),
+            retry=tenacity.retry_if_exception(is_transient),
+            before_sleep=lambda rs: _log_retry(rs, op, key, self.max_attempts),
+            reraise=True,
+        )
+        try:
+            return retrying(fn)
+        except (CloudCkptError, FileNotFoundError, FileExistsError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - every other failure is a storage failure
+            raise _storage_error(exc, op, key, time.monotonic() - start) from exc
+
+
+def _log_retry(state: tenacity.RetryCallState, op: str, key: str, max_attempts: int) -> None:
+    exc = state.outcome.exception() if state.outcome else None
+    log.warning(
+        "retrying %s %s after attempt %d/%d failed: %s (sleeping %.2fs)",
+        op,
+        key,
+        state.attempt_number,
+        max_attempts,
+        describe(exc),
+        state.next_action.sleep if state.next_action else 0.0,
+    )
+
+
+def _storage_error(exc: BaseException, op: str, key: str, elapsed: float) -> StorageError:
+    what = describe(exc)
+    if is_transient(exc):
+        hint = (
+            "the store kept failing with transient errors; check that the endpoint is "
+            "reachable and not throttling, or raise RetryPolicy.deadline/max_attempts"
+        )
+    elif _status(exc) in (401, 403) or isinstance(exc, PermissionError):
+        hint = "access was denied; check the credentials and the bucket's permissions"
+    else:
+        hint = "the store refused the request; check the URI, bucket and storage options"
+    return StorageError(f"{op} {key} failed after {elapsed:.1f}s: {what}; {hint}")
+
+
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _status(exc: BaseException) -> int | None:
+    for e in _chain(exc):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status:
+                return int(status)
+        code = getattr(e, "code", None)  # gcsfs HttpError
+        if isinstance(code, int) and 100 <= code < 600:
+            return code
+        status = getattr(e, "status", None)  # aiohttp ClientResponseError
+        if isinstance(status, int) and 100 <= status < 600:
+            return status
+    return None
+
+
+def _error_code(exc: BaseException) -> str | None:
+    for e in _chain(exc):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            code = response.get("Error", {}).get("Code")
+            if code:
+                return str(code)
+    return None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for failures worth retrying: throttling, 5xx, resets, timeouts."""
+    if isinstance(exc, (CloudCkptError, FileNotFoundError, FileExistsError, PermissionError)):
+        return False
+    status = _status(exc)
+    if status is not None:
+        return status in _TRANSIENT_STATUS
+    if _error_code(exc) in _TRANSIENT_CODES:
+        return True
+    for e in _chain(exc):
+        if isinstance(e, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
+            return True
+        if type(e).__module__.split(".")[0] in ("aiohttp", "botocore", "urllib3", "requests"):
+            name = type(e).__name__
+            if any(w in name for w in ("Connection", "Timeout", "Payload", "Disconnected",
+                                       "IncompleteRead", "ReadTimeout", "ProxyError")):
+                return True
+        if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNO:
+            return True
+    return False
+
+
+def describe(exc: BaseException | None) -> str:
+    """A one-line description of an error, with its HTTP status and code when known."""
+    if exc is None:
+        return "unknown error"
+    parts = [type(exc).__name__]
+    status, code = _status(exc), _error_code(exc)
+    if status:
+        parts.append(f"HTTP {status}")
+    if code:
+        parts.append(code)
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{' '.join(parts)}: {msg[:300]}" if msg else " ".join(parts)

@@ -1,0 +1,194 @@
+"""Amazon S3 (and S3-compatible) backend over s3fs.
+
+Conditional writes are native: create-only sends ``If-None-Match: *`` and
+compare-and-swap sends ``If-Match: <ETag>``; the server refuses a lost race
+with 412. Large streamed objects go up as multipart uploads whose parts are
+sent in parallel and retried one by one.
+
+Retries are ours alone (:mod:`cloudckpt.storage.retry`): botocore's and
+s3fs's own retry loops are set to a single attempt unless the caller
+configures them, so a failure is retried, logged and bounded in one place.
+"""
+
+from __future__ import annotations
+
+import copy
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, ClassVar
+
+import s3fs
+from fsspec.asyn import sync
+
+from ..crc import Buffer
+from .base import RawWriter, Store
+
+#: S3 refuses parts smaller than this (except the last).
+MIN_PART_SIZE = 5 * 1024 * 1024
+
+
+class S3Store(Store):
+    """Objects in an S3 bucket, below an optional key prefix."""
+
+    protocols: ClassVar[tuple[str, ...]] = ("s3", "s3a")
+    native_conditional_writes: ClassVar[bool] = True
+
+    def __init__(self, root: str, *, max_concurrency: int = 16, **kwargs: Any) -> None:
+        options = dict(kwargs.pop("storage_options", None) or {})
+        fs = s3fs.S3FileSystem(**_s3fs_options(options, max_concurrency))
+        fs.retries = 1  # one attempt per s3fs call: retries are ours (see module doc)
+        super().__init__(fs, root, protocol="s3", max_concurrency=max_concurrency,
+                         storage_options=options, **kwargs)
+
+    def _split(self, path: str) -> tuple[str, str]:
+        bucket, _, key = path.partition("/")
+        return bucket, key
+
+    def _s3(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
+        bucket, key = self._split(path)
+        return sync(self.fs.loop, self.fs._call_s3, method, Bucket=bucket, Key=key, **kw)
+
+    def _put(self, path: str, data: Buffer, **cond: str) -> str:
+        body = bytes(data) if isinstance(data, memoryview) else data
+        return self._s3("put_object", path, Body=body, **cond)["ETag"]
+
+    def _put_if_absent(self, path: str, data: Buffer) -> str:
+        return self._conditional_put(path, data, IfNoneMatch="*")
+
+    def _put_if_match(self, path: str, data: Buffer, version: str) -> str:
+        return self._conditional_put(path, data, IfMatch=version)
+
+    def _conditional_put(self, path: str, data: Buffer, **cond: str) -> str:
+        try:
+            return self._put(path, data, **cond)
+        except FileNotFoundError:
+            if "IfMatch" in cond:  # the object vanished: the CAS lost
+                raise FileExistsError(path) from None
+            raise
+        except OSError as exc:
+            code = _code(exc)
+            if code in ("PreconditionFailed", "ConditionalRequestConflict", "412"):
+                raise FileExistsError(path) from exc
+            raise
+
+    def _get_versioned(self, path: str) -> tuple[bytes, str]:
+        async def read() -> tuple[bytes, str]:
+            bucket, key = self._split(path)
+            resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
+            async with resp["Body"] as body:
+                return await body.read(), resp["ETag"]
+
+        return sync(self.fs.loop, read)
+
+    def _version_of(self, info: dict[str, Any]) -> str | None:
+        return info.get("ETag")
+
+    def _delete(self, paths: list[str]) -> None:
+        if paths:
+            self.fs.rm(paths)
+
+    def _open_writer(self, path: str) -> RawWriter:
+        return _MultipartWriter(self, path)
+
+
+def _code(exc: BaseException) -> str | None:
+    e: BaseException | None = exc
+    while e is not None:
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            return response.get("Error", {}).get("Code") or str(
+                response.get("ResponseMetadata", {}).get("HTTPStatusCode", "")
+            )
+        e = e.__cause__
+    return None
+
+
+def _s3fs_options(options: dict[str, Any], max_concurrency: int) -> dict[str, Any]:
+    """s3fs options with our defaults filled in where the user set none."""
+    opts = copy.deepcopy(options)
+    config = dict(opts.pop("config_kwargs", None) or {})
+    config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+    config.setdefault("connect_timeout", 10)
+    config.setdefault("read_timeout", 60)
+    config.setdefault("max_pool_connections", max(2 * max_concurrency, 10))
+    opts["config_kwargs"] = config
+    return opts
+
+
+class _MultipartWriter(RawWriter):
+    """Parts of ``part_size`` sent in parallel (a few in flight), each retried.
+
+    An object smaller than one part goes up as a single PUT on commit.
+    Memory held: the parts in flight plus one being filled.
+    """
+
+    IN_FLIGHT = 4
+
+    def __init__(self, store: S3Store, path: str) -> None:
+        self._store = store
+        self._path = path
+        self._part_size = max(store.part_size, MIN_PART_SIZE)
+        self._buf = bytearray()
+        self._upload_id: str | None = None
+        self._parts: list[Future[dict[str, Any]]] = []
+        self._pool: ThreadPoolExecutor | None = None
+
+    def write(self, data: Buffer) -> None:
+        self._buf += data
+        while len(self._buf) >= self._part_size:
+            part = bytes(self._buf[: self._part_size])
+            del self._buf[: self._part_size]
+            self._send(part)
+
+    def _retry(self, op: str, fn: Any) -> Any:
+        return self._store.retry.call(fn, op=op, key=self._path)
+
+    def _send(self, part: bytes) -> None:
+        if self._upload_id is None:
+            resp = self._retry("create_multipart_upload",
+                               lambda: self._store._s3("create_multipart_upload", self._path))
+            self._upload_id = resp["UploadId"]
+            self._pool = ThreadPoolExecutor(self.IN_FLIGHT, thread_name_prefix="cloudckpt-mpu")
+        # Bound memory: wait for the oldest part when too many are in flight.
+        pending = [f for f in self._parts if not f.done()]
+        if len(pending) >= self.IN_FLIGHT:
+            pending[0].result()
+        number = len(self._parts) + 1
+        assert self._pool is not None
+        self._parts.append(self._pool.submit(self._upload_part, number, part))
+
+    def _upload_part(self, number: int, part: bytes) -> dict[str, Any]:
+        resp = self._retry("upload_part", lambda: self._store._s3(
+            "upload_part", self._path, UploadId=self._upload_id, PartNumber=number, Body=part))
+        return {"PartNumber": number, "ETag": resp["ETag"]}
+
+    def commit(self) -> None:
+        if self._upload_id is None:
+            data = bytes(self._buf)
+            self._buf = bytearray()
+            self._retry("put", lambda: self._store._put(self._path, data))
+            return
+        if self._buf:
+            self._send(bytes(self._buf))
+            self._buf = bytearray()
+        parts = [f.result() for f in self._parts]
+        self._retry("complete_multipart_upload", lambda: self._store._s3(
+            "complete_multipart_upload", self._path, UploadId=self._upload_id,
+            MultipartUpload={"Parts": parts}))
+        self._shutdown()
+
+    def abort(self) -> None:
+        self._buf = bytearray()
+        if self._upload_id is not None:
+            for f in self._parts:
+                f.cancel()
+            try:
+                self._store._s3("abort_multipart_upload", self._path, UploadId=self._upload_id)
+            except Exception:  # noqa: BLE001 - best effort; lifecycle rules clean up the rest
+                pass
+            self._upload_id = None
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
