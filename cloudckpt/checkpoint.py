@@ -346,8 +346,7 @@ def read_manifest(store: Store) -> Manifest:
             raise IncompleteCheckpointError(
                 f"{store.uri} has {len(objects)} objects but no manifest: a save that never "
                 "committed (crashed or still running). Load an earlier checkpoint; "
-                "`cloudckpt gc` removes such prefixes. If it was written by another tool, "
-                "`cloudckpt adopt` can check it and write a manifest."
+                "`cloudckpt rm --force URI` deletes such a prefix."
             ) from None
         raise CheckpointNotFoundError(
             f"no checkpoint at {store.uri}: nothing is stored there. Check the URI; "
@@ -400,8 +399,8 @@ def list_checkpoints(
     def probe(name: str) -> CheckpointInfo:
         sub = store.child(name)
         try:
-            m = Manifest.from_json(sub.get(MANIFEST_NAME), source=sub.key_uri(MANIFEST_NAME))
-        except FileNotFoundError:
+            m = read_manifest(sub)
+        except (IncompleteCheckpointError, CheckpointNotFoundError):
             return CheckpointInfo(name, sub.uri, False)
         except CorruptCheckpointError as exc:
             return CheckpointInfo(name, sub.uri, False, error=str(exc))
@@ -433,11 +432,14 @@ def delete_checkpoint(uri: str | Store, storage_options: Mapping[str, Any] | Non
     of objects deleted.
     """
     store = _store_for(uri, storage_options)
+    committed = True
     try:
         read_manifest(store)
     except IncompleteCheckpointError:
         if not force:
             raise
-    store.delete([MANIFEST_NAME])
-    return store.delete_prefix("") + 1
+        committed = False
+    if committed:
+        store.delete([MANIFEST_NAME])  # invisible from here on
+    return store.delete_prefix("") + int(committed)
 

@@ -109,7 +109,7 @@ class Store(ABC):
 
     def path(self, key: str) -> str:
         """The filesystem path of ``key`` (for fsspec calls)."""
-        return f"{self.root}/{validate_key(key)}" if key else self.root
+        return f"{self.root}/{validate_key(key)}"
 
     def key_uri(self, key: str) -> str:
         """The full URI of ``key``, for messages."""
