@@ -106,7 +106,7 @@ def _s3fs_options(options: dict[str, Any], max_concurrency: int) -> dict[str, An
     """s3fs options with our defaults filled in where the user set none."""
     opts = copy.deepcopy(options)
     config = dict(opts.pop("config_kwargs", None) or {})
-    config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+    config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
     config.setdefault("connect_timeout", 10)
     config.setdefault("read_timeout", 60)
     config.setdefault("max_pool_connections", max(2 * max_concurrency, 10))

@@ -1,0 +1,11 @@
+"""Test helpers: real local S3/GCS servers and a fault-injecting HTTP proxy.
+
+Importing this package sets ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` (if
+unset) so that gcsfs, when imported afterwards, talks to emulators without
+stalling; see :mod:`cloudckpt.testing.servers`.
+"""
+
+from cloudckpt.testing.faultproxy import FaultPlan, FaultProxy
+from cloudckpt.testing.servers import FakeGcsServer, MotoServer
+
+__all__ = ["FakeGcsServer", "FaultPlan", "FaultProxy", "MotoServer"]

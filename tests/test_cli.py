@@ -1,0 +1,109 @@
+"""The ``cloudckpt`` command against moto S3 and local disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cloudckpt import CheckpointWriter, open_checkpoint, open_store
+from cloudckpt.cli import main
+
+
+def s3_args(backend) -> list[str]:
+    return ["-o", f"endpoint_url={backend.options['endpoint_url']}",
+            "-o", f"key={backend.options['key']}", "-o", f"secret={backend.options['secret']}"]
+
+
+def make(backend, name: str, step: int, n: int = 4) -> dict[str, bytes]:
+    objs = {f"part-{i}.bin": os.urandom(3000 + i) for i in range(n)}
+    with CheckpointWriter(backend.uri(name), step=step, storage_options=backend.options) as w:
+        w.put_many(objs)
+    return objs
+
+
+def run_cli(backend, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, **backend.env}
+    return subprocess.run([sys.executable, "-m", "cloudckpt", *args], capture_output=True,
+                          text=True, env=env, timeout=120)
+
+
+def test_verify_deep_names_the_flipped_object(s3):
+    objs = make(s3, "step-1", 1)
+    ok = run_cli(s3, "verify", "--deep", s3.uri("step-1"))
+    assert ok.returncode == 0, ok.stderr
+    assert "OK" in ok.stdout and "4 objects" in ok.stdout
+    flipped = bytearray(objs["part-2.bin"])
+    flipped[7] ^= 0x80
+    open_store(s3.uri("step-1"), s3.options).put("part-2.bin", bytes(flipped))
+    shallow = run_cli(s3, "verify", s3.uri("step-1"))
+    assert shallow.returncode == 0  # sizes still match: only --deep can tell
+    bad = run_cli(s3, "verify", "--deep", s3.uri("step-1"))
+    assert bad.returncode == 1
+    assert "BAD  part-2.bin: crc32c" in bad.stdout
+    assert "part-1.bin" not in bad.stdout
+
+
+def test_ls_info_latest(s3, capsys):
+    make(s3, "step-5", 5)
+    make(s3, "step-12", 12, n=2)
+    open_store(s3.uri("step-20"), s3.options).put("part-0.bin", b"torn")
+    assert main([*s3_args(s3), "ls", s3.root]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line for line in out[1:]}
+    assert rows["step-5"].split()[1] == "5" and rows["step-5"].endswith("committed")
+    assert rows["step-20"].endswith("uncommitted")
+    assert [line.split()[0] for line in out[1:]] == ["step-20", "step-5", "step-12"]
+    assert main([*s3_args(s3), "latest", s3.root]) == 0
+    assert capsys.readouterr().out.strip() == s3.uri("step-12")
+    assert main([*s3_args(s3), "info", "--json", s3.uri("step-12")]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["step"] == 12 and sorted(doc["files"]) == ["part-0.bin", "part-1.bin"]
+    assert main([*s3_args(s3), "ls", "--json", s3.root]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert {d["name"]: d["committed"] for d in listed} == {
+        "step-20": False, "step-5": True, "step-12": True}
+
+
+def test_error_exit_codes(s3, capsys):
+    open_store(s3.uri("torn"), s3.options).put("x", b"x")
+    assert main([*s3_args(s3), "info", s3.uri("missing")]) == 3
+    assert "no checkpoint at" in capsys.readouterr().err
+    assert main([*s3_args(s3), "info", s3.uri("torn")]) == 4
+    assert "no manifest" in capsys.readouterr().err
+    assert main([*s3_args(s3), "latest", s3.uri("empty")]) == 3
+    assert main(["-o", "nonsense", "ls", s3.root]) == 2
+    make(s3, "a", 1)
+    make(s3, "b", 2)
+    assert main([*s3_args(s3), "cp", s3.uri("a"), s3.uri("b")]) == 5
+    assert "different checkpoint" in capsys.readouterr().err
+
+
+def test_cp_download_rm(s3, tmp_path, capsys):
+    objs = make(s3, "step-3", 3)
+    assert main([*s3_args(s3), "cp", s3.uri("step-3"), s3.uri("copy", "step-3")]) == 0
+    assert open_checkpoint(s3.uri("copy", "step-3"), s3.options).read("part-0.bin") == objs[
+        "part-0.bin"]
+    dest = tmp_path / "dl"
+    assert main([*s3_args(s3), "download", s3.uri("step-3"), str(dest)]) == 0
+    for name, data in objs.items():
+        assert (dest / name).read_bytes() == data
+    assert main(["verify", "--deep", str(dest)]) == 0
+    # Downloading again finds the same commit and copies nothing.
+    assert main([*s3_args(s3), "download", s3.uri("step-3"), str(dest)]) == 0
+    assert main([*s3_args(s3), "rm", s3.uri("step-3")]) == 0
+    assert open_store(s3.uri("step-3"), s3.options).list() == []
+    open_store(s3.uri("torn"), s3.options).put("x", b"x")
+    assert main([*s3_args(s3), "rm", s3.uri("torn")]) == 4
+    assert main([*s3_args(s3), "rm", "--force", s3.uri("torn")]) == 0
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["verify", "--help"]])
+def test_help(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 0
+    assert "cloudckpt" in capsys.readouterr().out

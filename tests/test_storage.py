@@ -1,0 +1,114 @@
+"""The Store contract, run against every backend (S3 and GCS over real HTTP)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from cloudckpt import CommitConflictError, ConfigError, StorageError, open_store
+from cloudckpt.crc import crc32c_hex
+
+
+def test_put_get_range_info_list_delete(backend):
+    store = open_store(backend.root, backend.options)
+    data = os.urandom(100_000)
+    info = store.put("a/b/obj.bin", data)
+    assert info.size == len(data) and info.crc32c == crc32c_hex(data)
+    assert store.get("a/b/obj.bin") == data
+    assert store.get_range("a/b/obj.bin", 10, 1010) == data[10:1010]
+    assert store.exists("a/b/obj.bin") and not store.exists("a/b/missing")
+    assert store.size("a/b/obj.bin") == len(data)
+    store.put("a/c.bin", b"c")
+    store.put("z.bin", b"z")
+    assert [o.key for o in store.list()] == ["a/b/obj.bin", "a/c.bin", "z.bin"]
+    assert [o.key for o in store.list("a")] == ["a/b/obj.bin", "a/c.bin"]
+    assert store.list_prefixes() == ["a"]
+    assert store.list_prefixes("a") == ["a/b"]
+    with pytest.raises(FileNotFoundError):
+        store.get("nope")
+    assert store.delete_prefix("a") == 2
+    assert [o.key for o in store.list()] == ["z.bin"]
+    store.delete(["z.bin", "never-existed"])
+    assert store.list() == []
+
+
+def test_batches_keep_order_and_content(backend):
+    store = open_store(backend.root, backend.options)
+    items = {f"obj-{i:02d}": os.urandom(1000 + i) for i in range(24)}
+    infos = store.put_many(items)
+    assert {k: i.crc32c for k, i in infos.items()} == {k: crc32c_hex(v) for k, v in items.items()}
+    keys = sorted(items, reverse=True)
+    assert store.get_many(keys) == {k: items[k] for k in keys}
+    ranges = [(k, 5, 50) for k in keys]
+    assert store.get_ranges(ranges) == [items[k][5:50] for k in keys]
+
+
+def test_streamed_write_is_atomic(backend):
+    store = open_store(backend.root, {**backend.options, "part_size": 5 * 1024 * 1024})
+    chunks = [os.urandom(1024 * 1024) for _ in range(11)]  # 11 MiB: 3 parts on S3
+    with store.open_write("big.bin") as w:
+        for c in chunks:
+            w.write(c)
+    assert w.info is not None and w.info.crc32c == crc32c_hex(b"".join(chunks))
+    assert store.get("big.bin") == b"".join(chunks)
+
+    with pytest.raises(RuntimeError):
+        with store.open_write("aborted.bin") as w:
+            w.write(chunks[0])
+            w.write(chunks[1])
+            raise RuntimeError("boom")
+    assert not store.exists("aborted.bin")
+
+
+def test_create_only_conflict(backend):
+    store = open_store(backend.root, backend.options)
+    store.put_if_absent("manifest.json", b"first")
+    with pytest.raises(CommitConflictError, match="exists already"):
+        store.put_if_absent("manifest.json", b"second")
+    assert store.get("manifest.json") == b"first"
+
+
+def test_compare_and_swap(backend):
+    store = open_store(backend.root, backend.options)
+    store.put("pointer", b"gen-1")
+    data, v1 = store.get_with_version("pointer")
+    assert data == b"gen-1"
+    v2 = store.put_if_match("pointer", b"gen-2", v1).version
+    assert v2 and v2 != v1
+    with pytest.raises(CommitConflictError, match="no longer"):
+        store.put_if_match("pointer", b"gen-3", v1)  # stale token
+    assert store.get_with_version("pointer") == (b"gen-2", v2)
+    store.put_if_match("pointer", b"gen-3", v2)
+    assert store.get("pointer") == b"gen-3"
+
+
+@pytest.mark.parametrize("key", ["../x", "/etc/x", "a//b", "s3://other/x", "a/./b", ""])
+def test_keys_cannot_escape_the_root(memory, key):
+    store = open_store(memory.root)
+    with pytest.raises(ConfigError):
+        store.put(key, b"x")
+
+
+def test_missing_bucket_is_a_storage_error(s3):
+    store = open_store("s3://no-such-bucket/prefix", s3.options)
+    with pytest.raises(StorageError, match="bucket does not exist"):
+        store.put("a", b"1")
+
+
+def test_bad_options_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="unknown storage options"):
+        open_store(str(tmp_path), {"endpoint_url": "http://x"})
+    with pytest.raises(ConfigError):
+        open_store("s3://")
+    with pytest.raises(ConfigError):
+        open_store(str(tmp_path), {"retry": {"bogus": 1}})
+
+
+def test_environment_endpoint_is_used(s3, monkeypatch):
+    """AWS_ENDPOINT_URL and AWS_* keys are enough, as with any boto tool."""
+    for k, v in s3.env.items():
+        monkeypatch.setenv(k, v)
+    store = open_store(s3.root, {"retry": s3.options["retry"]})
+    store.put("env.bin", b"via environment")
+    assert open_store(s3.root, s3.options).get("env.bin") == b"via environment"
