@@ -1,0 +1,32 @@
+# Every target sets itself up on a fresh machine: a virtualenv in .venv with the
+# CPU build of torch pinned for these machines, and cloudckpt with its test extras.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: setup demo test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(PY) examples/demo.py
+
+lint: setup
+	$(PY) -m ruff check .
+
+test: lint
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) benchmarks/storage_bench.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,20 @@
+"""The runnable examples in docs/ run as written."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+DOCS = Path(__file__).parent.parent / "docs"
+
+
+def python_blocks(path: Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
+
+
+def test_index_example_runs(capsys):
+    blocks = [b for b in python_blocks(DOCS / "index.md") if "memory://" in b]
+    assert blocks, "docs/index.md lost its runnable example"
+    for block in blocks:
+        exec(compile(block, "docs/index.md", "exec"), {})
+    assert "memory://docs-example/run/step-1 1 ['model.pt']" in capsys.readouterr().out
