@@ -112,3 +112,13 @@ def test_environment_endpoint_is_used(s3, monkeypatch):
     store = open_store(s3.root, {"retry": s3.options["retry"]})
     store.put("env.bin", b"via environment")
     assert open_store(s3.root, s3.options).get("env.bin") == b"via environment"
+
+
+def test_stores_pickle(backend):
+    import pickle
+
+    store = open_store(backend.root, backend.options)
+    store.put_many({"a": b"1", "b": b"2"})  # builds the pool
+    clone = pickle.loads(pickle.dumps(store))
+    assert clone.get_many(["a", "b"]) == {"a": b"1", "b": b"2"}
+    assert clone.child("x").uri == store.uri + "/x"

@@ -92,8 +92,18 @@ class Store(ABC):
         self.max_concurrency = max_concurrency
         self.part_size = part_size
         self.storage_options: dict[str, Any] = dict(storage_options or {})
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_lock = threading.Lock()
+        # One pool per root store, shared by its children (see child()).
+        self._pool_holder: dict[str, Any] = {"pool": None, "lock": threading.Lock()}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Picklable (for process-based async saves): the pool is rebuilt on use.
+        state = dict(self.__dict__)
+        state["_pool_holder"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._pool_holder = {"pool": None, "lock": threading.Lock()}
 
     # ------------------------------------------------------------------ naming
 
@@ -377,12 +387,13 @@ class Store(ABC):
         return self.map(lambda r: self.get_range(*r), list(ranges))
 
     def _executor(self) -> ThreadPoolExecutor:
-        with self._pool_lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(
+        holder = self._pool_holder
+        with holder["lock"]:
+            if holder["pool"] is None:
+                holder["pool"] = ThreadPoolExecutor(
                     self.max_concurrency, thread_name_prefix="cloudckpt-io"
                 )
-            return self._pool
+            return holder["pool"]
 
     # --------------------------------------------------------------- helpers
 
