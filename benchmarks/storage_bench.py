@@ -6,8 +6,9 @@ Measures, in one run and on the same objects:
   ``fs.pipe({path: bytes})`` (``batch_size`` = the concurrency);
 * batch get: ``Store.get_many(keys)`` versus s3fs's concurrent ``fs.cat([paths])``.
 
-Each repetition runs both sides, alternating which goes first, and every put is
-a fresh write (the objects are deleted beforehand, untimed). The best of
+Each repetition runs both sides, alternating which goes first. Every put is a
+fresh write (the objects are deleted beforehand, untimed); both sides' gets read
+the same objects, written once by the Store before timing starts. The best of
 ``--repeat`` repetitions is reported per side. Before timing, one untimed round
 checks that what each side writes the other reads back byte for byte, and every
 timed read is compared with the data written, so a failing side cannot pass for
@@ -52,9 +53,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size-mib", type=float, default=16.0, help="MiB per object (default 16)")
     p.add_argument("--repeat", type=int, default=3, help="repetitions; best is kept (default 3)")
     p.add_argument("--concurrency", type=int, default=16,
-                   help="requests in flight, both sides (default 16)")
+                   help="Store max_concurrency and s3fs batch_size (default 16)")
     p.add_argument("--endpoint", default=None,
                    help="S3 endpoint URL; default: start a moto server on 127.0.0.1")
+    p.add_argument("--baseline-pool", type=int, default=None, metavar="N",
+                   help="max_pool_connections of the baseline s3fs (default: botocore's, 10, "
+                        "which caps its requests in flight at 10 whatever --concurrency is)")
     p.add_argument("--bucket", default="cloudckpt-bench", help="bucket (created if missing)")
     p.add_argument("--key", default=os.environ.get("AWS_ACCESS_KEY_ID", MotoServer.ACCESS_KEY),
                    help="access key for --endpoint (default $AWS_ACCESS_KEY_ID or moto's)")
@@ -85,6 +89,11 @@ def ensure_bucket(endpoint: str, key: str, secret: str, bucket: str) -> None:
         client.close()
 
 
+def pool_size(fs: s3fs.S3FileSystem) -> int:
+    """The botocore connection pool size of a connected s3fs filesystem."""
+    return int(fs.s3.meta.config.max_pool_connections)
+
+
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     gc.collect()
     t0 = time.perf_counter()
@@ -113,58 +122,78 @@ def run(args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
          "max_concurrency": args.concurrency},
     )
     # The baseline: s3fs as a user would make it (its own instance, its defaults).
+    extra: dict[str, Any] = {}
+    if args.baseline_pool:
+        extra["config_kwargs"] = {"max_pool_connections": args.baseline_pool}
     fs = s3fs.S3FileSystem(endpoint_url=endpoint, key=args.key, secret=args.secret,
-                           skip_instance_cache=True)
+                           skip_instance_cache=True, **extra)
     conc = args.concurrency
 
     print(f"generating {args.objects} x {args.size_mib:g} MiB of random data ...", flush=True)
     data = make_payloads(args.objects, size)
-    keys = list(data)
-    paths = {k: f"{bucket}/{prefix}/{k}" for k in keys}
-    by_path = {paths[k]: v for k, v in data.items()}
-    path_list = [paths[k] for k in keys]
+    names = list(data)
 
-    def clear() -> None:
-        fs.rm(path_list)
+    # Puts go to put/..., deleted before each one; gets read get/..., written
+    # once by the Store. (How an object was written changes how fast moto and
+    # botocore serve it -- e.g. whether a checksum is returned and validated --
+    # so the gets must not depend on which side happened to write last.)
+    def keys_of(sub: str) -> list[str]:
+        return [f"{sub}/{n}" for n in names]
+
+    def paths_of(sub: str) -> list[str]:
+        return [f"{bucket}/{prefix}/{k}" for k in keys_of(sub)]
+
+    def clear(sub: str) -> None:
+        fs.rm(paths_of(sub))
         fs.invalidate_cache()
 
-    def ours_put() -> Any:
-        return store.put_many(data)
+    def ours_put(sub: str = "put") -> Any:
+        return store.put_many(dict(zip(keys_of(sub), data.values(), strict=True)))
 
-    def base_put() -> Any:
-        return fs.pipe(by_path, batch_size=conc)
+    def base_put(sub: str = "put") -> Any:
+        return fs.pipe(dict(zip(paths_of(sub), data.values(), strict=True)), batch_size=conc)
 
-    def ours_get() -> dict[str, bytes]:
-        return store.get_many(keys)
+    def ours_get(sub: str = "get") -> dict[str, bytes]:
+        got = store.get_many(keys_of(sub))
+        return dict(zip(names, (got[k] for k in keys_of(sub)), strict=True))
 
-    def base_get() -> dict[str, bytes]:
-        got = fs.cat(path_list, batch_size=conc)
-        return {k: got[paths[k]] for k in keys}
+    def base_get(sub: str = "get") -> dict[str, bytes]:
+        got = fs.cat(paths_of(sub), batch_size=conc)
+        return dict(zip(names, (got[p] for p in paths_of(sub)), strict=True))
 
     # Untimed round: each side reads back what the other wrote (also warms pools).
     print("verifying (untimed): Store put -> s3fs cat, s3fs pipe -> Store get ...", flush=True)
-    clear()
+    clear("put")
     infos = ours_put()
-    for k, v in data.items():
-        info = infos[k]
+    for n, k in zip(names, keys_of("put"), strict=True):
+        info, v = infos[k], data[n]
         if info.size != len(v) or info.crc32c != f"{google_crc32c.value(v):08x}":
             raise SystemExit(f"FAIL Store.put_many: wrong info for {k}: {info}")
-    check_same("Store put -> s3fs cat", base_get(), data)
-    clear()
+    check_same("Store put -> s3fs cat", base_get("put"), data)
+    clear("put")
     base_put()
-    check_same("s3fs pipe -> Store get", ours_get(), data)
+    check_same("s3fs pipe -> Store get", ours_get("put"), data)
+    clear("get")
+    ours_put("get")
+
+    # Requests really in flight: capped by each client's connection pool.
+    inflight_ours = min(store.max_concurrency, pool_size(store.fs))
+    inflight_base = min(conc, pool_size(fs))
 
     best = {"put_ours": float("inf"), "put_base": float("inf"),
             "get_ours": float("inf"), "get_base": float("inf")}
     hdr = f"{'rep':>3}  {'op':<4} {'ours MB/s':>10} {'s3fs MB/s':>10} {'ratio':>6}  first"
     print(f"\n{args.objects} objects x {args.size_mib:g} MiB = {total / MB:.0f} MB per batch, "
-          f"concurrency {conc}, endpoint {endpoint}\n{hdr}", flush=True)
+          f"concurrency {conc}, endpoint {endpoint}\n"
+          f"requests in flight at most: ours {inflight_ours} (max_concurrency "
+          f"{store.max_concurrency}, pool {pool_size(store.fs)}), s3fs {inflight_base} "
+          f"(batch_size {conc}, pool {pool_size(fs)})\n{hdr}", flush=True)
     for rep in range(args.repeat):
         ours_first = rep % 2 == 0
         order = ("ours", "base") if ours_first else ("base", "ours")
         secs: dict[str, float] = {}
         for side in order:
-            clear()
+            clear("put")
             secs[f"put_{side}"], _ = timed(ours_put if side == "ours" else base_put)
         for side in order:
             secs[f"get_{side}"], got = timed(ours_get if side == "ours" else base_get)
@@ -177,7 +206,8 @@ def run(args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
         for k, s in secs.items():
             best[k] = min(best[k], s)
 
-    clear()
+    clear("put")
+    clear("get")
     mbps = {k: total / s / MB for k, s in best.items()}
     summary = {
         "put_ratio": round(mbps["put_ours"] / mbps["put_base"], 3),
@@ -189,6 +219,8 @@ def run(args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
         "objects": args.objects,
         "size_mib": args.size_mib,
         "concurrency": conc,
+        "inflight_ours": inflight_ours,
+        "inflight_s3fs": inflight_base,
         "repeat": args.repeat,
         "target": TARGET_RATIO,
     }
@@ -199,7 +231,7 @@ def run(args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
         ratio = summary[f"{op}_ratio"]
         verdict = "ok" if ratio >= TARGET_RATIO else f"BELOW {TARGET_RATIO}x"
         print(f"  batch {op}: ours {mbps[f'{op}_ours']:8.1f} MB/s   s3fs "
-              f"{mbps[f'{op}_base']:8.1f} MB/s   ratio {ratio:.2f}  [{verdict}]  ({what})")
+              f"{mbps[f'{op}_base']:8.1f} MB/s   ratio {ratio:.3f}  [{verdict}]  ({what})")
     return summary
 
 

@@ -111,3 +111,16 @@ def test_transient_classification():
     assert not is_transient(PermissionError("denied"))
     assert not is_transient(FileNotFoundError("x"))
     assert not is_transient(ValueError("bad"))
+
+
+def test_truncated_responses_are_retried(proxied, s3):
+    """A body cut short (aiohttp ContentLengthError, code=400) is transient, not a 400."""
+    via, proxy = proxied
+    data = {f"t{i}.bin": os.urandom(200_000) for i in range(8)}
+    open_store(s3.root, s3.options).put_many(data)
+    proxy.set_plan(FaultPlan(error_rate=0.5, kinds=("truncate",), seed=3, match="/t"))
+    store = open_store(via.root, via.options)
+    assert store.get_many(sorted(data)) == {k: data[k] for k in sorted(data)}
+    assert store.get_range("t1.bin", 1000, 90_000) == data["t1.bin"][1000:90_000]
+    assert proxy.faults.get("truncate", 0) >= 2
+

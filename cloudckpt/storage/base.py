@@ -143,6 +143,11 @@ class Store(ABC):
     def _put(self, path: str, data: Buffer) -> str | None:
         """Write a whole object; return its version token if cheaply known."""
 
+    def _put_checked(self, path: str, data: Buffer, crc32c: str) -> str | None:
+        """``_put`` given the CRC32C (hex) the caller computed; backends that can
+        have the server verify it override this (S3 does)."""
+        return self._put(path, data)
+
     def _get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         return self.fs.cat_file(path, start=start, end=end)
 
@@ -218,7 +223,7 @@ class Store(ABC):
         """Write a whole object (overwriting) and return its size and CRC32C."""
         path = self.path(key)
         crc = crc32c_hex(data)
-        version = self._write(lambda: self._put(path, data), "put", key)
+        version = self._write(lambda: self._put_checked(path, data, crc), "put", key)
         return ObjectInfo(key, _nbytes(data), crc, version)
 
     def get(self, key: str) -> bytes:

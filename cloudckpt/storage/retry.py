@@ -123,12 +123,20 @@ def _status(exc: BaseException) -> int | None:
             if status:
                 return int(status)
         code = getattr(e, "code", None)  # gcsfs HttpError
+        # (not aiohttp's HttpProcessingError family: a body cut short is
+        # ContentLengthError/ClientPayloadError with code=400, not an HTTP 400)
+        if _is_aiohttp(e):
+            code = None
         if isinstance(code, int) and 100 <= code < 600:
             return code
         status = getattr(e, "status", None)  # aiohttp ClientResponseError
         if isinstance(status, int) and 100 <= status < 600:
             return status
     return None
+
+
+def _is_aiohttp(exc: BaseException) -> bool:
+    return type(exc).__module__.split(".")[0] == "aiohttp" and not hasattr(exc, "status")
 
 
 def _error_code(exc: BaseException) -> str | None:
