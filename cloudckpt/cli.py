@@ -160,6 +160,14 @@ def cmd_rm(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_adopt(args: argparse.Namespace) -> int:
+    from .dcp import adopt
+
+    c = adopt(args.uri, args.options, step=args.step)
+    print(f"adopted {c.uri}: {len(c.files)} objects checked and committed")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cloudckpt", description=__doc__.splitlines()[0],
                                 epilog=__doc__.split("\n", 2)[2].strip())
@@ -193,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("download", cmd_download, "download a committed checkpoint to a local directory")
     sp.add_argument("uri")
     sp.add_argument("dir")
+    sp = add("adopt", cmd_adopt, "commit a DCP checkpoint written without cloudckpt, after "
+             "checking every object its .metadata references")
+    sp.add_argument("uri")
+    sp.add_argument("--step", type=int, default=None, help="step number to record")
     sp = add("rm", cmd_rm, "delete a checkpoint (manifest first, then its objects)")
     sp.add_argument("uri")
     sp.add_argument("--force", action="store_true", help="also delete an uncommitted prefix")

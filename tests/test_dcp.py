@@ -1,0 +1,246 @@
+"""DCP checkpoints through cloudckpt: real gloo ranks, resharding, format compatibility,
+failures, corruption and unsafe pickles."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from dist_run import run_ranks
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+import cloudckpt.dcp as cloud_dcp
+from cloudckpt import (
+    MANIFEST_NAME,
+    CommitConflictError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    open_checkpoint,
+    open_store,
+)
+from cloudckpt.cli import main as cli
+from cloudckpt.dcp import CloudStorageReader, CloudStorageWriter, adopt, async_save
+from cloudckpt.transfer import copy_checkpoint
+
+
+def sample_state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w": torch.randn(64, 32, generator=g),
+        "b": torch.arange(10, dtype=torch.int64),
+        "half": torch.randn(7, 3, generator=g).to(torch.bfloat16),
+        "view": torch.randn(100, 10, generator=g)[10:20],
+        "step": 42,
+        "meta": {"lr": 0.1, "name": "run"},
+    }
+
+
+def empty_like_state(sd: dict) -> dict:
+    out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in sd.items()}
+    out["meta"] = {"lr": None, "name": None}
+    return out
+
+
+def assert_state_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+def save_local_single(sd: dict, uri: str, options: dict | None = None, **kw) -> None:
+    dcp.save(sd, storage_writer=CloudStorageWriter(uri, storage_options=options, **kw),
+             no_dist=True)
+
+
+def load_single(uri: str, options: dict | None = None) -> dict:
+    target = empty_like_state(sample_state())
+    cloud_dcp.load(target, uri, storage_options=options)
+    return target
+
+
+@pytest.mark.parametrize("name", ["s3", "local", "gcs"])
+def test_single_process_round_trip(request, name):
+    backend = request.getfixturevalue(name)
+    uri = backend.uri("step-1")
+    save_local_single(sample_state(), uri, backend.options)
+    ckpt = open_checkpoint(uri, backend.options)
+    assert ckpt.manifest.kind == "dcp" and ".metadata" in ckpt.files
+    assert any(f.endswith(".distcp") for f in ckpt.files)
+    ckpt.verify(deep=True)
+    assert_state_equal(load_single(uri, backend.options), sample_state())
+
+
+def test_sharded_save_reshards_bit_exact_on_s3(s3, tmp_path):
+    opts = s3.options_json()
+    for save_world, load_worlds in ((2, (4, 1)), (4, (2,))):
+        uri, ref = s3.uri(f"w{save_world}"), str(tmp_path / f"ref{save_world}.pt")
+        kinds = run_ranks("dcp_workers.save_sharded", save_world, uri, opts, ref)
+        assert kinds[0] == ["DTensor"]  # the model really was sharded
+        ckpt = open_checkpoint(uri, s3.options)
+        shard_files = [f for f in ckpt.files if f.endswith(".distcp")]
+        assert {f.split("_")[2] for f in shard_files} == {str(r) for r in range(save_world)}
+        for world in load_worlds:
+            if world == 1:
+                from dcp_workers import load_single_process
+
+                assert load_single_process(uri, opts, ref)
+            else:
+                assert run_ranks("dcp_workers.load_and_compare", world, uri, opts, ref) == {
+                    r: True for r in range(world)}
+
+
+@pytest.mark.parametrize("name", ["local", "gcs"])
+def test_sharded_save_reshards_on_other_backends(request, name, tmp_path):
+    backend = request.getfixturevalue(name)
+    opts, uri, ref = backend.options_json(), backend.uri("w2"), str(tmp_path / "ref.pt")
+    run_ranks("dcp_workers.save_sharded", 2, uri, opts, ref)
+    assert run_ranks("dcp_workers.load_and_compare", 4, uri, opts, ref) == {
+        r: True for r in range(4)}
+
+
+@pytest.mark.parametrize("mode", ["raise", "kill"])
+def test_failing_rank_leaves_no_manifest_and_no_hang(s3, mode):
+    uri = s3.uri("fail")
+    results = run_ranks("dcp_workers.save_with_failing_rank", 2, uri, s3.options_json(), mode,
+                        pg_timeout=20, timeout=120, allow_errors=True)
+    assert not open_store(uri, s3.options).exists(MANIFEST_NAME)
+    if mode == "raise":
+        assert all(str(v).startswith("raised CheckpointException") for v in results.values())
+        assert "disk on fire" in results[0]
+    else:
+        assert results[1][0] == "died"
+        # The surviving rank gets an error from the collective, not a hang.
+        assert not str(results[0]).startswith("saved"), results[0]
+
+
+def test_stock_reader_loads_our_checkpoint(s3, tmp_path):
+    uri = s3.uri("step-1")
+    save_local_single(sample_state(), uri, s3.options, key_spread=4)
+    ckpt = open_checkpoint(uri, s3.options)
+    assert all("/" in f for f in ckpt.files if f.endswith(".distcp"))  # spread over prefixes
+    assert ckpt.metadata["dcp"]["key_spread"] == 4
+    local = tmp_path / "copy"
+    copy_checkpoint(ckpt, str(local))
+    target = empty_like_state(sample_state())
+    dcp.load(target, storage_reader=FileSystemReader(str(local)), no_dist=True)
+    assert_state_equal(target, sample_state())
+
+
+def test_stock_checkpoint_is_refused_until_adopted(s3, tmp_path):
+    stock = tmp_path / "stock"
+    dcp.save(sample_state(), storage_writer=FileSystemWriter(str(stock)), no_dist=True)
+    uri = s3.uri("adopted")
+    store = open_store(uri, s3.options)
+    store.put_many({p.name: p.read_bytes() for p in stock.iterdir()})
+    with pytest.raises(IncompleteCheckpointError, match="cloudckpt adopt"):
+        load_single(uri, s3.options)
+    assert cli(["-o", f"endpoint_url={s3.options['endpoint_url']}", "adopt", uri]) == 0
+    ckpt = open_checkpoint(uri, s3.options)
+    ckpt.verify(deep=True)
+    assert ckpt.metadata["dcp"]["adopted"] is True
+    assert_state_equal(load_single(uri, s3.options), sample_state())
+
+
+def test_adopt_refuses_missing_shards(memory, tmp_path):
+    stock = tmp_path / "stock"
+    dcp.save(sample_state(), storage_writer=FileSystemWriter(str(stock)), no_dist=True)
+    store = open_store(memory.root)
+    store.put(".metadata", (stock / ".metadata").read_bytes())  # shards never uploaded
+    with pytest.raises(CorruptCheckpointError, match="__0_0.distcp \\(missing\\)"):
+        adopt(memory.root)
+    assert not store.exists(MANIFEST_NAME)
+
+
+def test_flipped_byte_in_a_shard_is_named(s3):
+    uri = s3.uri("step-1")
+    save_local_single(sample_state(), uri, s3.options)
+    store = open_store(uri, s3.options)
+    shard = next(f for f in open_checkpoint(uri, s3.options).files if f.endswith(".distcp"))
+    data = bytearray(store.get(shard))
+    data[len(data) // 2] ^= 0x10
+    store.put(shard, bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=f"object '{shard}' .* is corrupt") as exc:
+        load_single(uri, s3.options)
+    assert shard in exc.value.problems
+    # Through the plain DCP API the same error arrives wrapped by torch.
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException, match="is corrupt"):
+        dcp.load(empty_like_state(sample_state()),
+                 storage_reader=CloudStorageReader(uri, storage_options=s3.options), no_dist=True)
+
+
+class _Evil:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_malicious_pickled_item_does_not_execute(memory, tmp_path):
+    marker = tmp_path / "pwned"
+    uri = memory.uri("evil")
+    sd = {"w": torch.ones(3), "payload": _Evil(str(marker))}
+    save_local_single(sd, uri)  # DCP pickles the object into a byte item
+    target = {"w": torch.zeros(3), "payload": None}
+    with pytest.raises(CorruptCheckpointError, match="not a safe pickle"):
+        cloud_dcp.load(target, uri)
+    assert not marker.exists()
+
+
+def test_malicious_metadata_does_not_execute(memory, tmp_path):
+    marker = tmp_path / "pwned"
+    uri = memory.uri("evil-md")
+    save_local_single(sample_state(), uri)
+    store = open_store(uri)
+    evil = pickle.dumps(_Evil(str(marker)))
+    store.put(".metadata", evil)
+    doc = json.loads(store.get(MANIFEST_NAME))  # an attacker controls the manifest too
+    from cloudckpt.crc import crc32c_hex
+
+    doc["files"][".metadata"] = {"size": len(evil), "crc32c": crc32c_hex(evil)}
+    store.put(MANIFEST_NAME, json.dumps(doc).encode())
+    with pytest.raises(CorruptCheckpointError, match="not safe DCP metadata"):
+        load_single(uri)
+    assert not marker.exists()
+
+
+def test_async_save_blocks_only_for_staging_and_surfaces_errors(s3):
+    sd = sample_state()
+    uri = s3.uri("async")
+    fut = async_save(sd, uri, storage_options=s3.options, step=3)
+    sd["w"].add_(1.0)  # mutating after return must not change what is saved
+    fut.result(timeout=120)
+    expected = sample_state()
+    assert_state_equal(load_single(uri, s3.options), expected)
+    assert open_checkpoint(uri, s3.options).step == 3
+    again = async_save(sample_state(), uri, storage_options=s3.options)
+    with pytest.raises(CommitConflictError, match="already committed"):
+        again.result(timeout=120)
+
+
+def test_writer_is_picklable(s3):
+    w = CloudStorageWriter(s3.uri("p"), storage_options=s3.options, key_spread=2)
+    clone = pickle.loads(pickle.dumps(w))
+    assert clone.uri == w.uri and clone.key_spread == 2
+    buf = io.BytesIO()
+    torch.save(sample_state()["w"], buf)
+    clone.store.put("probe", buf.getvalue())
+    assert open_store(s3.uri("p"), s3.options).get("probe") == buf.getvalue()
+
+
+def test_dcp_module_doc_mentions_format():
+    import cloudckpt.dcp as m
+
+    assert "FileSystemReader" in (m.__doc__ or "")
+    assert Path(m.__file__).name == "dcp.py"
