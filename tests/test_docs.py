@@ -18,3 +18,10 @@ def test_index_example_runs(capsys):
     for block in blocks:
         exec(compile(block, "docs/index.md", "exec"), {})
     assert "memory://docs-example/run/step-1 1 ['model.pt']" in capsys.readouterr().out
+
+
+def test_dcp_example_runs():
+    blocks = [b for b in python_blocks(DOCS / "dcp.md") if "memory://" in b]
+    assert blocks, "docs/dcp.md lost its runnable example"
+    for block in blocks:
+        exec(compile(block, "docs/dcp.md", "exec"), {})
