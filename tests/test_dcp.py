@@ -244,3 +244,12 @@ def test_dcp_module_doc_mentions_format():
 
     assert "FileSystemReader" in (m.__doc__ or "")
     assert Path(m.__file__).name == "dcp.py"
+
+
+def test_torch_async_save_with_our_writer(local):
+    uri = local.uri("torch-async")
+    fut = dcp.async_save(sample_state(), storage_writer=CloudStorageWriter(
+        uri, storage_options=local.options), no_dist=True)
+    fut.result(timeout=120)
+    open_checkpoint(uri, local.options).verify(deep=True)
+    assert_state_equal(load_single(uri, local.options), sample_state())
