@@ -26,12 +26,29 @@ from .errors import (
 from .manifest import MANIFEST_NAME, Manifest
 from .storage import ObjectInfo, RetryPolicy, Store, open_store
 
+# Names that need torch load on first use, so that `cloudckpt ls` stays quick.
+_LAZY = {
+    "CheckpointManager": "manager",
+    "ManagerOptions": "manager",
+    "RecoverSlot": "slot",
+    "StepInfo": "state",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'cloudckpt' has no attribute {name!r}")
+
 __version__ = "0.1.0"
 
 __all__ = [
     "MANIFEST_NAME",
     "Checkpoint",
     "CheckpointInfo",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointWriter",
     "CloudCkptError",
@@ -40,9 +57,12 @@ __all__ = [
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
     "Manifest",
+    "ManagerOptions",
     "ManifestError",
     "ObjectInfo",
+    "RecoverSlot",
     "RetryPolicy",
+    "StepInfo",
     "StorageError",
     "Store",
     "delete_checkpoint",

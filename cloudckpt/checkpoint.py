@@ -346,7 +346,8 @@ def read_manifest(store: Store) -> Manifest:
             raise IncompleteCheckpointError(
                 f"{store.uri} has {len(objects)} objects but no manifest: a save that never "
                 "committed (crashed or still running). Load an earlier checkpoint; "
-                "`cloudckpt rm --force URI` deletes such a prefix."
+                "`cloudckpt gc ROOT` removes such prefixes once they are older than a grace "
+                "period, `cloudckpt rm --force URI` deletes one now."
             ) from None
         raise CheckpointNotFoundError(
             f"no checkpoint at {store.uri}: nothing is stored there. Check the URI; "

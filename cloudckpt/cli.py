@@ -168,6 +168,24 @@ def cmd_adopt(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_gc(args: argparse.Namespace) -> int:
+    from .gc import collect, find_garbage
+
+    garbage = find_garbage(args.root, args.options, grace_seconds=args.grace)
+    if not garbage:
+        print(f"nothing to collect under {args.root} (grace {args.grace:.0f}s)")
+        return EXIT_OK
+    for g in garbage:
+        print(f"{'remove' if args.yes else 'would remove'}  {g.uri}  ({g.reason}; "
+              f"{g.objects} objects, {_size(g.size)}, {g.age_seconds / 3600:.1f} h old)")
+    if args.yes:
+        n = collect(garbage, args.options)
+        print(f"removed {len(garbage)} prefixes ({n} objects)")
+    else:
+        print("dry run: nothing deleted; pass --yes to delete")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cloudckpt", description=__doc__.splitlines()[0],
                                 epilog=__doc__.split("\n", 2)[2].strip())
@@ -205,6 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
              "checking every object its .metadata references")
     sp.add_argument("uri")
     sp.add_argument("--step", type=int, default=None, help="step number to record")
+    sp = add("gc", cmd_gc, "remove uncommitted prefixes and orphan slot generations older "
+             "than a grace period (dry run unless --yes)")
+    sp.add_argument("root")
+    sp.add_argument("--grace", type=float, default=6 * 3600.0, metavar="SECONDS",
+                    help="only collect what is older than this (default: 6 hours)")
+    sp.add_argument("--yes", action="store_true", help="really delete")
     sp = add("rm", cmd_rm, "delete a checkpoint (manifest first, then its objects)")
     sp.add_argument("uri")
     sp.add_argument("--force", action="store_true", help="also delete an uncommitted prefix")

@@ -122,3 +122,12 @@ def test_stores_pickle(backend):
     clone = pickle.loads(pickle.dumps(store))
     assert clone.get_many(["a", "b"]) == {"a": b"1", "b": b"2"}
     assert clone.child("x").uri == store.uri + "/x"
+
+
+def test_local_delete_leaves_no_empty_directories(local):
+    store = open_store(local.uri("ckpt"), local.options)
+    store.put_many({"a/b/c.bin": b"1", "a/d.bin": b"2", "e.bin": b"3"})
+    store.delete(["e.bin"])
+    store.delete_prefix("")
+    parent = open_store(local.root, local.options)
+    assert parent.list_prefixes() == []

@@ -136,9 +136,10 @@ class FileStore(Store):
     def _delete(self, paths: list[str]) -> None:
         for p in paths:
             _unlink(p)
-        # Leave no empty directories behind, as an object store would.
+        # Leave no empty directories behind (the root included), as an object
+        # store has no empty prefixes.
         for d in sorted({os.path.dirname(p) for p in paths}, key=len, reverse=True):
-            while d.startswith(self.root + os.sep) and d != self.root:
+            while d == self.root or d.startswith(self.root + os.sep):
                 try:
                     os.rmdir(d)
                 except OSError:

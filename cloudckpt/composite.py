@@ -1,0 +1,208 @@
+"""Training checkpoints: a DCP part and a training-state part under one root manifest.
+
+Layout of one training checkpoint at ``<uri>``::
+
+    model/...                       DCP checkpoint (model, optimizer; sharded), own manifest
+    state/rank-00000.bin ...        per-rank state (RNG, dataloader position), one per rank
+    state/shared.bin                shared state (step info, scheduler, controllers, extras)
+    cloudckpt-manifest.json         root manifest, written last, listing every object above
+
+The root manifest lists every object of both parts with its CRC32C (the DCP
+part's manifest included), so one ``verify(deep=True)`` covers the whole
+checkpoint, and nothing is visible until every rank's part is durable.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _dist
+from . import dcp as cdcp
+from .checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
+from .crc import crc32c_hex
+from .errors import CloudCkptError, ConfigError, CorruptCheckpointError, StorageError
+from .manifest import MANIFEST_NAME
+from .state import Stateful, StepInfo, dumps_state, get_rng_state, loads_state, set_rng_state
+from .storage import Store, open_store
+from .storage.retry import describe
+
+log = logging.getLogger("cloudckpt")
+
+KIND = "training"
+MODEL_PART = "model"
+SHARED = "state/shared.bin"
+_STEP_INFO = "__step_info__"
+_RNG = "__rng__"
+
+
+class WorldSizeError(CloudCkptError):
+    """Per-rank state was saved by a different number of ranks than are loading it."""
+
+
+@dataclass
+class Captured:
+    """Training state snapshotted at save time (plain data, safe to write later)."""
+
+    shared: dict[str, Any] = field(default_factory=dict)
+    per_rank: dict[str, Any] = field(default_factory=dict)
+
+
+def _snapshot(value: Any) -> Any:
+    return copy.deepcopy(value.state_dict() if isinstance(value, Stateful) else value)
+
+
+def capture(
+    *,
+    step_info: StepInfo | None = None,
+    shared: Mapping[str, Any] | None = None,
+    per_rank: Mapping[str, Any] | None = None,
+    rng: bool = True,
+) -> Captured:
+    """Snapshot stateful objects (``state_dict()``) and plain values, and the RNG state."""
+    snap = Captured({k: _snapshot(v) for k, v in (shared or {}).items()},
+                    {k: _snapshot(v) for k, v in (per_rank or {}).items()})
+    if step_info is not None:
+        snap.shared[_STEP_INFO] = step_info.to_dict()
+    if rng:
+        snap.per_rank[_RNG] = get_rng_state()
+    return snap
+
+
+def _rank_key(rank: int) -> str:
+    return f"state/rank-{rank:05d}.bin"
+
+
+def write(
+    uri: str | Store,
+    app_state: Mapping[str, Any],
+    captured: Captured,
+    *,
+    step: int | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    group: Any = None,
+) -> Checkpoint | None:
+    """Write and commit one training checkpoint; call on every rank.
+
+    ``app_state`` (model and optimizer state dicts, DTensors welcome) goes to
+    the DCP part. Returns the committed checkpoint on rank 0, None elsewhere.
+    Raises on every rank if any rank failed; then nothing is committed.
+    """
+    store = uri if isinstance(uri, Store) else open_store(uri, storage_options)
+    rank, world = _dist.rank(group), _dist.world_size(group)
+    outcome: tuple[str, str] = ("ok", "")
+    if rank == 0:
+        if store.exists(MANIFEST_NAME):
+            outcome = ("conflict", f"a checkpoint is already committed at {store.uri}")
+        elif store.list():
+            # Leftovers of a save that crashed before its commit: invisible to every
+            # reader, and in the way of this save's create-only commits.
+            log.warning("replacing the uncommitted leftovers of an earlier save at %s",
+                        store.uri)
+            store.delete_prefix("")
+    outcome = _dist.broadcast_object(outcome, group)
+    if outcome[0] != "ok":
+        from .errors import CommitConflictError
+
+        raise CommitConflictError(outcome[1] + "; checkpoints are immutable, use a new URI")
+    cdcp.save(dict(app_state), store.child(MODEL_PART), process_group=group, step=step)
+    try:
+        info = store.put(_rank_key(rank), dumps_state(captured.per_rank))
+        mine: tuple = ("ok", info.key, info.size, info.crc32c)
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+        mine = ("error", f"rank {rank}: {describe(exc)}")
+    gathered = _dist.all_gather_object(mine, group)
+    failed = [g[1] for g in gathered if g[0] != "ok"]
+    if failed:
+        raise StorageError(f"saving training state to {store.uri} failed: {'; '.join(failed)}")
+    committed: Checkpoint | None = None
+    result: tuple[str, str] = ("ok", "")
+    if rank == 0:
+        try:
+            committed = _commit(store, captured, gathered, step, metadata, world)
+        except Exception as exc:  # noqa: BLE001 - re-raised here, reported to the others
+            result = ("error", str(exc))
+            _dist.broadcast_object(result, group)
+            raise
+    result = _dist.broadcast_object(result, group)
+    if result[0] != "ok":
+        raise StorageError(f"committing {store.uri} failed on rank 0: {result[1]}")
+    return committed
+
+
+def _commit(store: Store, captured: Captured, gathered: list[tuple], step: int | None,
+            metadata: Mapping[str, Any] | None, world: int) -> Checkpoint:
+    writer = CheckpointWriter(store, step=step, kind=KIND, metadata={
+        **dict(metadata or {}), "world_size": world, "parts": [MODEL_PART, "state"],
+        "step_info": captured.shared.get(_STEP_INFO)})
+    model = open_checkpoint(store.child(MODEL_PART))
+    for path, entry in model.manifest.files.items():
+        writer.add_existing(f"{MODEL_PART}/{path}", entry.size, entry.crc32c)
+    model_manifest = model.store.get(MANIFEST_NAME)
+    writer.add_existing(f"{MODEL_PART}/{MANIFEST_NAME}", len(model_manifest),
+                        crc32c_hex(model_manifest))
+    for _, key, size, crc in gathered:
+        writer.add_existing(key, size, crc)
+    writer.put(SHARED, dumps_state(captured.shared))
+    return writer.commit()
+
+
+@dataclass
+class Restored:
+    """What :func:`read` found besides the tensors it loaded in place."""
+
+    checkpoint: Checkpoint
+    step_info: StepInfo | None
+    shared: dict[str, Any]
+
+
+def read(
+    uri: str | Store | Checkpoint,
+    app_state: Mapping[str, Any],
+    *,
+    shared: Mapping[str, Any] | None = None,
+    per_rank: Mapping[str, Any] | None = None,
+    rng: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
+    group: Any = None,
+) -> Restored:
+    """Load a training checkpoint: ``app_state`` in place (DCP, any world size),
+    stateful ``shared``/``per_rank`` objects via ``load_state_dict``, and RNG."""
+    ckpt = uri if isinstance(uri, Checkpoint) else open_checkpoint(uri, storage_options)
+    if ckpt.manifest.kind != KIND:
+        raise CorruptCheckpointError(
+            f"{ckpt.uri} is a {ckpt.manifest.kind!r} checkpoint, not a training checkpoint")
+    if app_state:
+        cdcp.load(app_state, ckpt.store.child(MODEL_PART), process_group=group)
+    saved_shared = loads_state(ckpt.read(SHARED), source=f"{ckpt.uri}/{SHARED}")
+    _restore_into(shared or {}, saved_shared, ckpt.uri)
+    if per_rank or rng:
+        saved_world = int(ckpt.metadata.get("world_size", 1))
+        world, rank = _dist.world_size(group), _dist.rank(group)
+        if saved_world != world:
+            raise WorldSizeError(
+                f"{ckpt.uri} holds per-rank state (RNG, dataloader positions) of {saved_world} "
+                f"ranks; this job has {world}. Resume with {saved_world} ranks, or restore "
+                "without per-rank state (per_rank=None, rng=False): model, optimizer and "
+                "shared state reshard freely.")
+        key = _rank_key(rank)
+        saved = loads_state(ckpt.read(key), source=f"{ckpt.uri}/{key}")
+        _restore_into(per_rank or {}, saved, ckpt.uri)
+        if rng and _RNG in saved:
+            set_rng_state(saved[_RNG])
+    info = saved_shared.get(_STEP_INFO)
+    return Restored(ckpt, StepInfo.from_dict(info) if info else None,
+                    {k: v for k, v in saved_shared.items() if k != _STEP_INFO})
+
+
+def _restore_into(targets: Mapping[str, Any], saved: Mapping[str, Any], uri: str) -> None:
+    for name, target in targets.items():
+        if name not in saved:
+            raise ConfigError(f"{uri} has no saved state named {name!r}; it has "
+                              f"{sorted(k for k in saved if not k.startswith('__'))}")
+        if isinstance(target, Stateful):
+            target.load_state_dict(saved[name])

@@ -1,0 +1,274 @@
+"""CheckpointManager: when to save, what to keep, sync or async, and resume.
+
+Policies are small objects of their own — :class:`SaveSchedule` (when),
+:func:`select_for_deletion` (what to keep) — and the manager only wires them
+to the mechanisms (:mod:`cloudckpt.composite` training checkpoints, the
+commit protocol, retries).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from . import _dist, composite
+from .checkpoint import Checkpoint, delete_checkpoint, list_checkpoints, open_checkpoint
+from .errors import ConfigError, CorruptCheckpointError
+from .state import StepInfo
+from .storage import Store, open_store
+
+log = logging.getLogger("cloudckpt")
+
+_SCHEDULE = "__schedule__"
+
+
+@dataclass(frozen=True)
+class ManagerOptions:
+    """How a :class:`CheckpointManager` behaves.
+
+    Save when any of ``every_steps``/``every_epochs``/``every_seconds`` fires;
+    keep the newest ``keep_last`` checkpoints (None: all) plus every one whose
+    step is a multiple of ``keep_every``; ``async_save`` blocks only for staging.
+    """
+
+    every_steps: int | None = None
+    every_epochs: int | None = None
+    every_seconds: float | None = None
+    keep_last: int | None = None
+    keep_every: int | None = None
+    async_save: bool = False
+    name_format: str = "step-{step}"
+    strict: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("every_steps", "every_epochs", "every_seconds", "keep_last", "keep_every"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"ManagerOptions.{name} must be positive or None, got {value}")
+        if "{step}" not in self.name_format:
+            raise ConfigError("ManagerOptions.name_format must contain '{step}'")
+
+
+class SaveSchedule:
+    """Fires when any of its counters (epochs, steps, seconds) reaches its period.
+
+    Each call advances all three; the answer is their OR; a counter restarts
+    only when it fires. Elapsed time is the MAX across ranks, so every rank
+    decides alike. Its state is saved with each checkpoint and restored.
+    """
+
+    def __init__(self, every_steps: int | None = None, every_epochs: int | None = None,
+                 every_seconds: float | None = None, group: Any = None) -> None:
+        self.every_steps, self.every_epochs, self.every_seconds = (every_steps, every_epochs,
+                                                                   every_seconds)
+        self.group = group
+        self.steps = 0
+        self.epochs = 0
+        self._start = time.monotonic()
+
+    def check(self, *, steps: int = 1, epochs: int = 0) -> bool:
+        self.steps += steps
+        self.epochs += epochs
+        fired = False
+        if self.every_steps and self.steps >= self.every_steps:
+            self.steps, fired = 0, True
+        if self.every_epochs and self.epochs >= self.every_epochs:
+            self.epochs, fired = 0, True
+        if self.every_seconds:
+            elapsed = _dist.all_reduce_max(time.monotonic() - self._start, self.group)
+            if elapsed >= self.every_seconds:
+                self._start, fired = time.monotonic(), True
+        return fired
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "epochs": self.epochs,
+                "elapsed": time.monotonic() - self._start}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.steps, self.epochs = int(state["steps"]), int(state["epochs"])
+        self._start = time.monotonic() - float(state["elapsed"])
+
+
+def select_for_deletion(steps: list[int], keep_last: int | None,
+                        keep_every: int | None) -> list[int]:
+    """Which of ``steps`` (committed checkpoints) the retention policy drops."""
+    if keep_last is None:
+        return []
+    newest = set(sorted(steps)[-keep_last:])
+    return sorted(s for s in steps
+                  if s not in newest and not (keep_every and s % keep_every == 0))
+
+
+class CheckpointManager:
+    """Saves training checkpoints below ``root`` when due, keeps what the policy
+    says, and restores the newest good one.
+
+    >>> mgr = CheckpointManager("s3://bucket/run", ManagerOptions(every_steps=100, keep_last=3))
+    >>> info = mgr.restore(state) or StepInfo(steps_per_epoch=len(loader))  # doctest: +SKIP
+    >>> mgr.save(info, state, extra={"sched": sched}, per_rank={"data": loader})  # doctest: +SKIP
+
+    Call every method on every rank. With ``async_save`` the call returns once
+    the state is staged to host memory; the next save, :meth:`wait` or
+    :meth:`close` raises any error of the background upload.
+    """
+
+    def __init__(self, root: str | Store, options: ManagerOptions | None = None, *,
+                 storage_options: Mapping[str, Any] | None = None,
+                 process_group: Any = None) -> None:
+        self.options = options or ManagerOptions()
+        self._storage_options = dict(storage_options or {})
+        self.store = root if isinstance(root, Store) else open_store(root, storage_options)
+        self.group = process_group
+        self.schedule = SaveSchedule(self.options.every_steps, self.options.every_epochs,
+                                     self.options.every_seconds, group=process_group)
+        # Background saves run collectives on a group of their own.
+        self._io_group = _dist.new_cpu_group() if self.options.async_save else process_group
+        self._executor: ThreadPoolExecutor | None = None
+        self._stager: Any = None
+        self._pending: Future[Checkpoint | None] | None = None
+        self._closed = False
+
+    @property
+    def uri(self) -> str:
+        return self.store.uri
+
+    # ------------------------------------------------------------------ saving
+
+    def should_save(self, step_info: StepInfo) -> bool:
+        """Advance the schedule by one step (and an epoch at an epoch's last step)."""
+        epoch_end = step_info.epoch_step == step_info.steps_per_epoch - 1
+        return self.schedule.check(steps=1, epochs=int(epoch_end))
+
+    def save(self, step_info: StepInfo, state_dict: Mapping[str, Any], *,
+             extra: Mapping[str, Any] | None = None, per_rank: Mapping[str, Any] | None = None,
+             rng: bool = True, force: bool = False) -> bool:
+        """Save if the schedule says so (or ``force``); return whether a save started."""
+        if self._closed:
+            raise ConfigError("this CheckpointManager is closed")
+        due = self.should_save(step_info)
+        if not (due or force):
+            return False
+        self.wait()  # one save at a time; surfaces the previous one's error
+        captured = composite.capture(
+            step_info=step_info, shared={**dict(extra or {}), _SCHEDULE: self.schedule},
+            per_rank=per_rank, rng=rng)
+        name = self.options.name_format.format(step=step_info.global_step)
+        if not self.options.async_save:
+            self._write(name, state_dict, captured, step_info.global_step)
+            return True
+        if self._stager is None:
+            self._stager = _stager()
+        staged = self._stager.stage(dict(state_dict))
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="cloudckpt-save")
+        self._pending = self._executor.submit(self._write, name, staged, captured,
+                                              step_info.global_step)
+        return True
+
+    def _write(self, name: str, state_dict: Mapping[str, Any], captured: composite.Captured,
+               step: int) -> Checkpoint | None:
+        ckpt = composite.write(self.store.child(name), state_dict, captured, step=step,
+                               group=self._io_group)
+        if _dist.rank(self._io_group) == 0:
+            self._apply_retention(keep=name)
+        return ckpt
+
+    def _apply_retention(self, keep: str) -> None:
+        committed = [c for c in list_checkpoints(self.store) if c.step is not None]
+        drop = set(select_for_deletion([c.step for c in committed], self.options.keep_last,
+                                       self.options.keep_every))
+        for c in committed:
+            if c.step in drop and c.name != keep:
+                log.info("retention: deleting %s (step %s)", c.uri, c.step)
+                delete_checkpoint(self.store.child(c.name))
+
+    def wait(self) -> None:
+        """Block until the pending async save is committed; raise its error if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Flush the pending save (raising its error) and release the background thread."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+            if self._stager is not None:
+                self._stager.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- resuming
+
+    def latest(self) -> Checkpoint | None:
+        """The newest committed checkpoint below the root (not checked further)."""
+        committed = list_checkpoints(self.store)
+        return open_checkpoint(self.store.child(committed[-1].name)) if committed else None
+
+    def restore(self, state_dict: Mapping[str, Any], *, uri: str | None = None,
+                extra: Mapping[str, Any] | None = None,
+                per_rank: Mapping[str, Any] | None = None, rng: bool = True) -> StepInfo | None:
+        """Load the newest good checkpoint (or ``uri``) in place; return its StepInfo.
+
+        Returns None when there is nothing to resume from. Torn checkpoints
+        (no manifest) are skipped with a WARNING; a corrupt one falls back to
+        the previous with a WARNING, or raises with ``strict``.
+        """
+        if uri is not None:
+            candidates = [uri]
+        else:
+            candidates = self._candidates() if _dist.rank(self.group) == 0 else None
+            candidates = _dist.broadcast_object(candidates, self.group)
+        for i, cand in enumerate(candidates):
+            try:
+                where = open_store(cand, self._storage_options) if uri else self.store.child(cand)
+                restored = composite.read(where, state_dict,
+                                          shared={**dict(extra or {}), _SCHEDULE: self.schedule},
+                                          per_rank=per_rank, rng=rng, group=self.group)
+                err = None
+            except CorruptCheckpointError as exc:
+                restored, err = None, exc
+            errors = [e for e in _dist.all_gather_object(str(err) if err else None, self.group)
+                      if e]
+            if not errors:
+                assert restored is not None
+                log.info("resumed from %s (step %s)", restored.checkpoint.uri,
+                         restored.checkpoint.step)
+                return restored.step_info
+            if self.options.strict or uri is not None or i == len(candidates) - 1:
+                raise err or CorruptCheckpointError(errors[0])
+            log.warning("checkpoint %s is corrupt (%s); falling back to the previous one",
+                        cand, errors[0])
+        return None
+
+    def _candidates(self) -> list[str]:
+        listing = list_checkpoints(self.store, include_uncommitted=True)
+        for c in listing:
+            if not c.committed:
+                log.warning("skipping %s: %s", c.uri,
+                            c.error or "no manifest (a save that never committed)")
+        return [c.name for c in reversed(listing) if c.committed]
+
+
+def _stager() -> Any:
+    """Stages state to host memory: pinned, with non-blocking copies, when CUDA is
+    present; the staging buffers are reused from one save to the next."""
+    import torch
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    cuda = torch.cuda.is_available()
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=cuda))

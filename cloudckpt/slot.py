@@ -1,0 +1,170 @@
+"""Recover slots: one fixed URI, overwritten by every save, never torn.
+
+A slot holds generations (``<slot>/gen-<time>-<id>/``, each a committed
+training checkpoint) and a small pointer object (``<slot>/slot-pointer.json``)
+naming the current one. A save writes a fresh generation, commits it, then
+swaps the pointer by compare-and-swap (S3 ``If-Match``, GCS
+``ifGenerationMatch``, local flock + rename); only after the swap is the
+previous generation deleted. A crash at any instant leaves the pointer on a
+complete generation; a writer that loses the swap removes its own generation
+and raises :class:`~cloudckpt.errors.CommitConflictError`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from . import _dist, composite
+from .checkpoint import delete_checkpoint
+from .errors import CheckpointNotFoundError, CommitConflictError, CorruptCheckpointError
+from .state import StepInfo
+from .storage import Store, open_store
+
+log = logging.getLogger("cloudckpt")
+
+POINTER = "slot-pointer.json"
+GENERATION_RE = re.compile(r"^gen-\d{20}-[0-9a-f]{8}$")
+
+
+class RecoverSlot:
+    """A fixed URI that every save overwrites, keeping the last good copy until
+    the new one is committed (one generation at rest, at most two during a save).
+
+    Call :meth:`save`/:meth:`load` on every rank of a distributed job; rank 0
+    of ``process_group`` swaps the pointer.
+    """
+
+    def __init__(self, uri: str | Store, *, storage_options: Mapping[str, Any] | None = None,
+                 process_group: Any = None) -> None:
+        self.store = uri if isinstance(uri, Store) else open_store(uri, storage_options)
+        self.group = process_group
+
+    @property
+    def uri(self) -> str:
+        return self.store.uri
+
+    def __repr__(self) -> str:
+        return f"RecoverSlot({self.uri!r})"
+
+    # ---------------------------------------------------------------- pointer
+
+    def _read_pointer(self) -> tuple[dict[str, Any] | None, str | None]:
+        try:
+            data, version = self.store.get_with_version(POINTER)
+        except FileNotFoundError:
+            return None, None
+        try:
+            doc = json.loads(data)
+            ok = isinstance(doc, dict) and GENERATION_RE.match(str(doc.get("generation", "")))
+        except ValueError:
+            ok = False
+        if not ok:
+            raise CorruptCheckpointError(
+                f"{self.store.key_uri(POINTER)} is not a valid slot pointer; the slot cannot "
+                "be trusted. Inspect it with `cloudckpt ls` and delete the slot to start over.",
+                {POINTER: "malformed"})
+        return doc, version
+
+    def exists(self) -> bool:
+        """True when the slot holds a committed generation."""
+        return self._read_pointer()[0] is not None
+
+    def info(self) -> dict[str, Any] | None:
+        """The current generation's pointer record (generation, step, step info, time)."""
+        return self._read_pointer()[0]
+
+    def generations(self) -> list[str]:
+        """Every generation prefix present, committed or not (normally one)."""
+        return [p for p in self.store.list_prefixes() if GENERATION_RE.match(p)]
+
+    # ------------------------------------------------------------------- save
+
+    def save(
+        self,
+        state_dict: Mapping[str, Any],
+        *,
+        step_info: StepInfo | None = None,
+        extra: Mapping[str, Any] | None = None,
+        per_rank: Mapping[str, Any] | None = None,
+        rng: bool = True,
+        step: int | None = None,
+    ) -> str:
+        """Save a new generation and make it current; return its name.
+
+        ``state_dict`` goes through DCP (model, optimizer); ``extra`` holds
+        shared state (stateful objects or plain data), ``per_rank`` each rank's
+        own (e.g. its dataloader); RNG state is saved unless ``rng=False``.
+        """
+        rank = _dist.rank(self.group)
+        pointer, version = self._read_pointer() if rank == 0 else (None, None)
+        generation = f"gen-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}" if rank == 0 else None
+        generation = _dist.broadcast_object(generation, self.group)
+        if step is None and step_info is not None:
+            step = step_info.global_step
+        captured = composite.capture(step_info=step_info, shared=extra, per_rank=per_rank,
+                                     rng=rng)
+        composite.write(self.store.child(generation), state_dict, captured, step=step,
+                        metadata={"slot": self.uri}, group=self.group)
+        outcome: tuple[str, str] = ("ok", "")
+        if rank == 0:
+            try:
+                self._swap(generation, pointer, version, step, step_info)
+            except CommitConflictError as exc:
+                outcome = ("conflict", str(exc))
+        outcome = _dist.broadcast_object(outcome, self.group)
+        if outcome[0] != "ok":
+            raise CommitConflictError(outcome[1])
+        return generation
+
+    def _swap(self, generation: str, old: dict[str, Any] | None, version: str | None,
+              step: int | None, step_info: StepInfo | None) -> None:
+        record = {"generation": generation, "step": step, "created": time.time(),
+                  "step_info": step_info.to_dict() if step_info else None}
+        data = json.dumps(record, indent=1).encode()
+        try:
+            if version is None:
+                self.store.put_if_absent(POINTER, data)
+            else:
+                self.store.put_if_match(POINTER, data, version)
+        except CommitConflictError:
+            log.warning("lost the pointer swap of slot %s; removing generation %s",
+                        self.uri, generation)
+            self._drop(generation)
+            raise CommitConflictError(
+                f"another writer saved into recover slot {self.uri} while this save ran; its "
+                f"generation is current, this one ({generation}) was removed. Only one job "
+                "should write a slot.") from None
+        log.info("slot %s now at %s (step %s)", self.uri, generation, step)
+        if old is not None:
+            self._drop(old["generation"])
+
+    def _drop(self, generation: str) -> None:
+        try:
+            delete_checkpoint(self.store.child(generation), force=True)
+        except CheckpointNotFoundError:
+            pass
+
+    # ------------------------------------------------------------------- load
+
+    def load(
+        self,
+        state_dict: Mapping[str, Any],
+        *,
+        extra: Mapping[str, Any] | None = None,
+        per_rank: Mapping[str, Any] | None = None,
+        rng: bool = True,
+    ) -> composite.Restored:
+        """Load the current generation into ``state_dict`` (in place) and the
+        stateful objects given; return the step info and shared values."""
+        pointer, _ = self._read_pointer()
+        if pointer is None:
+            raise CheckpointNotFoundError(
+                f"recover slot {self.uri} is empty: nothing was ever committed to it")
+        return composite.read(self.store.child(pointer["generation"]), state_dict, shared=extra,
+                              per_rank=per_rank, rng=rng, group=self.group)

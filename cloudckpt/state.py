@@ -1,0 +1,151 @@
+"""Training state that is not a model: step counters, RNG, dataloaders, small states.
+
+Everything here serialises to JSON or to ``torch.save`` data that loads with
+``weights_only=True``: nothing loaded from a checkpoint can execute code.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from .errors import ConfigError, CorruptCheckpointError
+
+__all__ = [
+    "Stateful",
+    "StepInfo",
+    "dumps_state",
+    "get_rng_state",
+    "loads_state",
+    "set_rng_state",
+]
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """Where training is: 0-based epoch, step within the epoch, global step.
+
+    The same fields and ``next()`` rule as AReaL's ``step_info.json``.
+    """
+
+    epoch: int = 0
+    epoch_step: int = 0
+    global_step: int = 0
+    steps_per_epoch: int = 1
+
+    def __post_init__(self) -> None:
+        if self.steps_per_epoch < 1:
+            raise ConfigError("StepInfo.steps_per_epoch must be >= 1")
+
+    def next(self) -> StepInfo:
+        """The step after this one (wrapping into the next epoch)."""
+        if self.epoch_step == self.steps_per_epoch - 1:
+            return StepInfo(self.epoch + 1, 0, self.global_step + 1, self.steps_per_epoch)
+        return StepInfo(self.epoch, self.epoch_step + 1, self.global_step + 1,
+                        self.steps_per_epoch)
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> StepInfo:
+        try:
+            return cls(**{k: int(d[k]) for k in ("epoch", "epoch_step", "global_step",
+                                                 "steps_per_epoch")})
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptCheckpointError(f"invalid step info {dict(d)!r}: {exc}") from None
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with ``state_dict()``/``load_state_dict()`` (dataloaders, schedulers, ...)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+# ------------------------------------------------------------------------- RNG
+
+
+def get_rng_state() -> dict[str, Any]:
+    """The state of every random generator training touches: Python, NumPy, torch
+    CPU and, when present, every CUDA device."""
+    version, internal, gauss = random.getstate()
+    np_state = np.random.get_state(legacy=False)
+    state: dict[str, Any] = {
+        "python": {"version": version, "state": list(internal), "gauss": gauss},
+        "numpy": _jsonable_numpy(np_state),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore what :func:`get_rng_state` captured."""
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+    np.random.set_state(_numpy_from_json(state["numpy"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = state["cuda"]
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def _jsonable_numpy(st: dict[str, Any]) -> dict[str, Any]:
+    out = dict(st)
+    inner = dict(st["state"])
+    inner["key"] = [int(x) for x in np.asarray(inner["key"]).tolist()] if "key" in inner else None
+    out["state"] = {k: (int(v) if isinstance(v, (np.integer,)) else v) for k, v in inner.items()}
+    if out["state"].get("key") is None:
+        out["state"].pop("key", None)
+    return out
+
+
+def _numpy_from_json(st: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(st)
+    inner = dict(st["state"])
+    if "key" in inner:
+        inner["key"] = np.asarray(inner["key"], dtype=np.uint32)
+    out["state"] = inner
+    return out
+
+
+# ----------------------------------------------------- serialising small states
+
+
+def dumps_state(obj: Any) -> bytes:
+    """Serialise a small state: JSON when it is plain data, else ``torch.save``
+    (tensors, tuples, ...), which :func:`loads_state` reads with ``weights_only``."""
+    try:
+        return b"J" + json.dumps(obj, sort_keys=True, allow_nan=True).encode()
+    except (TypeError, ValueError):
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        return b"T" + buf.getvalue()
+
+
+def loads_state(data: bytes, *, source: str = "state") -> Any:
+    """Inverse of :func:`dumps_state`; never executes pickled code."""
+    tag, body = data[:1], data[1:]
+    try:
+        if tag == b"J":
+            return json.loads(body)
+        if tag == b"T":
+            return torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any failure: refuse the object
+        raise CorruptCheckpointError(
+            f"{source} cannot be loaded safely ({str(exc).splitlines()[0][:200]}); it must "
+            "hold only plain data and tensors", {source: "unsafe or malformed"}) from None
+    raise CorruptCheckpointError(f"{source} has an unknown encoding", {source: "encoding"})
+

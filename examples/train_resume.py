@@ -1,0 +1,177 @@
+"""Train a tiny model with checkpoints in a bucket; resume after a crash, bit-exactly.
+
+Single process:
+    python examples/train_resume.py --root s3://bucket/run --steps 24
+Two ranks (gloo, FSDP2-sharded model):
+    python -m torch.distributed.run --nproc_per_node 2 examples/train_resume.py --root ...
+
+Run it again after a crash (``--crash-at-step 9`` kills it on purpose) and it
+resumes from the newest committed checkpoint under ``--root``: same losses,
+same final parameters as a run that never stopped. Per-step losses go to
+stdout as ``step N loss <float.hex()>`` so runs compare exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+from cloudckpt import CheckpointManager, ManagerOptions, StepInfo
+
+CONFIG = {"d_in": 16, "hidden": 64, "d_out": 4, "dropout": 0.1}
+
+
+class SyntheticLoader:
+    """A stateful dataloader over synthetic data: each rank its own slice, a new
+    shuffle every epoch. ``state_dict``/``load_state_dict`` like torchdata's."""
+
+    def __init__(self, n: int, batch: int, rank: int, world: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(n, CONFIG["d_in"], generator=g)
+        w = torch.randn(CONFIG["d_in"], CONFIG["d_out"], generator=g)
+        self.x, self.y = x[rank::world], (x @ w).tanh()[rank::world]
+        self.batch, self.seed = batch, seed
+        self.epoch, self.pos = 0, 0
+
+    def __len__(self) -> int:
+        return len(self.x) // self.batch
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.pos >= len(self):
+            self.epoch, self.pos = self.epoch + 1, 0
+        perm = torch.randperm(len(self.x), generator=torch.Generator().manual_seed(
+            self.seed * 1000 + self.epoch))
+        idx = perm[self.pos * self.batch:(self.pos + 1) * self.batch]
+        self.pos += 1
+        return self.x[idx], self.y[idx]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+
+
+def build_model(world: int) -> torch.nn.Module:
+    torch.manual_seed(1234)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(CONFIG["d_in"], CONFIG["hidden"]), torch.nn.GELU(),
+        torch.nn.Dropout(CONFIG["dropout"]),  # uses the RNG: resume must restore it
+        torch.nn.Linear(CONFIG["hidden"], CONFIG["d_out"]))
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--root", required=True, help="checkpoint root URI, e.g. s3://bucket/run")
+    p.add_argument("--storage-options", default="{}", help="JSON storage options")
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--every", type=int, default=4, help="checkpoint every N steps")
+    p.add_argument("--keep-last", type=int, default=2)
+    p.add_argument("--async-save", action="store_true")
+    p.add_argument("--crash-at-step", type=int, default=None,
+                   help="SIGKILL this process right after this step's update")
+    p.add_argument("--crash-mid-save", type=int, default=None,
+                   help="SIGKILL during this step's checkpoint, before it commits")
+    p.add_argument("--out", default=None, help="write the final parameters here (torch.save)")
+    args = p.parse_args()
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank = dist.get_rank() if world > 1 else 0
+    torch.set_num_threads(1)
+    if args.crash_mid_save is not None:
+        _arm_mid_save_crash(args.crash_mid_save)
+
+    model = build_model(world)
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=5, gamma=0.7)
+    loader = SyntheticLoader(n=256, batch=8, rank=rank, world=world)
+    mgr = CheckpointManager(args.root, ManagerOptions(every_steps=args.every,
+                                                      keep_last=args.keep_last,
+                                                      async_save=args.async_save),
+                            storage_options=json.loads(args.storage_options))
+
+    def app_state() -> dict:
+        msd, osd = get_state_dict(model, optim)
+        return {"model": msd, "optim": osd}
+
+    state = app_state()
+    info = mgr.restore(state, extra={"sched": sched}, per_rank={"data": loader})
+    if info is not None:
+        set_state_dict(model, optim, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        start = info.next()
+        if rank == 0:
+            print(f"resumed at step {start.global_step} from {mgr.latest().uri}", flush=True)
+    else:
+        start = StepInfo(steps_per_epoch=len(loader))
+
+    step = start
+    while step.global_step < args.steps:
+        x, y = loader.next()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        sched.step()
+        if rank == 0:
+            print(f"step {step.global_step} loss {loss.item().hex()}", flush=True)
+        if step.global_step == args.crash_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if mgr.save(step, app_state(), extra={"sched": sched}, per_rank={"data": loader}):
+            if rank == 0:
+                print(f"saving step {step.global_step}", flush=True)
+        step = step.next()
+    mgr.close()
+
+    full, _ = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
+    if rank == 0:
+        if args.out:
+            torch.save({k: v.detach().clone() for k, v in full.items()}, args.out)
+        print("done", flush=True)
+    if world > 1:
+        dist.destroy_process_group()
+    return 0
+
+
+def _arm_mid_save_crash(at_step: int) -> None:
+    """Kill the process after a checkpoint's DCP part is written but before its
+    root manifest commits: the worst moment for a crash."""
+    from cloudckpt import composite
+
+    real = composite._commit
+
+    def commit_then_die(store, captured, gathered, step, metadata, world):
+        if step == at_step:
+            print(f"crashing mid-save of step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(store, captured, gathered, step, metadata, world)
+
+    composite._commit = commit_then_die
+
+
+if __name__ == "__main__":
+    sys.exit(main())
