@@ -1,0 +1,163 @@
+"""CheckpointManager: schedule, retention, async errors, resume with fallbacks."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from cloudckpt import (
+    MANIFEST_NAME,
+    CheckpointManager,
+    CorruptCheckpointError,
+    ManagerOptions,
+    StepInfo,
+    StorageError,
+    list_checkpoints,
+    open_store,
+)
+from cloudckpt.composite import WorldSizeError
+from cloudckpt.testing import FaultPlan, FaultProxy
+
+
+class Counter:
+    """A stateful component (like a dataloader)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.n = state["n"]
+
+
+def run(mgr: CheckpointManager, steps: range, value_of=float) -> Counter:
+    counter = Counter()
+    info = StepInfo(steps_per_epoch=4)
+    for _ in range(steps.start):
+        info = info.next()
+    for g in steps:
+        counter.n = g
+        mgr.save(info, {"w": torch.full((8,), value_of(g))}, per_rank={"data": counter},
+                 extra={"note": {"g": g}})
+        info = info.next()
+    mgr.close()
+    return counter
+
+
+def test_saves_when_due_and_keeps_last_n(s3):
+    mgr = CheckpointManager(s3.root, ManagerOptions(every_steps=2, keep_last=2),
+                            storage_options=s3.options)
+    run(mgr, range(0, 10))
+    steps = [c.step for c in list_checkpoints(s3.root, s3.options)]
+    assert steps == [7, 9]
+    # Nothing else is left behind: exactly the two checkpoints' prefixes.
+    assert open_store(s3.root, s3.options).list_prefixes() == ["step-7", "step-9"]
+
+
+def test_keep_every_and_keep_all(memory):
+    run(CheckpointManager(memory.uri("a"), ManagerOptions(every_steps=1, keep_last=1,
+                                                          keep_every=4)), range(0, 9))
+    assert [c.step for c in list_checkpoints(memory.uri("a"))] == [0, 4, 8]
+    run(CheckpointManager(memory.uri("b"), ManagerOptions(every_steps=3)), range(0, 9))
+    assert [c.step for c in list_checkpoints(memory.uri("b"))] == [2, 5, 8]
+
+
+def test_restore_latest_with_state_and_schedule(local):
+    opts = ManagerOptions(every_steps=3)
+    run(CheckpointManager(local.root, opts, storage_options=local.options), range(0, 7))
+    mgr = CheckpointManager(local.root, opts, storage_options=local.options)
+    state, counter = {"w": torch.zeros(8)}, Counter()
+    info = mgr.restore(state, per_rank={"data": counter})
+    assert info == StepInfo(epoch=1, epoch_step=1, global_step=5, steps_per_epoch=4)
+    assert torch.equal(state["w"], torch.full((8,), 5.0)) and counter.n == 5
+    assert mgr.schedule.steps == 0  # restored: it fired at step 5
+    assert CheckpointManager(local.uri("empty"), opts).restore({"w": torch.zeros(8)}) is None
+
+
+def test_restore_skips_torn_and_falls_back_from_corrupt(s3, caplog):
+    opts = ManagerOptions(every_steps=1)
+    run(CheckpointManager(s3.root, opts, storage_options=s3.options), range(0, 3))
+    # step-3: torn (objects but no manifest); step-2: corrupt shard.
+    open_store(s3.uri("step-3"), s3.options).put("model/__0_0.distcp", b"partial")
+    store = open_store(s3.uri("step-2"), s3.options)
+    shard = next(o.key for o in store.list() if o.key.endswith(".distcp"))
+    data = bytearray(store.get(shard))
+    data[-40] ^= 0xFF
+    store.put(shard, bytes(data))
+    state = {"w": torch.zeros(8)}
+    with caplog.at_level(logging.WARNING, logger="cloudckpt"):
+        info = CheckpointManager(s3.root, opts, storage_options=s3.options).restore(state)
+    assert info.global_step == 1 and torch.equal(state["w"], torch.full((8,), 1.0))
+    text = caplog.text
+    assert "skipping" in text and "step-3" in text and "no manifest" in text
+    assert "step-2 is corrupt" in text and "falling back" in text
+    strict = CheckpointManager(s3.root, ManagerOptions(every_steps=1, strict=True),
+                               storage_options=s3.options)
+    with pytest.raises(CorruptCheckpointError, match="is corrupt"):
+        strict.restore({"w": torch.zeros(8)})
+
+
+def test_restore_from_an_explicit_uri(memory):
+    run(CheckpointManager(memory.root, ManagerOptions(every_steps=2)), range(0, 6))
+    state = {"w": torch.zeros(8)}
+    info = CheckpointManager(memory.root).restore(state, uri=memory.uri("step-1"))
+    assert info.global_step == 1 and torch.equal(state["w"], torch.full((8,), 1.0))
+
+
+def test_async_save_errors_surface_on_wait(s3, moto_server):
+    with FaultProxy(moto_server.endpoint) as proxy:
+        opts = {**s3.options, "endpoint_url": proxy.endpoint,
+                "retry": {"deadline": 2.0, "initial_backoff": 0.01, "max_backoff": 0.1}}
+        mgr = CheckpointManager(s3.root, ManagerOptions(every_steps=1, async_save=True),
+                                storage_options=opts)
+        info = StepInfo(steps_per_epoch=4)
+        assert mgr.save(info, {"w": torch.ones(8)})
+        mgr.wait()
+        proxy.set_plan(FaultPlan(permanent_status=403))
+        assert mgr.save(info.next(), {"w": torch.ones(8)})  # returns: only staging blocked
+        with pytest.raises(StorageError, match="access was denied"):
+            mgr.wait()
+        proxy.set_plan(FaultPlan())
+        mgr.close()
+    assert [c.step for c in list_checkpoints(s3.root, s3.options)] == [0]
+
+
+def test_async_save_error_surfaces_on_close(memory, monkeypatch):
+    import cloudckpt.composite as composite
+
+    def boom(*a, **k):
+        raise StorageError("injected upload failure")
+
+    mgr = CheckpointManager(memory.root, ManagerOptions(every_steps=1, async_save=True))
+    monkeypatch.setattr(composite, "write", boom)
+    mgr.save(StepInfo(), {"w": torch.ones(2)})
+    with pytest.raises(StorageError, match="injected"):
+        mgr.close()
+
+
+def test_async_stages_a_copy(memory):
+    mgr = CheckpointManager(memory.root, ManagerOptions(every_steps=1, async_save=True))
+    w = torch.ones(1000)
+    mgr.save(StepInfo(), {"w": w})
+    w.add_(5)  # training goes on mutating the live tensor
+    mgr.close()
+    state = {"w": torch.zeros(1000)}
+    CheckpointManager(memory.root).restore(state)
+    assert torch.equal(state["w"], torch.ones(1000))
+
+
+def test_per_rank_state_from_another_world_size_is_refused(memory):
+    run(CheckpointManager(memory.root, ManagerOptions(every_steps=1)), range(0, 1))
+    store = open_store(memory.uri("step-0"))
+    doc = json.loads(store.get(MANIFEST_NAME))
+    doc["metadata"]["world_size"] = 2
+    store.put(MANIFEST_NAME, json.dumps(doc).encode())
+    with pytest.raises(WorldSizeError, match="of 2 ranks; this job has 1"):
+        CheckpointManager(memory.root).restore({"w": torch.zeros(8)}, per_rank={"d": Counter()})
+    state = {"w": torch.zeros(8)}
+    assert CheckpointManager(memory.root).restore(state, rng=False).global_step == 0
