@@ -1,40 +1,55 @@
-"""cloudckpt demo: save a model checkpoint to S3, list it, verify it, load it back.
+"""cloudckpt demo: train, crash, resume from the bucket, finish — bit-exactly.
+
+1. trains a tiny model (examples/train_resume.py) checkpointing to s3://...,
+2. kills it with SIGKILL at step 9, in the middle of the run,
+3. restarts it, which resumes from the newest committed checkpoint in the bucket,
+4. compares the result with a run that never crashed, and lists the bucket.
 
 With no S3 endpoint configured (no AWS_ENDPOINT_URL and no --root), an
 embedded S3 server (moto) is started on 127.0.0.1, so the demo runs anywhere.
 
-    python examples/demo.py                      # embedded S3
-    python examples/demo.py --root s3://my-bucket/demo-run   # your bucket
+    python examples/demo.py
+    python examples/demo.py --root s3://my-bucket/demo-run     # your bucket
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from contextlib import ExitStack
+from pathlib import Path
 
 import torch
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 
 import cloudckpt
 
+TRAIN = str(Path(__file__).parent / "train_resume.py")
+STEPS, CRASH_AT = 20, 9
 
-def build_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+
+def train(root: str, options: dict, *extra: str) -> tuple[int, str]:
+    cmd = [sys.executable, TRAIN, "--root", root, "--storage-options", json.dumps(options),
+           "--steps", str(STEPS), "--every", "4", "--keep-last", "2", *extra]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    return proc.returncode, proc.stdout
+
+
+def losses(out: str) -> dict[int, str]:
+    return {int(line.split()[1]): line.split()[3] for line in out.splitlines()
+            if line.startswith("step ") and " loss " in line}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", help="where checkpoints go, e.g. s3://bucket/run (default: "
-                        "an embedded S3 server)")
+    parser.add_argument("--root", help="where checkpoints go, e.g. s3://bucket/run "
+                        "(default: an embedded S3 server)")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     with ExitStack() as stack:
         options: dict = {}
@@ -45,42 +60,44 @@ def main() -> int:
             server = stack.enter_context(MotoServer())
             server.create_bucket("cloudckpt-demo")
             options = server.storage_options()
-            root = "s3://cloudckpt-demo/runs/demo"
             print(f"started an embedded S3 server at {server.endpoint}")
-        elif root is None:
-            root = "s3://cloudckpt-demo/runs/demo"
+        root = root or f"s3://cloudckpt-demo/runs/demo-{int(time.time())}"
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
 
-        model = build_model()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        x, y = torch.randn(32, 64), torch.randn(32, 8)
-        for step in range(1, 4):
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            uri = f"{root}/step-{step}"
-            t0 = time.perf_counter()
-            with cloudckpt.CheckpointWriter(uri, step=step, metadata={"loss": loss.item()},
-                                            storage_options=options) as ckpt:
-                ckpt.put("model.safetensors", save_safetensors(model.state_dict()))
-                ckpt.put("train_state.json", json.dumps({"step": step}).encode())
-            print(f"saved  {uri}  loss={loss.item():.4f}  ({time.perf_counter() - t0:.2f}s)")
+        print(f"\n1. training {STEPS} steps with checkpoints every 4 steps to {root}/run")
+        rc, crashed = train(f"{root}/run", options, "--crash-at-step", str(CRASH_AT))
+        print(f"   ...killed with SIGKILL after step {CRASH_AT} (exit status {rc})")
 
-        print("\ncheckpoints under", root)
-        for info in cloudckpt.list_checkpoints(root, options):
-            print(f"  {info.name:<8} step={info.step}  {info.files} objects  {info.size} bytes")
+        print("\n2. what the bucket holds after the crash:")
+        for info in cloudckpt.list_checkpoints(f"{root}/run", options, include_uncommitted=True):
+            state = "committed" if info.committed else "uncommitted (invisible)"
+            print(f"   {info.name:<10} step {info.step}  {info.files} objects  {state}")
 
-        latest = cloudckpt.latest_checkpoint(root, options)
+        print("\n3. restarting: it resumes from the bucket")
+        rc, resumed = train(f"{root}/run", options, "--out", str(tmp / "resumed.pt"))
+        first = next(line for line in resumed.splitlines() if line.startswith("resumed"))
+        print(f"   {first}; finished with exit status {rc}")
+
+        print("\n4. a reference run that never crashed")
+        _, reference = train(f"{root}/reference", options, "--out", str(tmp / "reference.pt"))
+
+        ref, got = losses(reference), {**losses(crashed), **losses(resumed)}
+        same_losses = got == ref and len(ref) == STEPS
+        a = torch.load(tmp / "resumed.pt", weights_only=True)
+        b = torch.load(tmp / "reference.pt", weights_only=True)
+        same_params = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+        latest = cloudckpt.latest_checkpoint(f"{root}/run", options)
         assert latest is not None
         latest.verify(deep=True)
-        print(f"\nlatest: {latest.uri} (verified: sizes and CRC32C of {len(latest.files)} objects)")
-
-        restored = build_model()
-        restored.load_state_dict(load_safetensors(latest.read("model.safetensors")))
-        same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
-                                                      restored.state_dict().values(), strict=True))
-        print(f"loaded back into a fresh model: parameters identical = {same}")
-        return 0 if same else 1
+        print("\nsummary")
+        print(f"   checkpoints kept (keep_last=2): "
+              f"{[c.name for c in cloudckpt.list_checkpoints(f'{root}/run', options)]}")
+        print(f"   latest: {latest.uri} ({len(latest.files)} objects, verified: sizes and "
+              "CRC32C)")
+        print(f"   per-step losses identical to the uninterrupted run: {same_losses}")
+        print(f"   final parameters identical to the uninterrupted run: {same_params}")
+        return 0 if rc == 0 and same_losses and same_params else 1
 
 
 if __name__ == "__main__":
