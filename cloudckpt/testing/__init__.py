@@ -1,4 +1,4 @@
-"""Test helpers: real local S3/GCS servers and a fault-injecting HTTP proxy.
+"""Test helpers: real local S3/GCS servers, a Hub-compatible server, a fault proxy.
 
 Importing this package sets ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` (if
 unset) so that gcsfs, when imported afterwards, talks to emulators without
@@ -6,6 +6,7 @@ stalling; see :mod:`cloudckpt.testing.servers`.
 """
 
 from cloudckpt.testing.faultproxy import FaultPlan, FaultProxy
+from cloudckpt.testing.hubserver import HubServer
 from cloudckpt.testing.servers import FakeGcsServer, MotoServer
 
-__all__ = ["FakeGcsServer", "FaultPlan", "FaultProxy", "MotoServer"]
+__all__ = ["FakeGcsServer", "FaultPlan", "FaultProxy", "HubServer", "MotoServer"]
