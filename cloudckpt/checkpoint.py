@@ -246,14 +246,23 @@ class Checkpoint:
         return data
 
     def read(self, path: str) -> bytes:
-        """Read a whole object, checking size and CRC32C."""
-        self.entry(path)
+        """Read a whole object, checking size and CRC32C.
+
+        Large objects are fetched as parallel ranged reads of ``part_size``.
+        """
+        entry = self.entry(path)
+        chunk = max(self.store.part_size, 1 << 20)
         try:
-            data = self.store.get(path)
-        except FileNotFoundError:
+            if entry.size > 2 * chunk:
+                ranges = [(path, s, min(s + chunk, entry.size))
+                          for s in range(0, entry.size, chunk)]
+                data = b"".join(self.store.get_ranges(ranges))
+            else:
+                data = self.store.get(path)
+        except (FileNotFoundError, EOFError) as exc:
             raise CorruptCheckpointError(
-                f"object {path!r} of {self.uri} is listed in the manifest but missing",
-                {path: "missing"},
+                f"object {path!r} of {self.uri} is listed in the manifest but missing or "
+                f"short ({exc})", {path: "missing or short"},
             ) from None
         return self._check(path, data)
 

@@ -361,9 +361,11 @@ class Store(ABC):
         the requests already in flight have finished (nothing keeps running
         behind the caller's back).
         """
-        if len(items) <= 1:
+        if len(items) <= 1 or getattr(_worker, "active", False):
+            # Inline inside a pool thread: nested batches must not wait on the
+            # pool they occupy (that deadlocks once every worker waits).
             return [fn(i) for i in items]
-        futures = [self._executor().submit(fn, i) for i in items]
+        futures = [self._executor().submit(_in_worker, fn, i) for i in items]
         results: list[T] = []
         error: BaseException | None = None
         for f in futures:
@@ -505,6 +507,17 @@ class BufferedRawWriter(RawWriter):
 
     def abort(self) -> None:
         self._buf = bytearray()
+
+
+_worker = threading.local()
+
+
+def _in_worker(fn: Callable[[Any], T], item: Any) -> T:
+    _worker.active = True
+    try:
+        return fn(item)
+    finally:
+        _worker.active = False
 
 
 def _nbytes(data: Buffer) -> int:

@@ -145,7 +145,8 @@ class _MultipartWriter(RawWriter):
     Memory held: the parts in flight plus one being filled.
     """
 
-    IN_FLIGHT = 4
+    #: Parts in flight per object (memory: this many parts, plus one being filled).
+    IN_FLIGHT = 8
 
     def __init__(self, store: S3Store, path: str) -> None:
         self._store = store
@@ -157,11 +158,18 @@ class _MultipartWriter(RawWriter):
         self._pool: ThreadPoolExecutor | None = None
 
     def write(self, data: Buffer) -> None:
-        self._buf += data
-        while len(self._buf) >= self._part_size:
-            part = bytes(self._buf[: self._part_size])
-            del self._buf[: self._part_size]
-            self._send(part)
+        view = memoryview(data).cast("B")
+        size, pos = self._part_size, 0
+        if self._buf:  # top up the part being filled
+            pos = min(size - len(self._buf), len(view))
+            self._buf += view[:pos]
+            if len(self._buf) == size:
+                part, self._buf = bytes(self._buf), bytearray()
+                self._send(part)
+        while len(view) - pos >= size:  # whole parts straight from the caller's buffer
+            self._send(bytes(view[pos : pos + size]))
+            pos += size
+        self._buf += view[pos:]
 
     def _retry(self, op: str, fn: Any) -> Any:
         return self._store.retry.call(fn, op=op, key=self._path)
