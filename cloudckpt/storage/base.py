@@ -20,7 +20,7 @@ import fsspec
 
 from ..crc import Buffer, Crc32c, crc32c_hex
 from ..errors import CommitConflictError, ConfigError, StorageError
-from .retry import RetryPolicy
+from .retry import RetryPolicy, status_of
 
 log = logging.getLogger("cloudckpt.storage")
 
@@ -238,7 +238,16 @@ class Store(ABC):
         if end == start:
             return b""
         path = self.path(key)
-        data = self._call(lambda: self._get(path, start, end), "get_range", key)
+
+        def fetch() -> bytes:
+            try:
+                return self._get(path, start, end)
+            except Exception as exc:
+                if status_of(exc) == 416:  # the object is shorter than the range
+                    raise EOFError(f"{self.key_uri(key)} ends before byte {end}") from exc
+                raise
+
+        data = self._call(fetch, "get_range", key)
         if len(data) != end - start:
             raise EOFError(
                 f"short read of {self.key_uri(key)} [{start}, {end}): got {len(data)} bytes"

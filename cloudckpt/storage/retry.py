@@ -74,7 +74,7 @@ class RetryPolicy:
         )
         try:
             return retrying(fn)
-        except (CloudCkptError, FileNotFoundError, FileExistsError):
+        except (CloudCkptError, FileNotFoundError, FileExistsError, EOFError):
             raise
         except Exception as exc:  # noqa: BLE001 - every other failure is a storage failure
             raise _storage_error(exc, op, key, time.monotonic() - start) from exc
@@ -100,7 +100,7 @@ def _storage_error(exc: BaseException, op: str, key: str, elapsed: float) -> Sto
             "the store kept failing with transient errors; check that the endpoint is "
             "reachable and not throttling, or raise RetryPolicy.deadline/max_attempts"
         )
-    elif _status(exc) in (401, 403) or isinstance(exc, PermissionError):
+    elif status_of(exc) in (401, 403) or isinstance(exc, PermissionError):
         hint = "access was denied; check the credentials and the bucket's permissions"
     else:
         hint = "the store refused the request; check the URI, bucket and storage options"
@@ -115,7 +115,8 @@ def _chain(exc: BaseException | None) -> Iterator[BaseException]:
         exc = exc.__cause__ or exc.__context__
 
 
-def _status(exc: BaseException) -> int | None:
+def status_of(exc: BaseException) -> int | None:
+    """The HTTP status behind an error (botocore, gcsfs, aiohttp), if any."""
     for e in _chain(exc):
         response = getattr(e, "response", None)
         if isinstance(response, dict):
@@ -151,9 +152,10 @@ def _error_code(exc: BaseException) -> str | None:
 
 def is_transient(exc: BaseException) -> bool:
     """True for failures worth retrying: throttling, 5xx, resets, timeouts."""
-    if isinstance(exc, (CloudCkptError, FileNotFoundError, FileExistsError, PermissionError)):
+    if isinstance(exc, (CloudCkptError, FileNotFoundError, FileExistsError, PermissionError,
+                        EOFError)):
         return False
-    status = _status(exc)
+    status = status_of(exc)
     if status is not None:
         return status in _TRANSIENT_STATUS
     if _error_code(exc) in _TRANSIENT_CODES:
@@ -176,7 +178,7 @@ def describe(exc: BaseException | None) -> str:
     if exc is None:
         return "unknown error"
     parts = [type(exc).__name__]
-    status, code = _status(exc), _error_code(exc)
+    status, code = status_of(exc), _error_code(exc)
     if status:
         parts.append(f"HTTP {status}")
     if code:
