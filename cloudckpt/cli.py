@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from . import __version__
@@ -186,6 +187,40 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_push(args: argparse.Namespace) -> int:
+    from .hub import push_to_hub
+
+    url = push_to_hub(args.uri, args.repo_id, revision=args.revision,
+                      private=True if args.private else None, create_pr=args.create_pr,
+                      commit_message=args.message, storage_options=args.options)
+    print(url)
+    return EXIT_OK
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from . import convert
+
+    dtype = None
+    if getattr(args, "dtype", None):
+        if args.dtype not in convert.DTYPES:
+            raise ConfigError(f"unknown --dtype {args.dtype!r}; use {sorted(convert.DTYPES)}")
+        dtype = convert.DTYPES[args.dtype]
+    if args.what == "dcp-to-hf":
+        try:
+            config = json.loads(Path(args.config).read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read --config {args.config}: {exc}") from None
+        out = convert.dcp_to_hf(args.src, args.dst, config=config, key_prefix=args.key_prefix,
+                                dtype=dtype, max_shard_size=args.max_shard_size,
+                                storage_options=args.options)
+        print(f"converted {args.src} -> {out.uri} ({len(out.files)} files)")
+    else:
+        n = convert.dcp_to_pt(args.dcp_path, args.output_path, key_prefix=args.key_prefix,
+                              storage_options=args.options)
+        print(f"wrote {n} tensors to {args.output_path}")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cloudckpt", description=__doc__.splitlines()[0],
                                 epilog=__doc__.split("\n", 2)[2].strip())
@@ -229,6 +264,27 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--grace", type=float, default=6 * 3600.0, metavar="SECONDS",
                     help="only collect what is older than this (default: 6 hours)")
     sp.add_argument("--yes", action="store_true", help="really delete")
+    sp = add("push", cmd_push, "verify an HF export, then push it to the Hugging Face Hub")
+    sp.add_argument("uri")
+    sp.add_argument("repo_id")
+    sp.add_argument("--revision", default="main")
+    sp.add_argument("--private", action="store_true", help="create the repo private")
+    sp.add_argument("--create-pr", action="store_true", help="open a pull request")
+    sp.add_argument("--message", default=None, help="commit message")
+    sp = add("convert", cmd_convert, "convert a DCP checkpoint's model to HF or torch.save")
+    conv = sp.add_subparsers(dest="what", required=True, metavar="KIND")
+    c = conv.add_parser("dcp-to-hf", help="DCP model tensors -> HF safetensors export")
+    c.add_argument("src")
+    c.add_argument("dst")
+    c.add_argument("--config", required=True, help="config.json of the model")
+    c.add_argument("--key-prefix", default=None, help="model keys' prefix (default: auto)")
+    c.add_argument("--dtype", default=None, help="bf16, fp16 or fp32")
+    c.add_argument("--max-shard-size", default="5GB")
+    c = conv.add_parser("dcp-to-pt", help="DCP model tensors -> torch.save state dict "
+                        "(RLinf's converter arguments)")
+    c.add_argument("--dcp_path", "--dcp-path", dest="dcp_path", required=True)
+    c.add_argument("--output_path", "--output-path", dest="output_path", required=True)
+    c.add_argument("--key-prefix", default=None, help="model keys' prefix (default: auto)")
     sp = add("rm", cmd_rm, "delete a checkpoint (manifest first, then its objects)")
     sp.add_argument("uri")
     sp.add_argument("--force", action="store_true", help="also delete an uncommitted prefix")

@@ -15,6 +15,9 @@ os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 os.environ.pop("AWS_ENDPOINT_URL", None)
+# huggingface_hub reads these when imported: plain LFS uploads, online.
+os.environ["HF_HUB_DISABLE_XET"] = "1"
+os.environ["HF_HUB_OFFLINE"] = "0"
 
 import json  # noqa: E402
 from dataclasses import asdict, dataclass, field  # noqa: E402
@@ -94,3 +97,30 @@ def memory() -> Backend:
 def backend(request) -> Backend:
     """Every backend in turn, each over a real endpoint where one exists."""
     return request.getfixturevalue({"file": "local"}.get(request.param, request.param))
+
+
+HUB_TOKEN = "hf_cloudckpt_test_token_0123456789"
+
+
+@pytest.fixture
+def hub_server(tmp_path, monkeypatch):
+    """A Hub-compatible server on 127.0.0.1, with huggingface_hub isolated from the
+    real user cache and tokens (its constants are read at import, so patch both)."""
+    from huggingface_hub import constants
+
+    from cloudckpt.testing import HubServer
+
+    home = tmp_path / "hf_home"
+    for name, value in {"HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"),
+                        "HF_TOKEN_PATH": str(home / "token"), "HF_HUB_DISABLE_XET": "1"}.items():
+        monkeypatch.setenv(name, value)
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HOME", str(home))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(home / "token"))
+    with HubServer(token=HUB_TOKEN) as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
+        yield server
