@@ -6,6 +6,8 @@ stores.
 
 from __future__ import annotations
 
+from typing import Any
+
 import google_crc32c
 
 __all__ = ["Crc32c", "crc32c_hex"]
@@ -13,14 +15,16 @@ __all__ = ["Crc32c", "crc32c_hex"]
 Buffer = bytes | bytearray | memoryview
 
 
-def _readonly(data: Buffer) -> bytes:
-    # The C extension takes only ``bytes``; anything else is copied once.
+def _readonly(data: Buffer) -> Any:
+    # The C extension refuses buffers that must be released (bytearray,
+    # memoryview); a numpy view of the same memory is accepted, without a copy.
     if isinstance(data, bytes):
         return data
-    if isinstance(data, memoryview) and isinstance(data.obj, bytes) and data.contiguous:
-        if data.nbytes == len(data.obj):
-            return data.obj
-    return bytes(data)
+    if isinstance(data, memoryview) and not data.c_contiguous:
+        return bytes(data)
+    import numpy as np  # here: processes that only hash bytes never load it
+
+    return np.frombuffer(data, dtype=np.uint8)
 
 
 def crc32c_hex(data: Buffer) -> str:

@@ -74,10 +74,12 @@ METADATA_NAME = ".metadata"
 SUFFIX = ".distcp"
 DCP_KIND = "dcp"
 #: Target size of one uploaded file; a rank's items are split into files of about this size.
-DEFAULT_FILE_SIZE = 64 * 1024 * 1024
-#: Most files one rank writes (and uploads at once).
-DEFAULT_MAX_FILES = 8
-#: Bytes a reader holds in fetched-but-unconsumed ranges at most (one range may exceed it).
+#: About one part (the store's default part size): a file goes up in one PUT and comes
+#: back in one GET, and the next file's requests overlap with this one's.
+DEFAULT_FILE_SIZE = 16 * 1024 * 1024
+#: Most files one rank writes (and uploads at once): the store's default concurrency.
+DEFAULT_MAX_FILES = 16
+#: Bytes a reader requests ahead of what it has consumed, at most (one range may exceed it).
 DEFAULT_READ_WINDOW = 256 * 1024 * 1024
 #: Adjacent items closer than this are fetched with one ranged GET.
 COALESCE_GAP = 1024 * 1024
@@ -463,18 +465,26 @@ class CloudStorageReader(StorageReader):
                     f"{info.relative_path}", {info.relative_path: "short"})
             by_file.setdefault(info.relative_path, []).append((info, req))
         groups = [g for path in sorted(by_file) for g in _coalesce(path, by_file[path])]
-        for batch in _windows(groups, self.read_window):
-            chunk = max(self.store.part_size, 1 << 20)
-            ranges = [(path, s, min(s + chunk, end)) for path, start, end, _ in batch
-                      for s in range(start, end, chunk)]
-            fetched = iter(self.store.get_ranges(ranges))
-            for path, start, end, members in batch:
-                n = -(-(end - start) // chunk)
-                blob = b"".join(next(fetched) for _ in range(n)) if n > 1 else next(fetched)
+        # Each group is fetched as ranges of about one part (a group of about one
+        # part size is one request), streamed: items are checked and delivered
+        # while later ranges are still being fetched, with at most read_window
+        # bytes fetched ahead.
+        chunk = max(self.store.part_size, 1 << 20)
+        pieces = [_split_range(start, end, chunk) for _, start, end, _ in groups]
+        ranges = [(path, s, e) for (path, _, _, _), bounds in zip(groups, pieces, strict=True)
+                  for s, e in bounds]
+        fetched = self.store.iter_ranges(ranges, max_bytes=self.read_window)
+        try:
+            for (path, start, _, members), bounds in zip(groups, pieces, strict=True):
+                parts = [next(fetched) for _ in bounds]
+                blob = memoryview(parts[0] if len(parts) == 1 else b"".join(parts))
+                del parts
                 for info, req in members:
-                    data = memoryview(blob)[info.offset - start : info.offset - start + info.length]
+                    data = blob[info.offset - start : info.offset - start + info.length]
                     self._check_item(path, info, req, data, item_crcs)
                     self._deliver(req, data, planner)
+        finally:
+            fetched.close()
 
     def _check_item(self, path: str, info: _StorageInfo, req: ReadItem, data: memoryview,
                     item_crcs: Mapping[str, str]) -> None:
@@ -496,7 +506,7 @@ class CloudStorageReader(StorageReader):
             _refuse_unsafe_pickle(raw, f"{self.uri} item {req.storage_index.fqn}")
             planner.load_bytes(req, io.BytesIO(raw))
             return
-        tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        tensor = torch.load(_BufferReader(data), map_location="cpu", weights_only=True)
         for dim, (off, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
             tensor = tensor.narrow(dim, off, length)
         target = planner.resolve_tensor(req).detach()
@@ -506,6 +516,44 @@ class CloudStorageReader(StorageReader):
                 f"expected {tuple(target.size())}")
         target.copy_(tensor)
         planner.commit_tensor(req, target)
+
+
+class _BufferReader(io.RawIOBase):
+    """A read-only, seekable file over a buffer, without copying it: ``torch.load``
+    reads each storage straight out of it with ``readinto``."""
+
+    def __init__(self, data: memoryview) -> None:
+        super().__init__()
+        self._data = data.cast("B") if data.format != "B" else data
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._data)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        with memoryview(buffer) as view, view.cast("B") as out:
+            n = max(0, min(out.nbytes, len(self._data) - self._pos))
+            out[:n] = self._data[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+
+def _split_range(start: int, end: int, chunk: int) -> list[tuple[int, int]]:
+    """``[start, end)`` as about-equal ranges of about ``chunk`` bytes (at least one)."""
+    n = max(1, round((end - start) / chunk))
+    return [(start + (end - start) * i // n, start + (end - start) * (i + 1) // n)
+            for i in range(n)]
 
 
 def _refuse_unsafe_pickle(raw: bytes, what: str) -> None:
@@ -532,19 +580,6 @@ def _coalesce(path: str, members: list[tuple[_StorageInfo, ReadItem]]
         else:
             groups.append((path, info.offset, end, [(info, req)]))
     return groups
-
-
-def _windows(groups: list, window: int) -> list[list]:
-    out: list[list] = []
-    size = 0
-    for g in groups:
-        if out and size + (g[2] - g[1]) <= window:
-            out[-1].append(g)
-            size += g[2] - g[1]
-        else:
-            out.append([g])
-            size = g[2] - g[1]
-    return out
 
 
 # ----------------------------------------------------------------------- adopt

@@ -79,6 +79,22 @@ def test_single_process_round_trip(request, name):
     assert_state_equal(load_single(uri, backend.options), sample_state())
 
 
+def test_reader_streams_files_of_several_ranges_through_a_small_window(s3):
+    g = torch.Generator().manual_seed(1)
+    sd = {f"t{i}": torch.randn(300_000, generator=g) for i in range(6)}  # 1.2 MB each
+    uri = s3.uri("stream")
+    cloud_dcp.save(sd, uri, storage_options=s3.options, file_size=4 * 1024 * 1024,
+                   max_files=2)
+    files = [f for f in open_checkpoint(uri, s3.options).files if f.endswith(".distcp")]
+    assert len(files) == 2  # of about 3.6 MB: several 1 MiB ranges each
+    target = {k: torch.zeros_like(v) for k, v in sd.items()}
+    reader = CloudStorageReader(uri, storage_options={**s3.options, "part_size": 1 << 20},
+                                read_window=1)  # one range fetched ahead at a time
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    for k, v in sd.items():
+        assert torch.equal(target[k], v), k
+
+
 def test_sharded_save_reshards_bit_exact_on_s3(s3, tmp_path):
     opts = s3.options_json()
     for save_world, load_worlds in ((2, (4, 1)), (4, (2,))):

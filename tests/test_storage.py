@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
@@ -42,6 +43,36 @@ def test_batches_keep_order_and_content(backend):
     assert store.get_many(keys) == {k: items[k] for k in keys}
     ranges = [(k, 5, 50) for k in keys]
     assert store.get_ranges(ranges) == [items[k][5:50] for k in keys]
+
+
+def test_iter_ranges_streams_in_order_within_a_window(backend):
+    store = open_store(backend.root, backend.options)
+    items = {f"obj-{i:02d}": os.urandom(2000 + i) for i in range(12)}
+    store.put_many(items)
+    ranges = [(k, 7, 1500) for k in sorted(items)]
+    in_flight, peak, lock = [0], [0], threading.Lock()
+    real = store.get_range
+
+    def tracked(key: str, start: int, end: int) -> bytes:
+        with lock:
+            in_flight[0] += end - start
+            peak[0] = max(peak[0], in_flight[0])
+        try:
+            return real(key, start, end)
+        finally:
+            with lock:
+                in_flight[0] -= end - start
+
+    store.get_range = tracked  # type: ignore[method-assign]
+    assert list(store.iter_ranges(ranges, max_bytes=3000)) == [items[k][7:1500]
+                                                              for k in sorted(items)]
+    assert 0 < peak[0] <= 3000  # two ranges at most
+    it = store.iter_ranges(ranges)
+    assert next(it) == items["obj-00"][7:1500]
+    it.close()  # stopping early leaves nothing running
+    assert in_flight[0] == 0
+    with pytest.raises(FileNotFoundError):
+        list(store.iter_ranges([("obj-00", 0, 10), ("missing", 0, 10)]))
 
 
 def test_streamed_write_is_atomic(backend):

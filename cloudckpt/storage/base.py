@@ -11,8 +11,9 @@ from __future__ import annotations
 import logging
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -401,6 +402,50 @@ class Store(ABC):
     def get_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
         """Read many ``(key, start, end)`` ranges in parallel, in the given order."""
         return self.map(lambda r: self.get_range(*r), list(ranges))
+
+    def _get_range_tuple(self, r: tuple[str, int, int]) -> bytes:
+        return self.get_range(*r)
+
+    def iter_ranges(self, ranges: Sequence[tuple[str, int, int]], *,
+                    max_bytes: int | None = None) -> Iterator[bytes]:
+        """Read ``(key, start, end)`` ranges in parallel; yield them in the given order,
+        each as soon as it has arrived, so the caller works on one while later ones
+        are fetched.
+
+        At most ``max_concurrency`` requests run at once, and at most ``max_bytes``
+        are requested or yielded but not yet consumed (one range alone may exceed
+        it). Closing the iterator early, or a failed read, cancels the requests not
+        started and waits for those running (nothing keeps running behind the
+        caller's back); the failure is raised in order.
+        """
+        ranges = list(ranges)
+        if getattr(_worker, "active", False):
+            # Inside a pool thread: one at a time, inline (see map()).
+            for key, start, end in ranges:
+                yield self.get_range(key, start, end)
+            return
+        pending: deque[tuple[Future[bytes], int]] = deque()
+        held = 0
+        nxt = 0
+        try:
+            while nxt < len(ranges) or pending:
+                while nxt < len(ranges):
+                    key, start, end = ranges[nxt]
+                    if pending and max_bytes is not None and held + (end - start) > max_bytes:
+                        break
+                    fut = self._executor().submit(_in_worker, self._get_range_tuple,
+                                                  (key, start, end))
+                    pending.append((fut, end - start))
+                    held += end - start
+                    nxt += 1
+                fut, size = pending.popleft()
+                data = fut.result()
+                yield data
+                held -= size  # consumed: the caller asked for the next one
+        finally:
+            for fut, _ in pending:
+                fut.cancel()
+            wait([fut for fut, _ in pending])
 
     def _executor(self) -> ThreadPoolExecutor:
         holder = self._pool_holder

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import s3fs
 from fsspec.asyn import sync
 
-from ..crc import Buffer
+from ..crc import Buffer, crc32c_hex
 from .base import RawWriter, Store
 
 #: S3 refuses parts smaller than this (except the last).
@@ -141,8 +141,10 @@ def _s3fs_options(options: dict[str, Any], max_concurrency: int) -> dict[str, An
 class _MultipartWriter(RawWriter):
     """Parts of ``part_size`` sent in parallel (a few in flight), each retried.
 
-    An object smaller than one part goes up as a single PUT on commit.
-    Memory held: the parts in flight plus one being filled.
+    An object under two parts goes up as a single PUT on commit, with its
+    CRC32C: multipart would gain at most one part in flight for three extra
+    requests (and servers do more work to assemble it), and botocore need not
+    hash the bytes again. Memory held: the parts in flight plus one being filled.
     """
 
     #: Parts in flight per object (memory: this many parts, plus one being filled).
@@ -152,6 +154,7 @@ class _MultipartWriter(RawWriter):
         self._store = store
         self._path = path
         self._part_size = max(store.part_size, MIN_PART_SIZE)
+        self._single_put_limit = 2 * self._part_size
         self._buf = bytearray()
         self._upload_id: str | None = None
         self._parts: list[Future[dict[str, Any]]] = []
@@ -160,6 +163,15 @@ class _MultipartWriter(RawWriter):
     def write(self, data: Buffer) -> None:
         view = memoryview(data).cast("B")
         size, pos = self._part_size, 0
+        if self._upload_id is None:
+            if len(self._buf) + len(view) < self._single_put_limit:
+                self._buf += view  # may still go up as one PUT
+                return
+            if len(self._buf) >= size:  # becoming multipart: send the whole part held
+                with memoryview(self._buf) as held:
+                    part = bytes(held[:size])
+                del self._buf[:size]
+                self._send(part)
         if self._buf:  # top up the part being filled
             pos = min(size - len(self._buf), len(view))
             self._buf += view[:pos]
@@ -195,9 +207,9 @@ class _MultipartWriter(RawWriter):
 
     def commit(self) -> None:
         if self._upload_id is None:
-            data = bytes(self._buf)
-            self._buf = bytearray()
-            self._retry("put", lambda: self._store._put(self._path, data))
+            data, self._buf = self._buf, bytearray()  # botocore takes a bytearray as is
+            crc = crc32c_hex(data)
+            self._retry("put", lambda: self._store._put_checked(self._path, data, crc))
             return
         if self._buf:
             self._send(bytes(self._buf))
