@@ -1,10 +1,11 @@
 """A checkpoint writer that the crash tests SIGKILL at chosen points.
 
-Usage: crash_child.py URI STEP PAUSE, with storage options as JSON in
-CKPT_OPTIONS. It writes 20 objects, announcing each on stdout, then commits.
-PAUSE=commit stops before the manifest write; PAUSE=manifest (local stores)
-stops inside it, after the manifest's bytes are on disk but before they are
-linked into place. The parent kills the process at the announced point.
+Usage: crash_child.py URI STEP STALL, with storage options as JSON in
+CKPT_OPTIONS. It writes 20 objects, announcing each on stdout ("obj 0" ...),
+then "commit", then commits. When it prints the line STALL it stops there, so
+the parent's SIGKILL lands exactly at that point; STALL=in-manifest (local
+stores) stops inside the manifest write, after its bytes are on disk but
+before they are linked into place. STALL=none never stops.
 """
 
 from __future__ import annotations
@@ -25,20 +26,25 @@ def payload(step: int, i: int) -> bytes:
     return rng.randbytes(20_000 + rng.randrange(20_000))
 
 
+STALL = "none"
+
+
 def say(msg: str) -> None:
     print(msg, flush=True)
+    if msg == STALL:
+        time.sleep(120)
 
 
 def main() -> None:
-    uri, step, pause = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    global STALL
+    uri, step, STALL = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     options = json.loads(os.environ.get("CKPT_OPTIONS", "{}"))
-    if pause == "manifest":
+    if STALL == "in-manifest":
         real_link = os.link
 
         def stalled_link(src, dst, *a, **kw):
             if dst.endswith("cloudckpt-manifest.json"):
                 say("in-manifest")
-                time.sleep(120)
             return real_link(src, dst, *a, **kw)
 
         os.link = stalled_link
@@ -47,8 +53,6 @@ def main() -> None:
         writer.put(f"obj-{i:02d}.bin", payload(step, i))
         say(f"obj {i}")
     say("commit")
-    if pause == "commit":
-        time.sleep(120)
     writer.commit()
     say("done")
 

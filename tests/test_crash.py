@@ -22,9 +22,10 @@ def _env(backend) -> dict[str, str]:
             "PYTHONPATH": str(HERE.parent)}
 
 
-def run_writer(backend, step: int, pause: str = "none", kill_at: str | None = None) -> list[str]:
-    """Run the writer; SIGKILL it when it prints ``kill_at``. Returns what it printed."""
-    proc = subprocess.Popen([sys.executable, CHILD, backend.uri(f"step-{step}"), str(step), pause],
+def run_writer(backend, step: int, kill_at: str | None = None) -> list[str]:
+    """Run the writer, stalled at ``kill_at``, and SIGKILL it there."""
+    proc = subprocess.Popen([sys.executable, CHILD, backend.uri(f"step-{step}"), str(step),
+                             kill_at or "none"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_env(backend))
     seen: list[str] = []
@@ -50,10 +51,10 @@ def check(backend) -> dict:
 
 
 KILL_POINTS = [
-    ("none", "obj 0"),       # after the first data object
-    ("none", "obj 9"),       # between data objects
-    ("none", "obj 19"),      # after the last data object
-    ("commit", "commit"),    # everything written, manifest not yet
+    "obj 0",    # after the first data object
+    "obj 9",    # between data objects
+    "obj 19",   # after the last data object
+    "commit",   # everything written, manifest not yet
 ]
 
 
@@ -63,10 +64,10 @@ def test_sigkill_mid_save_never_exposes_a_torn_checkpoint(request, name):
     run_writer(backend, 1)  # a good checkpoint to fall back to
     points = list(KILL_POINTS)
     if name == "local":
-        points.append(("manifest", "in-manifest"))  # manifest bytes on disk, not yet linked
-    for i, (pause, kill_at) in enumerate(points):
+        points.append("in-manifest")  # manifest bytes on disk, not yet linked
+    for i, kill_at in enumerate(points):
         step = 10 + i
-        run_writer(backend, step, pause, kill_at)
+        run_writer(backend, step, kill_at)
         report = check(backend)
         assert report["latest"] == 1, (kill_at, report)
         assert [c["step"] for c in report["committed"]] == [1], (kill_at, report)
