@@ -20,6 +20,7 @@ import re
 import struct
 import tempfile
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,8 @@ log = logging.getLogger("cloudckpt.hf")
 __all__ = ["download", "export", "from_pretrained", "load_state_dict", "parse_size"]
 
 KIND = "hf"
+#: Shards serialised and uploaded at once.
+SHARD_WORKERS = 4
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
@@ -108,11 +111,17 @@ def export(
     with CheckpointWriter(uri, kind=KIND, storage_options=storage_options,
                           metadata={**dict(metadata or {}), "format": "safetensors",
                                     "files": files}) as writer:
-        weight_map: dict[str, str] = {}
-        for name, keys in zip(files, shards, strict=True):
-            with writer.open(name) as out:
-                _write_safetensors(out, {k: state[k] for k in keys})
-            weight_map.update({k: name for k in keys})
+        weight_map = {k: name for name, keys in zip(files, shards, strict=True) for k in keys}
+
+        def write_shard(job: tuple[str, list[str]]) -> None:
+            with writer.open(job[0]) as out:
+                _write_safetensors(out, {k: state[k] for k in job[1]})
+
+        # A few shards at once: each streams into its own upload, so memory is
+        # bounded by the uploads' buffers while requests keep the link busy.
+        with ThreadPoolExecutor(min(len(shards), SHARD_WORKERS),
+                                thread_name_prefix="cloudckpt-shard") as pool:
+            list(pool.map(write_shard, zip(files, shards, strict=True)))
         if len(shards) > 1:
             total = sum(_nbytes(t) for t in state.values())
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(
@@ -220,8 +229,8 @@ def _write_safetensors(out: Any, tensors: Mapping[str, torch.Tensor]) -> None:
         if t.device.type != "cpu":
             t = t.to("cpu", non_blocking=False)
         t = t.contiguous().reshape(-1)
-        if t.numel():
-            out.write(bytes(t.view(torch.uint8).numpy()))
+        if t.numel():  # the tensor's own memory: the upload copies only what it buffers
+            out.write(memoryview(t.view(torch.uint8).numpy()))
 
 
 def _tokenizer_files(tokenizer: Any) -> dict[str, bytes]:
