@@ -25,6 +25,7 @@ from .errors import (
 )
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, Manifest, validate_path
 from .storage import ObjectInfo, ObjectWriter, Store, open_store
+from .storage.base import CloseOnExit
 
 log = logging.getLogger("cloudckpt")
 
@@ -156,7 +157,7 @@ class CheckpointWriter:
                         "uncommitted and invisible", self.uri, exc_type.__name__)
 
 
-class _TrackedWriter:
+class _TrackedWriter(CloseOnExit):
     """An :class:`ObjectWriter` that reports to its checkpoint when closed."""
 
     def __init__(self, owner: CheckpointWriter, path: str) -> None:
@@ -183,15 +184,6 @@ class _TrackedWriter:
         self._w.abort()
         with self._owner._lock:
             self._owner._open.discard(self._path)
-
-    def __enter__(self) -> _TrackedWriter:
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
 
 class Checkpoint:

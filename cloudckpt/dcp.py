@@ -115,10 +115,24 @@ def _valid_id(checkpoint_id: Any) -> bool:
     return True
 
 
+class _OnStore:
+    """What the writer and the reader share: a store, its URI, URI validation."""
+
+    store: Store
+
+    @property
+    def uri(self) -> str:
+        return self.store.uri
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return _valid_id(checkpoint_id)
+
+
 # --------------------------------------------------------------------- writing
 
 
-class CloudStorageWriter(StorageWriter):
+class CloudStorageWriter(_OnStore, StorageWriter):
     """DCP storage writer for any cloudckpt URI (``s3://``, ``gs://``, a path, ...).
 
     >>> writer = CloudStorageWriter("s3://b/run/step-100")
@@ -154,14 +168,6 @@ class CloudStorageWriter(StorageWriter):
         self.is_coordinator = False
         self.rank = 0
         self.committed: Checkpoint | None = None
-
-    @property
-    def uri(self) -> str:
-        return self.store.uri
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return _valid_id(checkpoint_id)
 
     def reset(self, checkpoint_id: Any = None) -> None:
         if checkpoint_id:
@@ -369,7 +375,7 @@ def _open_dcp(store: Store) -> Checkpoint:
         raise
 
 
-class CloudStorageReader(StorageReader):
+class CloudStorageReader(_OnStore, StorageReader):
     """DCP storage reader for a committed cloudckpt DCP checkpoint at any URI.
 
     Byte ranges are fetched concurrently (adjacent items coalesced, large ones
@@ -392,14 +398,6 @@ class CloudStorageReader(StorageReader):
         self.checkpoint: Checkpoint | None = None
         self._metadata: Metadata | None = None
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
-
-    @property
-    def uri(self) -> str:
-        return self.store.uri
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return _valid_id(checkpoint_id)
 
     def reset(self, checkpoint_id: Any = None) -> None:
         # DCP calls this at the start of every load; keep what was already read

@@ -481,7 +481,27 @@ class RawWriter(ABC):
     def abort(self) -> None: ...
 
 
-class ObjectWriter:
+class CloseOnExit:
+    """As a context manager: ``close()`` when the block succeeds, ``abort()`` when it
+    raises, so a failed write never becomes a visible object."""
+
+    def close(self) -> Any:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class ObjectWriter(CloseOnExit):
     """File-like streamed writer that counts size and CRC32C as data passes.
 
     The object becomes visible only on a clean :meth:`close`; leaving the
@@ -527,15 +547,6 @@ class ObjectWriter:
         if not self.closed:
             self.closed = True
             self._raw.abort()
-
-    def __enter__(self) -> ObjectWriter:
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
 
 class BufferedRawWriter(RawWriter):
