@@ -27,6 +27,10 @@ test: lint
 
 bench: setup
 	$(PY) benchmarks/storage_bench.py
+	$(PY) benchmarks/dcp_bench.py
+	$(PY) benchmarks/manager_bench.py
+	$(PY) benchmarks/hf_bench.py
+	$(PY) benchmarks/hf_bench.py --max-shard-size 20MB
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
