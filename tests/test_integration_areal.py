@@ -1,0 +1,320 @@
+"""AReaL integration: AReaL's config keys, layout and recover-info schemas on a bucket;
+a SIGKILLed run resumes bit-exactly; a crash mid-dump never yields weights and recover
+info that disagree (which AReaL's in-place overwrite does)."""
+
+from __future__ import annotations
+
+import getpass
+import importlib.util
+import json
+import logging
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import areal_legacy
+import pytest
+import torch
+from test_resume import assert_same_params, assert_same_run, kill_tree, losses
+
+from cloudckpt import StepInfo, open_store
+from cloudckpt.errors import ConfigError
+from cloudckpt.hf import load_state_dict as load_export
+from cloudckpt.integrations import areal
+from cloudckpt.state import loads_state
+
+ROOT = Path(__file__).parent.parent
+SCRIPT = ROOT / "examples" / "areal" / "train.py"
+CONFIG = ROOT / "examples" / "areal" / "config.yaml"
+STEPS = 14  # 6 steps per epoch; recover dumps at 2, 5, 8, 11; HF exports at 5, 11
+FREQ_CTL_KEYS = {"frequence_seconds", "frequency_steps", "start_time", "steps", "last_time",
+                 "last_steps", "interval_steps", "interval_seconds", "initial_value"}
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("areal_example_train", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def configs(backend, trial: str = "t0") -> tuple[areal.SaverConfig, areal.RecoverConfig]:
+    saver, recover = areal.load_yaml(CONFIG)
+    fields = {"fileroot": backend.uri("experiments"), "trial_name": trial, "user": "alice"}
+    return replace(saver, **fields), replace(recover, **fields)
+
+
+# ------------------------------------------------------------------------- config
+
+
+def test_config_keys_and_validation():
+    saver, recover = areal.load_yaml(CONFIG)
+    assert recover.mode == "on" and recover.enabled  # YAML `on` is a string, as in OmegaConf
+    assert saver.fileroot == recover.fileroot == "s3://areal-ckpt/experiments"
+    assert (saver.experiment_name, saver.trial_name) == ("areal-cloudckpt-demo", "trial0")
+    assert (saver.freq_epochs, recover.freq_steps, recover.freq_secs) == (1, 3, 3600)
+
+    base = {"experiment_name": "e", "trial_name": "t", "fileroot": "gs://b/x"}
+    assert areal.RecoverConfig.from_dict(base).mode == "disabled"
+    assert not areal.RecoverConfig.from_dict({**base, "mode": "off"}).enabled
+    assert areal.SaverConfig.from_dict({**base, "mode": "async"}).mode == "async"
+    for bad in ({**base, "freq_step": 3}, {**base, "freq_steps": 0}, {**base, "freq_secs": "1h"},
+                {**base, "freq_epochs": True}, {**base, "mode": "sometimes"},
+                {"trial_name": "t"}, {**base, "experiment_name": "a/b"}, {**base, "fileroot": ""}):
+        with pytest.raises(ConfigError):
+            areal.SaverConfig.from_dict(bad)
+    for bad in ({**base, "retries": -1}, {**base, "mode": "fault"}, {**base, "mode": True}):
+        with pytest.raises(ConfigError):
+            areal.RecoverConfig.from_dict(bad)
+    with pytest.raises(ConfigError):
+        areal.SaverConfig.from_dict(["not", "a", "mapping"])
+    cfg = areal.SaverConfig.from_dict({**base, "user": "bob"})
+    assert areal.save_root(cfg) == "gs://b/x/checkpoints/bob/e/t"
+
+
+def test_freq_ctl_matches_areal_semantics_and_schema():
+    ctl = areal.FreqCtl(freq_epochs=1, freq_steps=4, freq_secs=None)
+    fired = [ctl.check(epochs=int(s % 6 == 5), steps=1) for s in range(12)]
+    # steps 3, 7, 11 (every 4th call) and the epoch ends 5, 11
+    assert [i for i, f in enumerate(fired) if f] == [3, 5, 7, 11]
+    state = json.loads(json.dumps(ctl.state_dict()))
+    assert set(state) == {"epoch", "step", "time"}
+    assert all(set(v) == FREQ_CTL_KEYS for v in state.values())
+    again = areal.FreqCtl(freq_epochs=1, freq_steps=4, freq_secs=None)
+    again.load_state_dict(state)
+    ctl_next = [ctl.check(epochs=int(s % 6 == 5), steps=1) for s in range(12, 20)]
+    assert [again.check(epochs=int(s % 6 == 5), steps=1) for s in range(12, 20)] == ctl_next
+
+
+def test_run_with_retries_function(caplog):
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise RuntimeError(f"boom {len(calls)}")
+        return "finished"
+
+    assert areal.run_with_retries(flaky, retries=2, delay_s=0) == "finished"
+    assert len(calls) == 3
+    calls.clear()
+    with pytest.raises(RuntimeError, match="boom 2"):
+        areal.run_with_retries(flaky, retries=1, delay_s=0)
+    with pytest.raises(ConfigError):
+        areal.run_with_retries(flaky, retries=-1)
+
+
+# -------------------------------------------------------------- layout and schemas
+
+
+def test_layout_and_recover_info_match_areal(s3, capsys):
+    example = _example()
+    args = example.parse_args(["--fileroot", s3.uri("experiments"), "--trial-name", "t0",
+                               "--storage-options", s3.options_json(), "--steps", str(STEPS)])
+    assert example.train(args) == 0
+    assert "dumped step 11" in capsys.readouterr().out
+    saver_cfg, recover_cfg = areal.load_yaml(CONFIG)
+    saver_cfg = replace(saver_cfg, fileroot=s3.uri("experiments"), trial_name="t0")
+    root = areal.save_root(saver_cfg)
+    assert root.endswith(f"/checkpoints/{getpass.getuser()}/"
+                         "areal-cloudckpt-demo/t0")
+    store = open_store(root, s3.options)
+    keys = {o.key for o in store.list()}
+    slot_keys = {k for k in keys if k.startswith("default/recover_checkpoint/")}
+    assert keys - slot_keys == {
+        *(f"default/{e}/{f}" for e in ("epoch0epochstep5globalstep5",
+                                       "epoch1epochstep5globalstep11")
+          for f in ("config.json", "model.safetensors", "cloudckpt-manifest.json")),
+        *(f"recover_info/{f}" for f in areal.INFO_FILES)}
+    gens = {k.split("/")[2] for k in slot_keys if k.split("/")[2].startswith("gen-")}
+    assert len(gens) == 1 and "default/recover_checkpoint/slot-pointer.json" in slot_keys
+
+    info = {f: json.loads(store.get(f"recover_info/{f}")) for f in areal.INFO_FILES
+            if f.endswith(".json")}
+    assert info["step_info.json"] == {"epoch": 1, "epoch_step": 5, "global_step": 11,
+                                      "steps_per_epoch": 6}
+    assert info["stats_logger_info.json"] == {"last_commit_step": 10}
+    for name in ("saver_info.json", "evaluator_info.json", "checkpoint_info.json"):
+        assert set(info[name]) == {"epoch", "step", "time"}, name
+        assert all(set(v) == FREQ_CTL_KEYS for v in info[name].values()), name
+    assert info["checkpoint_info.json"]["step"]["frequency_steps"] == 3
+    assert info["checkpoint_info.json"]["step"]["steps"] == 12
+    assert info["saver_info.json"]["epoch"]["steps"] == 2  # two epoch ends seen
+
+    raw = store.get("recover_info/dataloader_info.pkl")
+    assert not raw.startswith(b"\x80"), "must not be a pickle"
+    recover_cfg = replace(recover_cfg, fileroot=s3.uri("experiments"), trial_name="t0")
+    assert areal.read_dataloader_info(recover_cfg, storage_options=s3.options) == {
+        "epoch": 1, "pos": 6}
+
+    # the slot generation carries the same recover info, committed with the weights
+    gen = store.child(f"default/recover_checkpoint/{gens.pop()}")
+    shared = loads_state(gen.get("state/shared.bin"))
+    assert shared["areal_recover_info"] == {
+        k.removesuffix(".json"): v for k, v in info.items()}
+    assert loads_state(gen.get("state/rank-00000.bin"))["dataloader"] == {"epoch": 1, "pos": 6}
+
+    # HF exports load; the newest committed one is found, a torn newer one is ignored
+    export = load_export(f"{root}/default/epoch1epochstep5globalstep11", s3.options)
+    assert set(export) == {"0.weight", "0.bias", "3.weight", "3.bias"}
+    store.put("default/epoch2epochstep0globalstep12/model.safetensors", b"torn")
+    latest = areal.latest_export(saver_cfg, storage_options=s3.options)
+    assert latest.uri.rstrip("/").endswith("epoch1epochstep5globalstep11")
+    assert [c.uri.rstrip("/").rsplit("/", 1)[1] for c in areal.list_exports(
+        saver_cfg, storage_options=s3.options)] == ["epoch0epochstep5globalstep5",
+                                                    "epoch1epochstep5globalstep11"]
+
+
+# --------------------------------------------------- crash, relaunch, bit-exact resume
+
+
+def _cmd(s3, trial: str, *extra: str) -> list[str]:
+    return [sys.executable, str(SCRIPT), "--fileroot", s3.uri("experiments"), "--trial-name",
+            trial, "--storage-options", s3.options_json(), "--steps", str(STEPS), *extra]
+
+
+def _env() -> dict:
+    import os
+
+    return {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+
+
+def test_sigkill_relaunch_resume_is_bit_exact(s3, tmp_path):
+    ref = subprocess.run(_cmd(s3, "reference", "--out", str(tmp_path / "ref.pt")),
+                         capture_output=True, text=True, env=_env(), timeout=300)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    reference = losses(ref.stdout)
+    assert sorted(reference) == list(range(STEPS))
+
+    # 1. SIGKILL from outside at step 7, between dumps (last dump: step 5)
+    proc = subprocess.Popen(_cmd(s3, "crashy"), stdout=subprocess.PIPE, text=True,
+                            stderr=subprocess.DEVNULL, env=_env(), start_new_session=True)
+    first = []
+    for line in proc.stdout:
+        first.append(line)
+        if line.startswith("step 7 "):
+            kill_tree(proc.pid)
+            break
+    proc.wait(timeout=60)
+    assert "dumped step 5" in "".join(first) and "dumped step 8" not in "".join(first)
+
+    # 2. the launcher: the relaunch crashes once more (at step 10), the next one finishes
+    log = tmp_path / "launch.log"
+    with open(log, "w") as out:
+        done = areal.run_with_retries(
+            _cmd(s3, "crashy", "--crash-at-step", "10", "--crash-once-marker",
+                 str(tmp_path / "crashed"), "--out", str(tmp_path / "resumed.pt")),
+            retries=2, delay_s=0.1, env={"PYTHONWARNINGS": "ignore"}, stdout=out,
+            stderr=subprocess.DEVNULL)
+    assert done.returncode == 0
+    text = log.read_text()
+    assert text.count("resumed at step") == 2, text
+    assert "resumed at step 6" in text and "resumed at step 9" in text
+    assert "crashing at step 10" in text and text.rstrip().endswith("done")
+    runs = text.split("resumed at step")
+    assert_same_run(reference, "".join(first), *runs)
+    assert_same_params(tmp_path / "ref.pt", tmp_path / "resumed.pt")
+
+
+# ----------------------------------------- torn recover checkpoint: AReaL vs cloudckpt
+
+
+def _tiny(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    return model, optim
+
+
+def _train(model, optim, steps: int) -> None:
+    for _ in range(steps):
+        loss = model(torch.ones(2, 4)).pow(2).mean()
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+
+
+def _params(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_torn_dump_areal_trusts_stale_info_cloudckpt_does_not(s3, tmp_path, monkeypatch,
+                                                              caplog):
+    spe = 6
+    # --- AReaL today (local disk): dump at step 2, then a dump at step 5 dies after
+    # overwriting the weights and before writing recover_info.
+    model, optim = _tiny()
+    _train(model, optim, 3)
+    w2 = _params(model)
+    areal_legacy.dump(tmp_path, model, optim, StepInfo(0, 2, 2, spe).to_dict())
+    _train(model, optim, 3)
+    w5 = _params(model)
+    areal_legacy.save_weights(tmp_path, model, optim)  # ... and the process dies here
+    fresh, fresh_optim = _tiny(seed=1)
+    step = areal_legacy.load(tmp_path, fresh, fresh_optim)
+    assert step["global_step"] == 2  # resumes at step 3 ...
+    assert _same(_params(fresh), w5) and not _same(_params(fresh), w2)  # ... with step 5's
+
+    # --- cloudckpt: the same sequence; the crash hits after the new generation is
+    # written, before the slot pointer moves (and, second, in the middle of the write).
+    _, recover_cfg = configs(s3)
+    recover_cfg = replace(recover_cfg, freq_steps=1)
+    model, optim = _tiny()
+    handler = areal.RecoverHandler(recover_cfg, spe, storage_options=s3.options)
+    _train(model, optim, 3)
+    assert handler.dump(areal.Engine(model, optim), StepInfo(0, 2, 2, spe))
+    w2, opt2 = _params(model), optim.state_dict()["state"][0]["exp_avg"].clone()
+    _train(model, optim, 3)
+
+    class Crash(BaseException):
+        pass
+
+    def die(*args, **kwargs):
+        raise Crash
+
+    from cloudckpt import composite, slot
+
+    for target, name in ((slot.RecoverSlot, "_swap"), (composite, "_commit")):
+        with monkeypatch.context() as m:
+            m.setattr(target, name, die)
+            with pytest.raises(Crash):
+                handler.dump(areal.Engine(model, optim), StepInfo(0, 5, 5, spe))
+        fresh, fresh_optim = _tiny(seed=1)
+        loader = areal.RecoverHandler(recover_cfg, spe, storage_options=s3.options)
+        got = loader.load(areal.Engine(fresh, fresh_optim))
+        assert got.last_step_info.global_step == 2
+        assert got.last_step_info.next().global_step == 3
+        assert _same(_params(fresh), w2)
+        assert torch.equal(fresh_optim.state_dict()["state"][0]["exp_avg"], opt2)
+    info_store = open_store(areal.recover_info_uri(recover_cfg), s3.options)
+    assert json.loads(info_store.get("step_info.json"))["global_step"] == 2
+
+    # the next dump succeeds over the leftovers and becomes what load returns
+    assert handler.dump(areal.Engine(model, optim), StepInfo(0, 5, 5, spe))
+    fresh, fresh_optim = _tiny(seed=1)
+    got = areal.RecoverHandler(recover_cfg, spe, storage_options=s3.options).load(
+        areal.Engine(fresh, fresh_optim))
+    assert got.last_step_info.global_step == 5 and _same(_params(fresh), _params(model))
+    # a crash after the swap, before the mirror is rewritten: the slot is the truth
+    info_store.put("step_info.json", json.dumps(StepInfo(0, 2, 2, spe).to_dict()).encode())
+    caplog.set_level(logging.WARNING, logger="cloudckpt")
+    fresh, fresh_optim = _tiny(seed=1)
+    got = areal.RecoverHandler(recover_cfg, spe, storage_options=s3.options).load(
+        areal.Engine(fresh, fresh_optim))
+    assert got.last_step_info.global_step == 5 and _same(_params(fresh), _params(model))
+    assert "is stale" in caplog.text
+
+    # deleting recover_info/ is the documented clean restart
+    info_store.delete_prefix("")
+    assert areal.RecoverHandler(recover_cfg, spe, storage_options=s3.options).load(
+        areal.Engine(*_tiny())) is None
+    assert "clean restart" in caplog.text
+    # recover disabled: no dump, no load
+    off = replace(recover_cfg, mode="disabled")
+    assert not areal.RecoverHandler(off, spe, storage_options=s3.options).dump(
+        areal.Engine(model, optim), StepInfo(0, 0, 0, spe))
