@@ -1,0 +1,509 @@
+"""ROLL: checkpoint uploaders for ``s3`` and ``gcs`` that commit atomically.
+
+ROLL's ``CheckpointManager`` pops ``type`` from ``checkpoint_config``, looks
+it up in ``roll.utils.upload_utils.uploader_registry`` and calls
+``cls(**rest)``; every worker (the pipeline and each rank of each cluster)
+then calls ``upload(ckpt_id, local_state_path)`` with its own local directory,
+whose contents are merged into ``{output_dir}/{ckpt_id}/``. ROLL has no
+"complete" marker, so a crash mid-upload leaves a torn ``checkpoint-N`` that
+``get_latest_ckpt`` happily returns.
+
+Here each ``upload`` is one *part*: its files go to ``{output_dir}/{ckpt_id}/``
+(ROLL's merged layout, unchanged), each with its CRC32C, and then a small part
+marker ``{ckpt_id}/_cloudckpt_parts/{part}.json`` lists them. The checkpoint is
+committed (cloudckpt manifest, written create-only, listing every object)
+
+- automatically by whichever uploader sees ``expected_uploads`` current parts
+  after writing its own marker (the last one to finish: listings are strongly
+  consistent, and two simultaneous committers race on a create-only write
+  that exactly one wins), or
+- explicitly by :meth:`RollUploader.commit`, e.g. from the pipeline once every
+  worker's upload has returned, when ``expected_uploads`` is not set.
+
+After the commit the markers (and objects only a crashed earlier attempt
+wrote) are removed, so the prefix holds exactly the manifest's objects.
+``get_latest_ckpt`` returns the highest committed ``checkpoint-N``; torn ones
+are invisible. See docs/integrations/roll.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, MutableMapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ..checkpoint import (
+    Checkpoint,
+    CheckpointWriter,
+    delete_checkpoint,
+    list_checkpoints,
+    open_checkpoint,
+    read_manifest,
+)
+from ..errors import (
+    CheckpointNotFoundError,
+    CommitConflictError,
+    ConfigError,
+    IncompleteCheckpointError,
+    StorageError,
+)
+from ..manifest import MANIFEST_NAME
+from ..storage import Store, open_store
+
+log = logging.getLogger("cloudckpt.roll")
+
+__all__ = [
+    "CKPT_RE",
+    "GcsUploader",
+    "PARTS_DIR",
+    "RollUploader",
+    "S3Uploader",
+    "download_checkpoint",
+    "register",
+    "wrap_model_downloaders",
+]
+
+#: ROLL's checkpoint directory names.
+CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+#: Where part markers live inside a checkpoint until it is committed.
+PARTS_DIR = "_cloudckpt_parts"
+#: Torn checkpoints younger than this are never pruned (a save may be running).
+DEFAULT_TORN_GRACE_SECONDS = 6 * 3600.0
+_PART_RE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def _attempt_from_env() -> str:
+    """The id shared by every process of one launch of the job, if one is known."""
+    explicit = os.environ.get("CLOUDCKPT_ATTEMPT_ID")
+    if explicit:
+        return explicit
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is not None:
+        try:
+            if ray.is_initialized():
+                return str(ray.get_runtime_context().get_job_id())
+        except Exception:  # noqa: BLE001 - Ray without a job context
+            pass
+    return ""
+
+
+def _default_part_id(ckpt_id: str, local_state_path: str) -> str:
+    """ROLL stages into ``{output_dir}/{worker_name}/{ckpt_id}``: the worker name
+    ("pipeline", "actor_train-3") names the part, stably across restarts."""
+    p = Path(local_state_path)
+    if p.name == ckpt_id and p.parent.name:
+        name = p.parent.name
+    else:
+        digest = hashlib.sha1(str(p).encode()).hexdigest()[:8]
+        name = f"{socket.gethostname()}-{os.getpid()}-{digest}"
+    return _PART_RE.sub("_", name).strip("._") or "part"
+
+
+def _local_files(root: Path) -> dict[str, Path]:
+    if root.is_file():
+        return {root.name: root}
+    if not root.is_dir():
+        raise FileNotFoundError(f"nothing to upload: {root} does not exist")
+    out: dict[str, Path] = {}
+    for dirpath, _dirs, names in os.walk(root):
+        for name in names:
+            full = Path(dirpath) / name
+            out[full.relative_to(root).as_posix()] = full
+    return out
+
+
+def _snapshot(src: Path) -> Path:
+    """Hard-link (or copy) ``src`` into a private staging directory beside it, so
+    a background upload survives ROLL deleting ``src`` as soon as ``upload``
+    returns. Linking is free; ROLL never modifies checkpoint files in place."""
+    staging = src.parent / f".cloudckpt-staging-{src.name}-{uuid.uuid4().hex[:8]}"
+    for rel, full in _local_files(src).items():
+        dst = staging / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(full, dst)
+        except OSError:
+            shutil.copy2(full, dst)
+    staging.mkdir(parents=True, exist_ok=True)
+    return staging
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists():
+        path.unlink(missing_ok=True)
+
+
+class RollUploader:
+    """A ROLL uploader to an object store; see the module docstring for the protocol.
+
+    Options (keys of ``checkpoint_config``; unknown keys are ignored, ``type``
+    included, so ``cls(**checkpoint_config)`` works as ROLL calls it):
+
+    - ``output_dir``: ``s3://bucket/prefix`` or ``gs://bucket/prefix`` (no
+      timestamp is appended, unlike ``file_system``);
+    - ``async_upload`` (True): upload on a background thread; an error is
+      logged at once and raised by the next ``upload``, ``commit`` or ``wait``;
+    - ``keep_local_file`` (False): delete the local copy after a successful upload;
+    - ``expected_uploads``: parts per checkpoint (pipeline + every uploading
+      rank); when set, the last part to arrive commits; otherwise call ``commit``;
+    - ``max_ckpt_to_keep`` (0 = all): committed checkpoints kept in the bucket;
+    - ``torn_grace_seconds`` (6 h): torn checkpoints younger than this are never pruned;
+    - ``attempt_id``: an id shared by all processes of one launch (default:
+      ``CLOUDCKPT_ATTEMPT_ID``, else the Ray job id, else none: parts written
+      before this uploader was created are then taken as a crashed attempt's);
+    - ``part_id``: this process's part name (default: the worker directory name);
+    - ``storage_options``: passed to the store (endpoint, credentials, retry).
+    """
+
+    schemes: ClassVar[tuple[str, ...]] = ()
+    type_name: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        output_dir: str,
+        *,
+        async_upload: bool = True,
+        keep_local_file: bool = False,
+        expected_uploads: int | None = None,
+        max_ckpt_to_keep: int = 0,
+        torn_grace_seconds: float = DEFAULT_TORN_GRACE_SECONDS,
+        attempt_id: str | None = None,
+        part_id: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        kind = kwargs.pop("type", None)
+        if kind is not None and kind != self.type_name:
+            raise ConfigError(f"{type(self).__name__} is the {self.type_name!r} uploader, "
+                              f"but checkpoint_config has type {kind!r}")
+        if kwargs:
+            log.debug("roll uploader: ignoring checkpoint_config keys %s", sorted(kwargs))
+        self.output_dir = self._normalise(str(output_dir))
+        self.async_upload = bool(async_upload)
+        self.keep_local_file = bool(keep_local_file)
+        if expected_uploads is not None and int(expected_uploads) < 1:
+            raise ConfigError(f"expected_uploads must be >= 1, got {expected_uploads!r}")
+        self.expected_uploads = int(expected_uploads) if expected_uploads is not None else None
+        self.max_ckpt_to_keep = int(max_ckpt_to_keep or 0)
+        self.torn_grace_seconds = float(torn_grace_seconds)
+        self.attempt_id = str(attempt_id) if attempt_id else _attempt_from_env()
+        self.part_id = part_id
+        self.storage_options = dict(storage_options or {})
+        self.store: Store = open_store(self.output_dir, self.storage_options)
+        self._created = time.time()
+        self._lock = threading.Lock()
+        self._pending: list[Future[Any]] = []
+        self._error: BaseException | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        log.info("ROLL checkpoints go to %s (%s upload, expected_uploads=%s)", self.output_dir,
+                 "async" if self.async_upload else "sync", self.expected_uploads)
+
+    def _normalise(self, uri: str) -> str:
+        if "://" not in uri:
+            return f"{self.schemes[0]}://{uri.lstrip('/')}"
+        scheme = uri.split("://", 1)[0]
+        if scheme not in self.schemes:
+            raise ConfigError(f"checkpoint_config type {self.type_name!r} needs an output_dir "
+                              f"starting with {self.schemes[0]}://, got {uri!r}")
+        return uri.rstrip("/")
+
+    # ------------------------------------------------------------ ROLL API
+
+    def upload(self, ckpt_id: str, local_state_path: str, **kwargs: Any) -> None:
+        """Upload one worker's files of ``ckpt_id`` as one part (and commit when
+        it is the last expected part). Raises a previous async upload's error."""
+        self._raise_error()
+        src = Path(local_state_path)
+        part = _PART_RE.sub("_", str(kwargs.get("part_id") or self.part_id or
+                                     _default_part_id(ckpt_id, str(src))))
+        self._checkpoint_store(ckpt_id)  # validates the name now, not in the thread
+        if not self.async_upload:
+            self._upload_part(ckpt_id, src, part, src)
+            return
+        staging = _snapshot(src)
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="cloudckpt-roll")
+            fut = self._pool.submit(self._background, ckpt_id, staging, part, src)
+            self._pending.append(fut)
+
+    def get_latest_ckpt(self) -> str | None:
+        """URI of the highest committed ``checkpoint-N`` (torn ones are skipped), or None."""
+        best = _committed(self.store)
+        if not best:
+            return None
+        return self.store.child(best[-1][1]).uri
+
+    # --------------------------------------------------------- cloudckpt API
+
+    def commit(self, ckpt_id: str, expected_uploads: int | None = None,
+               timeout: float = 600.0) -> str:
+        """Commit ``ckpt_id`` from the parts present (waiting up to ``timeout``
+        seconds for ``expected_uploads`` of them, when given). Returns its URI."""
+        self.wait()
+        deadline = time.monotonic() + timeout
+        while True:
+            ckpt = self._try_commit(ckpt_id, expected_uploads or 1)
+            if ckpt is not None:
+                return ckpt.uri
+            if time.monotonic() > deadline:
+                raise StorageError(f"{self.store.child(ckpt_id).uri}: fewer than "
+                                   f"{expected_uploads} parts after {timeout:.0f} s; not committed")
+            time.sleep(0.2)
+
+    def wait(self) -> None:
+        """Wait for background uploads; raise the first error any of them hit."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for fut in pending:
+            fut.exception()
+        self._raise_error()
+
+    close = wait
+
+    # ------------------------------------------------------------- internals
+
+    def _raise_error(self) -> None:
+        with self._lock:
+            err, self._error = self._error, None
+        if err is not None:
+            raise StorageError(f"an earlier background checkpoint upload failed: {err}") from err
+
+    def _background(self, ckpt_id: str, staging: Path, part: str, original: Path) -> None:
+        try:
+            self._upload_part(ckpt_id, staging, part, original)
+        except BaseException as exc:
+            log.error("upload of %s (%s) to %s failed: %s; the local copy stays at %s",
+                      ckpt_id, part, self.output_dir, exc, staging)
+            with self._lock:
+                if self._error is None:
+                    self._error = exc
+            return
+        _remove(staging)
+
+    def _checkpoint_store(self, ckpt_id: str) -> Store:
+        if not isinstance(ckpt_id, str) or "/" in ckpt_id.strip("/") or not ckpt_id.strip("/"):
+            raise ConfigError(f"ckpt_id must be one path component like 'checkpoint-100', "
+                              f"got {ckpt_id!r}")
+        return self.store.child(ckpt_id.strip("/"))
+
+    def _upload_part(self, ckpt_id: str, src: Path, part: str, original: Path) -> None:
+        store = self._checkpoint_store(ckpt_id)
+        if store.exists(MANIFEST_NAME):
+            raise CommitConflictError(
+                f"{store.uri} is already committed (checkpoints are immutable); part {part!r} "
+                "arrived after the commit: is expected_uploads too small?")
+        files = _local_files(src)
+        t0 = time.monotonic()
+        infos = store.map(lambda item: self._put_file(store, *item), sorted(files.items()))
+        entries = {key: {"size": size, "crc32c": crc} for key, size, crc in infos}
+        marker = {"part": part, "attempt": self.attempt_id, "created": time.time(),
+                  "host": socket.gethostname(), "pid": os.getpid(), "files": entries}
+        store.put(f"{PARTS_DIR}/{part}.json", json.dumps(marker, sort_keys=True).encode())
+        log.info("uploaded part %r of %s: %d files, %d bytes in %.1f s", part, store.uri,
+                 len(entries), sum(e["size"] for e in entries.values()), time.monotonic() - t0)
+        if self.expected_uploads is not None:
+            self._try_commit(ckpt_id, self.expected_uploads)
+        if not self.keep_local_file:
+            _remove(original)
+
+    def _put_file(self, store: Store, key: str, path: Path) -> tuple[str, int, str]:
+        size = path.stat().st_size
+        if size <= store.part_size:
+            info = store.put(key, path.read_bytes())
+        else:
+            with store.open_write(key) as w, open(path, "rb") as f:
+                while chunk := f.read(store.part_size):
+                    w.write(chunk)
+            info = w.info
+        assert info is not None and info.crc32c is not None
+        return key, info.size, info.crc32c
+
+    def _current_parts(self, store: Store) -> dict[str, dict[str, Any]]:
+        keys = [o.key for o in store.list(PARTS_DIR) if o.key.endswith(".json")]
+        parts: dict[str, dict[str, Any]] = {}
+        for key, data in store.get_many(keys).items():
+            try:
+                marker = json.loads(data)
+            except ValueError:
+                log.warning("ignoring unreadable part marker %s", store.key_uri(key))
+                continue
+            if self.attempt_id:
+                current = marker.get("attempt") == self.attempt_id
+            else:
+                current = float(marker.get("created", 0)) >= self._created
+            if current:
+                parts[key] = marker
+            else:
+                log.info("ignoring part %r of %s from an earlier attempt", marker.get("part"),
+                         store.uri)
+        return parts
+
+    def _try_commit(self, ckpt_id: str, expected: int) -> Checkpoint | None:
+        store = self._checkpoint_store(ckpt_id)
+        parts = self._current_parts(store)
+        if len(parts) < expected:
+            log.debug("%s: %d of %d parts present; not committing yet", store.uri, len(parts),
+                      expected)
+            return None
+        files: dict[str, tuple[int, str]] = {}
+        for marker in parts.values():
+            for key, e in marker["files"].items():
+                entry = (int(e["size"]), str(e["crc32c"]))
+                if files.setdefault(key, entry) != entry:
+                    raise CommitConflictError(
+                        f"{store.uri}: two parts uploaded different {key!r}; not committing")
+        present = {o.key: o.size for o in store.list()}
+        missing = [k for k, (size, _) in files.items() if present.get(k) != size]
+        if missing:
+            raise StorageError(f"{store.uri}: parts list objects that are missing or of the "
+                               f"wrong size: {sorted(missing)[:5]}; not committing")
+        m = CKPT_RE.match(ckpt_id)
+        meta = {"framework": "roll", "parts": sorted(p["part"] for p in parts.values()),
+                "attempt": self.attempt_id}
+        try:
+            writer = CheckpointWriter(store, step=int(m.group(1)) if m else None, kind="roll",
+                                      metadata=meta)
+            for key, (size, crc) in files.items():
+                writer.add_existing(key, size, crc)
+            ckpt = writer.commit()
+        except CommitConflictError:
+            ckpt = open_checkpoint(store)  # a concurrent committer won; same parts
+            log.info("%s was committed concurrently by another part", store.uri)
+        else:
+            log.info("committed %s: %d parts, %d objects", store.uri, len(parts), len(files))
+        self._cleanup(store, ckpt)
+        self._prune()
+        return ckpt
+
+    def _cleanup(self, store: Store, ckpt: Checkpoint) -> None:
+        """Remove markers and objects that only a crashed earlier attempt wrote."""
+        keep = set(ckpt.manifest.files) | {MANIFEST_NAME}
+        extra = [o.key for o in store.list() if o.key not in keep]
+        if extra:
+            store.delete(extra)
+
+    def _prune(self) -> None:
+        if self.max_ckpt_to_keep > 0:
+            committed = _committed(self.store)
+            for _, name in committed[:-self.max_ckpt_to_keep]:
+                log.info("max_ckpt_to_keep=%d: deleting %s", self.max_ckpt_to_keep,
+                         self.store.child(name).uri)
+                delete_checkpoint(self.store.child(name))
+        now = time.time()
+        for info in list_checkpoints(self.store, include_uncommitted=True):
+            if info.committed or not CKPT_RE.match(info.name) or info.error:
+                continue
+            sub = self.store.child(info.name)
+            newest = max((o.mtime or now for o in sub.list()), default=now)
+            if now - newest >= self.torn_grace_seconds:
+                log.info("deleting torn %s (untouched for %.0f s)", sub.uri, now - newest)
+                delete_checkpoint(sub, force=True)
+
+
+def _committed(store: Store) -> list[tuple[int, str]]:
+    """``(N, name)`` of every committed ``checkpoint-N`` under ``store``, by N."""
+    out = []
+    for info in list_checkpoints(store):
+        m = CKPT_RE.match(info.name)
+        if m:
+            out.append((int(m.group(1)), info.name))
+    return sorted(out)
+
+
+class S3Uploader(RollUploader):
+    """``checkpoint_config: {type: s3, output_dir: s3://bucket/prefix}``."""
+
+    schemes = ("s3", "s3a")
+    type_name = "s3"
+
+
+class GcsUploader(RollUploader):
+    """``checkpoint_config: {type: gcs, output_dir: gs://bucket/prefix}``."""
+
+    schemes = ("gs", "gcs")
+    type_name = "gcs"
+
+
+def register(uploader_registry: MutableMapping[str, Any],
+             model_download_registry: MutableMapping[str, Any] | None = None,
+             storage_options: Mapping[str, Any] | None = None) -> None:
+    """Add ``s3`` and ``gcs`` to ROLL's ``uploader_registry`` (call it in every
+    worker process: each builds its own CheckpointManager). With
+    ``model_download_registry``, also let ``resume_from_checkpoint`` be a bucket
+    URI (downloaded with ``storage_options``, default: the environment's)."""
+    uploader_registry["s3"] = S3Uploader
+    uploader_registry["gcs"] = GcsUploader
+    if model_download_registry is not None:
+        wrap_model_downloaders(model_download_registry, storage_options)
+
+
+def download_checkpoint(uri_or_latest: str, local_dir: str | os.PathLike[str],
+                        storage_options: Mapping[str, Any] | None = None) -> str:
+    """Download a committed checkpoint, every object checked, and return its local path.
+
+    ``uri_or_latest`` is a ``.../checkpoint-N`` URI, or an ``output_dir`` whose
+    newest committed ``checkpoint-N`` is taken. The files land in
+    ``local_dir/checkpoint-N`` in ROLL's layout.
+    """
+    from ..hf import download
+
+    store = open_store(str(uri_or_latest).rstrip("/"), storage_options)
+    name = store.uri.rstrip("/").rsplit("/", 1)[-1]
+    if not CKPT_RE.match(name):
+        best = _committed(store)
+        if not best:
+            raise CheckpointNotFoundError(f"no committed checkpoint-N under {store.uri}")
+        name = best[-1][1]
+        store = store.child(name)
+    try:
+        read_manifest(store)
+    except IncompleteCheckpointError as exc:
+        raise IncompleteCheckpointError(
+            f"{store.uri} is a torn ROLL checkpoint (never committed); resume from "
+            f"`latest` instead. {exc}") from None
+    target = Path(local_dir) / name
+    download(store.uri, target, storage_options)
+    return str(target)
+
+
+def _cache_dir_for(uri: str) -> Path:
+    from ..hf import cache_dir
+
+    return cache_dir() / "roll" / hashlib.sha1(uri.encode()).hexdigest()[:16]
+
+
+def wrap_model_downloaders(registry: MutableMapping[str, Callable[..., str]],
+                           storage_options: Mapping[str, Any] | None = None) -> None:
+    """Make every downloader in ROLL's ``model_download_registry`` send ``s3://``
+    and ``gs://`` paths to :func:`download_checkpoint` (ROLL resumes through
+    ``download_model``, which otherwise sends them to a model hub and fails).
+    Calling it again replaces the options; nothing is wrapped twice."""
+    for key, fn in list(registry.items()):
+        fn = getattr(fn, "_cloudckpt_original", fn)
+
+        def wrapped(model_name_or_path: str, local_dir: str | None = None, *args: Any,
+                    _fn: Callable[..., str] = fn, **kwargs: Any) -> str:
+            if isinstance(model_name_or_path, str) and model_name_or_path.split("://")[0] in (
+                    "s3", "s3a", "gs", "gcs") and "://" in model_name_or_path:
+                dest = local_dir or str(_cache_dir_for(model_name_or_path))
+                return download_checkpoint(model_name_or_path, dest, storage_options)
+            return _fn(model_name_or_path, local_dir, *args, **kwargs)
+
+        wrapped._cloudckpt_original = fn  # type: ignore[attr-defined]
+        registry[key] = wrapped

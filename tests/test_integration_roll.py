@@ -1,0 +1,395 @@
+"""ROLL integration: uploaders registered into ROLL's registry dict and driven the
+way ROLL drives them, concurrent per-rank uploads from real processes, atomic
+visibility, pruning, async errors, and a SIGKILL + resume-from-bucket run that
+must match an uninterrupted one bit for bit."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from dist_run import free_port
+
+from cloudckpt import (
+    MANIFEST_NAME,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    StorageError,
+    list_checkpoints,
+    open_checkpoint,
+    open_store,
+)
+from cloudckpt.errors import ConfigError
+from cloudckpt.integrations import roll
+from cloudckpt.integrations.roll import (
+    PARTS_DIR,
+    GcsUploader,
+    S3Uploader,
+    download_checkpoint,
+    register,
+    wrap_model_downloaders,
+)
+
+REPO = Path(__file__).parent.parent
+EXAMPLE = REPO / "examples" / "roll" / "train.py"
+CONFIG = REPO / "examples" / "roll" / "config.yaml"
+RANK_SCRIPT = Path(__file__).parent / "roll_rank_upload.py"
+PIPELINE_KEYS = {"kv", "log_history", "step"}
+
+
+def roll_manager_uploader(checkpoint_config: dict):
+    """ROLL's CheckpointManager.__init__: deep-copy, pop ``type``, ``cls(**rest)``."""
+    registry: dict = {"file_system": object}
+    register(registry)
+    cfg = copy.deepcopy(checkpoint_config)
+    return registry[cfg.pop("type", "file_system")](**cfg)
+
+
+def old_roll_latest(store_uri: str, options: dict) -> str | None:
+    """ROLL's FileSystemUploader.get_latest_ckpt rule: the highest N among names
+    matching ^checkpoint-(\\d+)$, no completeness check."""
+    store = open_store(store_uri, options)
+    pat = re.compile(r"^checkpoint-(\d+)$")
+    names = [n for n in store.list_prefixes() if pat.search(n)]
+    if not names:
+        return None
+    return store.child(max(names, key=lambda n: int(pat.search(n).group(1)))).uri
+
+
+def stage_actor(root: Path, ckpt: str, rank: int, *, hf: bool = False, size: int = 1000) -> Path:
+    d = root / f"actor_train-{rank}" / ckpt
+    (d / "dcp").mkdir(parents=True, exist_ok=True)
+    (d / "dcp" / f"__{rank}_0.distcp").write_bytes(os.urandom(size))
+    if rank == 0:
+        (d / "dcp" / ".metadata").write_bytes(b"meta" * 10)
+    if hf:
+        (d / "config.json").write_text('{"model_type": "tiny"}')
+        (d / "model.safetensors").write_bytes(os.urandom(2048))
+    return d
+
+
+def stage_pipeline(root: Path, ckpt: str, step: int) -> Path:
+    d = root / "pipeline" / ckpt
+    (d / "pipeline").mkdir(parents=True, exist_ok=True)
+    state = {"kv": {"dataloader": {"epoch": 0, "pos": step}}, "log_history": [], "step": step}
+    (d / "pipeline" / "worker_state_pipeline.json").write_text(
+        json.dumps(state, indent=2, sort_keys=True))
+    (d / "pipeline" / "rng_state_pipeline.pth").write_bytes(b"rng")
+    return d
+
+
+def config(s3, **extra) -> dict:
+    return {"type": "s3", "output_dir": s3.root, "async_upload": False, "keep_local_file": True,
+            "storage_options": s3.options, **extra}
+
+
+def commit_checkpoint(up, tmp: Path, step: int) -> None:
+    ckpt = f"checkpoint-{step}"
+    up.upload(ckpt, str(stage_actor(tmp / str(step), ckpt, 0, hf=True)))
+    up.upload(ckpt, str(stage_pipeline(tmp / str(step), ckpt, step)))
+    up.wait()
+
+
+def test_driven_like_roll_layout_and_invisible_until_complete(s3, tmp_path):
+    cfg = config(s3, expected_uploads=2, use_hard_links=False)  # an unknown ROLL key too
+    up = roll_manager_uploader(cfg)
+    assert isinstance(up, S3Uploader)
+    # get_latest_ckpt(checkpoint_config) in ROLL calls cls(**config) with `type` still in
+    also = S3Uploader(**cfg)
+    assert also.get_latest_ckpt() is None
+    with pytest.raises(ConfigError, match="gcs"):
+        S3Uploader(**{**cfg, "type": "gcs"})
+    with pytest.raises(ConfigError, match="gs://"):
+        GcsUploader(output_dir=s3.root)
+
+    actor = stage_actor(tmp_path, "checkpoint-4", 0, hf=True)
+    up.upload(ckpt_id="checkpoint-4", local_state_path=str(actor))
+    assert up.get_latest_ckpt() is None and list_checkpoints(s3.root, s3.options) == []
+    assert old_roll_latest(s3.root, s3.options) == s3.uri("checkpoint-4")  # old rule: torn!
+    pipe = stage_pipeline(tmp_path, "checkpoint-4", 4)
+    up.upload(ckpt_id="checkpoint-4", local_state_path=str(pipe))
+
+    assert also.get_latest_ckpt() == s3.uri("checkpoint-4")
+    ckpt = open_checkpoint(s3.uri("checkpoint-4"), s3.options)
+    ckpt.verify(deep=True)
+    expected = {"config.json", "model.safetensors", "dcp/.metadata", "dcp/__0_0.distcp",
+                "pipeline/worker_state_pipeline.json", "pipeline/rng_state_pipeline.pth"}
+    assert set(ckpt.files) == expected
+    assert ckpt.step == 4 and ckpt.metadata["parts"] == ["actor_train-0", "pipeline"]
+    # the prefix holds exactly the manifest's objects (part markers removed)
+    store = open_store(s3.uri("checkpoint-4"), s3.options)
+    assert {o.key for o in store.list()} == expected | {MANIFEST_NAME}
+    state = json.loads(ckpt.read("pipeline/worker_state_pipeline.json"))
+    assert set(state) == PIPELINE_KEYS and state["step"] == 4
+    assert actor.exists() and pipe.exists()  # keep_local_file: True
+
+    local = download_checkpoint(s3.root, tmp_path / "dl", s3.options)  # the latest
+    assert local == str(tmp_path / "dl" / "checkpoint-4")
+    assert (Path(local) / "model.safetensors").read_bytes() == (actor / "model.safetensors"
+                                                                 ).read_bytes()
+
+
+def test_concurrent_rank_processes_commit_once_complete(s3, tmp_path):
+    world = 4
+    cfg = {**config(s3, expected_uploads=world + 1), "storage_options": json.loads(
+        s3.options_json()), "attempt_id": "launch-1"}
+    env = {**os.environ, **s3.env, "PYTHONPATH": str(REPO)}
+
+    def launch(ckpt: str, dirs: list[Path], go: Path) -> list[subprocess.Popen]:
+        return [subprocess.Popen([sys.executable, str(RANK_SCRIPT), json.dumps(cfg), ckpt,
+                                  str(d), str(go)], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for d in dirs]
+
+    def finish(procs: list[subprocess.Popen]) -> None:
+        for p in procs:
+            out, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err[-2000:]
+            assert "uploaded" in out
+
+    # round 1: every rank uploads into checkpoint-2 at once; the pipeline has not yet
+    ranks = [stage_actor(tmp_path, "checkpoint-2", r, size=300_000) for r in range(world)]
+    procs = launch("checkpoint-2", ranks, tmp_path / "go1")
+    time.sleep(1.0)
+    (tmp_path / "go1").touch()
+    finish(procs)
+    up = S3Uploader(**cfg)
+    assert up.get_latest_ckpt() is None  # 4 of 5 parts: invisible
+    info = list_checkpoints(s3.root, s3.options, include_uncommitted=True)
+    assert [(i.name, i.committed) for i in info] == [("checkpoint-2", False)]
+    up.upload("checkpoint-2", str(stage_pipeline(tmp_path, "checkpoint-2", 2)))
+    assert up.get_latest_ckpt() == s3.uri("checkpoint-2")
+    ckpt = open_checkpoint(s3.uri("checkpoint-2"), s3.options)
+    ckpt.verify(deep=True)
+    assert {f"dcp/__{r}_0.distcp" for r in range(world)} <= set(ckpt.files)
+    assert len(ckpt.files) == world + 3
+
+    # round 2: all five parts (pipeline included) race; exactly one commit wins
+    dirs = [stage_actor(tmp_path / "b", "checkpoint-4", r, size=300_000) for r in range(world)]
+    dirs.append(stage_pipeline(tmp_path / "b", "checkpoint-4", 4))
+    procs = launch("checkpoint-4", dirs, tmp_path / "go2")
+    time.sleep(1.0)
+    (tmp_path / "go2").touch()
+    finish(procs)
+    ckpt = open_checkpoint(s3.uri("checkpoint-4"), s3.options)
+    ckpt.verify(deep=True)
+    assert len(ckpt.files) == world + 3 and len(ckpt.metadata["parts"]) == world + 1
+    assert not open_store(s3.uri("checkpoint-4"), s3.options).list(PARTS_DIR)
+
+
+def test_torn_latest_old_rule_differs_and_download_verifies(s3, tmp_path):
+    up = roll_manager_uploader(config(s3, expected_uploads=2))
+    commit_checkpoint(up, tmp_path, 3)
+    # checkpoint-6: the actor part arrived, the pipeline crashed before its upload
+    up.upload("checkpoint-6", str(stage_actor(tmp_path / "6", "checkpoint-6", 0, hf=True)))
+    assert old_roll_latest(s3.root, s3.options) == s3.uri("checkpoint-6")
+    assert up.get_latest_ckpt() == s3.uri("checkpoint-3")
+    assert download_checkpoint(s3.root, tmp_path / "dl", s3.options).endswith("checkpoint-3")
+    with pytest.raises(IncompleteCheckpointError, match="torn"):
+        download_checkpoint(s3.uri("checkpoint-6"), tmp_path / "dl2", s3.options)
+    # a flipped byte in the bucket is caught on download
+    store = open_store(s3.uri("checkpoint-3"), s3.options)
+    data = bytearray(store.get("model.safetensors"))
+    data[10] ^= 0xFF
+    store.put("model.safetensors", bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="model.safetensors"):
+        download_checkpoint(s3.uri("checkpoint-3"), tmp_path / "dl3", s3.options)
+
+
+def test_stale_parts_of_a_crashed_attempt_are_not_committed(s3, tmp_path):
+    first = roll_manager_uploader(config(s3, expected_uploads=2, attempt_id="a1"))
+    first.upload("checkpoint-5", str(stage_pipeline(tmp_path / "a", "checkpoint-5", 5)))
+    (tmp_path / "a" / "extra").mkdir()
+    (tmp_path / "a" / "extra" / "only-a1.bin").write_bytes(b"x")
+    first.upload("checkpoint-5", str(tmp_path / "a" / "extra"), part_id="other")
+    # "other" was an a1 part too, but a1 then crashed; attempt a2 redoes step 5
+    assert first.get_latest_ckpt() == s3.uri("checkpoint-5")  # a1 had 2 parts: committed
+    first_ckpt = open_checkpoint(s3.uri("checkpoint-5"), s3.options)
+    assert "only-a1.bin" in first_ckpt.files
+
+    second = roll_manager_uploader(config(s3, expected_uploads=2, attempt_id="b2"))
+    second.upload("checkpoint-7", str(stage_pipeline(tmp_path / "b", "checkpoint-7", 7)))
+    old = roll_manager_uploader(config(s3, expected_uploads=2, attempt_id="a1"))
+    old.upload("checkpoint-7", str(stage_actor(tmp_path / "old", "checkpoint-7", 0)))
+    assert second.get_latest_ckpt() == s3.uri("checkpoint-5")  # a1's part does not count
+    second.upload("checkpoint-7", str(stage_actor(tmp_path / "b", "checkpoint-7", 1)))
+    ckpt = open_checkpoint(s3.uri("checkpoint-7"), s3.options)
+    assert ckpt.metadata["attempt"] == "b2"
+    assert "dcp/__0_0.distcp" not in ckpt.files and "dcp/__1_0.distcp" in ckpt.files
+    store = open_store(s3.uri("checkpoint-7"), s3.options)
+    assert {o.key for o in store.list()} == set(ckpt.files) | {MANIFEST_NAME}
+
+    # without an attempt id, parts older than the uploader are a crashed attempt's
+    anon_old = roll_manager_uploader(config(s3, expected_uploads=2))
+    anon_old.upload("checkpoint-9", str(stage_actor(tmp_path / "c", "checkpoint-9", 0)))
+    anon_new = roll_manager_uploader(config(s3, expected_uploads=2))
+    anon_new.upload("checkpoint-9", str(stage_pipeline(tmp_path / "c", "checkpoint-9", 9)))
+    assert anon_new.get_latest_ckpt() == s3.uri("checkpoint-7")
+
+
+def test_max_ckpt_to_keep_prunes_the_bucket_but_not_young_torn(s3, tmp_path):
+    up = roll_manager_uploader(config(s3, expected_uploads=2, max_ckpt_to_keep=2))
+    torn = roll_manager_uploader(config(s3, expected_uploads=2))
+    torn.upload("checkpoint-1", str(stage_actor(tmp_path / "t", "checkpoint-1", 0)))
+    for step in (2, 4, 6, 8):
+        commit_checkpoint(up, tmp_path, step)
+    names = [(i.name, i.committed) for i in
+             list_checkpoints(s3.root, s3.options, include_uncommitted=True)]
+    assert sorted(names) == [("checkpoint-1", False), ("checkpoint-6", True),
+                             ("checkpoint-8", True)]
+    assert old_roll_latest(s3.root, s3.options) == s3.uri("checkpoint-8")
+    eager = roll_manager_uploader(config(s3, expected_uploads=2, max_ckpt_to_keep=2,
+                                         torn_grace_seconds=0))
+    commit_checkpoint(eager, tmp_path, 10)
+    names = sorted(i.name for i in list_checkpoints(s3.root, s3.options,
+                                                    include_uncommitted=True))
+    assert names == ["checkpoint-10", "checkpoint-8"]
+
+
+def test_async_upload_survives_roll_deleting_local_and_surfaces_errors(s3, tmp_path):
+    up = roll_manager_uploader(config(s3, expected_uploads=2, async_upload=True,
+                                      keep_local_file=False))
+    actor = stage_actor(tmp_path, "checkpoint-2", 0, hf=True, size=400_000)
+    pipe = stage_pipeline(tmp_path, "checkpoint-2", 2)
+    for d in (actor, pipe):
+        up.upload(ckpt_id="checkpoint-2", local_state_path=str(d))
+        shutil.rmtree(d)  # ROLL's CheckpointManager deletes it as soon as upload returns
+    up.wait()
+    open_checkpoint(s3.uri("checkpoint-2"), s3.options).verify(deep=True)
+    assert not list(tmp_path.rglob(".cloudckpt-staging-*"))  # staging cleaned up
+
+    bad = roll_manager_uploader({**config(s3, expected_uploads=1, async_upload=True,
+                                          keep_local_file=False),
+                                 "output_dir": "s3://no-such-bucket-cloudckpt/x"})
+    local = stage_pipeline(tmp_path / "bad", "checkpoint-3", 3)
+    bad.upload("checkpoint-3", str(local))  # returns at once
+    with pytest.raises(StorageError, match="background checkpoint upload failed"):
+        bad.wait()
+    assert (local / "pipeline" / "worker_state_pipeline.json").exists()  # not deleted
+    bad.upload("checkpoint-4", str(stage_pipeline(tmp_path / "bad", "checkpoint-4", 4)))
+    time.sleep(0.5)
+    while bad._pending and not bad._pending[-1].done():
+        time.sleep(0.05)
+    with pytest.raises(StorageError):  # the next call raises the earlier error
+        bad.upload("checkpoint-5", str(stage_pipeline(tmp_path / "bad", "checkpoint-5", 5)))
+
+
+def test_gcs_uploader_commits_and_finds_latest(gcs, tmp_path):
+    up = roll_manager_uploader({"type": "gcs", "output_dir": gcs.root, "async_upload": True,
+                                "keep_local_file": True, "expected_uploads": 2,
+                                "storage_options": gcs.options})
+    assert isinstance(up, GcsUploader)
+    up.upload("checkpoint-2", str(stage_actor(tmp_path, "checkpoint-2", 0, hf=True)))
+    up.wait()
+    assert up.get_latest_ckpt() is None
+    up.upload("checkpoint-2", str(stage_pipeline(tmp_path, "checkpoint-2", 2)))
+    up.wait()
+    assert up.get_latest_ckpt() == gcs.uri("checkpoint-2")
+    open_checkpoint(gcs.uri("checkpoint-2"), gcs.options).verify(deep=True)
+
+
+def test_model_download_registry_resumes_from_bucket_uri(s3, tmp_path):
+    up = roll_manager_uploader(config(s3, expected_uploads=2))
+    commit_checkpoint(up, tmp_path, 3)
+    calls = []
+    registry = {"MODELSCOPE": lambda name, local_dir=None: calls.append(name) or name}
+    uploaders: dict = {}
+    register(uploaders, registry)
+    wrap_model_downloaders(registry, s3.options)  # again: with options, not double-wrapped
+    assert registry["MODELSCOPE"]("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
+    path = registry["MODELSCOPE"](up.get_latest_ckpt(), str(tmp_path / "resume"))
+    assert calls == ["Qwen/Qwen2.5-0.5B"] and path.endswith("checkpoint-3")
+    assert json.loads((Path(path) / "pipeline" / "worker_state_pipeline.json").read_text()
+                      )["step"] == 3
+    assert set(uploaders) == {"s3", "gcs"} and roll.CKPT_RE.match("checkpoint-12")
+
+
+# --------------------------------------------------------------- end to end
+
+def run(s3, root: str, staging: Path, *extra: str, kill_at: int | None = None) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(EXAMPLE),
+           "--config", str(CONFIG), "--storage-options", s3.options_json(),
+           "--set", f"checkpoint_config.output_dir={root}", "--set", f"output_dir={staging}",
+           "--step-delay", "0.15", *extra]
+    env = {**os.environ, **s3.env, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": str(REPO)}
+    if kill_at is None:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "done" in proc.stdout
+        return proc.stdout
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=env, start_new_session=True)
+    from test_resume import kill_tree
+
+    seen = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith(f"step {kill_at} "):
+            kill_tree(proc.pid)
+            break
+    proc.wait(timeout=60)
+    assert f"step {kill_at} " in "".join(seen)
+    return "".join(seen)
+
+
+def losses(out: str) -> dict[int, str]:
+    return {int(ln.split()[1]): ln.split()[3] for ln in out.splitlines()
+            if ln.startswith("step ") and " loss " in ln}
+
+
+def test_sigkill_then_resume_from_bucket_is_bit_exact(s3, tmp_path):
+    ref_out = run(s3, s3.uri("ref"), tmp_path / "ref", "--out", str(tmp_path / "ref.pt"))
+    reference = losses(ref_out)
+    assert sorted(reference) == list(range(12))
+    ref_params = torch.load(tmp_path / "ref.pt", weights_only=True)
+
+    # layout of the last checkpoint (pruned to max_ckpt_to_keep=2 in the bucket too)
+    assert [c.name for c in list_checkpoints(s3.uri("ref"), s3.options)] == [
+        "checkpoint-9", "checkpoint-11"]
+    last = open_checkpoint(s3.uri("ref", "checkpoint-11"), s3.options)
+    assert set(last.files) == {
+        "config.json", "model.safetensors", "dcp/.metadata", "dcp/__0_0.distcp",
+        "dcp/__1_0.distcp", "rng_state/rng_state_0.pth", "rng_state/rng_state_1.pth",
+        "pipeline/worker_state_pipeline.json", "pipeline/rng_state_pipeline.pth"}
+    raw = last.read("pipeline/worker_state_pipeline.json").decode()
+    state = json.loads(raw)
+    assert set(state) == PIPELINE_KEYS and state["step"] == 11
+    assert raw == json.dumps(state, indent=2, sort_keys=True)
+    assert not list((tmp_path / "ref").rglob("*.distcp"))  # keep_local_file: false
+
+    # killed right after the async save of step 6 started: resume from "latest"
+    first = run(s3, s3.uri("a"), tmp_path / "a", "--set", "resume_from_checkpoint=latest",
+                kill_at=7)
+    second = run(s3, s3.uri("a"), tmp_path / "a", "--set", "resume_from_checkpoint=latest",
+                 "--out", str(tmp_path / "a.pt"))
+    m = re.search(r"resumed at step (\d+) from (\S+)", second)
+    assert m and int(m.group(1)) in (4, 7), second
+    merged = {**losses(first), **losses(second)}
+    assert merged == reference
+    for part in (first, second):
+        assert all(reference[s] == v for s, v in losses(part).items())
+    params = torch.load(tmp_path / "a.pt", weights_only=True)
+    assert params.keys() == ref_params.keys()
+    assert all(torch.equal(params[k], ref_params[k]) for k in params)
+
+    # killed later; resume from an explicit s3:// checkpoint URI
+    run(s3, s3.uri("b"), tmp_path / "b", kill_at=10)
+    latest = S3Uploader(output_dir=s3.uri("b"), storage_options=s3.options).get_latest_ckpt()
+    assert latest is not None and latest.startswith("s3://")
+    third = run(s3, s3.uri("b"), tmp_path / "b", "--set", f"resume_from_checkpoint={latest}",
+                "--out", str(tmp_path / "b.pt"))
+    assert f"from {latest}" in third
+    assert all(reference[s] == v for s, v in losses(third).items())
+    params = torch.load(tmp_path / "b.pt", weights_only=True)
+    assert all(torch.equal(params[k], ref_params[k]) for k in params)
