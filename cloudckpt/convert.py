@@ -30,8 +30,11 @@ AUTO_PREFIXES = ("model.", "fsdp_checkpoint.model.", "")
 
 def _dcp_store(uri: str | Store, storage_options: Mapping[str, Any] | None) -> Store:
     store = uri if isinstance(uri, Store) else open_store(uri, storage_options)
-    if open_checkpoint(store).manifest.kind == TRAINING_KIND:
+    kind = open_checkpoint(store).manifest.kind
+    if kind == TRAINING_KIND:
         return store.child(MODEL_PART)  # a manager/slot checkpoint: its DCP part
+    if kind == "rlinf":  # an RLinf global_step_N: its actor's DCP part
+        return store.child("actor/dcp_checkpoint")
     return store
 
 
