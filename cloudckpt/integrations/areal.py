@@ -401,14 +401,12 @@ def _full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------- Saver
 
 
-class Saver:
-    """AReaL's ``Saver``: a Hugging Face export of the model when due, each to a new
-    ``{name}/epoch{E}epochstep{S}globalstep{G}/`` committed with a manifest (a crash
-    mid-export leaves an invisible prefix that :func:`latest_export` skips)."""
+class _Periodic:
+    """What Saver and RecoverHandler share: their config, where they write, and the
+    frequency control that decides when."""
 
-    def __init__(self, config: SaverConfig, steps_per_epoch: int, *,
-                 storage_options: Mapping[str, Any] | None = None,
-                 process_group: Any = None) -> None:
+    def __init__(self, config: SaverConfig | RecoverConfig, steps_per_epoch: int,
+                 storage_options: Mapping[str, Any] | None, process_group: Any) -> None:
         if steps_per_epoch < 1:
             raise ConfigError(f"steps_per_epoch must be >= 1, got {steps_per_epoch}")
         self.config = config
@@ -417,6 +415,17 @@ class Saver:
         self.group = process_group
         self.freq_ctl = FreqCtl(config.freq_epochs, config.freq_steps, config.freq_secs,
                                 process_group)
+
+
+class Saver(_Periodic):
+    """AReaL's ``Saver``: a Hugging Face export of the model when due, each to a new
+    ``{name}/epoch{E}epochstep{S}globalstep{G}/`` committed with a manifest (a crash
+    mid-export leaves an invisible prefix that :func:`latest_export` skips)."""
+
+    def __init__(self, config: SaverConfig, steps_per_epoch: int, *,
+                 storage_options: Mapping[str, Any] | None = None,
+                 process_group: Any = None) -> None:
+        super().__init__(config, steps_per_epoch, storage_options, process_group)
         if config.mode == "async":
             log.warning("saver mode 'async' applies to AReaL's Archon engine only; HF exports "
                         "here are synchronous (as AReaL does for other engines)")
@@ -500,7 +509,7 @@ class RecoverInfo:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class RecoverHandler:
+class RecoverHandler(_Periodic):
     """AReaL's ``RecoverHandler`` with an atomic recover checkpoint.
 
     ``dump`` (call on every rank, every step) writes, when due, one slot generation at
@@ -513,14 +522,7 @@ class RecoverHandler:
     def __init__(self, config: RecoverConfig, steps_per_epoch: int, *,
                  storage_options: Mapping[str, Any] | None = None,
                  process_group: Any = None) -> None:
-        if steps_per_epoch < 1:
-            raise ConfigError(f"steps_per_epoch must be >= 1, got {steps_per_epoch}")
-        self.config = config
-        self.steps_per_epoch = steps_per_epoch
-        self.storage_options = dict(storage_options or {})
-        self.group = process_group
-        self.freq_ctl = FreqCtl(config.freq_epochs, config.freq_steps, config.freq_secs,
-                                process_group)
+        super().__init__(config, steps_per_epoch, storage_options, process_group)
         self.last_step_info = StepInfo(steps_per_epoch=steps_per_epoch)
         self._info_store: Store | None = None
 
