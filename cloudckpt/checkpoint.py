@@ -124,6 +124,16 @@ class CheckpointWriter:
         with self._lock:
             self._entries[path] = FileEntry(size, crc32c)
 
+    def add_part(self, prefix: str) -> Checkpoint:
+        """Record the committed checkpoint at ``prefix`` (below this one) as a part:
+        its objects and its own manifest, so this manifest covers all of them."""
+        part = open_checkpoint(self.store.child(prefix))
+        for path, entry in part.manifest.files.items():
+            self.add_existing(f"{prefix}/{path}", entry.size, entry.crc32c)
+        raw = part.store.get(MANIFEST_NAME)
+        self.add_existing(f"{prefix}/{MANIFEST_NAME}", len(raw), crc32c_hex(raw))
+        return part
+
     @property
     def entries(self) -> dict[str, FileEntry]:
         with self._lock:

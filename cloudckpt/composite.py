@@ -23,8 +23,13 @@ from typing import Any
 from . import _dist
 from . import dcp as cdcp
 from .checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
-from .crc import crc32c_hex
-from .errors import CloudCkptError, ConfigError, CorruptCheckpointError, StorageError
+from .errors import (
+    CloudCkptError,
+    CommitConflictError,
+    ConfigError,
+    CorruptCheckpointError,
+    StorageError,
+)
 from .manifest import MANIFEST_NAME
 from .state import Stateful, StepInfo, dumps_state, get_rng_state, loads_state, set_rng_state
 from .storage import Store, open_store
@@ -94,21 +99,9 @@ def write(
     """
     store = uri if isinstance(uri, Store) else open_store(uri, storage_options)
     rank, world = _dist.rank(group), _dist.world_size(group)
-    outcome: tuple[str, str] = ("ok", "")
-    if rank == 0:
-        if store.exists(MANIFEST_NAME):
-            outcome = ("conflict", f"a checkpoint is already committed at {store.uri}")
-        elif store.list():
-            # Leftovers of a save that crashed before its commit: invisible to every
-            # reader, and in the way of this save's create-only commits.
-            log.warning("replacing the uncommitted leftovers of an earlier save at %s",
-                        store.uri)
-            store.delete_prefix("")
-    outcome = _dist.broadcast_object(outcome, group)
-    if outcome[0] != "ok":
-        from .errors import CommitConflictError
-
-        raise CommitConflictError(outcome[1] + "; checkpoints are immutable, use a new URI")
+    conflict = claim_prefix(store, group)
+    if conflict:
+        raise CommitConflictError(conflict + "; checkpoints are immutable, use a new URI")
     cdcp.save(dict(app_state), store.child(MODEL_PART), process_group=group, step=step)
     try:
         info = store.put(_rank_key(rank), dumps_state(captured.per_rank))
@@ -134,17 +127,31 @@ def write(
     return committed
 
 
+def claim_prefix(store: Store, group: Any = None) -> str | None:
+    """Make ``store`` ready for a multi-part save, agreed on every rank.
+
+    Returns why it cannot be used (a checkpoint is committed there), or None.
+    Leftovers of a save that crashed before its commit are deleted first: they
+    are invisible to every reader, and in the way of the parts' create-only
+    commits.
+    """
+    conflict = None
+    if _dist.rank(group) == 0:
+        if store.exists(MANIFEST_NAME):
+            conflict = f"a checkpoint is already committed at {store.uri}"
+        elif store.list():
+            log.warning("replacing the uncommitted leftovers of an earlier save at %s",
+                        store.uri)
+            store.delete_prefix("")
+    return _dist.broadcast_object(conflict, group)
+
+
 def _commit(store: Store, captured: Captured, gathered: list[tuple], step: int | None,
             metadata: Mapping[str, Any] | None, world: int) -> Checkpoint:
     writer = CheckpointWriter(store, step=step, kind=KIND, metadata={
         **dict(metadata or {}), "world_size": world, "parts": [MODEL_PART, "state"],
         "step_info": captured.shared.get(_STEP_INFO)})
-    model = open_checkpoint(store.child(MODEL_PART))
-    for path, entry in model.manifest.files.items():
-        writer.add_existing(f"{MODEL_PART}/{path}", entry.size, entry.crc32c)
-    model_manifest = model.store.get(MANIFEST_NAME)
-    writer.add_existing(f"{MODEL_PART}/{MANIFEST_NAME}", len(model_manifest),
-                        crc32c_hex(model_manifest))
+    writer.add_part(MODEL_PART)
     for _, key, size, crc in gathered:
         writer.add_existing(key, size, crc)
     writer.put(SHARED, dumps_state(captured.shared))

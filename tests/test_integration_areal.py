@@ -16,7 +16,8 @@ from pathlib import Path
 import areal_legacy
 import pytest
 import torch
-from test_resume import assert_same_params, assert_same_run, kill_tree, losses
+from test_resume import assert_same_params, assert_same_run
+from training_runs import losses, run_and_kill
 
 from cloudckpt import StepInfo, open_store
 from cloudckpt.errors import ConfigError
@@ -188,16 +189,8 @@ def test_sigkill_relaunch_resume_is_bit_exact(s3, tmp_path):
     assert sorted(reference) == list(range(STEPS))
 
     # 1. SIGKILL from outside at step 7, between dumps (last dump: step 5)
-    proc = subprocess.Popen(_cmd(s3, "crashy"), stdout=subprocess.PIPE, text=True,
-                            stderr=subprocess.DEVNULL, env=_env(), start_new_session=True)
-    first = []
-    for line in proc.stdout:
-        first.append(line)
-        if line.startswith("step 7 "):
-            kill_tree(proc.pid)
-            break
-    proc.wait(timeout=60)
-    assert "dumped step 5" in "".join(first) and "dumped step 8" not in "".join(first)
+    first = run_and_kill(_cmd(s3, "crashy"), _env(), 7)
+    assert "dumped step 5" in first and "dumped step 8" not in first
 
     # 2. the launcher: the relaunch crashes once more (at step 10), the next one finishes
     log = tmp_path / "launch.log"
@@ -213,7 +206,7 @@ def test_sigkill_relaunch_resume_is_bit_exact(s3, tmp_path):
     assert "resumed at step 6" in text and "resumed at step 9" in text
     assert "crashing at step 10" in text and text.rstrip().endswith("done")
     runs = text.split("resumed at step")
-    assert_same_run(reference, "".join(first), *runs)
+    assert_same_run(reference, first, *runs)
     assert_same_params(tmp_path / "ref.pt", tmp_path / "resumed.pt")
 
 

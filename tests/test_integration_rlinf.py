@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from dist_run import free_port, run_ranks
-from test_resume import kill_tree
+from dist_run import run_ranks
+from training_runs import launcher, losses, run_and_kill
 
 from cloudckpt import IncompleteCheckpointError, list_checkpoints, open_checkpoint, open_store
 from cloudckpt.dcp import CloudStorageReader, adopt
@@ -39,11 +39,7 @@ MAX_STEPS, EVERY = 12, 3
 
 
 def command(backend, output_dir: str, ranks: int, *extra: str) -> list[str]:
-    launcher = [sys.executable]
-    if ranks > 1:
-        launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
-                     "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
-    return [*launcher, str(EXAMPLE), "--storage-options", backend.options_json(), *extra,
+    return [*launcher(ranks), str(EXAMPLE), "--storage-options", backend.options_json(), *extra,
             f"runner.output_dir={output_dir}", f"runner.max_steps={MAX_STEPS}",
             f"runner.save_interval={EVERY}"]
 
@@ -60,28 +56,6 @@ def run(backend, output_dir: str, ranks: int, *extra: str, ok: bool = True) -> s
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "done" in proc.stdout
     return proc.stdout + proc.stderr
-
-
-def run_and_kill(backend, output_dir: str, ranks: int, kill_at: int) -> str:
-    """Start training; SIGKILL every process of it once it has printed step ``kill_at``."""
-    proc = subprocess.Popen(command(backend, output_dir, ranks), stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env=child_env(),
-                            start_new_session=True)
-    seen = []
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        seen.append(line)
-        if line.startswith(f"step {kill_at} "):
-            kill_tree(proc.pid)
-            break
-    proc.wait(timeout=60)
-    assert f"step {kill_at} " in "".join(seen), "".join(seen)
-    return "".join(seen)
-
-
-def losses(output: str) -> dict[int, str]:
-    return {int(line.split()[1]): line.split()[3] for line in output.splitlines()
-            if line.startswith("step ") and " loss " in line}
 
 
 def assert_same_run(reference: dict[int, str], *parts: str) -> None:
@@ -221,7 +195,7 @@ def test_two_ranks_sigkill_resume_explicit_uri_bit_exact_and_layout(s3, tmp_path
     # SIGKILL the whole torchrun job from outside at a random step.
     out = s3.uri("kill2")
     kill_at = random.Random(2).randrange(4, MAX_STEPS - 1)
-    first = run_and_kill(s3, out, 2, kill_at)
+    first = run_and_kill(command(s3, out, 2), child_env(), kill_at)
     kroot = open_store(rlinf.checkpoints_root(out, "tiny-grpo"), s3.options)
     committed = list_checkpoints(kroot)
     assert committed, "no checkpoint committed before the kill"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_run import free_port
+from training_runs import launcher, losses, run_and_kill
 
 from cloudckpt import (
     MANIFEST_NAME,
@@ -315,8 +315,7 @@ def test_model_download_registry_resumes_from_bucket_uri(s3, tmp_path):
 # --------------------------------------------------------------- end to end
 
 def run(s3, root: str, staging: Path, *extra: str, kill_at: int | None = None) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(EXAMPLE),
+    cmd = [*launcher(2), str(EXAMPLE),
            "--config", str(CONFIG), "--storage-options", s3.options_json(),
            "--set", f"checkpoint_config.output_dir={root}", "--set", f"output_dir={staging}",
            "--step-delay", "0.15", *extra]
@@ -327,25 +326,7 @@ def run(s3, root: str, staging: Path, *extra: str, kill_at: int | None = None) -
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "done" in proc.stdout
         return proc.stdout
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env=env, start_new_session=True)
-    from test_resume import kill_tree
-
-    seen = []
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        seen.append(line)
-        if line.startswith(f"step {kill_at} "):
-            kill_tree(proc.pid)
-            break
-    proc.wait(timeout=60)
-    assert f"step {kill_at} " in "".join(seen)
-    return "".join(seen)
-
-
-def losses(out: str) -> dict[int, str]:
-    return {int(ln.split()[1]): ln.split()[3] for ln in out.splitlines()
-            if ln.startswith("step ") and " loss " in ln}
+    return run_and_kill(cmd, env, kill_at)
 
 
 def test_sigkill_then_resume_from_bucket_is_bit_exact(s3, tmp_path):

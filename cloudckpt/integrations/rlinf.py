@@ -36,7 +36,7 @@ from typing import Any
 
 from .. import _dist
 from ..checkpoint import Checkpoint, CheckpointWriter, list_checkpoints, open_checkpoint
-from ..crc import crc32c_hex
+from ..composite import claim_prefix
 from ..errors import (
     CheckpointNotFoundError,
     CloudCkptError,
@@ -294,18 +294,10 @@ class RLinfCheckpointer:
 
         store = self.store.child(step_name(step))
         rank, world = _dist.rank(self.group), _dist.world_size(self.group)
-        outcome = ("ok", "")
-        if rank == 0:
-            if store.exists(MANIFEST_NAME):
-                outcome = ("conflict", f"{store.uri} is already committed")
-            elif store.list():
-                log.warning("replacing the uncommitted leftovers of an earlier save at %s",
-                            store.uri)
-                store.delete_prefix("")
-        outcome = _dist.broadcast_object(outcome, self.group)
-        if outcome[0] != "ok":
+        conflict = claim_prefix(store, self.group)
+        if conflict:
             raise CommitConflictError(
-                f"{outcome[1]}; checkpoints are immutable. This run resumed from an earlier "
+                f"{conflict}; checkpoints are immutable. This run resumed from an earlier "
                 f"step than the newest one: delete the later steps first "
                 f"(cloudckpt rm {store.uri}) or resume with resume_dir: auto")
         parts = [ACTOR] + ([CRITIC] if critic is not None else [])
@@ -320,7 +312,7 @@ class RLinfCheckpointer:
                     **dict(metadata or {}), "world_size": world, "parts": parts,
                     "layout": "rlinf-fsdp", "key_prefix": KEY_PREFIX})
                 for part in parts:
-                    _add_part(writer, store, f"{part}/{DCP_DIR}")
+                    writer.add_part(f"{part}/{DCP_DIR}")
                 if data_state is not None:
                     buf = io.BytesIO()
                     torch.save(data_state, buf)
@@ -388,14 +380,6 @@ class RLinfCheckpointer:
         log.info("resumed from %s at global step %d", ckpt.uri, step)
         return Resumed(step, ckpt, data)
 
-
-def _add_part(writer: CheckpointWriter, root: Store, part: str) -> None:
-    """List a committed DCP part (its objects and its manifest) in the root manifest."""
-    sub = open_checkpoint(root.child(part))
-    for path, entry in sub.manifest.files.items():
-        writer.add_existing(f"{part}/{path}", entry.size, entry.crc32c)
-    raw = sub.store.get(MANIFEST_NAME)
-    writer.add_existing(f"{part}/{MANIFEST_NAME}", len(raw), crc32c_hex(raw))
 
 
 def read_data_state(ckpt: Checkpoint) -> Any:

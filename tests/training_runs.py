@@ -1,0 +1,65 @@
+"""Real training runs for the resume tests: launch, SIGKILL at a step, read losses.
+
+Training scripts print ``step N loss <float.hex()>`` per step (rank 0), so runs
+compare exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from dist_run import free_port
+
+
+def launcher(ranks: int) -> list[str]:
+    """The command prefix running a script on ``ranks`` gloo ranks (torchrun when > 1)."""
+    cmd = [sys.executable]
+    if ranks > 1:
+        cmd += ["-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
+                "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
+    return cmd
+
+
+def losses(output: str) -> dict[int, str]:
+    """``{step: loss}`` from a run's stdout."""
+    return {int(line.split()[1]): line.split()[3] for line in output.splitlines()
+            if line.startswith("step ") and " loss " in line}
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants (torchrun's workers run in
+    sessions of their own, so killing the process group is not enough)."""
+    def children(p: int) -> list[int]:
+        try:
+            text = Path(f"/proc/{p}/task/{p}/children").read_text()
+        except OSError:
+            return []
+        kids = [int(c) for c in text.split()]
+        return kids + [g for k in kids for g in children(k)]
+
+    for p in [*children(pid), pid]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run_and_kill(cmd: list[str], env: dict, kill_at_step: int) -> str:
+    """Start a run and SIGKILL every process of it once it has printed ``kill_at_step``.
+    Returns what it printed."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=env, start_new_session=True)
+    seen = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith(f"step {kill_at_step} "):
+            kill_tree(proc.pid)
+            break
+    proc.wait(timeout=60)
+    assert f"step {kill_at_step} " in "".join(seen), "".join(seen)
+    return "".join(seen)
