@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .claim import WriterClaim
 from .crc import Buffer, crc32c_hex
 from .errors import (
     CheckpointNotFoundError,
@@ -57,6 +58,11 @@ class CheckpointWriter:
     writes no manifest, so nothing becomes visible. Objects already written
     then stay as an uncommitted prefix for ``cloudckpt gc`` or a retry of the
     same save to overwrite.
+
+    One writer per URI: the first object written claims the prefix (see
+    :mod:`cloudckpt.claim`), and a second live writer gets a
+    :class:`CommitConflictError` before it writes anything. ``takeover``
+    replaces the claim of a writer on another host that is known to be dead.
     """
 
     def __init__(
@@ -67,8 +73,10 @@ class CheckpointWriter:
         metadata: Mapping[str, Any] | None = None,
         kind: str = "generic",
         storage_options: Mapping[str, Any] | None = None,
+        takeover: bool = False,
     ) -> None:
         self.store = _store_for(uri, storage_options)
+        self._claim = WriterClaim(self.store, takeover=takeover)
         self.step = step
         self.metadata = dict(metadata or {})
         self.kind = kind
@@ -98,7 +106,9 @@ class CheckpointWriter:
 
     def put(self, path: str, data: Buffer) -> ObjectInfo:
         """Write one object of the checkpoint."""
-        info = self.store.put(self._check_path(path), data)
+        path = self._check_path(path)
+        self._claim.acquire()
+        info = self.store.put(path, data)
         self._record(info)
         return info
 
@@ -106,6 +116,7 @@ class CheckpointWriter:
         """Write many objects in parallel."""
         for p in items:
             self._check_path(p)
+        self._claim.acquire()
         infos = self.store.put_many(items)
         for info in infos.values():
             self._record(info)
@@ -114,6 +125,7 @@ class CheckpointWriter:
     def open(self, path: str) -> _TrackedWriter:
         """Stream a large object; it is recorded when the writer closes."""
         self._check_path(path)
+        self._claim.acquire()
         with self._lock:
             self._open.add(path)
         return _TrackedWriter(self, path)
@@ -150,7 +162,9 @@ class CheckpointWriter:
                 )
             manifest = Manifest(files=dict(self._entries), step=self.step,
                                 metadata=self.metadata, kind=self.kind)
+        self._claim.check()
         self.store.put_if_absent(MANIFEST_NAME, manifest.to_json())
+        self._claim.release()
         log.info("committed %s (step %s, %d objects, %d bytes)", self.uri, self.step,
                  len(manifest.files), manifest.total_size)
         self._committed = Checkpoint(self.store, manifest)
@@ -163,6 +177,7 @@ class CheckpointWriter:
         if exc_type is None:
             self.commit()
         elif self._committed is None:
+            self._claim.release(verify=True)
             log.warning("save to %s failed (%s); no manifest written, the prefix stays "
                         "uncommitted and invisible", self.uri, exc_type.__name__)
 

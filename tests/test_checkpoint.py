@@ -94,11 +94,15 @@ def test_racing_commits_have_one_winner(backend):
     a = CheckpointWriter(uri, step=5, metadata={"who": "a"}, storage_options=backend.options)
     b = CheckpointWriter(uri, step=5, metadata={"who": "b"}, storage_options=backend.options)
     a.put("x.bin", b"from a")
-    b.put("y.bin", b"from b")
+    # b is stopped before it writes: its objects would land in a's checkpoint.
+    with pytest.raises(CommitConflictError, match="another save is writing"):
+        b.put("x.bin", b"from b")
     a.commit()
     with pytest.raises(CommitConflictError):
         b.commit()
-    assert open_checkpoint(uri, backend.options).metadata == {"who": "a"}
+    ckpt = open_checkpoint(uri, backend.options)
+    assert ckpt.metadata == {"who": "a"} and ckpt.read("x.bin") == b"from a"
+    assert not open_store(uri, backend.options).exists(".cloudckpt-writer.json")
 
 
 def test_flipped_byte_is_detected(backend):
