@@ -178,6 +178,9 @@ class CheckpointWriter:
             self.commit()
         elif self._committed is None:
             self._claim.release(verify=True)
+            if issubclass(exc_type, CommitConflictError):
+                log.warning("save to %s lost to another writer: %s", self.uri, exc)
+                return
             log.warning("save to %s failed (%s); no manifest written, the prefix stays "
                         "uncommitted and invisible", self.uri, exc_type.__name__)
 

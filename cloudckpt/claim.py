@@ -7,7 +7,8 @@ the committed checkpoint is torn. So before a writer puts its first object it
 creates ``.cloudckpt-writer.json`` in the prefix, create-only; a second writer
 finds it and stops before writing anything. The claim is re-read just before
 the manifest is committed (a writer whose claim was taken over must not
-commit) and removed after.
+commit) and removed after; a writer that gets the claim checks that no
+manifest appeared meanwhile (the claim of a writer that committed is gone).
 
 A claim whose writer is gone does not block a retry of the same save: a
 writer in this process that was closed or collected, or a process on this
@@ -28,6 +29,7 @@ import uuid
 from typing import Any
 
 from .errors import CommitConflictError
+from .manifest import MANIFEST_NAME
 from .storage import Store
 
 log = logging.getLogger("cloudckpt")
@@ -104,11 +106,17 @@ class WriterClaim:
                 self.store.put_if_absent(CLAIM_NAME, data)
             except CommitConflictError:
                 self._replace(data)
+            self.held = True
+            # A writer that committed released its claim: a late one must not write.
+            if self.store.exists(MANIFEST_NAME):
+                self.release()
+                raise CommitConflictError(
+                    f"a checkpoint was committed at {self.store.uri} while this save "
+                    "started; checkpoints are immutable. Choose a new URI.")
         except BaseException:
             with _live_lock:
                 _live.discard(self.writer)
             raise
-        self.held = True
 
     def _replace(self, data: bytes) -> None:
         try:
