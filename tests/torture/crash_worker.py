@@ -1,0 +1,286 @@
+"""Workloads the crash torture SIGKILLs at random instants, and the fresh-process
+checks that run after each kill.
+
+Every workload loops until it is killed, appending what it starts and what
+returned to an event log (``start 7``, ``commit 7``, ``start-delete 4``,
+``delete 4``); a line is written only after the operation returned, so the
+log says exactly which saves were acknowledged. Contents are a function of the
+step, so a check can tell that what it loads is the state of that step.
+
+The functions run in processes forked from a server that imported torch and
+cloudckpt once (multiprocessing's forkserver), so a trial costs milliseconds
+of start-up, not seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import cloudckpt.dcp as cdcp
+from cloudckpt import (
+    CheckpointManager,
+    CheckpointWriter,
+    ManagerOptions,
+    RecoverSlot,
+    StepInfo,
+    delete_checkpoint,
+    latest_checkpoint,
+    list_checkpoints,
+    open_checkpoint,
+    open_store,
+)
+from cloudckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError
+from cloudckpt.gc import collect, find_garbage
+
+KEEP = 3  # retention of the store workloads: delete step s-KEEP after committing s
+TENSOR_ROWS = 64
+
+
+class Events:
+    """Append-only event log shared by the workload and the test."""
+
+    def __init__(self, path: str, errors_only: bool = False) -> None:
+        self._f = open(path, "a", buffering=1)  # noqa: SIM115 - lives until the kill
+        self._errors_only = errors_only
+
+    def say(self, kind: str, step: int | str = "") -> None:
+        if not self._errors_only or kind == "error":
+            self._f.write(f"{kind} {step}".rstrip() + "\n")
+
+
+def read_events(path: str) -> list[tuple[str, str]]:
+    """The events logged so far, as (kind, value) pairs."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [tuple((line.split(" ", 1) + [""])[:2]) for line in f.read().splitlines()]
+
+
+def payload(step: int) -> dict[str, bytes]:
+    """The objects of step ``step``: a few small ones and one large enough to go multipart."""
+    rng = random.Random(step)
+    objs = {f"shard-{i}.bin": rng.randbytes(rng.randrange(1, 40_000)) for i in range(4)}
+    objs["big.bin"] = rng.randbytes(300_000 + rng.randrange(400_000))
+    return objs
+
+
+def tensor_for(step: int) -> torch.Tensor:
+    """The model state of step ``step``."""
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(TENSOR_ROWS, 1024, generator=g)
+
+
+def _guard(events: Events, fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except BaseException:
+        events.say("error", json.dumps(traceback.format_exc()))
+        raise
+
+
+def _latest_step(root: str, opts: dict[str, Any]) -> int:
+    latest = latest_checkpoint(root, opts)
+    return latest.step if latest is not None and latest.step is not None else 0
+
+
+def _retire(root: str, opts: dict[str, Any], events: Events, step: int) -> None:
+    if step < 1:
+        return
+    events.say("start-delete", step)
+    try:
+        delete_checkpoint(f"{root}/step-{step}", opts)
+    except (CheckpointNotFoundError, IncompleteCheckpointError):
+        pass  # never committed (a kill before its commit), or gone already
+    events.say("delete", step)
+
+
+# --------------------------------------------------------------- workloads
+
+
+def store_ops(root: str, opts: dict[str, Any], log: str, seed: int, with_gc: bool) -> None:
+    """Commit immutable checkpoints step after step, retire old ones; with ``with_gc``
+    also leave a torn prefix, save a recover slot, and collect garbage each round."""
+    events = Events(log)
+
+    def run() -> None:
+        step = _latest_step(root, opts) + 1
+        slot = RecoverSlot(f"{root}/slot", storage_options=opts)
+        events.say("ready")
+        while True:
+            events.say("start", step)
+            objs = payload(step)
+            big = objs.pop("big.bin")
+            with CheckpointWriter(f"{root}/step-{step}", step=step, storage_options=opts) as w:
+                w.put_many(objs)
+                with w.open("big.bin") as f:
+                    for i in range(0, len(big), 100_000):
+                        f.write(big[i:i + 100_000])
+            events.say("commit", step)
+            _retire(root, opts, events, step - KEEP)
+            if with_gc:
+                torn = open_store(f"{root}/torn-{step}", opts)
+                torn.put_many({f"part-{i}": b"x" * 10_000 for i in range(3)})
+                events.say("start-slot", step)
+                slot.save({"w": tensor_for(step)}, step=step, rng=False)
+                events.say("slot", step)
+                collect(find_garbage(root, opts, grace_seconds=0.0), opts)
+                events.say("gc", step)
+            step += 1
+
+    _guard(events, run)
+
+
+def slot_ops(root: str, opts: dict[str, Any], log: str, seed: int) -> None:
+    """Overwrite one recover slot again and again."""
+    events = Events(log)
+
+    def run() -> None:
+        slot = RecoverSlot(f"{root}/slot", storage_options=opts)
+        step = int((slot.info() or {}).get("step") or 0) + 1
+        events.say("ready")
+        while True:
+            events.say("start", step)
+            slot.save({"w": tensor_for(step)}, step=step, rng=False)
+            events.say("commit", step)
+            step += 1
+
+    _guard(events, run)
+
+
+def async_ops(root: str, opts: dict[str, Any], log: str, seed: int) -> None:
+    """A CheckpointManager saving every step in the background while 'training'."""
+    events = Events(log)
+    rng = random.Random(seed)
+
+    def run() -> None:
+        mgr = CheckpointManager(root, ManagerOptions(every_steps=1, async_save=True),
+                                storage_options=opts)
+        state = {"w": torch.zeros(TENSOR_ROWS, 1024)}
+        step = 1
+        events.say("ready")
+        while True:
+            state["w"].copy_(tensor_for(step))
+            events.say("start", step)
+            mgr.save(StepInfo(global_step=step), state, rng=False)
+            if step > 1:  # save() waited for the previous save's commit
+                events.say("commit", step - 1)
+            time.sleep(rng.uniform(0.0, 0.2))  # a training step
+            step += 1
+
+    _guard(events, run)
+
+
+def dcp_rank(rank: int, world: int, port: int, root: str, opts: dict[str, Any], log: str,
+             seed: int) -> None:
+    """One rank of a job that saves a row-sharded DTensor with DCP every step."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    events = Events(log, errors_only=rank != 0)
+
+    def run() -> None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        mesh = init_device_mesh("cpu", (world,))
+        step = _latest_step(root, opts) if rank == 0 else 0
+        box = [step]
+        dist.broadcast_object_list(box, src=0)
+        step = box[0] + 1
+        events.say("ready")
+        while True:
+            events.say("start", step)
+            full = tensor_for(step)
+            state = {"w": distribute_tensor(full, mesh, [Shard(0)]), "bias": full[0].clone()}
+            cdcp.save(state, f"{root}/step-{step}", storage_options=opts, step=step)
+            if rank == 0:
+                events.say("commit", step)
+                _retire(root, opts, events, step - KEEP)
+            step += 1
+
+    _guard(events, run)
+
+
+# ------------------------------------------------------------------ checks
+
+
+def _loaded_step_matches(kind: str, uri: str, opts: dict[str, Any], step: int) -> str | None:
+    """Load checkpoint ``uri`` and compare it with the state of ``step``."""
+    if kind == "dcp":
+        state = {"w": torch.zeros(TENSOR_ROWS, 1024), "bias": torch.zeros(1024)}
+        cdcp.load(state, uri, storage_options=opts)
+        full = tensor_for(step)
+        ok = torch.equal(state["w"], full) and torch.equal(state["bias"], full[0])
+        return None if ok else f"{uri}: loaded tensors are not those of step {step}"
+    ckpt = open_checkpoint(uri, opts)
+    if dict(ckpt.iter_objects()) != payload(step):
+        return f"{uri}: objects are not those of step {step}"
+    return None
+
+
+def check(scenario: str, root: str, opts: dict[str, Any], out: str) -> None:
+    """Everything a reader sees after the kill, as JSON at ``out``."""
+    report: dict[str, Any] = {"visible": [], "problems": [], "latest": None, "slot": None}
+    try:
+        if scenario in ("commits", "gc", "dcp"):
+            _check_steps(scenario, root, opts, report)
+        if scenario in ("slot", "gc"):
+            _check_slot(f"{root}/slot", opts, report)
+        if scenario == "async":
+            _check_async(root, opts, report)
+    except Exception:
+        report["problems"].append(traceback.format_exc())
+    with open(out, "w") as f:
+        json.dump(report, f)
+
+
+def _check_steps(scenario: str, root: str, opts: dict[str, Any], report: dict[str, Any]) -> None:
+    for info in list_checkpoints(root, opts):
+        if not info.name.startswith("step-"):
+            continue
+        try:
+            open_checkpoint(info.uri, opts).verify(deep=True)
+            problem = _loaded_step_matches(scenario, info.uri, opts, int(info.step or -1))
+        except Exception as exc:  # a visible checkpoint that does not load is the failure
+            problem = f"{info.uri}: {type(exc).__name__}: {exc}"
+        if problem:
+            report["problems"].append(problem)
+        report["visible"].append(info.step)
+    latest = latest_checkpoint(root, opts)
+    report["latest"] = latest.step if latest is not None else None
+
+
+def _check_slot(uri: str, opts: dict[str, Any], report: dict[str, Any]) -> None:
+    slot = RecoverSlot(uri, storage_options=opts)
+    if slot.info() is None:
+        return
+    state = {"w": torch.zeros(TENSOR_ROWS, 1024)}
+    restored = slot.load(state, rng=False)
+    step = restored.checkpoint.step
+    restored.checkpoint.verify(deep=True)
+    if not torch.equal(state["w"], tensor_for(int(step or -1))):
+        report["problems"].append(f"slot {uri}: loaded tensor is not that of step {step}")
+    report["slot"] = step
+
+
+def _check_async(root: str, opts: dict[str, Any], report: dict[str, Any]) -> None:
+    for info in list_checkpoints(root, opts):
+        open_checkpoint(info.uri, opts).verify(deep=True)
+        report["visible"].append(info.step)
+    state = {"w": torch.zeros(TENSOR_ROWS, 1024)}
+    step_info = CheckpointManager(root, storage_options=opts).restore(state, rng=False)
+    if step_info is None:
+        report["latest"] = None
+        return
+    report["latest"] = step_info.global_step
+    if not torch.equal(state["w"], tensor_for(step_info.global_step)):
+        report["problems"].append(f"restored tensor is not that of step {step_info.global_step}")

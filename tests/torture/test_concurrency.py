@@ -1,0 +1,155 @@
+"""Concurrency torture: writers side by side on one endpoint, and writers racing
+for one checkpoint URI or one recover slot. Every race has exactly one winner,
+the losers get :class:`CommitConflictError`, and nothing of the winner is lost.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import race_worker as rw
+import torch
+from knobs import scale
+
+from cloudckpt import RecoverSlot, open_checkpoint, open_store
+from cloudckpt.claim import CLAIM_NAME
+
+RACERS = 4
+
+
+def _run(forks: Any, target: Any, args_for: dict[str, tuple], timeout: float = 120.0,
+         barrier: Any = None) -> dict[str, tuple[str, Any]]:
+    """Run one process per racer; return {who: (outcome, detail)}."""
+    queue = forks.Queue()
+    procs = [forks.Process(target=target, args=(*args, barrier, queue))
+             for args in args_for.values()]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in procs:
+        who, outcome, detail = queue.get(timeout=timeout)
+        results[who] = (outcome, detail)
+    for p in procs:
+        p.join(30)
+    return results
+
+
+def _backend(request, name: str) -> Any:
+    return request.getfixturevalue({"file": "local"}.get(name, name))
+
+
+def _winner(results: dict[str, tuple[str, Any]], uri: str) -> tuple[str | None, list[str]]:
+    """The single winner, and what is wrong with the race's outcomes."""
+    problems = [f"{who}: {d}" for who, (o, d) in results.items() if o == "error"]
+    won = [who for who, (o, _) in results.items() if o == "won"]
+    lost = [d for o, d in results.values() if o == "lost"]
+    if len(won) != 1:
+        problems.append(f"{len(won)} winners: {won}")
+    problems += [f"loss that does not name the URI: {d}" for d in lost if uri not in d]
+    return (won[0] if len(won) == 1 else None), problems
+
+
+@pytest.mark.parametrize("name", ["s3", "gcs", "file"])
+def test_racing_writers_on_one_uri(name, forks, request, record):
+    backend = _backend(request, name)
+    opts = json.loads(backend.options_json())
+    races = scale(2, 25)
+    failures: list[str] = []
+    for r in range(races):
+        uri = backend.uri(f"race-{r}")
+        who = [f"w{r}-{i}" for i in range(RACERS)]
+        results = _run(forks, rw.write_checkpoint, {w: (uri, opts, w) for w in who},
+                       barrier=forks.Barrier(RACERS))
+        winner, problems = _winner(results, uri)
+        if winner is not None:
+            ckpt = open_checkpoint(uri, backend.options)
+            ckpt.verify(deep=True)
+            if ckpt.metadata.get("who") != winner or dict(ckpt.iter_objects()) != \
+                    rw.content(winner):
+                problems.append(f"committed checkpoint is not all {winner}'s")
+            if open_store(uri, backend.options).exists(CLAIM_NAME):
+                problems.append("the winner's claim was left behind")
+        failures += [f"race {r}: {p}" for p in problems]
+    record("concurrency", f"{name}: {RACERS} writers race for one URI", races,
+           faults=races * RACERS, failures=len(failures))
+    assert not failures, "\n".join(failures[:10])
+
+
+@pytest.mark.parametrize("name", ["s3", "gcs", "file"])
+def test_racing_commits_of_one_checkpoint(name, forks, request, record):
+    """The objects are in place; several processes commit at the same instant."""
+    backend = _backend(request, name)
+    opts = json.loads(backend.options_json())
+    races = scale(2, 25)
+    failures: list[str] = []
+    for r in range(races):
+        uri = backend.uri(f"commit-{r}")
+        infos = open_store(uri, backend.options).put_many(rw.content(f"objs-{r}"))
+        files = {k: (i.size, i.crc32c) for k, i in infos.items()}
+        who = [f"c{r}-{i}" for i in range(RACERS)]
+        results = _run(forks, rw.commit_only, {w: (uri, opts, w, files) for w in who},
+                       barrier=forks.Barrier(RACERS))
+        winner, problems = _winner(results, uri)
+        if winner is not None:
+            ckpt = open_checkpoint(uri, backend.options)
+            ckpt.verify(deep=True)
+            if ckpt.metadata.get("who") != winner:
+                problems.append(f"manifest is not {winner}'s")
+        failures += [f"race {r}: {p}" for p in problems]
+    record("concurrency", f"{name}: {RACERS} commits race on one manifest", races,
+           faults=races * RACERS, failures=len(failures))
+    assert not failures, "\n".join(failures[:10])
+
+
+@pytest.mark.parametrize("name", ["s3", "gcs", "file"])
+def test_racing_slot_swaps(name, forks, request, record):
+    """All racers write their generation, then swap against the same pointer version."""
+    backend = _backend(request, name)
+    opts = json.loads(backend.options_json())
+    races = scale(1, 15)
+    failures: list[str] = []
+    for r in range(races):
+        uri = backend.uri(f"slot-{r}")
+        if r % 2:  # half the races replace an existing generation (If-Match), half create
+            RecoverSlot(uri, storage_options=backend.options).save(
+                {"w": torch.zeros(1024)}, rng=False)
+        who = {f"s{r}-{i}": float(i + 1) for i in range(RACERS)}
+        results = _run(forks, rw.save_slot, {w: (uri, opts, w, v) for w, v in who.items()},
+                       barrier=forks.Barrier(RACERS))
+        winner, problems = _winner(results, uri)
+        if winner is not None:
+            slot = RecoverSlot(uri, storage_options=backend.options)
+            state = {"w": torch.zeros(1024)}
+            restored = slot.load(state, rng=False)
+            restored.checkpoint.verify(deep=True)
+            if not torch.equal(state["w"], torch.full((1024,), who[winner])):
+                problems.append(f"slot does not hold {winner}'s state")
+            if slot.generations() != [results[winner][1]]:
+                problems.append(f"generations left: {slot.generations()}")
+        failures += [f"race {r}: {p}" for p in problems]
+    record("concurrency", f"{name}: {RACERS} saves race for one slot", races,
+           faults=races * RACERS, failures=len(failures))
+    assert not failures, "\n".join(failures[:10])
+
+
+@pytest.mark.parametrize("name", ["s3", "gcs"])
+def test_writers_side_by_side(name, forks, request, record):
+    """Several jobs share one bucket, each below its own prefix: nothing mixes."""
+    backend = _backend(request, name)
+    opts = json.loads(backend.options_json())
+    writers, per = scale(3, 8), scale(2, 6)
+    who = [f"job-{i}" for i in range(writers)]
+    results = _run(forks, rw.own_prefix, {w: (backend.root, opts, w, per) for w in who},
+                   barrier=forks.Barrier(writers), timeout=600)
+    failures = [f"{w}: {d}" for w, (o, d) in results.items() if o != "won"]
+    for w in who:
+        for step in range(per):
+            ckpt = open_checkpoint(backend.uri(w, f"step-{step}"), backend.options)
+            ckpt.verify(deep=True)
+            if dict(ckpt.iter_objects()) != rw.content(f"{w}-{step}", 3):
+                failures.append(f"{w}/step-{step} holds someone else's bytes")
+    record("concurrency", f"{name}: {writers} jobs side by side", writers * per,
+           faults=writers, failures=len(failures))
+    assert not failures, "\n".join(failures[:10])
