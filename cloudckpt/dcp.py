@@ -23,6 +23,7 @@ import dataclasses
 import io
 import logging
 import pickle
+import sys
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future as ConcurrentFuture
@@ -339,8 +340,14 @@ class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP ``.metadata`` and nothing else: no callable outside an allowlist."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == "torch.distributed.checkpoint.metadata" and not name.startswith("__"):
-            return super().find_class(module, name)
+        if "." in name:  # protocol 4 resolves dotted names: "os.system" via a module's imports
+            raise pickle.UnpicklingError(f"dotted global {module}.{name} is not allowed in "
+                                         "DCP metadata")
+        if module == "torch.distributed.checkpoint.metadata":
+            # Only the classes the module defines, not what it imports (os, torch, ...).
+            obj = getattr(sys.modules.get(module), name, None)
+            if isinstance(obj, type) and obj.__module__ == module:
+                return obj
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         if (module, name) in _ALLOWED_GLOBALS:
@@ -504,7 +511,17 @@ class CloudStorageReader(_OnStore, StorageReader):
             _refuse_unsafe_pickle(raw, f"{self.uri} item {req.storage_index.fqn}")
             planner.load_bytes(req, io.BytesIO(raw))
             return
-        tensor = torch.load(_BufferReader(data), map_location="cpu", weights_only=True)
+        try:
+            tensor = torch.load(_BufferReader(data), map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - refused by weights_only, or not a tensor
+            why = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+            raise CorruptCheckpointError(
+                f"{self.uri} item {req.storage_index.fqn} is not a safe tensor ({why}); "
+                "refusing to load it", {req.storage_index.fqn: "unsafe"}) from None
+        if not isinstance(tensor, torch.Tensor):
+            raise CorruptCheckpointError(
+                f"{self.uri} item {req.storage_index.fqn} holds a {type(tensor).__name__}, "
+                "not a tensor", {req.storage_index.fqn: "not a tensor"})
         for dim, (off, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
             tensor = tensor.narrow(dim, off, length)
         target = planner.resolve_tensor(req).detach()
@@ -560,8 +577,9 @@ def _refuse_unsafe_pickle(raw: bytes, what: str) -> None:
     try:
         torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any failure means: unsafe to unpickle
+        why = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
         raise CorruptCheckpointError(
-            f"{what} is not a safe pickle ({str(exc).splitlines()[0][:200]}); refusing to "
+            f"{what} is not a safe pickle ({why}); refusing to "
             "load it. Checkpoints must only hold tensors and plain data.", {what: "unsafe"}
         ) from None
 

@@ -144,8 +144,9 @@ def loads_state(data: bytes, *, source: str = "state") -> Any:
         if tag == b"T":
             return torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any failure: refuse the object
+        why = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
         raise CorruptCheckpointError(
-            f"{source} cannot be loaded safely ({str(exc).splitlines()[0][:200]}); it must "
+            f"{source} cannot be loaded safely ({why}); it must "
             "hold only plain data and tensors", {source: "unsafe or malformed"}) from None
     raise CorruptCheckpointError(f"{source} has an unknown encoding", {source: "encoding"})
 

@@ -392,9 +392,10 @@ def read_data_state(ckpt: Checkpoint) -> Any:
     except CloudCkptError:
         raise
     except Exception as exc:  # noqa: BLE001 - refuse anything weights_only refuses
+        why = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
         raise CorruptCheckpointError(
-            f"{ckpt.uri}/{DATA_PATH} cannot be loaded safely "
-            f"({str(exc).splitlines()[0][:200]})", {DATA_PATH: "unsafe"}) from None
+            f"{ckpt.uri}/{DATA_PATH} cannot be loaded safely ({why})",
+            {DATA_PATH: "unsafe"}) from None
 
 
 def open_rlinf_checkpoint(uri: str | Store,
