@@ -5,22 +5,58 @@ place, so no reader ever sees a short object. Create-only uses ``link``
 (fails if the target exists); compare-and-swap holds an ``flock`` on the
 directory while it checks the version and renames. Files are fsynced before
 they become visible unless ``fsync=False``.
+
+Symbolic links never lead a store out of its root. The root itself may be a
+link (it is resolved on every use, like any path the user gives); below it,
+every path is resolved (``os.path.realpath``) and must stay inside the
+resolved root:
+
+- reads (``get``, ranges, versioned reads) of a path that resolves outside
+  raise :class:`OutsideRootError` (a :class:`~cloudckpt.errors.StorageError`,
+  a :class:`~cloudckpt.errors.CorruptCheckpointError` and a
+  :class:`PermissionError`); a file inside is opened by its resolved path with
+  ``O_NOFOLLOW``;
+- ``info``/``exists`` treat such a path as absent, and listings skip it and
+  never descend into linked directories (no cycles, nothing counted twice);
+- writes and deletes resolve the directory of the target and refuse one that
+  lies outside; the last component is replaced or unlinked, never followed,
+  so a link is overwritten or removed but its target is never touched.
+
+Links that stay inside the root keep working for reads and writes (files
+reached through them are listed when the link itself is a file). A store
+opened on a child prefix (:meth:`Store.child`) keeps the root of the store it
+came from. What is not covered: a concurrent writer swapping a directory for a
+link between the check and the system call (the final component is still
+protected by ``O_NOFOLLOW`` on reads and by rename/link semantics on writes).
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import stat
 import uuid
 from contextlib import contextmanager
-from typing import Any, ClassVar
+from typing import Any, BinaryIO, ClassVar
 
 from fsspec.implementations.local import LocalFileSystem
 
 from ..crc import Buffer
+from ..errors import CorruptCheckpointError, StorageError
 from .base import RawWriter, Store
 
 _TMP_PREFIX = ".cloudckpt-tmp-"
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+class OutsideRootError(StorageError, CorruptCheckpointError, PermissionError):
+    """A path below a local store's root leads outside it through a symbolic link.
+
+    Also a :class:`~cloudckpt.errors.CorruptCheckpointError`: a checkpoint holding
+    such a link cannot be trusted, and listings, ``latest`` and resume skip it (or fall
+    back) as they do any corrupt checkpoint instead of failing the whole root.
+    """
 
 
 class FileStore(Store):
@@ -32,10 +68,48 @@ class FileStore(Store):
     def __init__(self, root: str, *, fsync: bool = True, **kwargs: Any) -> None:
         super().__init__(LocalFileSystem(), os.path.abspath(root), protocol="file", **kwargs)
         self.fsync = fsync
+        # Children (Store.child) copy this: they stay inside the store they came from.
+        self._jail = self.root
 
     @property
     def uri(self) -> str:
         return self.root
+
+    # -- containment -------------------------------------------------------
+
+    def _resolve(self, path: str) -> str:
+        """``path`` with every link resolved; OutsideRootError if that leaves the root."""
+        jail = os.path.realpath(self._jail)
+        real = os.path.realpath(path)
+        if not _within(real, jail):
+            raise OutsideRootError(
+                f"{path} leads outside the store root {self._jail} through a symbolic link "
+                f"(to {real}); cloudckpt does not follow links out of a local store. Remove "
+                "the link, or open the store at the real location."
+            )
+        return real
+
+    def _resolve_dir(self, path: str) -> str:
+        """``path`` with its directory resolved and checked, its last component kept
+        as is: writes and deletes replace or unlink a link, never follow it."""
+        d, name = os.path.split(path)
+        return os.path.join(self._resolve(d), name)
+
+    def _stat(self, path: str) -> os.stat_result | None:
+        """The stat of the regular file ``path`` resolves to inside the root, else None."""
+        try:
+            real = self._resolve(path)
+        except OutsideRootError:
+            return None
+        try:
+            st = os.stat(real)
+        except FileNotFoundError:
+            return None
+        return st if stat.S_ISREG(st.st_mode) else None
+
+    def _open_read(self, path: str) -> BinaryIO:
+        fd = os.open(self._resolve(path), os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+        return os.fdopen(fd, "rb")
 
     # -- writes ------------------------------------------------------------
 
@@ -62,6 +136,7 @@ class FileStore(Store):
                 os.close(fd)
 
     def _put(self, path: str, data: Buffer) -> str:
+        path = self._resolve_dir(path)
         tmp = self._write_tmp(path, data)
         try:
             os.replace(tmp, path)
@@ -72,6 +147,7 @@ class FileStore(Store):
         return _version(os.stat(path))
 
     def _put_if_absent(self, path: str, data: Buffer) -> str:
+        path = self._resolve_dir(path)
         tmp = self._write_tmp(path, data)
         try:
             os.link(tmp, path)  # atomic, and fails if path exists
@@ -81,18 +157,17 @@ class FileStore(Store):
         return _version(os.stat(path))
 
     def _put_if_match(self, path: str, data: Buffer, version: str) -> str:
+        path = self._resolve_dir(path)
         with self._dir_lock(path):
-            try:
-                current = _version(os.stat(path))
-            except FileNotFoundError:
-                current = None
+            st = self._stat(path)
+            current = _version(st) if st is not None else None
             if current != version:
                 raise FileExistsError(f"{path}: version {current} != expected {version}")
             return self._put(path, data)
 
     @contextmanager
     def _dir_lock(self, path: str):
-        d = os.path.dirname(path)
+        d = os.path.dirname(self._resolve_dir(path))
         os.makedirs(d, exist_ok=True)
         fd = os.open(d, os.O_RDONLY)
         try:
@@ -107,25 +182,55 @@ class FileStore(Store):
     # -- reads ---------------------------------------------------------------
 
     def _get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
-        with open(path, "rb") as f:
+        with self._open_read(path) as f:
             if start:
                 f.seek(start)
             return f.read() if end is None else f.read(end - (start or 0))
 
     def _get_versioned(self, path: str) -> tuple[bytes, str]:
-        with open(path, "rb") as f:
+        with self._open_read(path) as f:
             version = _version(os.fstat(f.fileno()))
             return f.read(), version
 
     def _head(self, path: str) -> dict[str, Any] | None:
+        st = self._stat(path)
+        return None if st is None else _entry(path, st)
+
+    def _find(self, path: str) -> dict[str, dict[str, Any]]:
+        # Our own walk, not fsspec's: linked directories are never descended, and a
+        # linked file is listed only when it resolves to a file inside the root.
+        jail = os.path.realpath(self._jail)
+        top = self._resolve(path)
+        if not os.path.isdir(top):
+            st = self._stat(path)
+            return {} if st is None else {path: _entry(path, st)}
+        out: dict[str, dict[str, Any]] = {}
+        for dirpath, _dirs, names in os.walk(top):
+            rel = os.path.relpath(dirpath, top)
+            base = path if rel == "." else f"{path}/{rel.replace(os.sep, '/')}"
+            for name in names:
+                full = os.path.join(dirpath, name)
+                try:
+                    st = os.lstat(full)
+                    if stat.S_ISLNK(st.st_mode):
+                        real = os.path.realpath(full)
+                        st = os.stat(real) if _within(real, jail) else None
+                except OSError:  # vanished meanwhile, or a dangling link
+                    continue
+                if st is not None and stat.S_ISREG(st.st_mode):
+                    out[f"{base}/{name}"] = _entry(f"{base}/{name}", st)
+        return out
+
+    def _ls_dirs(self, path: str) -> list[str]:
+        jail = os.path.realpath(self._jail)
         try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            return None
-        if not os.path.isfile(path):
-            return None
-        return {"name": path, "size": st.st_size, "type": "file", "mtime": st.st_mtime,
-                "version": _version(st)}
+            with os.scandir(self._resolve(path)) as it:
+                entries = list(it)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return [f"{path}/{e.name}" for e in entries
+                if e.is_dir(follow_symlinks=False)
+                or (e.is_symlink() and e.is_dir() and _within(os.path.realpath(e.path), jail))]
 
     def _version_of(self, info: dict[str, Any]) -> str | None:
         return info.get("version")
@@ -134,8 +239,10 @@ class FileStore(Store):
         return os.path.basename(path).startswith(_TMP_PREFIX)
 
     def _delete(self, paths: list[str]) -> None:
-        for p in paths:
-            _unlink(p)
+        # Every directory is checked before anything is deleted; the last component
+        # is unlinked, so a link is removed and its target left alone.
+        for real in [self._resolve_dir(p) for p in paths]:
+            _unlink(real)
         # Leave no empty directories behind (the root included), as an object
         # store has no empty prefixes.
         for d in sorted({os.path.dirname(p) for p in paths}, key=len, reverse=True):
@@ -149,6 +256,7 @@ class FileStore(Store):
 
 class _FileWriter(RawWriter):
     def __init__(self, store: FileStore, path: str) -> None:
+        path = store._resolve_dir(path)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         self._store = store
         self._path = path
@@ -173,6 +281,15 @@ class _FileWriter(RawWriter):
     def abort(self) -> None:
         self._f.close()
         _unlink(self._tmp)
+
+
+def _within(real: str, root: str) -> bool:
+    return real == root or real.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _entry(name: str, st: os.stat_result) -> dict[str, Any]:
+    return {"name": name, "size": st.st_size, "type": "file", "mtime": st.st_mtime,
+            "version": _version(st)}
 
 
 def _version(st: os.stat_result) -> str:
