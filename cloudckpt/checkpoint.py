@@ -21,10 +21,9 @@ from .errors import (
     CommitConflictError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
-    ManifestError,
     StorageError,
 )
-from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, Manifest, validate_path
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest_bytes, validate_path
 from .storage import ObjectInfo, ObjectWriter, Store, open_store
 from .storage.base import CloseOnExit
 
@@ -361,14 +360,8 @@ def read_manifest(store: Store) -> Manifest:
     Raises :class:`CheckpointNotFoundError` when nothing is there and
     :class:`IncompleteCheckpointError` when objects exist without a manifest.
     """
-    info = store.info(MANIFEST_NAME)
-    if info is not None and info.size > MAX_MANIFEST_BYTES:
-        raise ManifestError(
-            f"{store.key_uri(MANIFEST_NAME)} is {info.size} bytes, over the "
-            f"{MAX_MANIFEST_BYTES} limit; refusing to read it"
-        )
     try:
-        data = store.get(MANIFEST_NAME)
+        data = read_manifest_bytes(store)  # bounded: never more than MAX_MANIFEST_BYTES
     except FileNotFoundError:
         objects = store.list()
         if objects:

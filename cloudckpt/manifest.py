@@ -4,19 +4,29 @@ It lists every object of the checkpoint with its size and CRC32C, plus the
 step, free-form metadata and a unique commit id. Readers take the file list
 from here, never from a bucket listing. Paths are validated on load: relative,
 POSIX, no ``..``, no scheme — a manifest can never point outside its prefix.
+
+Manifests are read as hostile input: at most :data:`MAX_MANIFEST_BYTES` are
+ever read (:func:`read_manifest_bytes`), the JSON must be UTF-8 without
+duplicate keys, nesting too deep for the parser is refused, and every field is
+type- and range-checked, so a bad manifest always ends in a
+:class:`ManifestError` naming it, never in another exception.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import ManifestError
+
+if TYPE_CHECKING:
+    from .storage import Store
 
 #: The manifest's fixed key inside every checkpoint prefix.
 MANIFEST_NAME = "cloudckpt-manifest.json"
@@ -24,8 +34,16 @@ FORMAT = "cloudckpt.manifest"
 VERSION = 1
 #: Manifests larger than this are refused unread (bounded memory on hostile input).
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+#: Largest object size a manifest may state: 5 TiB, the most S3 and GCS store in one
+#: object. (Unbounded sizes would make readers plan absurd numbers of ranged reads.)
+MAX_OBJECT_SIZE = 5 * 1024**4
+#: Steps are 64-bit signed integers, as every framework stores them.
+_MAX_STEP = 2**63
 
 _CRC_RE = re.compile(r"^[0-9a-f]{8}$")
+# C0 controls and DEL: no legitimate object name has them, and printed names must
+# not be able to rewrite a terminal or forge log lines.
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 
 
 @dataclass(frozen=True)
@@ -74,16 +92,12 @@ class Manifest:
                 f"{source} is {len(data)} bytes, over the {MAX_MANIFEST_BYTES} limit; "
                 "it is not a cloudckpt manifest"
             )
-        try:
-            doc = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ManifestError(f"{source} is not valid JSON ({exc}); the checkpoint "
-                                "cannot be trusted") from None
+        doc = _parse(data, source)
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise ManifestError(f"{source} is not a cloudckpt manifest (format field missing)")
         if doc.get("version") != VERSION:
             raise ManifestError(
-                f"{source} has manifest version {doc.get('version')!r}; this cloudckpt "
+                f"{source} has manifest version {_short(doc.get('version'))}; this cloudckpt "
                 f"reads version {VERSION}. Upgrade cloudckpt."
             )
         files_doc = doc.get("files")
@@ -93,29 +107,41 @@ class Manifest:
         for path, entry in files_doc.items():
             validate_path(path, source=source)
             if not isinstance(entry, dict):
-                raise ManifestError(f"{source}: entry for {path!r} must be an object")
+                raise ManifestError(f"{source}: entry for {_short(path)} must be an object")
             size, crc = entry.get("size"), entry.get("crc32c")
-            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise ManifestError(f"{source}: bad size {size!r} for {path!r}")
+            if (not isinstance(size, int) or isinstance(size, bool)
+                    or not 0 <= size <= MAX_OBJECT_SIZE):
+                raise ManifestError(f"{source}: bad size {_short(size)} for {_short(path)}")
             if not isinstance(crc, str) or not _CRC_RE.match(crc):
-                raise ManifestError(f"{source}: bad crc32c {crc!r} for {path!r}")
+                raise ManifestError(f"{source}: bad crc32c {_short(crc)} for {_short(path)}")
             files[path] = FileEntry(size, crc)
         step = doc.get("step")
-        if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
-            raise ManifestError(f"{source}: bad step {step!r}")
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool)
+                                 or not -_MAX_STEP <= step < _MAX_STEP):
+            raise ManifestError(f"{source}: bad step {_short(step)}")
         metadata = doc.get("metadata") or {}
         if not isinstance(metadata, dict):
             raise ManifestError(f"{source}: 'metadata' must be an object")
         created = doc.get("created")
-        if not isinstance(created, (int, float)):
-            raise ManifestError(f"{source}: bad 'created' time {created!r}")
+        created_at = math.nan
+        if isinstance(created, (int, float)) and not isinstance(created, bool):
+            try:
+                created_at = float(created)
+            except OverflowError:
+                pass
+        if not math.isfinite(created_at):
+            raise ManifestError(f"{source}: bad 'created' time {_short(created)}")
+        kind, commit_id = doc.get("kind", "generic"), doc.get("commit_id", "")
+        for name, value in (("kind", kind), ("commit_id", commit_id)):
+            if not isinstance(value, str) or _CONTROL_RE.search(value):
+                raise ManifestError(f"{source}: bad {name!r} {_short(value)}")
         return cls(
             files=files,
             step=step,
             metadata=metadata,
-            kind=str(doc.get("kind", "generic")),
-            created=float(created),
-            commit_id=str(doc.get("commit_id", "")),
+            kind=kind,
+            created=created_at,
+            commit_id=commit_id,
         )
 
 
@@ -130,13 +156,116 @@ def validate_path(path: Any, *, source: str = "manifest") -> str:
         bad = "is absolute"
     elif "\\" in path or "\x00" in path:
         bad = "contains a backslash or NUL"
+    elif _CONTROL_RE.search(path):
+        bad = "contains a control character"
+    elif not _utf8(path):
+        bad = "is not valid Unicode (a lone surrogate)"
     elif any(p in ("", ".", "..") for p in path.split("/")):
         bad = "has an empty, '.' or '..' component"
     elif path == MANIFEST_NAME:
         bad = "is the manifest itself"
     if bad:
         raise ManifestError(
-            f"{source} names object {path!r}, which {bad}; objects must be relative paths "
+            f"{source} names object {_short(path)}, which {bad}; objects must be relative paths "
             "inside the checkpoint. The manifest is malformed or hostile; do not load it."
         )
     return path
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _short(value: Any) -> str:
+    """``repr`` cut short: hostile values must not flood a message."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"<an integer of {value.bit_length()} bits>"
+    text = repr(value)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _parse(data: bytes, source: str) -> Any:
+    """JSON from manifest bytes; every failure is a :class:`ManifestError` naming ``source``."""
+    try:
+        text = bytes(data).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ManifestError(f"{source} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                            "it is not a cloudckpt manifest") from None
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as exc:
+        raise ManifestError(f"{source} names key {_short(exc.args[0])} twice; a manifest "
+                            "that can be read two ways cannot be trusted") from None
+    except RecursionError:
+        raise ManifestError(f"{source} nests JSON too deeply to read; it is not a cloudckpt "
+                            "manifest") from None
+    except ValueError as exc:
+        raise ManifestError(f"{source} is not valid JSON ({str(exc)[:200]}); the checkpoint "
+                            "cannot be trusted") from None
+
+
+def read_manifest_bytes(store: Store, key: str = MANIFEST_NAME, *,
+                        limit: int = MAX_MANIFEST_BYTES) -> bytes:
+    """The bytes of the manifest ``key`` of ``store``, never reading more than ``limit``.
+
+    When the store reports the object's size, a manifest over ``limit`` is refused
+    unread and exactly that size is read (an object replaced meanwhile by a bigger one
+    is still cut there). When it cannot (no size, or 0), a one-byte read at offset
+    ``limit`` tells whether it is over, and then at most ``limit + 1`` bytes are read.
+    Raises :class:`ManifestError` when over the limit and ``FileNotFoundError`` when
+    there is no such object.
+    """
+    uri = store.key_uri(key)
+    info = store.info(key)
+    if info is not None and info.size > limit:
+        raise ManifestError(f"{uri} is {info.size} bytes, over the {limit} limit; refusing "
+                            "to read it: it is not a cloudckpt manifest")
+    if info is not None and info.size > 0:
+        try:
+            return store.get_range(key, 0, info.size)
+        except EOFError:
+            raise ManifestError(f"{uri} shrank while it was read; it is being replaced, "
+                                "which a committed manifest never is") from None
+    if _read_range(store, key, limit, limit + 1):  # a byte past the limit: refuse unread
+        raise ManifestError(f"{uri} is over the {limit} byte limit; refusing to read it: it "
+                            "is not a cloudckpt manifest")
+    data = _read_range(store, key, 0, limit + 1)
+    if len(data) > limit:  # it grew meanwhile
+        raise ManifestError(f"{uri} is over the {limit} byte limit; refusing to read it: it "
+                            "is not a cloudckpt manifest")
+    return data
+
+
+def _read_range(store: Store, key: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of ``key``, fewer (or none) where it ends sooner: one
+    request, retried like any read. (``Store.get_range`` insists on the whole range.)"""
+    from .storage.retry import status_of
+
+    path = store.path(key)
+
+    def fetch() -> bytes:
+        try:
+            return bytes(store._get(path, start, end))
+        except Exception as exc:
+            if status_of(exc) == 416:  # the object ends before ``start``
+                return b""
+            raise
+
+    return store._call(fetch, "get", key)
