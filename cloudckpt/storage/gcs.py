@@ -15,7 +15,7 @@ import json
 import os
 import uuid
 from typing import Any, ClassVar
-from urllib.parse import quote
+from urllib.parse import quote, quote_plus
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
@@ -23,7 +23,9 @@ import gcsfs  # noqa: E402 - must follow the environment default above
 from fsspec.asyn import sync  # noqa: E402
 
 from ..crc import Buffer  # noqa: E402
+from ..errors import StorageError  # noqa: E402
 from .base import RawWriter, Store  # noqa: E402
+from .retry import describe  # noqa: E402
 
 
 class GCSStore(Store):
@@ -34,7 +36,20 @@ class GCSStore(Store):
 
     def __init__(self, root: str, **kwargs: Any) -> None:
         options = dict(kwargs.pop("storage_options", None) or {})
-        fs = gcsfs.GCSFileSystem(**options)
+        try:
+            fs = gcsfs.GCSFileSystem(**options)
+        except Exception as exc:  # noqa: BLE001 - re-raised without the token it may quote
+            # gcsfs checks a raw token at https://oauth2.googleapis.com/tokeninfo?
+            # access_token=<token>: its errors quote that URL, token and all.
+            error = StorageError(
+                f"cannot set up GCS access for gs://{root}: "
+                f"{_mask(describe(exc), options.get('token'))}; check the token "
+                "storage option and that the token service is reachable"
+            )
+        else:
+            error = None
+        if error is not None:
+            raise error  # outside the except block: no __context__ to quote the token either
         super().__init__(fs, root, protocol="gs", storage_options=options, **kwargs)
 
     def _split(self, path: str) -> tuple[str, str]:
@@ -119,3 +134,16 @@ class _GcsWriter(RawWriter):
             self._f.discard()
         except Exception:  # noqa: BLE001 - best effort; an unfinished upload expires
             pass
+
+
+def _mask(text: str, token: Any) -> str:
+    """``text`` with every string in ``token`` (a raw token, or the fields of a
+    credentials dict) masked, as is and URL-encoded."""
+    values = [token] if isinstance(token, str) else (
+        list(token.values()) if isinstance(token, dict) else [])
+    methods = {"google_default", "cache", "cloud", "token", "anon", "browser"}
+    for v in sorted((v for v in values if isinstance(v, str) and len(v) >= 8
+                     and v not in methods), key=len, reverse=True):
+        text = text.replace(v, "***").replace(quote_plus(v), "***").replace(quote(v, safe=""),
+                                                                              "***")
+    return text

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import base64
 import copy
+import logging
+import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, ClassVar
 
@@ -26,6 +29,46 @@ from .base import RawWriter, Store
 #: S3 refuses parts smaller than this (except the last).
 MIN_PART_SIZE = 5 * 1024 * 1024
 
+# botocore's DEBUG lines carry the session token (the request headers it sends and
+# the canonical request it signs); these loggers get a filter that masks every
+# credential an S3Store was given, so `cloudckpt -vv` output is safe to share.
+_LEAKY_LOGGERS = ("botocore.auth", "botocore.endpoint", "aiobotocore.endpoint")
+_secrets: tuple[str, ...] = ()  # replaced whole under the lock, read without it
+_secrets_lock = threading.Lock()
+
+
+class _MaskSecrets(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        secrets = _secrets
+        if secrets:
+            message = record.getMessage()
+            if any(s in message for s in secrets):
+                for s in secrets:
+                    message = message.replace(s, "***")
+                record.msg, record.args = message, None
+        return True
+
+
+_MASK = _MaskSecrets()
+
+
+def _mask_credentials(options: dict[str, Any]) -> None:
+    """Register the credentials in ``options`` (and the environment's) for masking."""
+    global _secrets
+    client = options.get("client_kwargs")
+    client = client if isinstance(client, dict) else {}
+    found = [options.get("secret"), options.get("token"),
+             client.get("aws_secret_access_key"), client.get("aws_session_token"),
+             os.environ.get("AWS_SECRET_ACCESS_KEY"), os.environ.get("AWS_SESSION_TOKEN")]
+    new = {v for v in found if isinstance(v, str) and len(v) >= 8} - set(_secrets)
+    if new:
+        with _secrets_lock:
+            if not _secrets:
+                for name in _LEAKY_LOGGERS:
+                    logging.getLogger(name).addFilter(_MASK)
+            # longest first, so no secret is left half-masked by a shorter one inside it
+            _secrets = tuple(sorted(set(_secrets) | new, key=len, reverse=True))
+
 
 class S3Store(Store):
     """Objects in an S3 bucket, below an optional key prefix."""
@@ -35,6 +78,7 @@ class S3Store(Store):
 
     def __init__(self, root: str, *, max_concurrency: int = 16, **kwargs: Any) -> None:
         options = dict(kwargs.pop("storage_options", None) or {})
+        _mask_credentials(options)
         fs = s3fs.S3FileSystem(**_s3fs_options(options, max_concurrency))
         fs.retries = 1  # one attempt per s3fs call: retries are ours (see module doc)
         # For servers without flexible checksums, botocore's own switch turns ours off too.
