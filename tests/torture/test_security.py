@@ -422,8 +422,8 @@ def test_symlinks_never_lead_out_of_a_local_store(local, tmp_path, record) -> No
     (root / "torn").mkdir()  # uncommitted, for gc
     (root / "torn" / "part.bin").write_bytes(b"partial")
     os.symlink(outside / "dir", root / "torn" / "ldir")
-    dest, dest2 = box / "dest", box / "dest2"
-    for d in (dest, dest2):
+    dest, dest2, dest3 = box / "dest", box / "dest2", box / "dest3"
+    for d in (dest, dest2, dest3):
         d.mkdir()
         os.symlink(outside / "dir", d / "ldir")
     before = _tree(outside)
@@ -491,6 +491,8 @@ def test_symlinks_never_lead_out_of_a_local_store(local, tmp_path, record) -> No
         w.put("ldir/f.bin", b"overwrite?")
     t.expect("copy into a store with a linked dir", partial(copy_to, src, str(dest), opts),
              StorageError, check=_is_outside_error)
+    t.expect("hf.download into a dir with a linked subdir",
+             partial(hf.download, src, dest3, opts), StorageError, check=_is_outside_error)
     code, out = _cli("download", src, str(dest2))
     t.check("cli download into a store with a linked dir",
             code != cli.EXIT_OK and "symbolic link" in out, f"exit {code}: {out}")
