@@ -145,7 +145,11 @@ def _judge(scenario: str, events: list[tuple[str, str]], report: dict[str, Any])
     return problems
 
 
-def _mid_operation(events: list[tuple[str, str]]) -> bool:
+def _mid_operation(scenario: str, events: list[tuple[str, str]]) -> bool:
+    """Whether the kill landed while a save, delete or gc was running."""
+    if scenario == "async":  # the upload runs in the background until the next save
+        return max(_steps(events, "start"), default=0) > max(_steps(events, "commit"),
+                                                             default=0)
     kinds = [k for k, _ in events if k not in ("ready", "error")]
     return bool(kinds) and kinds[-1].startswith("start")
 
@@ -167,7 +171,7 @@ def test_crash_torture(scenario, forks, request, tmp_path, record):
         log = str(tmp_path / f"{name}-{i if scenario == 'async' else 'run'}.log")
         problems = _run_trial(forks, scenario, root, opts, log, rng, window)
         events = cw.read_events(log)
-        tally.mid_operation += _mid_operation(events)
+        tally.mid_operation += _mid_operation(scenario, events)
         tally.acked += len(_steps(events, "commit")) if scenario == "async" else 0
         report = _fresh_check(forks, scenario, root, opts, str(tmp_path / "report.json"))
         problems += _judge(scenario, events, report)
