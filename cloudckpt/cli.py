@@ -225,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cloudckpt", description=__doc__.splitlines()[0],
                                 epilog=__doc__.split("\n", 2)[2].strip())
     p.add_argument("--version", action="version", version=f"cloudckpt {__version__}")
-    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
+    p.add_argument("-v", "--verbose", action="count", default=0,
+                   help="more logging (-vv: cloudckpt's debug, -vvv: every library's)")
     p.add_argument("-o", "--storage-option", action="append", metavar="KEY=VALUE",
                    help="storage option for the URI (repeatable), e.g. endpoint_url=http://...")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -294,8 +295,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
+    # -vv is ours only: the HTTP libraries' debug lines quote request headers.
+    level = [logging.WARNING, logging.INFO, logging.INFO, logging.DEBUG][min(args.verbose, 3)]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    if args.verbose >= 2:
+        logging.getLogger("cloudckpt").setLevel(logging.DEBUG)
     try:
         args.options = _parse_options(args.storage_option)
         return int(args.fn(args))

@@ -1030,7 +1030,7 @@ def test_secrets_never_leak(s3, gcs, hub_server, moto_server, gcs_server, caplog
     """Unique credentials (S3 secret and session token, a GCS token, Hub tokens) through
     operations that succeed and ones that fail (403, unreachable endpoint, wrong Hub
     token): not in any log line at DEBUG (botocore's included), exception text or
-    traceback, CLI output (``-vv`` too) or byte stored in the buckets."""
+    traceback, CLI output (``-vvv``, every library's debug, too) or byte stored in the buckets."""
     run = uuid.uuid4().hex
     secret, token = f"s3-secret-{run}", f"s3-session-token-{run}"
     gcs_token, bad_hub_token = f"gcs-token-{run}", f"hf_wrong_{run}"
@@ -1111,9 +1111,9 @@ def test_secrets_never_leak(s3, gcs, hub_server, moto_server, gcs_server, caplog
                 "retry=" + json.dumps({"max_attempts": 2, "initial_backoff": 0.01,
                                        "deadline": 3.0})]
     runs = [
-        ([*cli_opts, "-vv", "info", uri], {}),
-        ([*cli_opts, "-vv", "verify", "--deep", uri], {}),
-        (["-vv", "-o", "retry=" + json.dumps({"max_attempts": 2, "deadline": 3.0}), "ls",
+        ([*cli_opts, "-vvv", "info", uri], {}),
+        ([*cli_opts, "-vvv", "verify", "--deep", uri], {}),
+        (["-vvv", "-o", "retry=" + json.dumps({"max_attempts": 2, "deadline": 3.0}), "ls",
           s3.root], {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "AKIDTEST",
                      "AWS_SECRET_ACCESS_KEY": secret, "AWS_SESSION_TOKEN": token,
                      "AWS_DEFAULT_REGION": "us-east-1"}),
