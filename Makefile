@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench torture clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,12 @@ lint: setup
 
 test: lint
 	$(PY) -m pytest -q
+
+# The reliability and security torture suite at full scale (about 20 minutes on
+# 2 cores); prints a summary table and writes it to torture-report.json.
+torture: setup
+	CLOUDCKPT_TORTURE=full CLOUDCKPT_TORTURE_REPORT=torture-report.json \
+		$(PY) -m pytest tests/torture -q -p no:cacheprovider -o timeout=1800
 
 bench: setup
 	$(PY) benchmarks/storage_bench.py
