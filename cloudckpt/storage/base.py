@@ -126,6 +126,13 @@ class Store(ABC):
         """The full URI of ``key``, for messages."""
         return f"{self.uri}/{key}" if key else self.uri
 
+    def with_retry(self, retry: RetryPolicy) -> Store:
+        """This store with another retry policy (sharing filesystem and pool)."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.retry = retry
+        return new
+
     def child(self, prefix: str) -> Store:
         """A store rooted at ``prefix`` below this one, sharing filesystem and pool."""
         if not prefix:
@@ -325,27 +332,25 @@ class Store(ABC):
     def _conditional(self, key: str, data: Buffer, fn: Callable[[], str], what: str,
                      why: str) -> ObjectInfo:
         crc = crc32c_hex(data)
-        attempts = 0
-
-        def once() -> str:
-            nonlocal attempts
-            attempts += 1
-            return fn()
-
         try:
-            version = self._write(once, what, key)
+            version = self._write(fn, what, key)
         except FileExistsError as exc:
-            # A retried request may lose to its own earlier attempt that the
-            # server applied before the connection broke: same bytes, ours.
-            if attempts > 1:
-                try:
-                    current, current_version = self.get_with_version(key)
-                except FileNotFoundError:
-                    current = None
-                if current is not None and crc32c_hex(current) == crc and len(current) == _nbytes(
-                    data
-                ):
-                    return ObjectInfo(key, _nbytes(data), crc, current_version)
+            # A re-sent request may lose to its own earlier attempt that the server
+            # applied before the response was lost: same bytes, ours. Re-sends happen
+            # below our retries too (aiohttp re-sends a PUT once by itself), so the
+            # check does not depend on how many attempts we made. cloudckpt's own
+            # conditional writes (manifests, claims, slot pointers) carry unique ids,
+            # so equal bytes never come from another writer.
+            try:
+                current, current_version = self.get_with_version(key)
+            except FileNotFoundError:
+                current = None
+            if current is not None and crc32c_hex(current) == crc and len(current) == _nbytes(
+                data
+            ):
+                log.info("%s of %s: the object holds our bytes already (a re-sent request "
+                         "lost to its own first attempt)", what, self.key_uri(key))
+                return ObjectInfo(key, _nbytes(data), crc, current_version)
             raise CommitConflictError(
                 f"{what} of {self.key_uri(key)} lost: {why}. Another writer got there first; "
                 "re-read the current state before trying again."
