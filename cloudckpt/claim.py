@@ -19,6 +19,7 @@ another host cannot be checked; its claim is taken over only with
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -30,11 +31,12 @@ from typing import Any
 
 from .errors import CommitConflictError
 from .manifest import MANIFEST_NAME
-from .storage import Store
+from .storage import RetryPolicy, Store
 
 log = logging.getLogger("cloudckpt")
 
 CLAIM_NAME = ".cloudckpt-writer.json"
+_ONE_TRY = RetryPolicy(max_attempts=1, deadline=10.0)
 
 _live: set[str] = set()  # claims held by writers of this process that are still open
 _live_lock = threading.Lock()
@@ -68,6 +70,12 @@ def _holder_gone(record: dict[str, Any]) -> bool:
     if not isinstance(pid, int):
         return False
     if pid == os.getpid():
+        with _live_lock:
+            if record.get("writer") not in _live:
+                return True
+        # An abandoned writer may sit in a reference cycle (an exception's traceback
+        # holds the frames of every call it passed): collect, then look again.
+        gc.collect()
         with _live_lock:
             return record.get("writer") not in _live
     if not _pid_alive(pid):
@@ -161,10 +169,13 @@ class WriterClaim:
             _live.discard(self.writer)
         if not delete:
             return
+        # One attempt: this runs while a failure is being reported, and must not
+        # hold that error back for another retry deadline when the endpoint is down.
+        store = self.store.with_retry(_ONE_TRY)
         try:
-            if verify and _parse(self.store.get(CLAIM_NAME)).get("writer") != self.writer:
+            if verify and _parse(store.get(CLAIM_NAME)).get("writer") != self.writer:
                 return
-            self.store.delete([CLAIM_NAME])
+            store.delete([CLAIM_NAME])
         except Exception as exc:  # a leftover claim only delays a retry, never a reader
             log.debug("could not remove the writer claim of %s: %s", self.store.uri, exc)
 
