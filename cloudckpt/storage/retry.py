@@ -118,6 +118,8 @@ def _chain(exc: BaseException | None) -> Iterator[BaseException]:
 def status_of(exc: BaseException) -> int | None:
     """The HTTP status behind an error (botocore, gcsfs, aiohttp), if any."""
     for e in _chain(exc):
+        if _is_gcsfs_forbidden(e):
+            return 403
         response = getattr(e, "response", None)
         if isinstance(response, dict):
             status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
@@ -134,6 +136,11 @@ def status_of(exc: BaseException) -> int | None:
         if isinstance(status, int) and 100 <= status < 600:
             return status
     return None
+
+
+def _is_gcsfs_forbidden(exc: BaseException) -> bool:
+    # gcsfs answers a 403 with a bare OSError("Forbidden: <url>\n<message>").
+    return type(exc) is OSError and exc.errno is None and str(exc).startswith("Forbidden: ")
 
 
 def _is_aiohttp(exc: BaseException) -> bool:
