@@ -279,13 +279,14 @@ class Store(ABC):
             raise FileNotFoundError(self.key_uri(key))
         return info.size
 
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
-        """Every object below ``prefix`` (recursively), sorted by key."""
+    def list(self, prefix: str = "", *, internal: bool = False) -> list[ObjectInfo]:
+        """Every object below ``prefix`` (recursively), sorted by key; with
+        ``internal`` also the backend's hidden files (temporaries, parts)."""
         base = self.path(prefix.strip("/")) if prefix.strip("/") else self.root
         found = self._call(lambda: self._find(base), "list", prefix)
         out = []
         for name, raw in found.items():
-            if raw.get("type", "file") != "file" or self._is_internal(name):
+            if raw.get("type", "file") != "file" or (self._is_internal(name) and not internal):
                 continue
             key = self._key_of(name)
             if key is None:
@@ -309,10 +310,11 @@ class Store(ABC):
             self._call(lambda paths=paths: self._delete(paths), "delete", chunk[0])
 
     def delete_prefix(self, prefix: str) -> int:
-        """Delete every object below ``prefix``; return how many."""
-        objs = self.list(prefix)
+        """Delete every object below ``prefix``, hidden leftovers of crashed writers
+        included; return how many visible objects went."""
+        objs = self.list(prefix, internal=True)
         self.delete(o.key for o in objs)
-        return len(objs)
+        return sum(not self._is_internal(self.path(o.key)) for o in objs)
 
     def put_if_absent(self, key: str, data: Buffer) -> ObjectInfo:
         """Create ``key`` only if it does not exist (S3 ``If-None-Match: *``,
@@ -480,7 +482,9 @@ class RawWriter(ABC):
     def write(self, data: Buffer) -> None: ...
 
     @abstractmethod
-    def commit(self) -> None: ...
+    def commit(self, size: int, crc32c: str) -> None:
+        """Make the object durable and visible; ``size`` and ``crc32c`` (hex) are of
+        everything written, for backends that have the server check them."""
 
     @abstractmethod
     def abort(self) -> None: ...
@@ -540,7 +544,7 @@ class ObjectWriter(CloseOnExit):
             return self.info
         self.closed = True
         try:
-            self._raw.commit()
+            self._raw.commit(self._crc.size, self._crc.hexdigest())
         except BaseException:
             self._raw.abort()
             raise
@@ -569,11 +573,11 @@ class BufferedRawWriter(RawWriter):
     def write(self, data: Buffer) -> None:
         self._buf += data
 
-    def commit(self) -> None:
+    def commit(self, size: int, crc32c: str) -> None:
         data = bytes(self._buf)
         self._buf = bytearray()
-        self._store.retry.call(lambda: self._store._put(self._path, data), op="put",
-                               key=self._path)
+        self._store.retry.call(lambda: self._store._put_checked(self._path, data, crc32c),
+                               op="put", key=self._path)
 
     def abort(self) -> None:
         self._buf = bytearray()

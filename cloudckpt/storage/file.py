@@ -266,7 +266,7 @@ class _FileWriter(RawWriter):
     def write(self, data: Buffer) -> None:
         self._f.write(data)
 
-    def commit(self) -> None:
+    def commit(self, size: int, crc32c: str) -> None:
         try:
             if self._store.fsync:
                 self._f.flush()

@@ -14,17 +14,18 @@ from __future__ import annotations
 
 import base64
 import copy
+import hashlib
 import logging
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, ClassVar
 
 import s3fs
 from fsspec.asyn import sync
 
-from ..crc import Buffer, crc32c_hex
+from ..crc import Buffer
 from .base import RawWriter, Store
+from .parts import PartWriter
 
 #: S3 refuses parts smaller than this (except the last).
 MIN_PART_SIZE = 5 * 1024 * 1024
@@ -182,101 +183,50 @@ def _s3fs_options(options: dict[str, Any], max_concurrency: int) -> dict[str, An
     return opts
 
 
-class _MultipartWriter(RawWriter):
-    """Parts of ``part_size`` sent in parallel (a few in flight), each retried.
+class _MultipartWriter(PartWriter):
+    """An S3 multipart upload: parts of ``part_size`` (at least 5 MiB) in parallel.
 
-    An object under two parts goes up as a single PUT on commit, with its
-    CRC32C: multipart would gain at most one part in flight for three extra
-    requests (and servers do more work to assemble it), and botocore need not
-    hash the bytes again. Memory held: the parts in flight plus one being filled.
+    A small object goes up as one PUT with its CRC32C, which S3 verifies.
     """
 
-    #: Parts in flight per object (memory: this many parts, plus one being filled).
-    IN_FLIGHT = 8
-
     def __init__(self, store: S3Store, path: str) -> None:
-        self._store = store
-        self._path = path
-        self._part_size = max(store.part_size, MIN_PART_SIZE)
-        self._single_put_limit = 2 * self._part_size
-        self._buf = bytearray()
+        super().__init__(store, path, max(store.part_size, MIN_PART_SIZE))
+        self._s3store = store
         self._upload_id: str | None = None
-        self._parts: list[Future[dict[str, Any]]] = []
-        self._pool: ThreadPoolExecutor | None = None
 
-    def write(self, data: Buffer) -> None:
-        view = memoryview(data).cast("B")
-        size, pos = self._part_size, 0
-        if self._upload_id is None:
-            if len(self._buf) + len(view) < self._single_put_limit:
-                self._buf += view  # may still go up as one PUT
-                return
-            if len(self._buf) >= size:  # becoming multipart: send the whole part held
-                with memoryview(self._buf) as held:
-                    part = bytes(held[:size])
-                del self._buf[:size]
-                self._send(part)
-        if self._buf:  # top up the part being filled
-            pos = min(size - len(self._buf), len(view))
-            self._buf += view[:pos]
-            if len(self._buf) == size:
-                part, self._buf = bytes(self._buf), bytearray()
-                self._send(part)
-        while len(view) - pos >= size:  # whole parts straight from the caller's buffer
-            self._send(bytes(view[pos : pos + size]))
-            pos += size
-        self._buf += view[pos:]
+    def _start(self) -> None:
+        self._upload_id = self._s3store._s3("create_multipart_upload", self._path)["UploadId"]
 
-    def _retry(self, op: str, fn: Any) -> Any:
-        return self._store.retry.call(fn, op=op, key=self._path)
-
-    def _send(self, part: bytes) -> None:
-        if self._upload_id is None:
-            resp = self._retry("create_multipart_upload",
-                               lambda: self._store._s3("create_multipart_upload", self._path))
-            self._upload_id = resp["UploadId"]
-            self._pool = ThreadPoolExecutor(self.IN_FLIGHT, thread_name_prefix="cloudckpt-mpu")
-        # Bound memory: wait for the oldest part when too many are in flight.
-        pending = [f for f in self._parts if not f.done()]
-        if len(pending) >= self.IN_FLIGHT:
-            pending[0].result()
-        number = len(self._parts) + 1
-        assert self._pool is not None
-        self._parts.append(self._pool.submit(self._upload_part, number, part))
-
-    def _upload_part(self, number: int, part: bytes) -> dict[str, Any]:
-        resp = self._retry("upload_part", lambda: self._store._s3(
-            "upload_part", self._path, UploadId=self._upload_id, PartNumber=number, Body=part))
+    def _upload(self, number: int, part: bytes) -> dict[str, Any]:
+        resp = self._s3store._s3("upload_part", self._path, UploadId=self._upload_id,
+                                 PartNumber=number, Body=part)
         return {"PartNumber": number, "ETag": resp["ETag"]}
 
-    def commit(self) -> None:
-        if self._upload_id is None:
-            data, self._buf = self._buf, bytearray()  # botocore takes a bytearray as is
-            crc = crc32c_hex(data)
-            self._retry("put", lambda: self._store._put_checked(self._path, data, crc))
-            return
-        if self._buf:
-            self._send(bytes(self._buf))
-            self._buf = bytearray()
-        parts = [f.result() for f in self._parts]
-        self._retry("complete_multipart_upload", lambda: self._store._s3(
-            "complete_multipart_upload", self._path, UploadId=self._upload_id,
-            MultipartUpload={"Parts": parts}))
-        self._shutdown()
+    def _finish(self, tokens: list[Any], size: int, crc32c: str) -> None:
+        try:
+            self._s3store._s3("complete_multipart_upload", self._path,
+                              UploadId=self._upload_id, MultipartUpload={"Parts": tokens})
+        except Exception as exc:
+            # A completion the server applied but whose response was lost: the retry
+            # finds the upload gone. The object is ours if its ETag is the one S3
+            # derives from our parts' ETags.
+            if _code(exc) != "NoSuchUpload" or not self._is_ours(tokens, size):
+                raise
 
-    def abort(self) -> None:
-        self._buf = bytearray()
+    def _is_ours(self, tokens: list[Any], size: int) -> bool:
+        try:
+            head = self._s3store._s3("head_object", self._path)
+        except Exception:  # noqa: BLE001 - then the original error stands
+            return False
+        digest = hashlib.md5(b"".join(bytes.fromhex(t["ETag"].strip('"')) for t in tokens),
+                             usedforsecurity=False).hexdigest()
+        return (head.get("ContentLength") == size
+                and head.get("ETag", "").strip('"') == f"{digest}-{len(tokens)}")
+
+    def _single(self, data: bytearray, size: int, crc32c: str) -> None:
+        self._s3store._put_checked(self._path, data, crc32c)  # botocore takes a bytearray
+
+    def _abort_upload(self) -> None:
         if self._upload_id is not None:
-            for f in self._parts:
-                f.cancel()
-            try:
-                self._store._s3("abort_multipart_upload", self._path, UploadId=self._upload_id)
-            except Exception:  # noqa: BLE001 - best effort; lifecycle rules clean up the rest
-                pass
+            self._s3store._s3("abort_multipart_upload", self._path, UploadId=self._upload_id)
             self._upload_id = None
-        self._shutdown()
-
-    def _shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None

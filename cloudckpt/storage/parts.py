@@ -1,0 +1,139 @@
+"""Streamed uploads in parts: the buffering and parallelism every object store shares.
+
+A :class:`PartWriter` cuts the stream into parts, sends a few at once on a
+thread pool, each under the store's retry policy, and bounds memory to the
+parts in flight plus one being filled. An object under two parts goes up as a
+single request on commit: parts would gain at most one in flight for extra
+requests and server-side assembly. Backends say *how* a part is stored and
+how the parts become one object (S3 multipart upload, GCS compose).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from ..crc import Buffer
+from .base import RawWriter, Store
+
+
+class PartWriter(RawWriter):
+    """Parallel, retried part uploads; subclasses implement the hooks below."""
+
+    #: Parts in flight per object (memory: this many parts, plus one being filled).
+    IN_FLIGHT = 8
+
+    def __init__(self, store: Store, path: str, part_size: int) -> None:
+        self._store = store
+        self._path = path
+        self._part_size = part_size
+        self._single_limit = 2 * part_size
+        self._buf = bytearray()
+        self._started = False
+        self._parts: list[Future[Any]] = []
+        self._pool: ThreadPoolExecutor | None = None
+
+    # ------------------------------------------------------------------ hooks
+
+    def _start(self) -> None:
+        """Begin a multi-part upload (one attempt; retried by the caller)."""
+
+    def part_size_of(self, number: int) -> int:
+        """The size of part ``number`` (1-based); all but the last have it."""
+        return self._part_size
+
+    @abstractmethod
+    def _upload(self, number: int, part: bytes) -> Any:
+        """Store part ``number``; return what :meth:`_finish` needs of it (one attempt)."""
+
+    @abstractmethod
+    def _finish(self, tokens: list[Any], size: int, crc32c: str) -> None:
+        """Make one object of the parts; ``size``/``crc32c`` are of the whole (one attempt)."""
+
+    @abstractmethod
+    def _single(self, data: bytearray, size: int, crc32c: str) -> None:
+        """Store a small object in one request (one attempt)."""
+
+    def _abort_upload(self) -> None:
+        """Best effort: drop what the parts left on the server."""
+
+    def _cleanup(self, tokens: list[Any]) -> None:
+        """After :meth:`_finish`: remove what only the parts needed."""
+
+    # -------------------------------------------------------------- streaming
+
+    def _retry(self, op: str, fn: Any) -> Any:
+        return self._store.retry.call(fn, op=op, key=self._path)
+
+    def write(self, data: Buffer) -> None:
+        view = memoryview(data).cast("B")
+        if not self._started:
+            if len(self._buf) + len(view) < self._single_limit:
+                self._buf += view  # may still go up as one request
+                return
+            self._started = True
+            self._retry("start upload", self._start)
+        pos = 0
+        while True:
+            size = self.part_size_of(len(self._parts) + 1)
+            if len(self._buf) >= size:  # held while it could still be a single request
+                with memoryview(self._buf) as held:
+                    part = bytes(held[:size])
+                del self._buf[:size]
+                self._send(part)
+            elif self._buf:  # top up the part being filled
+                take = min(size - len(self._buf), len(view) - pos)
+                self._buf += view[pos:pos + take]
+                pos += take
+                if len(self._buf) < size:
+                    return
+                part, self._buf = bytes(self._buf), bytearray()
+                self._send(part)
+            elif len(view) - pos >= size:  # whole parts straight from the caller's buffer
+                self._send(bytes(view[pos:pos + size]))
+                pos += size
+            else:
+                self._buf += view[pos:]
+                return
+
+    def _send(self, part: bytes) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.IN_FLIGHT, thread_name_prefix="cloudckpt-part")
+        # Bound memory: wait for the oldest part when too many are in flight.
+        pending = [f for f in self._parts if not f.done()]
+        if len(pending) >= self.IN_FLIGHT:
+            pending[0].result()
+        number = len(self._parts) + 1
+        self._parts.append(self._pool.submit(
+            self._retry, "upload part", lambda: self._upload(number, part)))
+
+    def commit(self, size: int, crc32c: str) -> None:
+        if not self._started:
+            data, self._buf = self._buf, bytearray()
+            self._retry("put", lambda: self._single(data, size, crc32c))
+            return
+        if self._buf:
+            self._send(bytes(self._buf))
+            self._buf = bytearray()
+        tokens = [f.result() for f in self._parts]
+        self._retry("finish upload", lambda: self._finish(tokens, size, crc32c))
+        self._shutdown()
+        self._cleanup(tokens)
+
+    def abort(self) -> None:
+        self._buf = bytearray()
+        for f in self._parts:
+            f.cancel()
+        self._shutdown()
+        if self._started:
+            try:
+                self._abort_upload()
+            except Exception:  # noqa: BLE001 - best effort; lifecycle rules clean up the rest
+                pass
+            self._started = False
+
+    def _shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
