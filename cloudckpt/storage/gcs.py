@@ -3,7 +3,21 @@
 Every whole-object write is one multipart upload request, which carries the
 precondition natively: ``ifGenerationMatch=0`` for create-only,
 ``ifGenerationMatch=<generation>`` for compare-and-swap; GCS answers a lost
-race with 412. The object's generation is the version token.
+race with 412. The object's generation is the version token. Whole-object
+writes carry their CRC32C, which GCS checks against the bytes it received.
+
+Streamed writes of objects of two parts or more upload the parts as hidden
+objects in parallel (``<name>.cloudckpt-part-<id>-<n>``), then compose them
+into the object and delete them. The composed object's size and CRC32C must
+match what was written, or the write fails: a part stored twice (a retried
+request the server had applied) can never hide in a committed object. Part
+sizes double every 256 parts, so the 1024 components a GCS object may have
+reach 60 GiB with the default 16 MiB parts.
+
+gcsfs retries requests itself (up to six tries with sleeps of 1 to 16 s),
+inside each attempt of our :class:`~cloudckpt.storage.RetryPolicy`, which
+then could not keep its deadline; this backend runs gcsfs with one try per
+request and retries under the policy alone, as the S3 backend does.
 
 Set ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` before gcsfs is imported when
 talking to an emulator; this module sets that default itself.
@@ -11,7 +25,9 @@ talking to an emulator; this module sets that default itself.
 
 from __future__ import annotations
 
+import base64
 import json
+import logging
 import os
 import uuid
 from typing import Any, ClassVar
@@ -22,10 +38,13 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 import gcsfs  # noqa: E402 - must follow the environment default above
 from fsspec.asyn import sync  # noqa: E402
 
-from ..crc import Buffer  # noqa: E402
+from ..crc import Buffer, crc32c_hex  # noqa: E402
 from ..errors import StorageError  # noqa: E402
 from .base import RawWriter, Store  # noqa: E402
+from .parts import PartWriter  # noqa: E402
 from .retry import describe  # noqa: E402
+
+log = logging.getLogger("cloudckpt")
 
 
 class GCSStore(Store):
@@ -37,7 +56,7 @@ class GCSStore(Store):
     def __init__(self, root: str, **kwargs: Any) -> None:
         options = dict(kwargs.pop("storage_options", None) or {})
         try:
-            fs = gcsfs.GCSFileSystem(**options)
+            fs = _OneTryGCSFileSystem(**options)
         except Exception as exc:  # noqa: BLE001 - re-raised without the token it may quote
             # gcsfs checks a raw token at https://oauth2.googleapis.com/tokeninfo?
             # access_token=<token>: its errors quote that URL, token and all.
@@ -56,12 +75,16 @@ class GCSStore(Store):
         bucket, _, key = path.partition("/")
         return bucket, key
 
-    def _upload(self, path: str, data: Buffer, **params: str) -> str:
+    def _upload(self, path: str, data: Buffer, crc32c: str | None = None,
+                **params: str) -> str:
         bucket, key = self._split(path)
         boundary = f"cloudckpt-{uuid.uuid4().hex}"
+        meta: dict[str, str] = {"name": key}
+        if crc32c is not None:  # GCS refuses the upload if the bytes do not match
+            meta["crc32c"] = _b64_crc(crc32c)
         head = (
             f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n"
-            f"{json.dumps({'name': key})}\r\n--{boundary}\r\n"
+            f"{json.dumps(meta)}\r\n--{boundary}\r\n"
             "Content-Type: application/octet-stream\r\n\r\n"
         ).encode()
         body = head + bytes(data) + f"\r\n--{boundary}--\r\n".encode()
@@ -80,6 +103,19 @@ class GCSStore(Store):
 
     def _put(self, path: str, data: Buffer) -> str:
         return self._upload(path, data)
+
+    def _put_checked(self, path: str, data: Buffer, crc32c: str) -> str:
+        return self._upload(path, data, crc32c)
+
+    def _compose(self, path: str, sources: list[str]) -> dict[str, Any]:
+        bucket, key = self._split(path)
+        body = {"sourceObjects": [{"name": self._split(p)[1]} for p in sources],
+                "destination": {"name": key}}
+        return sync(self.fs.loop, self.fs._call, "POST", "b/{}/o/{}/compose", bucket, key,
+                    json_out=True, json=body)
+
+    def _is_internal(self, path: str) -> bool:
+        return _PART_MARK in path.rsplit("/", 1)[-1]
 
     def _put_if_absent(self, path: str, data: Buffer) -> str:
         return self._upload(path, data, ifGenerationMatch="0")
@@ -113,27 +149,86 @@ class GCSStore(Store):
                 pass
 
     def _open_writer(self, path: str) -> RawWriter:
-        return _GcsWriter(self, path)
+        return _ComposeWriter(self, path)
 
 
-class _GcsWriter(RawWriter):
-    """gcsfs's resumable upload; the object appears only when it is closed."""
+_PART_MARK = ".cloudckpt-part-"
+#: Sources per compose request, and components per object (GCS limits).
+_COMPOSE_SOURCES, _MAX_COMPONENTS = 32, 1024
+
+
+class _OneTryGCSFileSystem(gcsfs.GCSFileSystem):
+    """gcsfs with one try per request: retries belong to our RetryPolicy."""
+
+    _request = gcsfs.GCSFileSystem._request.__wrapped__
+
+
+class _ComposeWriter(PartWriter):
+    """Parts as hidden objects uploaded in parallel, composed into one and checked."""
 
     def __init__(self, store: GCSStore, path: str) -> None:
-        block = max(store.part_size // (256 * 1024), 1) * 256 * 1024  # GCS wants 256 KiB units
-        self._f = store.fs.open(path, "wb", block_size=block)
+        super().__init__(store, path, max(store.part_size, 256 * 1024))
+        self._gcs = store
+        self._id = uuid.uuid4().hex[:8]
+        self._composed: list[str] = []  # intermediate objects of a compose tree
 
-    def write(self, data: Buffer) -> None:
-        self._f.write(data)
+    def part_size_of(self, number: int) -> int:
+        return self._part_size << ((number - 1) // 256)
 
-    def commit(self) -> None:
-        self._f.close()
+    def _part_name(self, tag: str) -> str:
+        return f"{self._path}{_PART_MARK}{self._id}-{tag}"
 
-    def abort(self) -> None:
+    def _upload(self, number: int, part: bytes) -> str:
+        if number > _MAX_COMPONENTS:
+            raise StorageError(f"gs://{self._path} needs more than {_MAX_COMPONENTS} parts, "
+                               "the most a GCS object can be composed of; raise part_size")
+        name = self._part_name(f"{number:04d}")
+        self._gcs._put_checked(name, part, crc32c_hex(part))
+        return name
+
+    def _finish(self, tokens: list[Any], size: int, crc32c: str) -> None:
+        sources = list(tokens)
+        level = 0
+        while len(sources) > _COMPOSE_SOURCES:  # compose in a tree, 32 at a time
+            level += 1
+            sources = [self._compose_into(self._part_name(f"c{level}-{i:03d}"),
+                                          sources[j:j + _COMPOSE_SOURCES])
+                       for i, j in enumerate(range(0, len(sources), _COMPOSE_SOURCES))]
+        self._composed = sources if level else []
+        meta = self._gcs._compose(self._path, sources)
+        got_size, got_crc = int(meta.get("size", -1)), meta.get("crc32c")
+        if got_size != size or (got_crc is not None and got_crc != _b64_crc(crc32c)):
+            self._gcs.delete([self._gcs_key(self._path)])  # a failed write leaves no object
+            raise StorageError(
+                f"gs://{self._path} was composed with {got_size} bytes (CRC32C {got_crc}), "
+                f"but {size} bytes (CRC32C {_b64_crc(crc32c)}) were written: a part was "
+                "stored wrongly; the write failed and the object was removed")
+
+    def _compose_into(self, name: str, sources: list[str]) -> str:
+        self._gcs._compose(name, sources)
+        return name
+
+    def _single(self, data: bytearray, size: int, crc32c: str) -> None:
+        self._gcs._put_checked(self._path, data, crc32c)
+
+    def _cleanup(self, tokens: list[Any]) -> None:
+        leftovers = list(tokens) + self._composed
         try:
-            self._f.discard()
-        except Exception:  # noqa: BLE001 - best effort; an unfinished upload expires
-            pass
+            self._gcs.delete([self._gcs_key(p) for p in leftovers])
+        except Exception as exc:  # noqa: BLE001 - hidden from listings; only space is lost
+            log.warning("could not delete the parts of gs://%s: %s", self._path, exc)
+
+    def _abort_upload(self) -> None:
+        done = [f.result() for f in self._parts if f.done() and not f.exception()]
+        if done:
+            self._gcs.delete([self._gcs_key(p) for p in done])
+
+    def _gcs_key(self, path: str) -> str:
+        return path[len(self._gcs.root) + 1:]
+
+
+def _b64_crc(crc_hex: str) -> str:
+    return base64.b64encode(bytes.fromhex(crc_hex)).decode()
 
 
 def _mask(text: str, token: Any) -> str:
