@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from multiprocessing import forkserver
 from typing import Any
 
 import pytest
@@ -39,12 +40,29 @@ class Row:
 _ROWS: list[Row] = []
 
 
+PRELOAD = ["crash_worker", "race_worker", "cloudckpt.storage.s3", "cloudckpt.storage.gcs",
+           "cloudckpt.storage.file", "torch.distributed.checkpoint"]
+
+
 @pytest.fixture(scope="session")
 def forks() -> Any:
     """A multiprocessing context whose processes fork from a server that imported
     torch and cloudckpt once: a worker starts in milliseconds, not seconds."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["crash_worker", "race_worker"])
+    ctx.set_forkserver_preload(PRELOAD)
+    # Python < 3.12 imports the preload list before it applies our sys.path (and
+    # ignores failures): give the server the test directories through PYTHONPATH.
+    here = os.path.dirname(__file__)
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [here, os.path.dirname(here), *([saved] if saved else [])])
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
     return ctx
 
 

@@ -11,3 +11,4 @@ FULL = os.environ.get("CLOUDCKPT_TORTURE", "").lower() == "full"
 def scale(fast: int, full: int) -> int:
     """How many trials to run: ``full`` under ``make torture``, else ``fast``."""
     return full if FULL else fast
+

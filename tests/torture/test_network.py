@@ -19,10 +19,9 @@ them with ``record`` and then asserts there are none. Seeds are fixed per trial
 Fault kinds split in two. Those that answer without forwarding (503, 429, 500,
 "reset", "reset_upload") never reach the server. Those that forward and then
 break the response ("reset_download", "truncate") leave the request applied
-while the client sees a failure and re-sends it. fake-gcs-server appends a
-resumable-upload chunk sent twice instead of honouring its Content-Range, so
-the second kind is aimed at GCS resumable sessions only in the test that is
-about exactly that (see ``test_upload_response_lost_mid_stream``).
+while the client sees a failure and re-sends it: S3 multipart parts and GCS
+part objects are stored again under the same name, and the composed or
+completed object is checked against what was written.
 """
 
 from __future__ import annotations
@@ -56,14 +55,14 @@ from cloudckpt.testing import FakeGcsServer, FaultPlan, FaultProxy
 KiB = 1024
 MiB = 1024 * KiB
 #: s3.py never uses parts under S3's 5 MiB minimum, and sends an object under two parts
-#: as one PUT; GCS resumable chunks come in 256 KiB units.
+#: as one PUT; gcs.py's parts are at least 256 KiB.
 PART_SIZE = {"s3": 5 * MiB, "gcs": 256 * KiB}
-#: A streamed object over two parts (S3: 5 + 5 + 1 MiB parts; GCS: 5 chunks).
+#: A streamed object over two parts (S3: 5 + 5 + 1 MiB parts; GCS: 5 parts).
 STREAM_SIZE = {"s3": 11 * MiB, "gcs": MiB + 1000}
 STREAM = "big.bin"
 PIECE = 256 * KiB  # how the streamed object is written
-#: Targets of GCS resumable-session requests (chunks of a streamed object).
-RESUMABLE = "upload_id="
+#: Targets of the part uploads of a streamed object (GCS: part objects, one request each).
+PART_TARGET = {"s3": "uploadId=", "gcs": "uploadType=multipart"}
 #: Faults answered by the proxy itself: the server never sees the request.
 BEFORE_SERVER = ("slowdown", "throttle", "internal", "reset", "reset_upload")
 #: Faults that let the server apply the request and break the response.
@@ -316,8 +315,7 @@ def test_latency(net: Net, record: Callable[..., Any], logs: Any) -> None:
 
 def test_throttling_bursts(net: Net, record: Callable[..., Any], logs: Any) -> None:
     """Several runs of consecutive 503 SlowDown / 429 answers during each save."""
-    # gcsfs sleeps 1, 2, 4, ... s between its own retries: keep GCS bursts short.
-    sizes, count = ((3, 5), 3) if net.name == "s3" else ((2, scale(2, 3)), 2)
+    sizes, count = (3, 5), 3
     bursts: list[int] = []
 
     def trial(rep: int) -> str | None:
@@ -364,11 +362,10 @@ def test_throttling_bursts(net: Net, record: Callable[..., Any], logs: Any) -> N
 
 def test_resets_during_uploads(net: Net, record: Callable[..., Any], logs: Any) -> None:
     """Connections reset part-way through request bodies (single PUTs, put_many,
-    multipart parts / resumable chunks) and responses lost after the server applied
+    multipart parts / GCS part objects) and responses lost after the server applied
     the request."""
     resets = ("reset_upload", "reset_download", "reset")
-    # Each fault on GCS costs gcsfs's own 1-2 s retry sleep.
-    rate, cap = (0.3, 8) if net.name == "s3" else (0.2, scale(1, 2))
+    rate, cap = 0.3, 8
 
     def trial(rep: int) -> str | None:
         seed = 300 + 10 * rep
@@ -376,10 +373,8 @@ def test_resets_during_uploads(net: Net, record: Callable[..., Any], logs: Any) 
             "many": FaultPlan(error_rate=rate, kinds=resets, seed=seed, max_faults=cap),
             "single": FaultPlan(error_rate=rate, kinds=resets, seed=seed + 1, max_faults=cap,
                                 methods=("PUT", "POST")),
-            # GCS chunks get only resets the server never sees (see the module doc).
-            "stream": FaultPlan(error_rate=0.4, seed=seed + 2, max_faults=cap,
-                                kinds=resets if net.name == "s3" else ("reset_upload", "reset"),
-                                match="uploadId=" if net.name == "s3" else RESUMABLE),
+            "stream": FaultPlan(error_rate=0.4, seed=seed + 2, max_faults=cap, kinds=resets,
+                                match=PART_TARGET[net.name]),
             "commit": FaultPlan(error_rate=rate, kinds=("reset_upload", "reset"), seed=seed + 3,
                                 max_faults=cap),
         }
@@ -421,26 +416,20 @@ def test_commit_response_lost(net: Net, record: Callable[..., Any], logs: Any) -
     assert not problems
 
 
-@pytest.mark.parametrize("net", [
-    "s3",
-    pytest.param("gcs", marks=pytest.mark.xfail(strict=True, reason=(
-        "fake-gcs-server appends a resumable chunk that gcsfs re-sends after a lost "
-        "response, and the GCS writer commits the object without comparing its final "
-        "size/CRC32C with what was written: a corrupt object gets a manifest"))),
-], indirect=True)
+@pytest.mark.parametrize("net", ["s3", "gcs"], indirect=True)
 def test_upload_response_lost_mid_stream(net: Net, record: Callable[..., Any],
                                          logs: Any) -> None:
-    """Multipart parts / resumable chunks that the server stored, but whose response
+    """Multipart parts / GCS part objects that the server stored, but whose response
     the client never got (reset or truncated): re-sending them must not tear the
     object. Either the save succeeds and verifies, or (where the server cannot take
     a chunk twice) it fails with a cloudckpt error and no manifest."""
-    target = "uploadId=" if net.name == "s3" else RESUMABLE
+    target = PART_TARGET[net.name]
 
     def trial(rep: int) -> str | None:
         seed = 400 + rep
         uri, objs = net.uri(f"lost-{rep}"), workload(net.name, random.Random(seed))
         plan = FaultPlan(error_rate=0.5, kinds=AFTER_SERVER, seed=seed, match=target,
-                         max_faults=4 if net.name == "s3" else 2)
+                         max_faults=4)
         try:
             save(net.via, uri, objs,
                  stage=lambda s: net.proxy.set_plan(plan if s == "stream" else FaultPlan()))
@@ -453,7 +442,7 @@ def test_upload_response_lost_mid_stream(net: Net, record: Callable[..., Any],
 
     trials = scale(1, 3)
     problems = run_trials(trials, trial)
-    report(record, net, "responses lost mid multipart/resumable", trials, problems, logs)
+    report(record, net, "responses lost mid multipart/parts", trials, problems, logs)
     assert sum(net.proxy.faults.values()) >= trials
     assert not problems
 
@@ -468,7 +457,7 @@ def test_faulty_reads(net: Net, kind: str, record: Callable[..., Any], logs: Any
     save(net.clean, uri, objs)
     names = sorted(objs)
     blob = objs[STREAM]
-    rate, cap = (0.4, 1000) if net.name == "s3" else (0.2, scale(2, 5))
+    rate, cap = 0.4, 1000
     problems: list[str] = []
     ops_run = 0
 
@@ -513,9 +502,8 @@ def test_faulty_reads(net: Net, kind: str, record: Callable[..., Any], logs: Any
 def test_dcp_through_faults(net: Net, record: Callable[..., Any], logs: Any) -> None:
     """cloudckpt.dcp save and load (ranged reads) through a mix of every transient kind;
     the loaded tensors are bit-exact."""
-    # GCS: the save streams every file as resumable chunks (see the module doc).
-    save_kinds = BEFORE_SERVER + AFTER_SERVER if net.name == "s3" else BEFORE_SERVER
-    save_cap, load_cap = (1000, 1000) if net.name == "s3" else (scale(1, 3), scale(2, 4))
+    save_kinds = BEFORE_SERVER + AFTER_SERVER
+    save_cap, load_cap = 1000, 1000
     big = (11 if net.name == "s3" else 2) * MiB // 4
 
     def trial(rep: int) -> str | None:
@@ -611,8 +599,7 @@ def test_outage_shorter_than_deadline(net: Net, record: Callable[..., Any], logs
 def test_gcs_server_restart_mid_save(tmp_path: Any, record: Callable[..., Any],
                                      logs: Any) -> None:
     """A real fake-gcs-server restart (filesystem backend: objects survive) during
-    put_many: the save rides it out and verifies. Unfinished resumable uploads do not
-    survive a restart of the emulator (they do on GCS), so nothing streams across it."""
+    put_many: the save rides it out and verifies."""
     with FakeGcsServer(tmp_path / "gcs") as server:
         server.create_bucket("cloudckpt-restart")
         opts = {**server.storage_options(), "retry": RetryPolicy(deadline=30.0, **OUTAGE_RETRY)}
@@ -651,15 +638,7 @@ def test_gcs_server_restart_mid_save(tmp_path: Any, record: Callable[..., Any],
 # ------------------------------------------------------------------ permanent failures
 
 
-#: gcsfs retries a refused connection itself 6 times, sleeping 1, 2, 4, 8, 16 s, inside
-#: one attempt of our RetryPolicy, so a GCS operation ignores RetryPolicy.deadline.
-GCS_DEADLINE_BUG = pytest.mark.xfail(strict=True, reason=(
-    "gcsfs's own retry loop (about 31 s of sleeps) runs inside each RetryPolicy attempt: "
-    "GCS operations overrun RetryPolicy.deadline; and the claim release as on S3"))
-
-
-@pytest.mark.parametrize("net", ["s3", pytest.param("gcs", marks=GCS_DEADLINE_BUG)],
-                         indirect=True)
+@pytest.mark.parametrize("net", ["s3", "gcs"], indirect=True)
 def test_outage_longer_than_deadline(net: Net, record: Callable[..., Any], logs: Any) -> None:
     """The endpoint stays away longer than the retry deadline, mid-save: the save
     raises a clear StorageError within the deadline (plus a small margin) and
