@@ -25,7 +25,7 @@ lint: setup
 test: lint
 	$(PY) -m pytest -q
 
-# The reliability and security torture suite at full scale (about 20 minutes on
+# The reliability and security torture suite at full scale (about 10 minutes on
 # 2 cores); prints a summary table and writes it to torture-report.json.
 torture: setup
 	CLOUDCKPT_TORTURE=full CLOUDCKPT_TORTURE_REPORT=torture-report.json \

@@ -55,7 +55,7 @@ def _winner(results: dict[str, tuple[str, Any]], uri: str) -> tuple[str | None, 
 def test_racing_writers_on_one_uri(name, forks, request, record):
     backend = _backend(request, name)
     opts = json.loads(backend.options_json())
-    races = scale(2, 25)
+    races = scale(3, 40)
     failures: list[str] = []
     for r in range(races):
         uri = backend.uri(f"race-{r}")
@@ -82,7 +82,7 @@ def test_racing_commits_of_one_checkpoint(name, forks, request, record):
     """The objects are in place; several processes commit at the same instant."""
     backend = _backend(request, name)
     opts = json.loads(backend.options_json())
-    races = scale(2, 25)
+    races = scale(3, 40)
     failures: list[str] = []
     for r in range(races):
         uri = backend.uri(f"commit-{r}")
@@ -108,7 +108,7 @@ def test_racing_slot_swaps(name, forks, request, record):
     """All racers write their generation, then swap against the same pointer version."""
     backend = _backend(request, name)
     opts = json.loads(backend.options_json())
-    races = scale(1, 15)
+    races = scale(2, 30)
     failures: list[str] = []
     for r in range(races):
         uri = backend.uri(f"slot-{r}")
