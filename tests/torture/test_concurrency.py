@@ -6,6 +6,7 @@ the losers get :class:`CommitConflictError`, and nothing of the winner is lost.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -51,87 +52,99 @@ def _winner(results: dict[str, tuple[str, Any]], uri: str) -> tuple[str | None, 
     return (won[0] if len(won) == 1 else None), problems
 
 
-@pytest.mark.parametrize("name", ["s3", "gcs", "file"])
-def test_racing_writers_on_one_uri(name, forks, request, record):
+Race = tuple[str, Any, dict[str, tuple], Callable[[str, dict], list[str]]]
+
+
+def _race_many(name: str, request: Any, forks: Any, record: Any, case: str, races: int,
+               setup: Callable[[int, Any, dict[str, Any]], Race]) -> None:
+    """Run ``races`` races on backend ``name``. ``setup(r, backend, opts)`` returns
+    (uri, target, {racer: args}, check); ``check(winner, results)`` lists what is
+    wrong with the winner's result."""
     backend = _backend(request, name)
     opts = json.loads(backend.options_json())
-    races = scale(3, 40)
     failures: list[str] = []
     for r in range(races):
-        uri = backend.uri(f"race-{r}")
-        who = [f"w{r}-{i}" for i in range(RACERS)]
-        results = _run(forks, rw.write_checkpoint, {w: (uri, opts, w) for w in who},
-                       barrier=forks.Barrier(RACERS))
+        uri, target, args_for, check = setup(r, backend, opts)
+        results = _run(forks, target, args_for, barrier=forks.Barrier(len(args_for)))
         winner, problems = _winner(results, uri)
         if winner is not None:
+            problems += check(winner, results)
+        failures += [f"race {r}: {p}" for p in problems]
+    record("concurrency", f"{name}: {RACERS} {case}", races, faults=races * RACERS,
+           failures=len(failures))
+    assert not failures, "\n".join(failures[:10])
+
+
+@pytest.mark.parametrize("name", ["s3", "gcs", "file"])
+def test_racing_writers_on_one_uri(name, forks, request, record):
+    """The same object names, different bytes: the winner's checkpoint is all its own."""
+
+    def setup(r: int, backend: Any, opts: dict[str, Any]) -> Race:
+        uri = backend.uri(f"race-{r}")
+
+        def check(winner: str, results: dict) -> list[str]:
             ckpt = open_checkpoint(uri, backend.options)
             ckpt.verify(deep=True)
-            if ckpt.metadata.get("who") != winner or dict(ckpt.iter_objects()) != \
-                    rw.content(winner):
+            problems = []
+            if ckpt.metadata.get("who") != winner or \
+                    dict(ckpt.iter_objects()) != rw.content(winner):
                 problems.append(f"committed checkpoint is not all {winner}'s")
             if open_store(uri, backend.options).exists(CLAIM_NAME):
                 problems.append("the winner's claim was left behind")
-        failures += [f"race {r}: {p}" for p in problems]
-    record("concurrency", f"{name}: {RACERS} writers race for one URI", races,
-           faults=races * RACERS, failures=len(failures))
-    assert not failures, "\n".join(failures[:10])
+            return problems
+
+        return uri, rw.write_checkpoint, {f"w{r}-{i}": (uri, opts, f"w{r}-{i}")
+                                          for i in range(RACERS)}, check
+
+    _race_many(name, request, forks, record, "writers race for one URI", scale(3, 40), setup)
 
 
 @pytest.mark.parametrize("name", ["s3", "gcs", "file"])
 def test_racing_commits_of_one_checkpoint(name, forks, request, record):
     """The objects are in place; several processes commit at the same instant."""
-    backend = _backend(request, name)
-    opts = json.loads(backend.options_json())
-    races = scale(3, 40)
-    failures: list[str] = []
-    for r in range(races):
+
+    def setup(r: int, backend: Any, opts: dict[str, Any]) -> Race:
         uri = backend.uri(f"commit-{r}")
         infos = open_store(uri, backend.options).put_many(rw.content(f"objs-{r}"))
         files = {k: (i.size, i.crc32c) for k, i in infos.items()}
-        who = [f"c{r}-{i}" for i in range(RACERS)]
-        results = _run(forks, rw.commit_only, {w: (uri, opts, w, files) for w in who},
-                       barrier=forks.Barrier(RACERS))
-        winner, problems = _winner(results, uri)
-        if winner is not None:
+
+        def check(winner: str, results: dict) -> list[str]:
             ckpt = open_checkpoint(uri, backend.options)
             ckpt.verify(deep=True)
-            if ckpt.metadata.get("who") != winner:
-                problems.append(f"manifest is not {winner}'s")
-        failures += [f"race {r}: {p}" for p in problems]
-    record("concurrency", f"{name}: {RACERS} commits race on one manifest", races,
-           faults=races * RACERS, failures=len(failures))
-    assert not failures, "\n".join(failures[:10])
+            return [] if ckpt.metadata.get("who") == winner else [f"manifest is not {winner}'s"]
+
+        return uri, rw.commit_only, {f"c{r}-{i}": (uri, opts, f"c{r}-{i}", files)
+                                     for i in range(RACERS)}, check
+
+    _race_many(name, request, forks, record, "commits race on one manifest", scale(3, 40),
+               setup)
 
 
 @pytest.mark.parametrize("name", ["s3", "gcs", "file"])
 def test_racing_slot_swaps(name, forks, request, record):
     """All racers write their generation, then swap against the same pointer version."""
-    backend = _backend(request, name)
-    opts = json.loads(backend.options_json())
-    races = scale(2, 30)
-    failures: list[str] = []
-    for r in range(races):
+
+    def setup(r: int, backend: Any, opts: dict[str, Any]) -> Race:
         uri = backend.uri(f"slot-{r}")
         if r % 2:  # half the races replace an existing generation (If-Match), half create
             RecoverSlot(uri, storage_options=backend.options).save(
                 {"w": torch.zeros(1024)}, rng=False)
-        who = {f"s{r}-{i}": float(i + 1) for i in range(RACERS)}
-        results = _run(forks, rw.save_slot, {w: (uri, opts, w, v) for w, v in who.items()},
-                       barrier=forks.Barrier(RACERS))
-        winner, problems = _winner(results, uri)
-        if winner is not None:
+        value = {f"s{r}-{i}": float(i + 1) for i in range(RACERS)}
+
+        def check(winner: str, results: dict) -> list[str]:
             slot = RecoverSlot(uri, storage_options=backend.options)
             state = {"w": torch.zeros(1024)}
-            restored = slot.load(state, rng=False)
-            restored.checkpoint.verify(deep=True)
-            if not torch.equal(state["w"], torch.full((1024,), who[winner])):
+            slot.load(state, rng=False).checkpoint.verify(deep=True)
+            problems = []
+            if not torch.equal(state["w"], torch.full((1024,), value[winner])):
                 problems.append(f"slot does not hold {winner}'s state")
             if slot.generations() != [results[winner][1]]:
                 problems.append(f"generations left: {slot.generations()}")
-        failures += [f"race {r}: {p}" for p in problems]
-    record("concurrency", f"{name}: {RACERS} saves race for one slot", races,
-           faults=races * RACERS, failures=len(failures))
-    assert not failures, "\n".join(failures[:10])
+            return problems
+
+        return uri, rw.save_slot, {w: (uri, opts, w, v) for w, v in value.items()}, check
+
+    _race_many(name, request, forks, record, "saves race for one slot", scale(2, 30), setup)
 
 
 @pytest.mark.parametrize("name", ["s3", "gcs"])
