@@ -35,6 +35,7 @@ bench: setup
 	$(PY) benchmarks/storage_bench.py
 	$(PY) benchmarks/dcp_bench.py
 	$(PY) benchmarks/manager_bench.py
+	$(PY) benchmarks/gcs_stream_bench.py
 	$(PY) benchmarks/hf_bench.py
 	$(PY) benchmarks/hf_bench.py --max-shard-size 20MB
 
