@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +94,28 @@ class CheckpointWriter:
     def uri(self) -> str:
         return self.store.uri
 
+    @contextmanager
+    def _live(self) -> Iterator[None]:
+        """Claim the prefix for a write; if the write fails, the writer stops being
+        live (a retry in this process may take over; this writer may claim again)."""
+        self._claim.acquire()
+        try:
+            yield
+        except BaseException:
+            self._claim.suspend()
+            raise
+
+    def claim(self) -> None:
+        """Claim the prefix now, before other processes write objects into it (for a
+        coordinator that commits what several ranks write); writes claim it anyway."""
+        self._claim.acquire()
+
+    def abandon(self) -> None:
+        """Give up a save that failed without committing: release the claim, so a
+        retry (in this process or another) can claim the prefix at once."""
+        if self._committed is None:
+            self._claim.release(committed=False)
+
     def _record(self, info: ObjectInfo) -> None:
         assert info.crc32c is not None
         with self._lock:
@@ -106,8 +129,8 @@ class CheckpointWriter:
     def put(self, path: str, data: Buffer) -> ObjectInfo:
         """Write one object of the checkpoint."""
         path = self._check_path(path)
-        self._claim.acquire()
-        info = self.store.put(path, data)
+        with self._live():
+            info = self.store.put(path, data)
         self._record(info)
         return info
 
@@ -115,8 +138,8 @@ class CheckpointWriter:
         """Write many objects in parallel."""
         for p in items:
             self._check_path(p)
-        self._claim.acquire()
-        infos = self.store.put_many(items)
+        with self._live():
+            infos = self.store.put_many(items)
         for info in infos.values():
             self._record(info)
         return infos
@@ -150,8 +173,12 @@ class CheckpointWriter:
         with self._lock:
             return dict(self._entries)
 
-    def commit(self) -> Checkpoint:
-        """Write the manifest (create-only). Everything listed must be written already."""
+    def commit(self, manifest: Manifest | None = None) -> Checkpoint:
+        """Write the manifest (create-only). Everything listed must be written already.
+
+        ``manifest`` commits a given one instead of one built from what was written
+        (a copy keeps its source's manifest); it must list exactly those objects.
+        """
         if self._committed is not None:
             return self._committed
         with self._lock:
@@ -159,11 +186,18 @@ class CheckpointWriter:
                 raise StorageError(
                     f"cannot commit {self.uri}: streamed objects still open: {sorted(self._open)}"
                 )
-            manifest = Manifest(files=dict(self._entries), step=self.step,
-                                metadata=self.metadata, kind=self.kind)
-        self._claim.check()
-        self.store.put_if_absent(MANIFEST_NAME, manifest.to_json())
-        self._claim.release()
+            if manifest is None:
+                manifest = Manifest(files=dict(self._entries), step=self.step,
+                                    metadata=self.metadata, kind=self.kind)
+            elif dict(manifest.files) != self._entries:
+                bad = sorted(set(self._entries.items()) ^ set(manifest.files.items()))
+                raise CorruptCheckpointError(
+                    f"{self.uri}: the manifest to commit does not list what was written: "
+                    f"{bad[:5]}; nothing was committed", {p: "differs" for p, _ in bad})
+        with self._live():
+            self._claim.check()
+            self.store.put_if_absent(MANIFEST_NAME, manifest.to_json())
+        self._claim.release(committed=True)
         log.info("committed %s (step %s, %d objects, %d bytes)", self.uri, self.step,
                  len(manifest.files), manifest.total_size)
         self._committed = Checkpoint(self.store, manifest)
@@ -176,7 +210,7 @@ class CheckpointWriter:
         if exc_type is None:
             self.commit()
         elif self._committed is None:
-            self._claim.release(verify=True)
+            self.abandon()
             if issubclass(exc_type, CommitConflictError):
                 log.warning("save to %s lost to another writer: %s", self.uri, exc)
                 return
@@ -209,6 +243,7 @@ class _TrackedWriter(CloseOnExit):
 
     def abort(self) -> None:
         self._w.abort()
+        self._owner._claim.suspend()
         with self._owner._lock:
             self._owner._open.discard(self._path)
 

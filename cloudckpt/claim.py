@@ -30,26 +30,46 @@ import uuid
 from typing import Any
 
 from .errors import CommitConflictError
-from .manifest import MANIFEST_NAME
+from .manifest import CLAIM_NAME, MANIFEST_NAME
 from .storage import RetryPolicy, Store
 
 log = logging.getLogger("cloudckpt")
 
-CLAIM_NAME = ".cloudckpt-writer.json"
 _ONE_TRY = RetryPolicy(max_attempts=1, deadline=10.0)
 
 _live: set[str] = set()  # claims held by writers of this process that are still open
 _live_lock = threading.Lock()
 
 
-def _start_ticks(pid: int) -> str | None:
-    """The process start time (clock ticks since boot), to tell a reused pid apart."""
+def _after_fork() -> None:
+    global _live_lock
+    _live_lock = threading.Lock()  # the parent's may have been held by another thread
+    _live.clear()  # a forked child holds none of its parent's writers
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def _read(path: str) -> str | None:
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode(errors="replace")
+        with open(path) as f:
+            return f.read().strip()
     except OSError:
         return None
-    return stat.rsplit(")", 1)[-1].split()[19]
+
+
+def _pid_namespace() -> str | None:
+    """Which pid namespace this process is in: pids mean nothing across them."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return None
+
+
+def _start_ticks(pid: int) -> str | None:
+    """The process start time (clock ticks since boot), to tell a reused pid apart."""
+    stat = _read(f"/proc/{pid}/stat")
+    return stat.rsplit(")", 1)[-1].split()[19] if stat else None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -62,9 +82,17 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _whoami() -> dict[str, Any]:
+    """Where this process runs. Liveness is only judged when all of it matches: a
+    hostname alone is shared by containers on one host (host networking) whose pids
+    are in other namespaces, and by sandboxes that all call themselves localhost."""
+    return {"host": socket.gethostname(), "boot_id": _read("/proc/sys/kernel/random/boot_id"),
+            "pid_ns": _pid_namespace()}
+
+
 def _holder_gone(record: dict[str, Any]) -> bool:
     """Whether the writer that made ``record`` provably no longer runs."""
-    if record.get("host") != socket.gethostname():
+    if any(record.get(k) != v for k, v in _whoami().items()):
         return False
     pid = record.get("pid")
     if not isinstance(pid, int):
@@ -74,7 +102,8 @@ def _holder_gone(record: dict[str, Any]) -> bool:
             if record.get("writer") not in _live:
                 return True
         # An abandoned writer may sit in a reference cycle (an exception's traceback
-        # holds the frames of every call it passed): collect, then look again.
+        # holds the frames of every call it passed): collect, then look again. Only on
+        # a conflict within one process, so the pause is rare.
         gc.collect()
         with _live_lock:
             return record.get("writer") not in _live
@@ -90,41 +119,58 @@ def _describe(record: dict[str, Any]) -> str:
     return f"host {record.get('host')!r}, pid {record.get('pid')}{age}"
 
 
+def live_holder(store: Store) -> str | None:
+    """Who holds a claim on ``store`` and may still be writing, or None."""
+    try:
+        record = _parse(store.get(CLAIM_NAME))
+    except FileNotFoundError:
+        return None
+    return None if not record or _holder_gone(record) else _describe(record)
+
+
 class WriterClaim:
-    """The claim of one writer on one prefix; cheap to create, acquired lazily."""
+    """The claim of one writer on one prefix; cheap to create, acquired lazily.
+
+    While it is held the writer is live in this process; :meth:`suspend` marks a
+    writer whose operation failed as no longer live (its claim object stays), so a
+    retry in this process may take over, and the writer itself may re-acquire.
+    """
 
     def __init__(self, store: Store, *, takeover: bool = False) -> None:
         self.store = store
         self.takeover = takeover
         self.writer = uuid.uuid4().hex
         self.held = False
+        self.used = False  # acquired at least once: this writer has written objects
+        self._lock = threading.Lock()
         pid = os.getpid()
-        self._record = {"writer": self.writer, "host": socket.gethostname(), "pid": pid,
+        self._record = {"writer": self.writer, **_whoami(), "pid": pid,
                         "started_ticks": _start_ticks(pid), "since": time.time()}
 
     def acquire(self) -> None:
         """Claim the prefix, or raise :class:`CommitConflictError` naming the holder."""
-        if self.held:
-            return
-        data = json.dumps(self._record).encode()
-        with _live_lock:
-            _live.add(self.writer)
-        try:
-            try:
-                self.store.put_if_absent(CLAIM_NAME, data)
-            except CommitConflictError:
-                self._replace(data)
-            self.held = True
-            # A writer that committed released its claim: a late one must not write.
-            if self.store.exists(MANIFEST_NAME):
-                self.release()
-                raise CommitConflictError(
-                    f"a checkpoint was committed at {self.store.uri} while this save "
-                    "started; checkpoints are immutable. Choose a new URI.")
-        except BaseException:
+        with self._lock:
+            if self.held:
+                return
+            data = json.dumps(self._record).encode()
             with _live_lock:
-                _live.discard(self.writer)
-            raise
+                _live.add(self.writer)
+            try:
+                try:
+                    self.store.put_if_absent(CLAIM_NAME, data)
+                except CommitConflictError:
+                    self._replace(data)
+                # A writer that committed released its claim: a late one must not write.
+                if self.store.exists(MANIFEST_NAME):
+                    self._drop(delete=True, verify=False)
+                    raise CommitConflictError(
+                        f"a checkpoint was committed at {self.store.uri} while this save "
+                        "started; checkpoints are immutable. Choose a new URI.")
+            except BaseException:
+                with _live_lock:
+                    _live.discard(self.writer)
+                raise
+            self.held = self.used = True
 
     def _replace(self, data: bytes) -> None:
         try:
@@ -145,45 +191,58 @@ class WriterClaim:
         self.store.put_if_match(CLAIM_NAME, data, version)
 
     def check(self) -> None:
-        """Raise :class:`CommitConflictError` unless the claim is still ours."""
-        if not self.held:
+        """Raise :class:`CommitConflictError` unless the claim is still ours (a writer
+        suspended by a failure claims again first)."""
+        if not self.used:
             return
+        self.acquire()
         try:
             record = _parse(self.store.get(CLAIM_NAME))
         except FileNotFoundError:
             record = {}
         if record.get("writer") != self.writer:
-            self.release(delete=False)
+            self.suspend()
             who = f" by {_describe(record)}" if record else " (its claim was removed)"
             raise CommitConflictError(
                 f"this save to {self.store.uri} was taken over{who} while it ran; not "
                 "committing. Only one job should write a checkpoint URI.")
 
-    def release(self, *, delete: bool = True, verify: bool = False) -> None:
-        """Drop the claim; with ``delete`` also remove the claim object (best effort),
-        with ``verify`` only if it is still ours."""
-        if not self.held:
-            return
+    def suspend(self) -> None:
+        """The writer's operation failed: it is no longer live (the object stays)."""
+        with self._lock:
+            self.held = False
+            with _live_lock:
+                _live.discard(self.writer)
+
+    def release(self, *, committed: bool) -> None:
+        """Drop the claim and remove its object if it is still ours. After a commit
+        (``committed``) with full retries, as a claim left in a committed checkpoint
+        stays for good; after a failure in one try, not to hold the error back for
+        another retry deadline when the endpoint is down."""
+        with self._lock:
+            if not self.held:
+                return
+            self._drop(delete=True, verify=True, one_try=not committed)
+
+    def _drop(self, *, delete: bool, verify: bool, one_try: bool = False) -> None:
         self.held = False
         with _live_lock:
             _live.discard(self.writer)
         if not delete:
             return
-        # One attempt: this runs while a failure is being reported, and must not
-        # hold that error back for another retry deadline when the endpoint is down.
-        store = self.store.with_retry(_ONE_TRY)
+        store = self.store.with_retry(_ONE_TRY) if one_try else self.store
         try:
             if verify and _parse(store.get(CLAIM_NAME)).get("writer") != self.writer:
                 return
             store.delete([CLAIM_NAME])
-        except Exception as exc:  # a leftover claim only delays a retry, never a reader
-            log.debug("could not remove the writer claim of %s: %s", self.store.uri, exc)
+        except Exception as exc:  # noqa: BLE001 - a leftover claim only delays a retry
+            log.warning("could not remove the writer claim of %s: %s", self.store.uri, exc)
 
     def __del__(self) -> None:
         try:
             with _live_lock:
                 _live.discard(self.writer)
-        except Exception:  # interpreter shutdown
+        except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
 

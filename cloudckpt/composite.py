@@ -139,7 +139,7 @@ def claim_prefix(store: Store, group: Any = None) -> str | None:
     if _dist.rank(group) == 0:
         if store.exists(MANIFEST_NAME):
             conflict = f"a checkpoint is already committed at {store.uri}"
-        elif store.list():
+        elif store.list(internal=True):  # a crashed writer's claim and parts included
             log.warning("replacing the uncommitted leftovers of an earlier save at %s",
                         store.uri)
             store.delete_prefix("")

@@ -169,6 +169,7 @@ class CloudStorageWriter(_OnStore, StorageWriter):
         self.is_coordinator = False
         self.rank = 0
         self.committed: Checkpoint | None = None
+        self._writer: CheckpointWriter | None = None
 
     def reset(self, checkpoint_id: Any = None) -> None:
         if checkpoint_id:
@@ -193,8 +194,17 @@ class CloudStorageWriter(_OnStore, StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # The coordinator claims the prefix before any rank writes into it: a second
+        # save to the same URI stops here instead of overwriting this one's files.
+        self._writer = CheckpointWriter(self.store, step=self.step, kind=DCP_KIND)
+        self._writer.claim()
         # Each rank's files are named after its position, as stock DCP does.
         return [dataclasses.replace(p, storage_data=f"__{i}_") for i, p in enumerate(plans)]
+
+    def release_claim(self) -> None:
+        """After a failed save: let a retry of it claim the prefix at once."""
+        if self._writer is not None and self.committed is None:
+            self._writer.abandon()
 
     def _file_name(self, prefix: str, i: int) -> str:
         name = f"{prefix}{i}{SUFFIX}"
@@ -252,9 +262,9 @@ class CloudStorageWriter(_OnStore, StorageWriter):
         if _DCP_VERSION is not None:
             metadata.version = _DCP_VERSION
         metadata.storage_meta = self.storage_meta()
-        writer = CheckpointWriter(self.store, step=self.step, kind=DCP_KIND,
-                                  metadata={**self.user_metadata,
-                                            "dcp": {"items": items, "key_spread": self.key_spread}})
+        writer = self._writer or CheckpointWriter(self.store, step=self.step, kind=DCP_KIND)
+        writer.metadata = {**self.user_metadata,
+                           "dcp": {"items": items, "key_spread": self.key_spread}}
         for name, (size, crc) in sorted(files.items()):
             writer.add_existing(name, size, crc)
         writer.put(METADATA_NAME, pickle.dumps(metadata))
@@ -701,9 +711,13 @@ def save(
 
     writer = CloudStorageWriter(uri, storage_options=storage_options, step=step,
                                 metadata=metadata, **writer_options)
-    with _unwrapped():
-        dcp.save(state_dict, storage_writer=writer, planner=planner,
-                 process_group=process_group, no_dist=_no_dist())
+    try:
+        with _unwrapped():
+            dcp.save(state_dict, storage_writer=writer, planner=planner,
+                     process_group=process_group, no_dist=_no_dist())
+    except BaseException:
+        writer.release_claim()
+        raise
     return writer.committed
 
 
@@ -770,6 +784,7 @@ def async_save(
         try:
             outer.set_result(f.result())
         except BaseException as exc:  # noqa: BLE001 - surfaced on result()
+            writer.release_claim()
             outer.set_exception(_ours(exc) or exc)
 
     inner.add_done_callback(done)

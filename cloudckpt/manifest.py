@@ -30,6 +30,10 @@ if TYPE_CHECKING:
 
 #: The manifest's fixed key inside every checkpoint prefix.
 MANIFEST_NAME = "cloudckpt-manifest.json"
+#: The claim of the writer saving into a prefix (see cloudckpt.claim); hidden from listings.
+CLAIM_NAME = ".cloudckpt-writer.json"
+#: Name fragments of backends' bookkeeping objects (temporary files, upload parts).
+INTERNAL_MARKS = (".cloudckpt-tmp-", ".cloudckpt-part")
 FORMAT = "cloudckpt.manifest"
 VERSION = 1
 #: Manifests larger than this are refused unread (bounded memory on hostile input).
@@ -164,6 +168,8 @@ def validate_path(path: Any, *, source: str = "manifest") -> str:
         bad = "has an empty, '.' or '..' component"
     elif path == MANIFEST_NAME:
         bad = "is the manifest itself"
+    elif path.rsplit("/", 1)[-1] == CLAIM_NAME or any(m in path for m in INTERNAL_MARKS):
+        bad = "is a name cloudckpt reserves for its own bookkeeping"
     if bad:
         raise ManifestError(
             f"{source} names object {_short(path)}, which {bad}; objects must be relative paths "

@@ -15,7 +15,7 @@ from typing import Any
 from .checkpoint import Checkpoint, CheckpointWriter, _store_for, open_checkpoint
 from .crc import Crc32c
 from .errors import CheckpointNotFoundError, CommitConflictError, CorruptCheckpointError
-from .manifest import MANIFEST_NAME, Manifest
+from .manifest import Manifest
 from .storage import Store
 
 log = logging.getLogger("cloudckpt")
@@ -95,12 +95,4 @@ def _copy_streamed(ckpt: Checkpoint, writer: CheckpointWriter, path: str, chunk:
 
 def commit_as(writer: CheckpointWriter, manifest: Manifest) -> Checkpoint:
     """Commit ``writer`` with ``manifest`` after checking it wrote exactly those objects."""
-    written = writer.entries
-    if written != dict(manifest.files):
-        bad = sorted(set(written.items()) ^ set(manifest.files.items()))
-        raise CorruptCheckpointError(
-            f"copy to {writer.uri} does not match the source manifest: {bad[:5]}",
-            {p: "differs" for p, _ in bad},
-        )
-    writer.store.put_if_absent(MANIFEST_NAME, manifest.to_json())
-    return open_checkpoint(writer.store)
+    return writer.commit(manifest)

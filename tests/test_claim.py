@@ -65,7 +65,8 @@ def test_claim_of_another_host_blocks_until_takeover(local):
                                       "since": 0}).encode())
     with pytest.raises(CommitConflictError, match="other-node.*cloudckpt rm --force"):
         CheckpointWriter(uri, step=4, storage_options=local.options).put("a.bin", b"a")
-    assert store.list() and [o.key for o in store.list()] == [CLAIM_NAME]  # nothing written
+    assert [o.key for o in store.list(internal=True)] == [CLAIM_NAME]  # nothing written
+    assert store.list() == []  # claims are bookkeeping, hidden from listings
     with CheckpointWriter(uri, step=4, storage_options=local.options, takeover=True) as w:
         w.put("a.bin", b"a")
     assert open_checkpoint(uri, local.options).read("a.bin") == b"a"
@@ -81,3 +82,73 @@ def test_writer_taken_over_does_not_commit(gcs):
         old.commit()
     new.commit()
     assert open_checkpoint(uri, gcs.options).read("a.bin") == b"new"
+
+
+def test_same_hostname_in_another_pid_namespace_is_not_judged(local):
+    """Containers sharing a hostname (host networking) do not share pids: a claim
+    from another pid namespace or boot is never taken for dead, whatever its pid."""
+    from cloudckpt.claim import _whoami
+
+    uri = local.uri("step-6")
+    store = open_store(uri, local.options)
+    here = _whoami()
+    for other in ({"pid_ns": "4026531836-elsewhere"}, {"boot_id": "another-boot"}):
+        store.put(CLAIM_NAME, json.dumps({**here, **other, "writer": "x", "pid": 2**22 + 7,
+                                          "since": 0}).encode())
+        with pytest.raises(CommitConflictError, match="another save is writing"):
+            CheckpointWriter(uri, storage_options=local.options).put("a.bin", b"a")
+    store.put(CLAIM_NAME, json.dumps({**here, "writer": "x", "pid": 2**22 + 7,
+                                      "since": 0}).encode())  # same host, boot, namespace
+    with CheckpointWriter(uri, storage_options=local.options) as w:  # pid is dead: taken
+        w.put("a.bin", b"a")
+
+
+def test_retry_while_the_failed_attempt_is_still_referenced(backend):
+    """A retry loop that keeps the exception (and so the failed writer) alive can
+    still save again: leaving the writer's block released its claim. (A bare writer
+    dropped without commit() stays live while referenced: call abandon() on it.)"""
+    uri = backend.uri("step-7")
+    kept = []
+
+    def save(data: bytes, fail: bool) -> None:
+        with CheckpointWriter(uri, storage_options=backend.options) as w:
+            w.put("a.bin", data)
+            if fail:
+                raise RuntimeError("failed after the first object")
+
+    try:
+        save(b"first", fail=True)
+    except RuntimeError as exc:
+        kept.append(exc)  # holds the traceback, the frames, the writer
+    save(b"second", fail=False)
+    assert open_checkpoint(uri, backend.options).read("a.bin") == b"second"
+    assert kept
+
+
+def test_copies_leave_no_claim(s3, local):
+    from cloudckpt.transfer import copy_checkpoint
+
+    src = s3.uri("step-8")
+    with CheckpointWriter(src, step=8, storage_options=s3.options) as w:
+        w.put("a.bin", b"a" * 1000)
+    dest = local.uri("copy")
+    copy_checkpoint(src, dest, src_options=s3.options, dst_options=local.options)
+    assert not open_store(dest, local.options).exists(CLAIM_NAME)
+    assert open_checkpoint(dest, local.options).read("a.bin") == b"a" * 1000
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_save_claims_before_any_rank_writes(s3):
+    import torch
+
+    from cloudckpt import dcp
+
+    uri = s3.uri("dcp")
+    other = CheckpointWriter(uri, storage_options=s3.options)
+    other.claim()  # another save holds the URI
+    with pytest.raises(CommitConflictError, match="another save is writing"):
+        dcp.save({"w": torch.ones(1000)}, uri, storage_options=s3.options)
+    assert open_store(uri, s3.options).list() == []  # no shard was written
+    other.abandon()
+    assert dcp.save({"w": torch.ones(1000)}, uri, storage_options=s3.options) is not None
+    assert not open_store(uri, s3.options).exists(CLAIM_NAME)

@@ -21,6 +21,7 @@ import fsspec
 
 from ..crc import Buffer, Crc32c, crc32c_hex
 from ..errors import CommitConflictError, ConfigError, StorageError
+from ..manifest import CLAIM_NAME
 from .retry import RetryPolicy, status_of
 
 log = logging.getLogger("cloudckpt.storage")
@@ -212,6 +213,10 @@ class Store(ABC):
         """True for backend bookkeeping files (temp files) hidden from listings."""
         return False
 
+    def _hidden(self, path: str) -> bool:
+        # Writer claims (cloudckpt.claim) are bookkeeping too, on every backend.
+        return path.rsplit("/", 1)[-1] == CLAIM_NAME or self._is_internal(path)
+
     # ----------------------------------------------------------- public API
 
     def _call(self, fn: Callable[[], T], op: str, key: str) -> T:
@@ -286,7 +291,7 @@ class Store(ABC):
         found = self._call(lambda: self._find(base), "list", prefix)
         out = []
         for name, raw in found.items():
-            if raw.get("type", "file") != "file" or (self._is_internal(name) and not internal):
+            if raw.get("type", "file") != "file" or (self._hidden(name) and not internal):
                 continue
             key = self._key_of(name)
             if key is None:
@@ -314,7 +319,7 @@ class Store(ABC):
         included; return how many visible objects went."""
         objs = self.list(prefix, internal=True)
         self.delete(o.key for o in objs)
-        return sum(not self._is_internal(self.path(o.key)) for o in objs)
+        return sum(not self._hidden(self.path(o.key)) for o in objs)
 
     def put_if_absent(self, key: str, data: Buffer) -> ObjectInfo:
         """Create ``key`` only if it does not exist (S3 ``If-None-Match: *``,
