@@ -42,7 +42,9 @@ class Garbage:
 
 
 def _age(store: Store, now: float) -> tuple[float, int, int]:
-    objs = store.list()
+    # Hidden objects count: the parts of a streamed upload still running are the
+    # newest sign of life of that save.
+    objs = store.list(internal=True)
     newest = max((o.mtime or 0.0 for o in objs), default=0.0)
     return now - newest, len(objs), sum(o.size for o in objs)
 

@@ -111,6 +111,14 @@ def test_transient_classification():
     assert not is_transient(PermissionError("denied"))
     assert not is_transient(FileNotFoundError("x"))
     assert not is_transient(ValueError("bad"))
+    # gcsfs: a failed token refresh becomes a 401; bad credentials stay permanent
+    from gcsfs.retry import HttpError
+    from google.auth.exceptions import RefreshError
+
+    refresh = HttpError({"code": 401, "message": "Invalid Credentials"})
+    refresh.__cause__ = RefreshError("metadata server busy")
+    assert is_transient(refresh)
+    assert not is_transient(HttpError({"code": 401, "message": "Invalid Credentials"}))
 
 
 def test_truncated_responses_are_retried(proxied, s3):

@@ -206,3 +206,51 @@ def test_gcs_parts_of_a_crashed_writer_go_with_their_prefix(gcs):
     assert store.list() == [] and len(store.fs.find(f"{store.root}/")) >= 2
     store.delete_prefix("step-1")
     assert store.fs.find(f"{store.root}/") == []
+
+
+def test_gcs_failed_part_fails_the_stream_early(gcs, gcs_server):
+    """A part refused for good stops the write at the next part, not at commit after
+    the whole stream was read and sent."""
+    from cloudckpt.testing import FaultPlan, FaultProxy
+
+    with FaultProxy(gcs_server.endpoint) as proxy:
+        opts = {**gcs.options, "endpoint_url": proxy.endpoint, "part_size": 256 * 1024}
+        store = open_store(gcs.root, opts)
+        proxy.set_plan(FaultPlan(permanent_status=403, match="uploadType=multipart"))
+        sent = 0
+        with pytest.raises(StorageError, match="403|denied"):
+            with store.open_write("big.bin") as w:
+                for _ in range(40):
+                    w.write(os.urandom(256 * 1024))
+                    sent += 1
+        assert sent < 40, "the stream ran to its end before the failure surfaced"
+    assert open_store(gcs.root, gcs.options).list(internal=True) == []
+
+
+def test_gcs_abort_removes_parts_and_compose_tree(gcs, monkeypatch):
+    from cloudckpt.storage import gcs as gcs_mod
+
+    store = open_store(gcs.root, {**gcs.options, "part_size": 256 * 1024})
+    real = gcs_mod.GCSStore._compose
+
+    def compose(self, path, sources):
+        if not path.endswith(".cloudckpt-part"):
+            raise ValueError("the final compose fails")
+        return real(self, path, sources)
+
+    monkeypatch.setattr(gcs_mod.GCSStore, "_compose", compose)
+    with pytest.raises(StorageError, match="final compose fails"):
+        with store.open_write("big.bin") as w:
+            w.write(os.urandom(40 * 256 * 1024))  # 40 parts: a tree of two intermediates
+    assert store.fs.find(f"{store.root}/") == []
+
+
+def test_gcs_part_limit_is_checked_before_sending(gcs, monkeypatch):
+    from cloudckpt.storage import gcs as gcs_mod
+
+    monkeypatch.setattr(gcs_mod._ComposeWriter, "MAX_PARTS", 3)
+    store = open_store(gcs.root, {**gcs.options, "part_size": 256 * 1024})
+    with pytest.raises(StorageError, match="more than 3 parts"):
+        with store.open_write("big.bin") as w:
+            w.write(os.urandom(5 * 256 * 1024))
+    assert store.fs.find(f"{store.root}/") == []

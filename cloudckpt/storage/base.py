@@ -349,7 +349,12 @@ class Store(ABC):
             # conditional writes (manifests, claims, slot pointers) carry unique ids,
             # so equal bytes never come from another writer.
             try:
-                current, current_version = self.get_with_version(key)
+                # Compare sizes first: what won may be large, and only ours matters.
+                head = self.info(key)
+                if head is None or head.size != _nbytes(data):
+                    current = None
+                else:
+                    current, current_version = self.get_with_version(key)
             except FileNotFoundError:
                 current = None
             if current is not None and crc32c_hex(current) == crc and len(current) == _nbytes(

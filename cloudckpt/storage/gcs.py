@@ -7,7 +7,7 @@ race with 412. The object's generation is the version token. Whole-object
 writes carry their CRC32C, which GCS checks against the bytes it received.
 
 Streamed writes of objects of two parts or more upload the parts as hidden
-objects in parallel (``<name>.cloudckpt-part-<id>-<n>``), then compose them
+objects in parallel (``<name>.<id>-<n>.cloudckpt-part``), then compose them
 into the object and delete them. The composed object's size and CRC32C must
 match what was written, or the write fails: a part stored twice (a retried
 request the server had applied) can never hide in a committed object. Part
@@ -115,7 +115,7 @@ class GCSStore(Store):
                     json_out=True, json=body)
 
     def _is_internal(self, path: str) -> bool:
-        return _PART_MARK in path.rsplit("/", 1)[-1]
+        return path.endswith(_PART_MARK)
 
     def _put_if_absent(self, path: str, data: Buffer) -> str:
         return self._upload(path, data, ifGenerationMatch="0")
@@ -152,7 +152,7 @@ class GCSStore(Store):
         return _ComposeWriter(self, path)
 
 
-_PART_MARK = ".cloudckpt-part-"
+_PART_MARK = ".cloudckpt-part"  # a suffix: lifecycle rules can match it
 #: Sources per compose request, and components per object (GCS limits).
 _COMPOSE_SOURCES, _MAX_COMPONENTS = 32, 1024
 
@@ -160,11 +160,14 @@ _COMPOSE_SOURCES, _MAX_COMPONENTS = 32, 1024
 class _OneTryGCSFileSystem(gcsfs.GCSFileSystem):
     """gcsfs with one try per request: retries belong to our RetryPolicy."""
 
-    _request = gcsfs.GCSFileSystem._request.__wrapped__
+    _request = getattr(gcsfs.GCSFileSystem._request, "__wrapped__",
+                       gcsfs.GCSFileSystem._request)
 
 
 class _ComposeWriter(PartWriter):
     """Parts as hidden objects uploaded in parallel, composed into one and checked."""
+
+    MAX_PARTS = _MAX_COMPONENTS
 
     def __init__(self, store: GCSStore, path: str) -> None:
         super().__init__(store, path, max(store.part_size, 256 * 1024))
@@ -176,12 +179,9 @@ class _ComposeWriter(PartWriter):
         return self._part_size << ((number - 1) // 256)
 
     def _part_name(self, tag: str) -> str:
-        return f"{self._path}{_PART_MARK}{self._id}-{tag}"
+        return f"{self._path}.{self._id}-{tag}{_PART_MARK}"
 
     def _upload(self, number: int, part: bytes) -> str:
-        if number > _MAX_COMPONENTS:
-            raise StorageError(f"gs://{self._path} needs more than {_MAX_COMPONENTS} parts, "
-                               "the most a GCS object can be composed of; raise part_size")
         name = self._part_name(f"{number:04d}")
         self._gcs._put_checked(name, part, crc32c_hex(part))
         return name
@@ -194,7 +194,6 @@ class _ComposeWriter(PartWriter):
             sources = [self._compose_into(self._part_name(f"c{level}-{i:03d}"),
                                           sources[j:j + _COMPOSE_SOURCES])
                        for i, j in enumerate(range(0, len(sources), _COMPOSE_SOURCES))]
-        self._composed = sources if level else []
         meta = self._gcs._compose(self._path, sources)
         got_size, got_crc = int(meta.get("size", -1)), meta.get("crc32c")
         if got_size != size or (got_crc is not None and got_crc != _b64_crc(crc32c)):
@@ -205,6 +204,8 @@ class _ComposeWriter(PartWriter):
                 "stored wrongly; the write failed and the object was removed")
 
     def _compose_into(self, name: str, sources: list[str]) -> str:
+        if name not in self._composed:
+            self._composed.append(name)  # recorded first: an abort deletes it too
         self._gcs._compose(name, sources)
         return name
 
@@ -218,10 +219,11 @@ class _ComposeWriter(PartWriter):
         except Exception as exc:  # noqa: BLE001 - hidden from listings; only space is lost
             log.warning("could not delete the parts of gs://%s: %s", self._path, exc)
 
-    def _abort_upload(self) -> None:
-        done = [f.result() for f in self._parts if f.done() and not f.exception()]
-        if done:
-            self._gcs.delete([self._gcs_key(p) for p in done])
+    def _abort_upload(self, store: Store) -> None:
+        # Every part that may exist (by its name, whatever became of its future) and
+        # every intermediate of a compose tree.
+        names = [self._part_name(f"{n:04d}") for n in range(1, len(self._parts) + 1)]
+        store.delete([self._gcs_key(p) for p in names + self._composed])
 
     def _gcs_key(self, path: str) -> str:
         return path[len(self._gcs.root) + 1:]

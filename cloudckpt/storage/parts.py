@@ -15,7 +15,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..crc import Buffer
+from ..errors import StorageError
 from .base import RawWriter, Store
+from .retry import RetryPolicy
+
+#: Clean-up after an abort: one try each, so a dead endpoint does not hold the
+#: caller's error back for another retry deadline.
+_ONE_TRY = RetryPolicy(max_attempts=1, deadline=10.0)
 
 
 class PartWriter(RawWriter):
@@ -23,6 +29,8 @@ class PartWriter(RawWriter):
 
     #: Parts in flight per object (memory: this many parts, plus one being filled).
     IN_FLIGHT = 8
+    #: The most parts one object may have (None: no limit of ours).
+    MAX_PARTS: int | None = None
 
     def __init__(self, store: Store, path: str, part_size: int) -> None:
         self._store = store
@@ -33,6 +41,7 @@ class PartWriter(RawWriter):
         self._started = False
         self._parts: list[Future[Any]] = []
         self._pool: ThreadPoolExecutor | None = None
+        self._aborted = False
 
     # ------------------------------------------------------------------ hooks
 
@@ -55,8 +64,9 @@ class PartWriter(RawWriter):
     def _single(self, data: bytearray, size: int, crc32c: str) -> None:
         """Store a small object in one request (one attempt)."""
 
-    def _abort_upload(self) -> None:
-        """Best effort: drop what the parts left on the server."""
+    def _abort_upload(self, store: Store) -> None:
+        """Best effort: drop what the parts left on the server (through ``store``,
+        which makes one try per request)."""
 
     def _cleanup(self, tokens: list[Any]) -> None:
         """After :meth:`_finish`: remove what only the parts needed."""
@@ -64,7 +74,12 @@ class PartWriter(RawWriter):
     # -------------------------------------------------------------- streaming
 
     def _retry(self, op: str, fn: Any) -> Any:
-        return self._store.retry.call(fn, op=op, key=self._path)
+        def attempt() -> Any:
+            if self._aborted:  # stop retrying parts of a write being discarded
+                raise StorageError(f"write of {self._path} was aborted")
+            return fn()
+
+        return self._store.retry.call(attempt, op=op, key=self._path)
 
     def write(self, data: Buffer) -> None:
         view = memoryview(data).cast("B")
@@ -98,13 +113,21 @@ class PartWriter(RawWriter):
                 return
 
     def _send(self, part: bytes) -> None:
+        number = len(self._parts) + 1
+        if self.MAX_PARTS is not None and number > self.MAX_PARTS:
+            raise StorageError(
+                f"{self._path} needs more than {self.MAX_PARTS} parts, the most one object may "
+                "have here; raise the store's part_size")
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.IN_FLIGHT, thread_name_prefix="cloudckpt-part")
+        # A part that failed for good fails the write now, not after the whole stream.
+        for f in self._parts:
+            if f.done() and f.exception() is not None:
+                f.result()
         # Bound memory: wait for the oldest part when too many are in flight.
         pending = [f for f in self._parts if not f.done()]
         if len(pending) >= self.IN_FLIGHT:
             pending[0].result()
-        number = len(self._parts) + 1
         self._parts.append(self._pool.submit(
             self._retry, "upload part", lambda: self._upload(number, part)))
 
@@ -123,12 +146,13 @@ class PartWriter(RawWriter):
 
     def abort(self) -> None:
         self._buf = bytearray()
+        self._aborted = True
         for f in self._parts:
             f.cancel()
         self._shutdown()
         if self._started:
             try:
-                self._abort_upload()
+                self._abort_upload(self._store.with_retry(_ONE_TRY))
             except Exception:  # noqa: BLE001 - best effort; lifecycle rules clean up the rest
                 pass
             self._started = False

@@ -162,6 +162,8 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, (CloudCkptError, FileNotFoundError, FileExistsError, PermissionError,
                         EOFError)):
         return False
+    if _token_refresh_failed(exc):
+        return True
     status = status_of(exc)
     if status is not None:
         return status in _TRANSIENT_STATUS
@@ -178,6 +180,15 @@ def is_transient(exc: BaseException) -> bool:
         if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNO:
             return True
     return False
+
+
+def _token_refresh_failed(exc: BaseException) -> bool:
+    # gcsfs turns a failed token refresh (metadata server or OAuth endpoint busy)
+    # into an HTTP 401, chained from google.auth's RefreshError or TransportError:
+    # that is the token service's hiccup, not bad credentials.
+    return any(type(e).__module__.startswith("google.auth")
+               and type(e).__name__ in ("RefreshError", "TransportError")
+               for e in _chain(exc))
 
 
 def describe(exc: BaseException | None) -> str:

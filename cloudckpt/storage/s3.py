@@ -214,19 +214,22 @@ class _MultipartWriter(PartWriter):
                 raise
 
     def _is_ours(self, tokens: list[Any], size: int) -> bool:
+        """Whether the object is the one our parts make (its ETag is the MD5 of their
+        MD5s; with SSE-KMS ETags are not MD5s, and this says no: the safe answer)."""
         try:
-            head = self._s3store._s3("head_object", self._path)
+            head = self._s3store.retry.call(lambda: self._s3store._s3("head_object", self._path),
+                                            op="head", key=self._path)
+            digest = hashlib.md5(b"".join(bytes.fromhex(t["ETag"].strip('"')) for t in tokens),
+                                 usedforsecurity=False).hexdigest()
         except Exception:  # noqa: BLE001 - then the original error stands
             return False
-        digest = hashlib.md5(b"".join(bytes.fromhex(t["ETag"].strip('"')) for t in tokens),
-                             usedforsecurity=False).hexdigest()
         return (head.get("ContentLength") == size
                 and head.get("ETag", "").strip('"') == f"{digest}-{len(tokens)}")
 
     def _single(self, data: bytearray, size: int, crc32c: str) -> None:
         self._s3store._put_checked(self._path, data, crc32c)  # botocore takes a bytearray
 
-    def _abort_upload(self) -> None:
+    def _abort_upload(self, store: Store) -> None:
         if self._upload_id is not None:
             self._s3store._s3("abort_multipart_upload", self._path, UploadId=self._upload_id)
             self._upload_id = None
