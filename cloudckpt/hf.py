@@ -82,6 +82,7 @@ def export(
     dtype: torch.dtype | None = None,
     storage_options: Mapping[str, Any] | None = None,
     metadata: Mapping[str, Any] | None = None,
+    takeover: bool = False,
 ) -> Checkpoint:
     """Write a Hugging Face model folder to ``uri`` and commit it.
 
@@ -90,7 +91,9 @@ def export(
     ``config`` as a dict). ``tokenizer``: a ``transformers`` tokenizer, a local
     directory of tokenizer files, or ``{filename: bytes}``. ``dtype`` converts
     floating-point tensors. Tensors that share memory (tied weights) are stored
-    once, as ``save_pretrained`` does.
+    once, as ``save_pretrained`` does. ``takeover`` replaces the writer claim of
+    an earlier export of ``uri`` that died on another host (for a trainer that owns
+    its export directories and re-exports a step after a restart).
     """
     state, tied = _state_of(model_or_state_dict)
     config_doc = _config_doc(config if config is not None
@@ -109,7 +112,7 @@ def export(
     shards = _plan_shards(state, parse_size(max_shard_size))
     files = [SINGLE] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    with CheckpointWriter(uri, kind=KIND, storage_options=storage_options,
+    with CheckpointWriter(uri, kind=KIND, storage_options=storage_options, takeover=takeover,
                           metadata={**dict(metadata or {}), "format": "safetensors",
                                     "files": files}) as writer:
         weight_map = {k: name for name, keys in zip(files, shards, strict=True) for k in keys}

@@ -20,7 +20,7 @@ from test_resume import assert_same_params, assert_same_run
 from training_runs import losses, run_and_kill
 
 from cloudckpt import StepInfo, open_store
-from cloudckpt.errors import ConfigError
+from cloudckpt.errors import CommitConflictError, ConfigError
 from cloudckpt.hf import load_state_dict as load_export
 from cloudckpt.integrations import areal
 from cloudckpt.state import loads_state
@@ -311,3 +311,30 @@ def test_torn_dump_areal_trusts_stale_info_cloudckpt_does_not(s3, tmp_path, monk
     off = replace(recover_cfg, mode="disabled")
     assert not areal.RecoverHandler(off, spe, storage_options=s3.options).dump(
         areal.Engine(model, optim), StepInfo(0, 0, 0, spe))
+
+
+def test_saver_reexport_after_a_restart(s3):
+    """A crash after an export but before the next recover dump makes the relaunched
+    job reach the same step again; one mid-export on another node leaves a claim
+    nobody can check. Neither may stop training."""
+    from cloudckpt import CheckpointWriter, open_checkpoint
+    from cloudckpt.manifest import CLAIM_NAME
+
+    saver_cfg, _ = configs(s3)
+    saver_cfg = replace(saver_cfg, freq_steps=1)
+    model = torch.nn.Linear(4, 2)
+    config = {"model_type": "linear-test"}
+    first = areal.Saver(saver_cfg, 4, storage_options=s3.options)
+    uri = first.save(model, 0, 0, 0, config=config)
+    kept = open_checkpoint(uri, s3.options).manifest.commit_id
+    relaunched = areal.Saver(saver_cfg, 4, storage_options=s3.options)
+    assert relaunched.save(model, 0, 0, 0, config=config) == uri
+    assert open_checkpoint(uri, s3.options).manifest.commit_id == kept
+
+    torn = relaunched.export_uri(0, 1, 1)
+    open_store(torn, s3.options).put(CLAIM_NAME, json.dumps(
+        {"writer": "dead", "host": "node-that-died", "pid": 7, "since": 0}).encode())
+    with pytest.raises(CommitConflictError):  # a plain writer may not take it
+        CheckpointWriter(torn, storage_options=s3.options).put("x", b"x")
+    assert relaunched.save(model, 0, 1, 1, config=config) == torn
+    open_checkpoint(torn, s3.options).verify(deep=True)

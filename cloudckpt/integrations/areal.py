@@ -34,6 +34,7 @@ from .. import _dist, hf
 from ..checkpoint import Checkpoint, list_checkpoints, open_checkpoint
 from ..errors import CloudCkptError, ConfigError
 from ..manager import SaveSchedule
+from ..manifest import MANIFEST_NAME
 from ..slot import RecoverSlot
 from ..state import StepInfo, dumps_state, loads_state
 from ..storage import Store, open_store
@@ -451,10 +452,15 @@ class Saver(_Periodic):
         outcome: tuple[str, str] = ("ok", "")
         if _dist.rank(self.group) == 0:
             try:
-                hf.export(model, uri, config=config, tokenizer=tokenizer,
-                          storage_options=self.storage_options,
-                          metadata={"step_info": {"epoch": epoch, "epoch_step": step,
-                                                  "global_step": global_step}})
+                if open_store(uri, self.storage_options).exists(MANIFEST_NAME):
+                    # Exported before a crash that came before the next recover dump:
+                    # the run resumed earlier and reached this step again.
+                    log.info("%s was exported before a restart; keeping it", uri)
+                else:  # this job owns its exports: a crashed attempt's claim is ours
+                    hf.export(model, uri, config=config, tokenizer=tokenizer,
+                              storage_options=self.storage_options, takeover=True,
+                              metadata={"step_info": {"epoch": epoch, "epoch_step": step,
+                                                      "global_step": global_step}})
             except Exception as exc:  # noqa: BLE001 - every rank must learn of it
                 outcome = ("error", str(exc))
                 _dist.broadcast_object(outcome, self.group)
