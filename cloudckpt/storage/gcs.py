@@ -31,7 +31,7 @@ import logging
 import os
 import uuid
 from typing import Any, ClassVar
-from urllib.parse import quote, quote_plus
+from urllib.parse import quote
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
@@ -42,7 +42,7 @@ from ..crc import Buffer, crc32c_hex  # noqa: E402
 from ..errors import StorageError  # noqa: E402
 from .base import RawWriter, Store  # noqa: E402
 from .parts import PartWriter  # noqa: E402
-from .retry import describe  # noqa: E402
+from .retry import describe, mask_secrets  # noqa: E402
 
 log = logging.getLogger("cloudckpt")
 
@@ -239,8 +239,5 @@ def _mask(text: str, token: Any) -> str:
     values = [token] if isinstance(token, str) else (
         list(token.values()) if isinstance(token, dict) else [])
     methods = {"google_default", "cache", "cloud", "token", "anon", "browser"}
-    for v in sorted((v for v in values if isinstance(v, str) and len(v) >= 8
-                     and v not in methods), key=len, reverse=True):
-        text = text.replace(v, "***").replace(quote_plus(v), "***").replace(quote(v, safe=""),
-                                                                              "***")
-    return text
+    return mask_secrets(text, (v for v in values if isinstance(v, str) and len(v) >= 8
+                               and v not in methods))

@@ -13,9 +13,10 @@ import asyncio
 import errno
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
+from urllib.parse import quote, quote_plus
 
 import tenacity
 
@@ -189,6 +190,15 @@ def _token_refresh_failed(exc: BaseException) -> bool:
     return any(type(e).__module__.startswith("google.auth")
                and type(e).__name__ in ("RefreshError", "TransportError")
                for e in _chain(exc))
+
+
+def mask_secrets(text: str, secrets: Iterable[str]) -> str:
+    """``text`` with every secret replaced by ``***``, as is and URL-encoded; the
+    longest first, so none is left half-masked by a shorter one inside it."""
+    for secret in sorted(set(secrets), key=len, reverse=True):
+        for form in (secret, quote_plus(secret), quote(secret, safe="")):
+            text = text.replace(form, "***")
+    return text
 
 
 def describe(exc: BaseException | None) -> str:

@@ -26,6 +26,7 @@ from fsspec.asyn import sync
 from ..crc import Buffer
 from .base import RawWriter, Store
 from .parts import PartWriter
+from .retry import mask_secrets
 
 #: S3 refuses parts smaller than this (except the last).
 MIN_PART_SIZE = 5 * 1024 * 1024
@@ -43,10 +44,9 @@ class _MaskSecrets(logging.Filter):
         secrets = _secrets
         if secrets:
             message = record.getMessage()
-            if any(s in message for s in secrets):
-                for s in secrets:
-                    message = message.replace(s, "***")
-                record.msg, record.args = message, None
+            masked = mask_secrets(message, secrets)
+            if masked != message:
+                record.msg, record.args = masked, None
         return True
 
 
@@ -67,8 +67,7 @@ def _mask_credentials(options: dict[str, Any]) -> None:
             if not _secrets:
                 for name in _LEAKY_LOGGERS:
                     logging.getLogger(name).addFilter(_MASK)
-            # longest first, so no secret is left half-masked by a shorter one inside it
-            _secrets = tuple(sorted(set(_secrets) | new, key=len, reverse=True))
+            _secrets = (*_secrets, *new)
 
 
 class S3Store(Store):
