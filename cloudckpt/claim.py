@@ -11,9 +11,10 @@ commit) and removed after; a writer that gets the claim checks that no
 manifest appeared meanwhile (the claim of a writer that committed is gone).
 
 A claim whose writer is gone does not block a retry of the same save: a
-writer in this process that was closed or collected, or a process on this
-host that no longer runs, is replaced by compare-and-swap. A writer on
-another host cannot be checked; its claim is taken over only with
+writer in this process whose write failed, or that was abandoned, closed or
+collected, or a process on this host, boot and pid namespace that no longer
+runs, is replaced by compare-and-swap. A writer elsewhere (another host,
+container or boot) cannot be checked; its claim is taken over only with
 ``takeover=True`` or after ``cloudckpt rm --force`` / ``cloudckpt gc``.
 """
 
@@ -119,15 +120,6 @@ def _describe(record: dict[str, Any]) -> str:
     return f"host {record.get('host')!r}, pid {record.get('pid')}{age}"
 
 
-def live_holder(store: Store) -> str | None:
-    """Who holds a claim on ``store`` and may still be writing, or None."""
-    try:
-        record = _parse(store.get(CLAIM_NAME))
-    except FileNotFoundError:
-        return None
-    return None if not record or _holder_gone(record) else _describe(record)
-
-
 class WriterClaim:
     """The claim of one writer on one prefix; cheap to create, acquired lazily.
 
@@ -143,16 +135,15 @@ class WriterClaim:
         self.held = False
         self.used = False  # acquired at least once: this writer has written objects
         self._lock = threading.Lock()
-        pid = os.getpid()
-        self._record = {"writer": self.writer, **_whoami(), "pid": pid,
-                        "started_ticks": _start_ticks(pid), "since": time.time()}
 
     def acquire(self) -> None:
         """Claim the prefix, or raise :class:`CommitConflictError` naming the holder."""
         with self._lock:
             if self.held:
                 return
-            data = json.dumps(self._record).encode()
+            pid = os.getpid()
+            data = json.dumps({"writer": self.writer, **_whoami(), "pid": pid,
+                               "started_ticks": _start_ticks(pid), "since": time.time()}).encode()
             with _live_lock:
                 _live.add(self.writer)
             try:
