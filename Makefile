@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench torture clean
+.PHONY: setup demo test lint bench torture install-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,12 @@ bench: setup
 	$(PY) benchmarks/gcs_stream_bench.py
 	$(PY) benchmarks/hf_bench.py
 	$(PY) benchmarks/hf_bench.py --max-shard-size 20MB
+
+# A user's `pip install .` (no extras) and `pip install ".[hf]"`, each into a fresh
+# virtualenv with torch: fails when either resolves or installs for over 180 s,
+# then pip check, a smoke test and the console script (see .ci/install_check).
+install-check:
+	PYTHON="$(PYTHON)" TORCH_PIN="$(TORCH_PIN)" .ci/install_check
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
