@@ -14,13 +14,18 @@ from .checkpoint import (
     open_checkpoint,
 )
 from .errors import (
+    AccessDeniedError,
+    BucketNotFoundError,
     CheckpointNotFoundError,
     CloudCkptError,
     CommitConflictError,
     ConfigError,
     CorruptCheckpointError,
+    DiskFullError,
     IncompleteCheckpointError,
     ManifestError,
+    NotACheckpointError,
+    StateMismatchError,
     StorageError,
 )
 from .manifest import MANIFEST_NAME, Manifest
@@ -46,6 +51,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MANIFEST_NAME",
+    "AccessDeniedError",
+    "BucketNotFoundError",
     "Checkpoint",
     "CheckpointInfo",
     "CheckpointManager",
@@ -55,13 +62,16 @@ __all__ = [
     "CommitConflictError",
     "ConfigError",
     "CorruptCheckpointError",
+    "DiskFullError",
     "IncompleteCheckpointError",
     "Manifest",
     "ManagerOptions",
     "ManifestError",
+    "NotACheckpointError",
     "ObjectInfo",
     "RecoverSlot",
     "RetryPolicy",
+    "StateMismatchError",
     "StepInfo",
     "StorageError",
     "Store",

@@ -15,16 +15,33 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from .claim import WriterClaim
+from .claim import WriterClaim, mark_deleting
 from .crc import Buffer, crc32c_hex
 from .errors import (
-    CheckpointNotFoundError,
     CommitConflictError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     StorageError,
 )
-from .manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest_bytes, validate_path
+from .manifest import (
+    CLAIM_NAME,
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    read_manifest_bytes,
+    validate_path,
+)
+from .ownership import (
+    COMMITTED,
+    EMPTY,
+    FOREIGN,
+    OURS,
+    ROOT,
+    Survey,
+    classify,
+    missing_manifest_error,
+    survey,
+)
 from .storage import ObjectInfo, ObjectWriter, Store, open_store
 from .storage.base import CloseOnExit
 
@@ -34,6 +51,8 @@ __all__ = [
     "Checkpoint",
     "CheckpointInfo",
     "CheckpointWriter",
+    "delete_checkpoint",
+    "delete_tree",
     "latest_checkpoint",
     "list_checkpoints",
     "open_checkpoint",
@@ -122,22 +141,35 @@ class CheckpointWriter:
             self._entries[info.key] = FileEntry(info.size, info.crc32c)
 
     def _check_path(self, path: str) -> str:
+        if not isinstance(path, str):
+            raise TypeError(f"object paths are strings like 'model.bin', got "
+                            f"{type(path).__name__} {path!r:.100}")
         if self._committed is not None:
             raise CommitConflictError(f"{self.uri} is committed; no more objects can be added")
         return validate_path(path, source=f"object for {self.uri}")
 
+    def _check_data(self, path: str, data: Any) -> None:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"the data of {path!r} must be bytes, bytearray or memoryview, "
+                            f"got {type(data).__name__}")
+
     def put(self, path: str, data: Buffer) -> ObjectInfo:
         """Write one object of the checkpoint."""
         path = self._check_path(path)
+        self._check_data(path, data)
         with self._live():
             info = self.store.put(path, data)
         self._record(info)
         return info
 
     def put_many(self, items: Mapping[str, Buffer]) -> dict[str, ObjectInfo]:
-        """Write many objects in parallel."""
-        for p in items:
+        """Write many objects in parallel: ``{path: bytes}``."""
+        if not isinstance(items, Mapping):
+            raise TypeError(f"put_many takes a mapping of path to bytes, got "
+                            f"{type(items).__name__}")
+        for p, data in items.items():
             self._check_path(p)
+            self._check_data(p, data)
         with self._live():
             infos = self.store.put_many(items)
         for info in infos.values():
@@ -228,6 +260,10 @@ class _TrackedWriter(CloseOnExit):
 
     def write(self, data: Buffer) -> int:
         return self._w.write(data)
+
+    def flush(self) -> None:
+        """Nothing to do (parts go up as they fill): lets ``torch.save(obj, f)`` and
+        other writers that flush use it as a file."""
 
     def writable(self) -> bool:
         return True
@@ -392,24 +428,19 @@ def _problem(entry: FileEntry, data: bytes) -> str | None:
 def read_manifest(store: Store) -> Manifest:
     """Load and validate the manifest of the checkpoint rooted at ``store``.
 
-    Raises :class:`CheckpointNotFoundError` when nothing is there and
-    :class:`IncompleteCheckpointError` when objects exist without a manifest.
+    Without a manifest, the prefix is surveyed to say what it is instead:
+    :class:`IncompleteCheckpointError` for a save cloudckpt started and never
+    committed, :class:`NotACheckpointError` for a root holding checkpoints or for
+    objects cloudckpt did not write, :class:`CheckpointNotFoundError` when nothing
+    is there (:class:`BucketNotFoundError` when not even the bucket is).
     """
     try:
         data = read_manifest_bytes(store)  # bounded: never more than MAX_MANIFEST_BYTES
     except FileNotFoundError:
-        objects = store.list()
-        if objects:
-            raise IncompleteCheckpointError(
-                f"{store.uri} has {len(objects)} objects but no manifest: a save that never "
-                "committed (crashed or still running). Load an earlier checkpoint; "
-                "`cloudckpt gc ROOT` removes such prefixes once they are older than a grace "
-                "period, `cloudckpt rm --force URI` deletes one now."
-            ) from None
-        raise CheckpointNotFoundError(
-            f"no checkpoint at {store.uri}: nothing is stored there. Check the URI; "
-            "`cloudckpt ls` on the parent lists the checkpoints."
-        ) from None
+        found = survey(store)
+        if found.kind == EMPTY:
+            store.check_bucket()
+        raise missing_manifest_error(found) from None
     return Manifest.from_json(data, source=store.key_uri(MANIFEST_NAME))
 
 
@@ -423,7 +454,15 @@ def open_checkpoint(
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """One entry of a listing: a committed checkpoint, or an uncommitted prefix."""
+    """One entry of a listing: a committed checkpoint, or another prefix.
+
+    ``status`` is ``"committed"``, ``"uncommitted"`` (a save cloudckpt started and
+    did not commit), ``"unreadable"`` (a manifest that cannot be read; ``error``
+    says why), ``"root"`` (checkpoints lie below it) or ``"foreign"`` (objects
+    cloudckpt did not write). ``size`` and ``files`` count what is stored: the
+    manifest's objects when committed, everything under the prefix otherwise;
+    ``created`` is the commit time, or the newest object's time.
+    """
 
     name: str
     uri: str
@@ -433,10 +472,14 @@ class CheckpointInfo:
     size: int = 0
     files: int = 0
     error: str | None = None
+    status: str = "committed"
 
 
 def _sort_key(c: CheckpointInfo) -> tuple[int, float, str]:
     return (c.step if c.step is not None else -1, c.created or 0.0, c.name)
+
+
+_STATUS = {OURS: "uncommitted", ROOT: "root", FOREIGN: "foreign"}
 
 
 def list_checkpoints(
@@ -447,25 +490,33 @@ def list_checkpoints(
 ) -> list[CheckpointInfo]:
     """The checkpoints directly below ``root``, oldest step first.
 
-    Only committed checkpoints by default; ``include_uncommitted`` adds
-    prefixes without a manifest (torn or in-progress saves) and prefixes whose
-    manifest cannot be read, flagged ``committed=False``.
+    Only committed checkpoints by default; ``include_uncommitted`` adds every
+    other prefix there, flagged ``committed=False`` with its ``status``.
+    Raises :class:`BucketNotFoundError` when the bucket does not exist.
     """
     store = _store_for(root, storage_options)
     names = store.list_prefixes()
+    if not names:
+        store.check_bucket()
 
-    def probe(name: str) -> CheckpointInfo:
+    def probe(name: str) -> CheckpointInfo | None:
         sub = store.child(name)
         try:
-            m = read_manifest(sub)
-        except (IncompleteCheckpointError, CheckpointNotFoundError):
-            return CheckpointInfo(name, sub.uri, False)
+            m = Manifest.from_json(read_manifest_bytes(sub), source=sub.key_uri(MANIFEST_NAME))
+        except FileNotFoundError:
+            if not include_uncommitted:
+                return None
+            found = survey(sub)
+            if found.kind == EMPTY:  # vanished meanwhile
+                return None
+            return CheckpointInfo(name, sub.uri, False, created=found.newest, size=found.size,
+                                  files=len(found.objects), status=_STATUS[found.kind])
         except CorruptCheckpointError as exc:
-            return CheckpointInfo(name, sub.uri, False, error=str(exc))
+            return CheckpointInfo(name, sub.uri, False, error=str(exc), status="unreadable")
         return CheckpointInfo(name, sub.uri, True, m.step, m.created, m.total_size,
                               len(m.files))
 
-    infos = store.map(probe, names)
+    infos = [i for i in store.map(probe, names) if i is not None]
     if not include_uncommitted:
         infos = [i for i in infos if i.committed]
     return sorted(infos, key=_sort_key)
@@ -486,18 +537,68 @@ def delete_checkpoint(uri: str | Store, storage_options: Mapping[str, Any] | Non
                       *, force: bool = False) -> int:
     """Delete a checkpoint: manifest first (it vanishes at once), then its objects.
 
-    An uncommitted prefix is deleted only with ``force``. Returns the number
-    of objects deleted.
+    ``force`` also deletes a save that cloudckpt started and never committed.
+    Nothing else is ever deleted: a root holding checkpoints or objects cloudckpt
+    did not write raise :class:`NotACheckpointError` (see
+    :mod:`cloudckpt.ownership`; :func:`delete_tree` deletes a root's checkpoints).
+    Returns the number of objects deleted, hidden bookkeeping objects included.
     """
     store = _store_for(uri, storage_options)
-    committed = True
     try:
         read_manifest(store)
     except IncompleteCheckpointError:
         if not force:
             raise
-        committed = False
-    if committed:
-        store.delete([MANIFEST_NAME])  # invisible from here on
-    return store.delete_prefix("") + int(committed)
+        return store.delete_prefix("")
+    # A claim marked "deleting" first: a delete cut short leaves objects that still
+    # prove to be cloudckpt's, for gc and rm --force.
+    mark_deleting(store)
+    store.delete([MANIFEST_NAME])  # invisible from here on
+    objects = store.list(internal=True)
+    mine = [o.key for o in objects if o.key != CLAIM_NAME]
+    store.delete(mine)
+    store.delete([CLAIM_NAME])  # the mark goes last
+    return len(mine) + 1  # and the manifest
 
+
+def delete_tree(root: str | Store, storage_options: Mapping[str, Any] | None = None
+                ) -> tuple[list[str], int, Survey]:
+    """Delete every committed checkpoint below ``root`` (at any depth) and every
+    unfinished save cloudckpt left there; leave everything else.
+
+    Returns the URIs deleted, the number of objects deleted, and the survey taken
+    before (its ``foreign`` keys are what was left alone).
+    """
+    store = _store_for(root, storage_options)
+    found = survey(store)
+    if found.kind == COMMITTED or found.kind == OURS:
+        return [store.uri], delete_checkpoint(store, force=True), found
+    deleted: list[str] = []
+    count = 0
+    for prefix in found.checkpoints:
+        count += delete_checkpoint(store.child(prefix))
+        deleted.append(store.child(prefix).uri)
+    for prefix in _unfinished_saves(store, found):
+        count += store.child(prefix).delete_prefix("")
+        deleted.append(store.child(prefix).uri)
+    return deleted, count, found
+
+
+def _unfinished_saves(store: Store, found: Survey) -> list[str]:
+    """Prefixes below a root whose objects are all an unfinished save of cloudckpt's:
+    the outermost prefixes holding a writer claim, ROLL part markers, or nothing but
+    reserved names (upload parts, temporary files) outside committed checkpoints."""
+    inside = [o for o in found.objects
+              if not any(o.key.startswith(p + "/") for p in found.checkpoints)]
+    candidates = sorted({o.key.rsplit("/", 1)[0] for o in inside if "/" in o.key},
+                        key=lambda p: (p.count("/"), p))
+    out: list[str] = []
+    for prefix in candidates:
+        if any(prefix == q or prefix.startswith(q + "/") for q in out):
+            continue
+        below = [o for o in inside if o.key.startswith(prefix + "/")]
+        sub = classify(store.child(prefix).uri,
+                       [ObjectInfo(o.key[len(prefix) + 1:], o.size) for o in below])
+        if sub.kind == OURS:
+            out.append(prefix)
+    return out

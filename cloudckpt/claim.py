@@ -10,10 +10,15 @@ the manifest is committed (a writer whose claim was taken over must not
 commit) and removed after; a writer that gets the claim checks that no
 manifest appeared meanwhile (the claim of a writer that committed is gone).
 
-A claim whose writer is gone does not block a retry of the same save: a
-writer in this process whose write failed, or that was abandoned, closed or
-collected, or a process on this host, boot and pid namespace that no longer
-runs, is replaced by compare-and-swap. A writer elsewhere (another host,
+A writer whose save fails marks its claim abandoned instead of removing it: the
+claim then still proves that the objects left in the prefix are cloudckpt's, so
+``gc`` and ``rm --force`` may remove them (:mod:`cloudckpt.ownership`); a delete
+writes one before it starts, for the same reason.
+
+A claim whose writer is gone does not block a retry of the same save: an
+abandoned claim, a writer in this process whose write failed, or that was
+closed or collected, or a process on this host, boot and pid namespace that no
+longer runs, is replaced by compare-and-swap. A writer elsewhere (another host,
 container or boot) cannot be checked; its claim is taken over only with
 ``takeover=True`` or after ``cloudckpt rm --force`` / ``cloudckpt gc``.
 """
@@ -93,6 +98,8 @@ def _whoami() -> dict[str, Any]:
 
 def _holder_gone(record: dict[str, Any]) -> bool:
     """Whether the writer that made ``record`` provably no longer runs."""
+    if record.get("abandoned"):
+        return True
     if any(record.get(k) != v for k, v in _whoami().items()):
         return False
     pid = record.get("pid")
@@ -134,6 +141,7 @@ class WriterClaim:
         self.writer = uuid.uuid4().hex
         self.held = False
         self.used = False  # acquired at least once: this writer has written objects
+        self.abandoned = False  # its claim object was marked abandoned
         self._lock = threading.Lock()
 
     def acquire(self) -> None:
@@ -162,6 +170,7 @@ class WriterClaim:
                     _live.discard(self.writer)
                 raise
             self.held = self.used = True
+            self.abandoned = False
 
     def _replace(self, data: bytes) -> None:
         try:
@@ -206,22 +215,41 @@ class WriterClaim:
                 _live.discard(self.writer)
 
     def release(self, *, committed: bool) -> None:
-        """Drop the claim and remove its object if it is still ours. After a commit
-        (``committed``) with full retries, as a claim left in a committed checkpoint
-        stays for good; after a failure in one try, not to hold the error back for
-        another retry deadline when the endpoint is down."""
+        """Drop the claim. After a commit (``committed``) its object is removed, with
+        full retries, as a claim left in a committed checkpoint stays for good. After
+        a failure it is rewritten as abandoned, in one try (not to hold the error back
+        for another retry deadline when the endpoint is down): any retry may take it
+        over at once, and it still proves that the objects left there are cloudckpt's
+        (see :mod:`cloudckpt.ownership`), so ``gc`` and ``rm --force`` may remove them."""
         with self._lock:
-            if not self.held:
-                return
-            self._drop(delete=True, verify=True, one_try=not committed)
+            if committed:
+                if self.held:
+                    self._drop(delete=True, verify=True)
+            elif self.used and not self.abandoned:  # suspended by the failure or not
+                self._abandon()
 
-    def _drop(self, *, delete: bool, verify: bool, one_try: bool = False) -> None:
+    def _abandon(self) -> None:
+        self._drop(delete=False, verify=False)
+        self.abandoned = True
+        store = self.store.with_retry(_ONE_TRY)
+        try:
+            raw, version = store.get_with_version(CLAIM_NAME)
+            record = _parse(raw)
+            if record.get("writer") == self.writer:
+                store.put_if_match(CLAIM_NAME, json.dumps({**record, "abandoned": True,
+                                                           "until": time.time()}).encode(),
+                                   version)
+        except Exception as exc:  # noqa: BLE001 - the claim stays; liveness still judges it
+            log.warning("could not mark the writer claim of %s abandoned: %s",
+                        self.store.uri, exc)
+
+    def _drop(self, *, delete: bool, verify: bool) -> None:
         self.held = False
         with _live_lock:
             _live.discard(self.writer)
         if not delete:
             return
-        store = self.store.with_retry(_ONE_TRY) if one_try else self.store
+        store = self.store
         try:
             if verify and _parse(store.get(CLAIM_NAME)).get("writer") != self.writer:
                 return
@@ -235,6 +263,16 @@ class WriterClaim:
                 _live.discard(self.writer)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+def mark_deleting(store: Store) -> None:
+    """Write a claim saying a delete of ``store``'s prefix is under way, before its
+    manifest goes: a delete cut short then leaves objects that still prove to be
+    cloudckpt's (see :mod:`cloudckpt.ownership`). Whoever claims it next takes over."""
+    pid = os.getpid()
+    record = {"writer": uuid.uuid4().hex, **_whoami(), "pid": pid, "since": time.time(),
+              "abandoned": True, "deleting": True}
+    store.put(CLAIM_NAME, json.dumps(record).encode())
 
 
 def _parse(raw: bytes) -> dict[str, Any]:

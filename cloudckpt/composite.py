@@ -24,14 +24,26 @@ from . import _dist
 from . import dcp as cdcp
 from .checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
 from .errors import (
+    AccessDeniedError,
+    BucketNotFoundError,
     CloudCkptError,
     CommitConflictError,
     ConfigError,
     CorruptCheckpointError,
+    NotACheckpointError,
     StorageError,
 )
-from .manifest import MANIFEST_NAME
-from .state import Stateful, StepInfo, dumps_state, get_rng_state, loads_state, set_rng_state
+from .manifest import CLAIM_NAME
+from .ownership import COMMITTED, FOREIGN, ROOT, not_a_checkpoint, survey
+from .state import (
+    Stateful,
+    StepInfo,
+    check_restorable,
+    dumps_state,
+    get_rng_state,
+    loads_state,
+    set_rng_state,
+)
 from .storage import Store, open_store
 from .storage.retry import describe
 
@@ -56,8 +68,12 @@ class Captured:
     per_rank: dict[str, Any] = field(default_factory=dict)
 
 
-def _snapshot(value: Any) -> Any:
-    return copy.deepcopy(value.state_dict() if isinstance(value, Stateful) else value)
+def _snapshot(kind: str, key: str, value: Any) -> Any:
+    """A copy of ``value``'s state, refused at once if a restore could not load it."""
+    stateful = isinstance(value, Stateful)
+    state = value.state_dict() if stateful else value
+    check_restorable(f"{kind}[{key!r}]", state, owner=value if stateful else None)
+    return copy.deepcopy(state)
 
 
 def capture(
@@ -67,9 +83,13 @@ def capture(
     per_rank: Mapping[str, Any] | None = None,
     rng: bool = True,
 ) -> Captured:
-    """Snapshot stateful objects (``state_dict()``) and plain values, and the RNG state."""
-    snap = Captured({k: _snapshot(v) for k, v in (shared or {}).items()},
-                    {k: _snapshot(v) for k, v in (per_rank or {}).items()})
+    """Snapshot stateful objects (``state_dict()``) and plain values, and the RNG state.
+
+    Raises :class:`ConfigError` for a value that could be saved but never restored
+    (no ``state_dict()``, and not plain data or tensors), before anything is written.
+    """
+    snap = Captured({k: _snapshot("extra", k, v) for k, v in (shared or {}).items()},
+                    {k: _snapshot("per_rank", k, v) for k, v in (per_rank or {}).items()})
     if step_info is not None:
         snap.shared[_STEP_INFO] = step_info.to_dict()
     if rng:
@@ -98,10 +118,21 @@ def write(
     Raises on every rank if any rank failed; then nothing is committed.
     """
     store = uri if isinstance(uri, Store) else open_store(uri, storage_options)
-    rank, world = _dist.rank(group), _dist.world_size(group)
-    conflict = claim_prefix(store, group)
-    if conflict:
-        raise CommitConflictError(conflict + "; checkpoints are immutable, use a new URI")
+    world = _dist.world_size(group)
+    writer = claim_prefix(store, group, step=step, kind=KIND, metadata={
+        **dict(metadata or {}), "world_size": world, "parts": [MODEL_PART, "state"],
+        "step_info": captured.shared.get(_STEP_INFO)})
+    try:
+        return _write_parts(store, writer, app_state, captured, step, group)
+    except BaseException:
+        if writer is not None:
+            writer.abandon()  # the claim stays, marked: the leftovers remain provably ours
+        raise
+
+
+def _write_parts(store: Store, writer: CheckpointWriter | None, app_state: Mapping[str, Any],
+                 captured: Captured, step: int | None, group: Any) -> Checkpoint | None:
+    rank = _dist.rank(group)
     cdcp.save(dict(app_state), store.child(MODEL_PART), process_group=group, step=step)
     try:
         info = store.put(_rank_key(rank), dumps_state(captured.per_rank))
@@ -114,9 +145,9 @@ def write(
         raise StorageError(f"saving training state to {store.uri} failed: {'; '.join(failed)}")
     committed: Checkpoint | None = None
     result: tuple[str, str] = ("ok", "")
-    if rank == 0:
+    if writer is not None:
         try:
-            committed = _commit(store, captured, gathered, step, metadata, world)
+            committed = _commit(writer, captured, gathered)
         except Exception as exc:  # noqa: BLE001 - re-raised here, reported to the others
             result = ("error", str(exc))
             _dist.broadcast_object(result, group)
@@ -127,35 +158,63 @@ def write(
     return committed
 
 
-def claim_prefix(store: Store, group: Any = None) -> str | None:
-    """Make ``store`` ready for a multi-part save, agreed on every rank.
-
-    Returns why it cannot be used (a checkpoint is committed there), or None.
-    Leftovers of a save that crashed before its commit are deleted first: they
-    are invisible to every reader, and in the way of the parts' create-only
-    commits.
-    """
-    conflict = None
-    if _dist.rank(group) == 0:
-        if store.exists(MANIFEST_NAME):
-            conflict = f"a checkpoint is already committed at {store.uri}"
-        elif store.list(internal=True):  # a crashed writer's claim and parts included
-            log.warning("replacing the uncommitted leftovers of an earlier save at %s",
-                        store.uri)
-            store.delete_prefix("")
-    return _dist.broadcast_object(conflict, group)
-
-
-def _commit(store: Store, captured: Captured, gathered: list[tuple], step: int | None,
-            metadata: Mapping[str, Any] | None, world: int) -> Checkpoint:
-    writer = CheckpointWriter(store, step=step, kind=KIND, metadata={
-        **dict(metadata or {}), "world_size": world, "parts": [MODEL_PART, "state"],
-        "step_info": captured.shared.get(_STEP_INFO)})
+def _commit(writer: CheckpointWriter, captured: Captured, gathered: list[tuple]) -> Checkpoint:
+    """Rank 0, once every rank's part is durable: the shared state, then the root
+    manifest listing every object of every part."""
     writer.add_part(MODEL_PART)
     for _, key, size, crc in gathered:
         writer.add_existing(key, size, crc)
     writer.put(SHARED, dumps_state(captured.shared))
     return writer.commit()
+
+
+_SHARED_ERRORS: dict[str, type[CloudCkptError]] = {
+    c.__name__: c for c in (CommitConflictError, NotACheckpointError, BucketNotFoundError,
+                            AccessDeniedError, StorageError)}
+
+
+def claim_prefix(store: Store, group: Any = None, **writer_options: Any
+                 ) -> CheckpointWriter | None:
+    """Make ``store`` ready for a multi-part save, agreed on every rank.
+
+    On rank 0: a :class:`CheckpointWriter` for the root manifest (``writer_options``
+    go to it) claims the prefix before any rank writes, so whatever a crash leaves
+    there is provably cloudckpt's; leftovers of an earlier save that never
+    committed are deleted (they are invisible to every reader, and in the way of
+    the parts' create-only commits). Returns that writer on rank 0, None elsewhere.
+
+    Raises the same error on every rank when the prefix cannot be used: a
+    checkpoint is committed there (:class:`CommitConflictError`), another live
+    save holds it, or it holds data that is not an unfinished save of cloudckpt's
+    (:class:`NotACheckpointError`: a root, or objects cloudckpt did not write).
+    """
+    writer = None
+    outcome: tuple[str, str] | None = None
+    if _dist.rank(group) == 0:
+        try:
+            found = survey(store)
+            if found.kind == COMMITTED:
+                raise CommitConflictError(f"a checkpoint is already committed at {store.uri}; "
+                                          "checkpoints are immutable, use a new URI")
+            if found.kind in (ROOT, FOREIGN):
+                raise not_a_checkpoint(found)
+            writer = CheckpointWriter(store, **writer_options)
+            writer.claim()
+            leftovers = [o.key for o in found.objects if o.key != CLAIM_NAME]
+            if leftovers:
+                log.warning("replacing the uncommitted leftovers of an earlier save at %s "
+                            "(%d objects)", store.uri, len(leftovers))
+                store.delete(leftovers)
+        except Exception as exc:  # noqa: BLE001 - every rank raises it below
+            if writer is not None:
+                writer.abandon()
+            kind = next((c.__name__ for c in _SHARED_ERRORS.values() if isinstance(exc, c)),
+                        StorageError.__name__)
+            outcome = (kind, str(exc) if isinstance(exc, CloudCkptError) else describe(exc))
+    outcome = _dist.broadcast_object(outcome, group)
+    if outcome is not None:
+        raise _SHARED_ERRORS[outcome[0]](outcome[1])
+    return writer
 
 
 @dataclass

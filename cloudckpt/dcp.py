@@ -23,6 +23,7 @@ import dataclasses
 import io
 import logging
 import pickle
+import re
 import sys
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
@@ -55,8 +56,12 @@ from .errors import (
     ConfigError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    StateMismatchError,
+    StorageError,
 )
 from .manifest import MANIFEST_NAME
+from .ownership import COMMITTED, EMPTY, ROOT, survey
+from .state import refusal, safe_torch_load
 from .storage import Store, open_store, split_uri
 
 log = logging.getLogger("cloudckpt.dcp")
@@ -521,13 +526,7 @@ class CloudStorageReader(_OnStore, StorageReader):
             _refuse_unsafe_pickle(raw, f"{self.uri} item {req.storage_index.fqn}")
             planner.load_bytes(req, io.BytesIO(raw))
             return
-        try:
-            tensor = torch.load(_BufferReader(data), map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - refused by weights_only, or not a tensor
-            why = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
-            raise CorruptCheckpointError(
-                f"{self.uri} item {req.storage_index.fqn} is not a safe tensor ({why}); "
-                "refusing to load it", {req.storage_index.fqn: "unsafe"}) from None
+        tensor = safe_torch_load(_BufferReader(data), f"{self.uri} item {req.storage_index.fqn}")
         if not isinstance(tensor, torch.Tensor):
             raise CorruptCheckpointError(
                 f"{self.uri} item {req.storage_index.fqn} holds a {type(tensor).__name__}, "
@@ -536,9 +535,10 @@ class CloudStorageReader(_OnStore, StorageReader):
             tensor = tensor.narrow(dim, off, length)
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
-            raise CorruptCheckpointError(
-                f"{self.uri}: item {req.storage_index.fqn} has shape {tuple(tensor.size())}, "
-                f"expected {tuple(target.size())}")
+            raise StateMismatchError(
+                f"loading {self.uri}: {req.storage_index.fqn} has shape "
+                f"{tuple(tensor.size())} in the checkpoint but {tuple(target.size())} in the "
+                "state to load into; the model does not match the checkpoint")
         target.copy_(tensor)
         planner.commit_tensor(req, target)
 
@@ -584,14 +584,7 @@ def _split_range(start: int, end: int, chunk: int) -> list[tuple[int, int]]:
 def _refuse_unsafe_pickle(raw: bytes, what: str) -> None:
     """DCP's planner unpickles byte items with ``weights_only=False``; only let
     through what ``weights_only=True`` accepts, so no pickled code can run."""
-    try:
-        torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any failure means: unsafe to unpickle
-        why = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
-        raise CorruptCheckpointError(
-            f"{what} is not a safe pickle ({why}); refusing to "
-            "load it. Checkpoints must only hold tensors and plain data.", {what: "unsafe"}
-        ) from None
+    safe_torch_load(io.BytesIO(raw), what)
 
 
 def _coalesce(path: str, members: list[tuple[_StorageInfo, ReadItem]]
@@ -621,12 +614,11 @@ def adopt(uri: str | Store, storage_options: Mapping[str, Any] | None = None, *,
     create-only. Raises :class:`CorruptCheckpointError` naming what is missing.
     """
     store = _store(uri, storage_options)
-    try:
-        existing = read_manifest(store)
-    except IncompleteCheckpointError:
-        existing = None
-    if existing is not None:
+    found = survey(store)
+    if found.kind == COMMITTED:
         raise CommitConflictError(f"{store.uri} is already committed; nothing to adopt")
+    if found.kind in (EMPTY, ROOT):  # nothing there, or checkpoints below: say which
+        read_manifest(store)
     try:
         raw_md = store.get(METADATA_NAME)
     except FileNotFoundError:
@@ -669,23 +661,71 @@ def adopt(uri: str | Store, storage_options: Mapping[str, Any] | None = None, *,
 
 
 @contextmanager
-def _unwrapped() -> Iterator[None]:
-    """DCP wraps every rank's failure in ``CheckpointException`` (a BaseException);
-    re-raise the first cloudckpt error inside it, so callers can catch ours."""
+def _unwrapped(what: str) -> Iterator[None]:
+    """DCP wraps every rank's failure in ``CheckpointException`` (a BaseException, which
+    ``except Exception`` misses); raise a cloudckpt error instead, so callers can catch
+    ours: the first cloudckpt error inside, else :func:`_translate`'s."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         yield
     except CheckpointException as exc:
-        raise _ours(exc) or exc from exc
+        raise _ours(exc) or _translate(exc, what) from exc
+
+
+def _failures(exc: BaseException) -> list[tuple[int, BaseException]]:
+    out = []
+    for rank, failure in sorted(getattr(exc, "failures", {}).items()):
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, BaseException):
+            out.append((rank, inner))
+    return out
 
 
 def _ours(exc: BaseException) -> CloudCkptError | None:
-    for failure in getattr(exc, "failures", {}).values():
-        inner = failure[0] if isinstance(failure, tuple) else failure
+    for _, inner in _failures(exc):
         if isinstance(inner, CloudCkptError):
             return inner
     return None
+
+
+_SIZE_MISMATCH = re.compile(r"Size mismatch between saved (?P<saved>.+?) and current: "
+                            r"(?P<current>.+?) for (?P<key>\S+)")
+_MISSING_KEY = re.compile(r"Missing key in checkpoint state_dict: (?P<key>\S+?)\.?$")
+
+
+def _translate(exc: BaseException, what: str) -> CloudCkptError:
+    """A cloudckpt error for a failure DCP reported: the state to load not matching the
+    checkpoint (a key's shape, a key the checkpoint lacks) is a
+    :class:`StateMismatchError` naming the key; anything else a :class:`StorageError`."""
+    failures = _failures(exc)
+    if not failures:
+        return StorageError(f"{what} failed: {refusal(exc)}")
+    rank, inner = failures[0]
+    text = refusal(inner)
+    m = _SIZE_MISMATCH.search(str(inner))
+    if m:
+        return StateMismatchError(
+            f"{what}: {m['key']} has shape {_shape(m['saved'])} in the checkpoint but "
+            f"{_shape(m['current'])} in the state to load into. The model (or optimizer) does "
+            "not match the checkpoint: build it with the configuration it was saved with.")
+    m = _MISSING_KEY.search(str(inner))
+    if m:
+        return StateMismatchError(
+            f"{what}: the state to load into has {m['key']}, which the checkpoint lacks. The "
+            "model does not match the checkpoint; load with a matching model, or drop the key "
+            "(or pass a planner allowing partial loads, e.g. DefaultLoadPlanner("
+            "allow_partial_load=True)).")
+    if isinstance(inner, (ValueError, KeyError, TypeError)):
+        return StateMismatchError(f"{what} failed on rank {rank}: {type(inner).__name__}: "
+                                  f"{text}; the state to load does not match the checkpoint")
+    return StorageError(f"{what} failed on rank {rank}: {type(inner).__name__}: {text}")
+
+
+def _shape(torch_size: str) -> str:
+    """``torch.Size([3, 4])`` -> ``(3, 4)``."""
+    m = re.fullmatch(r"torch\.Size\(\[(.*)\]\)", torch_size.strip())
+    return f"({m[1]})" if m else torch_size
 
 
 def _no_dist() -> bool:
@@ -712,7 +752,7 @@ def save(
     writer = CloudStorageWriter(uri, storage_options=storage_options, step=step,
                                 metadata=metadata, **writer_options)
     try:
-        with _unwrapped():
+        with _unwrapped(f"saving {writer.uri}"):
             dcp.save(state_dict, storage_writer=writer, planner=planner,
                      process_group=process_group, no_dist=_no_dist())
     except BaseException:
@@ -738,7 +778,7 @@ def load(
 
     reader = CloudStorageReader(uri, storage_options=storage_options)
     reader.read_metadata()  # manifest and metadata problems surface as our own errors
-    with _unwrapped():
+    with _unwrapped(f"loading {reader.uri}"):
         dcp.load(state_dict, storage_reader=reader, planner=planner,
                  process_group=process_group, no_dist=_no_dist())
 
@@ -785,7 +825,8 @@ def async_save(
             outer.set_result(f.result())
         except BaseException as exc:  # noqa: BLE001 - surfaced on result()
             writer.release_claim()
-            outer.set_exception(_ours(exc) or exc)
+            outer.set_exception(_ours(exc) or (_translate(exc, f"saving {writer.uri}")
+                                               if _failures(exc) else exc))
 
     inner.add_done_callback(done)
     return outer

@@ -45,3 +45,24 @@ class ConfigError(CloudCkptError, ValueError):
 
 class ManifestError(CorruptCheckpointError):
     """A manifest is malformed or names a path that is not allowed."""
+
+
+class NotACheckpointError(CheckpointNotFoundError):
+    """The URI holds data but no checkpoint cloudckpt can act on: a root holding
+    committed checkpoints below it, or objects cloudckpt did not write."""
+
+
+class BucketNotFoundError(StorageError):
+    """The bucket (or container) named in the URI does not exist."""
+
+
+class AccessDeniedError(StorageError):
+    """No credentials were found, or the store (or the Hub) refused the ones given."""
+
+
+class DiskFullError(StorageError):
+    """A local write failed for lack of space, a quota or the file size limit."""
+
+
+class StateMismatchError(ConfigError):
+    """The state to load into does not match the checkpoint (a key's shape or dtype)."""

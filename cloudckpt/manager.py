@@ -17,7 +17,7 @@ from typing import Any
 
 from . import _dist, composite
 from .checkpoint import Checkpoint, delete_checkpoint, list_checkpoints, open_checkpoint
-from .errors import ConfigError, CorruptCheckpointError
+from .errors import CloudCkptError, ConfigError, CorruptCheckpointError
 from .state import StepInfo
 from .storage import Store, open_store
 
@@ -184,7 +184,11 @@ class CheckpointManager:
         for c in committed:
             if c.step in drop and c.name != keep:
                 log.info("retention: deleting %s (step %s)", c.uri, c.step)
-                delete_checkpoint(self.store.child(c.name))
+                try:
+                    delete_checkpoint(self.store.child(c.name))
+                except CloudCkptError as exc:  # the save itself is committed: go on training
+                    log.warning("retention could not delete %s (%s); it stays, the next "
+                                "save tries again", c.uri, exc)
 
     def wait(self) -> None:
         """Block until the pending async save is committed; raise its error if it failed."""
@@ -257,7 +261,7 @@ class CheckpointManager:
     def _candidates(self) -> list[str]:
         listing = list_checkpoints(self.store, include_uncommitted=True)
         for c in listing:
-            if not c.committed:
+            if c.status in ("uncommitted", "unreadable"):
                 log.warning("skipping %s: %s", c.uri,
                             c.error or "no manifest (a save that never committed)")
         return [c.name for c in reversed(listing) if c.committed]

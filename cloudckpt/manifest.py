@@ -34,6 +34,10 @@ MANIFEST_NAME = "cloudckpt-manifest.json"
 CLAIM_NAME = ".cloudckpt-writer.json"
 #: Name fragments of backends' bookkeeping objects (temporary files, upload parts).
 INTERNAL_MARKS = (".cloudckpt-tmp-", ".cloudckpt-part")
+#: A recover slot's pointer (cloudckpt.slot).
+SLOT_POINTER_NAME = "slot-pointer.json"
+#: Where ROLL's part markers (cloudckpt.integrations.roll) live inside a checkpoint.
+ROLL_PARTS_DIR = "_cloudckpt_parts"
 FORMAT = "cloudckpt.manifest"
 VERSION = 1
 #: Manifests larger than this are refused unread (bounded memory on hostile input).
@@ -176,6 +180,16 @@ def validate_path(path: Any, *, source: str = "manifest") -> str:
             "inside the checkpoint. The manifest is malformed or hostile; do not load it."
         )
     return path
+
+
+def is_reserved(key: str) -> bool:
+    """Whether ``key`` (relative to some prefix) names an object only cloudckpt writes:
+    a manifest, a writer claim, a slot pointer, a ROLL part marker, an upload part
+    or a temporary file."""
+    name = key.rsplit("/", 1)[-1]
+    return (name in (MANIFEST_NAME, CLAIM_NAME, SLOT_POINTER_NAME)
+            or any(m in name for m in INTERNAL_MARKS)
+            or key.startswith(ROLL_PARTS_DIR + "/") or f"/{ROLL_PARTS_DIR}/" in key)
 
 
 def _utf8(text: str) -> bool:

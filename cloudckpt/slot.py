@@ -23,12 +23,13 @@ from typing import Any
 from . import _dist, composite
 from .checkpoint import delete_checkpoint
 from .errors import CheckpointNotFoundError, CommitConflictError, CorruptCheckpointError
+from .manifest import SLOT_POINTER_NAME
 from .state import StepInfo
 from .storage import Store, open_store
 
 log = logging.getLogger("cloudckpt")
 
-POINTER = "slot-pointer.json"
+POINTER = SLOT_POINTER_NAME
 GENERATION_RE = re.compile(r"^gen-\d{20}-[0-9a-f]{8}$")
 
 

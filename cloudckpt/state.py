@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import random
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -23,7 +24,9 @@ __all__ = [
     "StepInfo",
     "dumps_state",
     "get_rng_state",
+    "check_restorable",
     "loads_state",
+    "safe_torch_load",
     "set_rng_state",
 ]
 
@@ -138,15 +141,75 @@ def dumps_state(obj: Any) -> bytes:
 def loads_state(data: bytes, *, source: str = "state") -> Any:
     """Inverse of :func:`dumps_state`; never executes pickled code."""
     tag, body = data[:1], data[1:]
-    try:
-        if tag == b"J":
+    if tag == b"J":
+        try:
             return json.loads(body)
-        if tag == b"T":
-            return torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any failure: refuse the object
-        why = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
-        raise CorruptCheckpointError(
-            f"{source} cannot be loaded safely ({why}); it must "
-            "hold only plain data and tensors", {source: "unsafe or malformed"}) from None
+        except ValueError as exc:
+            raise CorruptCheckpointError(f"{source} is not valid JSON ({exc})",
+                                         {source: "malformed"}) from None
+    if tag == b"T":
+        return safe_torch_load(io.BytesIO(body), source)
     raise CorruptCheckpointError(f"{source} has an unknown encoding", {source: "encoding"})
+
+
+def safe_torch_load(f: Any, source: str) -> Any:
+    """``torch.load(f, weights_only=True)`` on the CPU: tensors and plain data only.
+
+    Anything else (pickled code, unknown classes, a damaged file) raises
+    :class:`CorruptCheckpointError` naming ``source``, with torch's reason on one
+    line (terminal colour codes removed).
+    """
+    try:
+        return torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any failure: refuse the object
+        raise CorruptCheckpointError(
+            f"{source} cannot be loaded safely ({refusal(exc)}); checkpoints must hold only "
+            "tensors and plain data", {source: "unsafe or malformed"}) from None
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def refusal(exc: BaseException) -> str:
+    """The line of an error that says what is wrong, without terminal colour codes, at
+    most 200 chars. For torch's weights-only refusal that is its unpickler's reason
+    (the rest of that message is advice to load unsafely, which we do not give)."""
+    text = _ANSI.sub("", str(exc)).strip()
+    for line in text.splitlines():
+        if "WeightsUnpickler error:" in line:
+            reason = line.split("WeightsUnpickler error:", 1)[1].split(". Please use")[0]
+            return reason.strip()[:200]
+    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
+
+
+def check_restorable(where: str, value: Any, *, owner: Any = None) -> None:
+    """Refuse, before anything is written, a value a restore could not load back.
+
+    Plain data (JSON) and what ``torch.load(weights_only=True)`` accepts (tensors,
+    tuples, ...) pass; anything else (a DataLoader, a generator, a lambda) raises
+    :class:`ConfigError` naming ``where`` and the fix. ``owner`` is the object whose
+    ``state_dict()`` gave ``value``, if it came from one.
+    """
+    try:
+        json.dumps(value, allow_nan=True)
+        return
+    except (TypeError, ValueError):
+        pass
+    buf = io.BytesIO()
+    try:
+        torch.save(value, buf)
+        buf.seek(0)
+        torch.load(buf, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any failure: a restore would fail too
+        if owner is not None:
+            raise ConfigError(
+                f"{where}: the state_dict() of a {type(owner).__name__} holds what cannot be "
+                f"restored ({refusal(exc)}); a state_dict must hold only tensors and plain "
+                "data. Nothing was saved.") from None
+        raise ConfigError(
+            f"{where} is a {type(value).__name__}, which cannot be restored: it has no "
+            "state_dict()/load_state_dict(), and it is not plain data or tensors "
+            f"({refusal(exc)}). Pass an object with state_dict() and load_state_dict() "
+            "(e.g. torchdata's StatefulDataLoader instead of a DataLoader), or its state as "
+            "plain data. Nothing was saved.") from None
 

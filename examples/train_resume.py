@@ -164,11 +164,11 @@ def _arm_mid_save_crash(at_step: int) -> None:
 
     real = composite._commit
 
-    def commit_then_die(store, captured, gathered, step, metadata, world):
-        if step == at_step:
-            print(f"crashing mid-save of step {step}", flush=True)
+    def commit_then_die(writer, captured, gathered):
+        if writer.step == at_step:
+            print(f"crashing mid-save of step {writer.step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        return real(store, captured, gathered, step, metadata, world)
+        return real(writer, captured, gathered)
 
     composite._commit = commit_then_die
 

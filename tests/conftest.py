@@ -102,6 +102,17 @@ def backend(request) -> Backend:
 HUB_TOKEN = "hf_cloudckpt_test_token_0123456789"
 
 
+def torn_save(uri: str, options: dict[str, Any], objects: dict[str, bytes]) -> None:
+    """What a save that failed before its commit leaves behind: its objects and its
+    writer's claim, marked abandoned. (Objects put there by other means are not
+    cloudckpt's, and no cloudckpt command treats them as a torn save.)"""
+    from cloudckpt import CheckpointWriter
+
+    w = CheckpointWriter(uri, storage_options=options)
+    w.put_many(objects)
+    w.abandon()
+
+
 @pytest.fixture
 def hub_server(tmp_path, monkeypatch):
     """A Hub-compatible server on 127.0.0.1, with huggingface_hub isolated from the

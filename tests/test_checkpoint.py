@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+from conftest import torn_save
 
 from cloudckpt import (
     MANIFEST_NAME,
@@ -57,7 +58,7 @@ def test_list_and_latest_only_see_committed(backend):
     write_ckpt(backend.uri("step-10"), backend.options, 10)
     write_ckpt(backend.uri("step-2"), backend.options, 2)
     # A torn save with a higher step: objects but no manifest.
-    open_store(backend.uri("step-99"), backend.options).put("shard-0.bin", b"partial")
+    torn_save(backend.uri("step-99"), backend.options, {"shard-0.bin": b"partial"})
     committed = list_checkpoints(backend.root, backend.options)
     assert [(c.name, c.step) for c in committed] == [("step-1", 1), ("step-2", 2), ("step-10", 10)]
     everything = list_checkpoints(backend.root, backend.options, include_uncommitted=True)
@@ -189,10 +190,11 @@ def test_delete_checkpoint(backend):
     write_ckpt(backend.uri("step-1"), backend.options, 1, n=3)
     assert delete_checkpoint(backend.uri("step-1"), backend.options) == 4
     assert open_store(backend.root, backend.options).list() == []
-    open_store(backend.uri("torn"), backend.options).put("a", b"a")
+    torn_save(backend.uri("torn"), backend.options, {"a": b"a"})
     with pytest.raises(IncompleteCheckpointError):
         delete_checkpoint(backend.uri("torn"), backend.options)
-    assert delete_checkpoint(backend.uri("torn"), backend.options, force=True) == 1
+    assert delete_checkpoint(backend.uri("torn"), backend.options, force=True) == 2  # + claim
+    assert open_store(backend.root, backend.options).list(internal=True) == []
     with pytest.raises(CheckpointNotFoundError):
         delete_checkpoint(backend.uri("step-1"), backend.options)
 

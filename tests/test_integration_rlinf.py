@@ -25,6 +25,7 @@ from dist_run import run_ranks
 from training_runs import launcher, losses, run_and_kill
 
 from cloudckpt import IncompleteCheckpointError, list_checkpoints, open_checkpoint, open_store
+from cloudckpt.claim import CLAIM_NAME
 from cloudckpt.dcp import CloudStorageReader, adopt
 from cloudckpt.errors import CommitConflictError, ConfigError, CorruptCheckpointError
 from cloudckpt.integrations import rlinf
@@ -214,6 +215,10 @@ def test_two_ranks_sigkill_resume_explicit_uri_bit_exact_and_layout(s3, tmp_path
 
 
 def _copy(store, src: str, dst: str, *, skip=(), mutate=None) -> None:
+    """A torn step as a crashed save leaves it: some objects, and the claim its
+    coordinator took before any rank wrote (see composite.claim_prefix)."""
+    store.child(dst).put(CLAIM_NAME, json.dumps({"writer": "crashed", "host": "node-7",
+                                                 "pid": 1, "since": 0}).encode())
     for obj in store.child(src).list():
         if obj.key in skip:
             continue

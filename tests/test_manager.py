@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+from conftest import torn_save
 
 from cloudckpt import (
     MANIFEST_NAME,
@@ -83,7 +84,7 @@ def test_restore_skips_torn_and_falls_back_from_corrupt(s3, caplog):
     opts = ManagerOptions(every_steps=1)
     run(CheckpointManager(s3.root, opts, storage_options=s3.options), range(0, 3))
     # step-3: torn (objects but no manifest); step-2: corrupt shard.
-    open_store(s3.uri("step-3"), s3.options).put("model/__0_0.distcp", b"partial")
+    torn_save(s3.uri("step-3"), s3.options, {"model/__0_0.distcp": b"partial"})
     store = open_store(s3.uri("step-2"), s3.options)
     shard = next(o.key for o in store.list() if o.key.endswith(".distcp"))
     data = bytearray(store.get(shard))

@@ -287,30 +287,49 @@ class RLinfCheckpointer:
 
         ``data_state`` is the driver's ``StatefulDataLoader.state_dict()`` (taken from
         rank 0). Raises on every rank if any rank failed; nothing is committed then.
+        ``data_state`` that cloudckpt could not load back (not plain data or tensors)
+        raises :class:`ConfigError` before anything is written.
         """
+        from .. import state
+
+        if data_state is not None:
+            state.check_restorable("data_state", data_state)
+        store = self.store.child(step_name(step))
+        world = _dist.world_size(self.group)
+        parts = [ACTOR] + ([CRITIC] if critic is not None else [])
+        try:
+            writer = claim_prefix(store, self.group, step=step, kind=KIND, metadata={
+                **dict(metadata or {}), "world_size": world, "parts": parts,
+                "layout": "rlinf-fsdp", "key_prefix": KEY_PREFIX})
+        except CommitConflictError as exc:  # raised alike on every rank
+            raise CommitConflictError(
+                f"{exc}. This run resumed from an earlier step than the newest one: delete "
+                f"the later steps first (cloudckpt rm {store.uri}) or resume with "
+                "resume_dir: auto") from None
+        try:
+            committed = self._write_parts(store, writer, parts, actor, critic, data_state, step)
+        except BaseException:
+            if writer is not None:
+                writer.abandon()  # the claim stays, marked: the leftovers remain ours
+            raise
+        if writer is not None and self.keep_last is not None:
+            self._prune()
+        return committed
+
+    def _write_parts(self, store: Store, writer: CheckpointWriter | None, parts: list[str],
+                     actor: Mapping[str, Any], critic: Mapping[str, Any] | None,
+                     data_state: Any, step: int) -> Checkpoint | None:
         import torch
 
         from .. import dcp as cdcp
 
-        store = self.store.child(step_name(step))
-        rank, world = _dist.rank(self.group), _dist.world_size(self.group)
-        conflict = claim_prefix(store, self.group)
-        if conflict:
-            raise CommitConflictError(
-                f"{conflict}; checkpoints are immutable. This run resumed from an earlier "
-                f"step than the newest one: delete the later steps first "
-                f"(cloudckpt rm {store.uri}) or resume with resume_dir: auto")
-        parts = [ACTOR] + ([CRITIC] if critic is not None else [])
         for part, state in zip(parts, (actor, critic), strict=False):
             cdcp.save(dict(state), store.child(f"{part}/{DCP_DIR}"), process_group=self.group,
                       step=step)
         committed: Checkpoint | None = None
         result = ("ok", "")
-        if rank == 0:
+        if writer is not None:
             try:
-                writer = CheckpointWriter(store, step=step, kind=KIND, metadata={
-                    **dict(metadata or {}), "world_size": world, "parts": parts,
-                    "layout": "rlinf-fsdp", "key_prefix": KEY_PREFIX})
                 for part in parts:
                     writer.add_part(f"{part}/{DCP_DIR}")
                 if data_state is not None:
@@ -325,8 +344,6 @@ class RLinfCheckpointer:
         result = _dist.broadcast_object(result, self.group)
         if result[0] != "ok":
             raise StorageError(f"committing {store.uri} failed on rank 0: {result[1]}")
-        if rank == 0 and self.keep_last is not None:
-            self._prune()
         return committed
 
     def _prune(self) -> None:
@@ -384,18 +401,9 @@ class RLinfCheckpointer:
 
 def read_data_state(ckpt: Checkpoint) -> Any:
     """``data/data.pt``, checked against the manifest, loaded with ``weights_only=True``."""
-    import torch
+    from ..state import safe_torch_load
 
-    try:
-        return torch.load(io.BytesIO(ckpt.read(DATA_PATH)), map_location="cpu",
-                          weights_only=True)
-    except CloudCkptError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - refuse anything weights_only refuses
-        why = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
-        raise CorruptCheckpointError(
-            f"{ckpt.uri}/{DATA_PATH} cannot be loaded safely ({why})",
-            {DATA_PATH: "unsafe"}) from None
+    return safe_torch_load(io.BytesIO(ckpt.read(DATA_PATH)), f"{ckpt.uri}/{DATA_PATH}")
 
 
 def open_rlinf_checkpoint(uri: str | Store,
@@ -487,10 +495,10 @@ def _dcp_part(uri: str, storage_options: Mapping[str, Any] | None) -> str:
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
-    from ..cli import _parse_options
+    from ..cli import parse_options
 
     opts = json.loads(args.storage_options) if args.storage_options else {}
-    opts.update(_parse_options(args.storage_option))
+    opts.update(parse_options(args.storage_option))
     return opts
 
 

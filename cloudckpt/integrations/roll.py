@@ -58,7 +58,7 @@ from ..errors import (
     IncompleteCheckpointError,
     StorageError,
 )
-from ..manifest import MANIFEST_NAME
+from ..manifest import MANIFEST_NAME, ROLL_PARTS_DIR
 from ..storage import Store, open_store
 
 log = logging.getLogger("cloudckpt.roll")
@@ -77,7 +77,7 @@ __all__ = [
 #: ROLL's checkpoint directory names.
 CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 #: Where part markers live inside a checkpoint until it is committed.
-PARTS_DIR = "_cloudckpt_parts"
+PARTS_DIR = ROLL_PARTS_DIR
 #: Torn checkpoints younger than this are never pruned (a save may be running).
 DEFAULT_TORN_GRACE_SECONDS = 6 * 3600.0
 _PART_RE = re.compile(r"[^A-Za-z0-9._-]+")

@@ -58,6 +58,7 @@ from cloudckpt import (
     open_store,
 )
 from cloudckpt import dcp as cdcp
+from cloudckpt import state as state_module
 from cloudckpt.checkpoint import delete_checkpoint, latest_checkpoint
 from cloudckpt.convert import dcp_to_pt
 from cloudckpt.crc import crc32c_hex
@@ -902,7 +903,8 @@ def _nothing_ran(t: Tally, markers: list[Path]) -> None:
         t.check(f"{m.name} absent", not m.exists(), "the planted code ran")
 
 
-def test_pickled_code_never_runs_from_training_state(local, tmp_path, record) -> None:
+def test_pickled_code_never_runs_from_training_state(local, tmp_path, record,
+                                                     monkeypatch) -> None:
     """Planted code in the state part of training checkpoints (composite, manager, slot),
     in AReaL's recover info, RLinf's ``data/data.pt``, an HF export and a ROLL download,
     checksums right: loaders refuse it; commands that only copy or show never run it."""
@@ -913,6 +915,17 @@ def test_pickled_code_never_runs_from_training_state(local, tmp_path, record) ->
     def plant(name: str) -> _Plant:
         markers.append(tmp_path / f"pwned-{name}")
         return _Plant(markers[-1])
+
+    # cloudckpt's own saves refuse such state before writing anything ...
+    t.trials += 1
+    t.expect("manager save refuses it", partial(
+        CheckpointManager(local.uri("refused"), ManagerOptions(every_steps=1),
+                          storage_options=opts).save,
+        StepInfo(), {"w": torch.ones(4)}, extra={"evil": plant("refused")}, rng=False),
+        ConfigError)
+    # ... an attacker who writes the bucket does not ask them: plant with the checks off.
+    monkeypatch.setattr(composite, "check_restorable", lambda *a, **k: None)
+    monkeypatch.setattr(state_module, "check_restorable", lambda *a, **k: None)
 
     # composite training checkpoints: shared and per-rank state
     for part in ("shared", "per_rank"):
