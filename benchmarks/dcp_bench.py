@@ -47,7 +47,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -56,6 +55,7 @@ from typing import Any
 import s3fs
 import torch
 import torch.distributed.checkpoint as tdcp
+from memory import RssSampler  # benchmarks/memory.py: run as a script, its folder is on the path
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
@@ -191,46 +191,6 @@ def server_cpu() -> float:
                 continue
             total += (int(fields[11]) + int(fields[12])) / tick
     return total
-
-
-class RssSampler:
-    """Samples this process's resident set every ``interval`` seconds in a thread."""
-
-    PAGE = os.sysconf("SC_PAGE_SIZE")
-
-    def __init__(self, interval: float = 0.005) -> None:
-        self.interval = interval
-        self.baseline = 0
-        self.peak = 0
-        self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    @classmethod
-    def rss(cls) -> int:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * cls.PAGE
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.rss())
-            self.samples += 1
-            self._stop.wait(self.interval)
-
-    def __enter__(self) -> RssSampler:
-        gc.collect()
-        self.baseline = self.peak = self.rss()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.rss())
-
-    @property
-    def above(self) -> int:
-        return self.peak - self.baseline
 
 
 # ------------------------------------------------------------------- sides

@@ -1,7 +1,9 @@
 """CRC32C, the checksum that S3 and GCS both compute natively.
 
 Values are carried as 8-digit lower-case hex strings, the form the manifest
-stores.
+stores. :func:`crc32c_combine` joins the CRC32Cs of pieces into the CRC32C of
+their concatenation without their bytes, so pieces fetched in parallel (or a
+server's per-part checksums) can be checked against one whole-object value.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from typing import Any
 
 import google_crc32c
 
-__all__ = ["Crc32c", "crc32c_hex"]
+__all__ = ["Crc32c", "crc32c_combine", "crc32c_hex"]
 
 Buffer = bytes | bytearray | memoryview
 
@@ -47,3 +49,71 @@ class Crc32c:
 
     def hexdigest(self) -> str:
         return f"{self._crc:08x}"
+
+    @property
+    def value(self) -> int:
+        return self._crc
+
+    def append(self, crc: int, size: int) -> None:
+        """Account for ``size`` bytes whose CRC32C is ``crc`` as if they had been
+        passed to :meth:`update` (pieces checked elsewhere, joined here in order)."""
+        self._crc = crc32c_combine(self._crc, crc, size)
+        self.size += size
+
+
+# --- combining ---------------------------------------------------------------
+# A CRC register is a polynomial over GF(2) of degree < 32, stored reflected: bit
+# 31 - k holds the coefficient of x^k. For the standard CRC (initial value and
+# final XOR both all ones) the CRC of A+B is crc(A) * x^(8 len(B)) + crc(B), modulo
+# the CRC polynomial P: the all-ones terms cancel. So combining needs only
+# multiplication modulo P and powers of x.
+
+#: P without its x^32 term, reflected (Castagnoli: 0x1EDC6F41).
+_POLY = 0x82F63B78
+_ONE = 1 << 31  # the polynomial 1 (x^0)
+
+
+def _times_x(a: int) -> int:
+    """``a * x mod P``: a shift towards x^31; an x^32 that falls out is replaced
+    by P's lower terms."""
+    return (a >> 1) ^ _POLY if a & 1 else a >> 1
+
+
+def _mulmod(a: int, b: int) -> int:
+    """``a * b mod P``, by adding ``b * x^k`` for every term x^k of ``a``."""
+    product = 0
+    bit = _ONE
+    while a:
+        if a & bit:
+            product ^= b
+            a ^= bit
+        b = _times_x(b)
+        bit >>= 1
+    return product
+
+
+# x^(8 * 2^k) mod P for k = 0..63, each the square of the one before.
+_X8_POWERS = [1 << 23]  # x^8
+for _ in range(63):
+    _X8_POWERS.append(_mulmod(_X8_POWERS[-1], _X8_POWERS[-1]))
+
+
+def _x_to_8n(n: int) -> int:
+    """``x^(8 n) mod P``: the shift that appending ``n`` bytes applies to a CRC."""
+    result, k = _ONE, 0
+    while n:
+        if n & 1:
+            result = _mulmod(result, _X8_POWERS[k])
+        n >>= 1
+        k += 1
+    return result
+
+
+def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """The CRC32C of ``A + B`` from ``crc(A)``, ``crc(B)`` and ``len(B)`` alone
+    (integers, as :meth:`Crc32c.value` gives them)."""
+    if len_b < 0 or len_b >= 1 << 64:
+        raise ValueError(f"invalid length {len_b}")
+    if len_b == 0:
+        return crc_a
+    return _mulmod(crc_a, _x_to_8n(len_b)) ^ crc_b

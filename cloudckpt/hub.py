@@ -12,14 +12,17 @@ from __future__ import annotations
 import logging
 import tempfile
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from .checkpoint import open_checkpoint
+from .errors import AccessDeniedError, StorageError
 from .hf import download
 from .manifest import MANIFEST_NAME
+from .storage.retry import describe
 
 log = logging.getLogger("cloudckpt.hub")
 
@@ -46,17 +49,48 @@ def push_to_hub(
     with tempfile.TemporaryDirectory(prefix="cloudckpt-push-") as tmp:
         local = download(ckpt, tmp)  # checks every byte: corrupt exports stop here
         api = HfApi(endpoint=endpoint, token=token)
-        api.create_repo(repo_id, private=private, exist_ok=True)
         ops = [CommitOperationAdd(path_in_repo=path, path_or_fileobj=str(Path(local) / path))
                for path in ckpt.files if path != MANIFEST_NAME]
         message = commit_message or (
             f"Upload {Path(ckpt.uri).name} (step {ckpt.step})" if ckpt.step is not None
             else f"Upload {Path(ckpt.uri).name}")
-        info = api.create_commit(repo_id, ops, commit_message=message, revision=revision,
-                                 create_pr=create_pr)
+        with _hub_errors(f"pushing {ckpt.uri} to {repo_id}", api.endpoint):
+            api.create_repo(repo_id, private=private, exist_ok=True)
+            info = api.create_commit(repo_id, ops, commit_message=message, revision=revision,
+                                     create_pr=create_pr)
     url = info.pr_url if create_pr and getattr(info, "pr_url", None) else info.commit_url
     log.info("pushed %s (%d files) to %s: %s", ckpt.uri, len(ops), repo_id, url)
     return str(url)
+
+
+@contextmanager
+def _hub_errors(what: str, endpoint: str) -> Iterator[None]:
+    """The Hub's HTTP errors as cloudckpt errors saying what to check (the token is
+    never quoted: huggingface_hub's messages do not carry it)."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        yield
+    except HfHubHTTPError as exc:
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        if status in (401, 403):
+            raise AccessDeniedError(
+                f"{what}: the Hub at {endpoint} refused the request (HTTP {status}: {first}). "
+                "Use a token with write access to the repository: --token, HF_TOKEN, or "
+                "`hf auth login`") from None
+        raise StorageError(f"{what} failed: the Hub at {endpoint} answered HTTP {status}: "
+                           f"{first}") from None
+    except Exception as exc:
+        # Connection refused, DNS, timeouts: OSErrors, or the HTTP client's own errors.
+        transport = isinstance(exc, OSError) or type(exc).__name__ in (
+            "ConnectError", "ConnectTimeout", "ReadTimeout", "NetworkError", "TransportError",
+            "RemoteProtocolError", "ConnectionError", "Timeout")
+        if not transport:
+            raise
+        raise StorageError(f"{what} failed: cannot reach the Hub at {endpoint} "
+                           f"({describe(exc)}); check --endpoint (HF_ENDPOINT) and the "
+                           "network") from None
 
 
 class PushJob:

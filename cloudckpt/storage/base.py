@@ -20,9 +20,15 @@ from typing import Any, ClassVar, TypeVar
 import fsspec
 
 from ..crc import Buffer, Crc32c, crc32c_hex
-from ..errors import CommitConflictError, ConfigError, StorageError
+from ..errors import (
+    BucketNotFoundError,
+    CloudCkptError,
+    CommitConflictError,
+    ConfigError,
+    StorageError,
+)
 from ..manifest import CLAIM_NAME
-from .retry import RetryPolicy, status_of
+from .retry import RetryPolicy, describe, is_transient, status_of
 
 log = logging.getLogger("cloudckpt.storage")
 
@@ -73,6 +79,8 @@ class Store(ABC):
     protocols: ClassVar[tuple[str, ...]] = ()
     #: Whether conditional writes are enforced by the server (vs. emulated).
     native_conditional_writes: ClassVar[bool] = False
+    #: Whether :meth:`open_write_at` works: ranges written in any order, in parallel.
+    ranged_writes: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -106,6 +114,11 @@ class Store(ABC):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._pool_holder = {"pool": None, "lock": threading.Lock()}
+
+    @classmethod
+    def filesystem_options(cls) -> frozenset[str] | None:
+        """The storage option names the backend's filesystem takes (None: any)."""
+        return None
 
     # ------------------------------------------------------------------ naming
 
@@ -209,6 +222,11 @@ class Store(ABC):
     def _version_of(self, info: Mapping[str, Any]) -> str | None:
         return None
 
+    def _bucket_exists(self) -> bool | None:
+        """Whether the store's bucket exists (one request); None where that means
+        nothing (local paths) or cannot be told."""
+        return None
+
     def _is_internal(self, path: str) -> bool:
         """True for backend bookkeeping files (temp files) hidden from listings."""
         return False
@@ -216,6 +234,34 @@ class Store(ABC):
     def _hidden(self, path: str) -> bool:
         # Writer claims (cloudckpt.claim) are bookkeeping too, on every backend.
         return path.rsplit("/", 1)[-1] == CLAIM_NAME or self._is_internal(path)
+
+    def _iter_range(self, path: str, start: int, end: int, chunk: int) -> Iterator[bytes]:
+        """Bytes ``[start, end)`` of ``path`` in pieces of at most ``chunk`` bytes (one
+        attempt). This default sends one ranged read per piece; backends that can
+        stream one response body do so."""
+        for s in range(start, end, chunk):
+            data = self._get(path, s, min(s + chunk, end))
+            yield data
+            if len(data) < min(chunk, end - s):
+                return  # the object ends here; the caller sees the read was short
+
+    def _copy(self, src_path: str, path: str, size: int) -> ObjectInfo:
+        """Copy ``src_path`` (of a store :meth:`can_copy_from` accepted) to ``path``
+        on the server. Returns the copy's size and CRC32C as the server reports
+        them (``crc32c`` None where it reports no whole-object CRC32C). A copy can
+        be many requests: this retries each itself, under :attr:`retry`."""
+        raise NotImplementedError(f"{type(self).__name__} has no server-side copy")
+
+    def _open_range_writer(self, path: str, size: int) -> RangeWriter:
+        """A writer taking ranges of a ``size``-byte object in any order (only where
+        :attr:`ranged_writes` is set)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no ranged writes")
+
+    def _same_service(self, other: Store) -> bool:
+        """Whether ``other`` reaches the same service with the same credentials:
+        the same backend, and the same filesystem or the same options for one."""
+        return type(other) is type(self) and (
+            other.fs is self.fs or other.storage_options == self.storage_options)
 
     # ----------------------------------------------------------- public API
 
@@ -227,10 +273,22 @@ class Store(ABC):
         try:
             return self._call(fn, op, key)
         except FileNotFoundError as exc:
-            raise StorageError(
+            raise BucketNotFoundError(
                 f"{op} {self.key_uri(key)} failed: the bucket does not exist ({exc}); "
                 "create it first or fix the URI"
             ) from exc
+
+    def check_bucket(self) -> None:
+        """Raise :class:`BucketNotFoundError` if the store's bucket does not exist.
+
+        Reads cannot tell a missing bucket from an empty prefix (both list nothing);
+        callers ask this once a read found nothing, so a typo in a bucket name is not
+        reported as "no checkpoints"."""
+        if self._call(self._bucket_exists, "head bucket", "") is False:
+            bucket = self.root.split("/", 1)[0]
+            raise BucketNotFoundError(
+                f"the bucket {self.protocol}://{bucket} does not exist (reading {self.uri}); "
+                "check the bucket name, the endpoint and the account or project")
 
     def put(self, key: str, data: Buffer) -> ObjectInfo:
         """Write a whole object (overwriting) and return its size and CRC32C."""
@@ -316,10 +374,10 @@ class Store(ABC):
 
     def delete_prefix(self, prefix: str) -> int:
         """Delete every object below ``prefix``, hidden leftovers of crashed writers
-        included; return how many visible objects went."""
+        included; return how many objects went."""
         objs = self.list(prefix, internal=True)
         self.delete(o.key for o in objs)
-        return sum(not self._hidden(self.path(o.key)) for o in objs)
+        return len(objs)
 
     def put_if_absent(self, key: str, data: Buffer) -> ObjectInfo:
         """Create ``key`` only if it does not exist (S3 ``If-None-Match: *``,
@@ -378,6 +436,94 @@ class Store(ABC):
         """Stream a large object. The object appears only when the writer closes
         without error; on error it is discarded. Use as a context manager."""
         return ObjectWriter(self, key)
+
+    def open_write_at(self, key: str, size: int) -> RangeWriter:
+        """Write a ``size``-byte object as ranges, in any order and from several
+        threads at once (:attr:`ranged_writes` backends only, e.g. local disk). The
+        object appears only on :meth:`RangeWriter.commit`; :meth:`RangeWriter.abort`
+        discards it."""
+        if size < 0:
+            raise ConfigError(f"invalid size {size} for {key}")
+        return self._open_range_writer(self.path(key), size)
+
+    def can_copy_from(self, src: Store) -> bool:
+        """Whether :meth:`copy_from` can copy objects of ``src`` into this store on
+        the server, without their bytes passing through this process."""
+        return False
+
+    def copy_from(self, src: Store, src_key: str, key: str, size: int) -> ObjectInfo:
+        """Copy ``src_key`` of ``src`` (``size`` bytes, as the caller expects it) to
+        ``key`` here, on the server; see :meth:`can_copy_from`.
+
+        Returns the new object's size and CRC32C as the server reports them, for the
+        caller to check: ``crc32c`` is None where the server gives no whole-object
+        CRC32C (the caller then reads the object back). ``FileNotFoundError`` when
+        the source (or a bucket) does not exist.
+        """
+        if not self.can_copy_from(src):
+            raise ConfigError(f"{self.uri} cannot copy from {src.uri} on the server")
+        info = self._copy(src.path(src_key), self.path(key), size)
+        return ObjectInfo(key, info.size, info.crc32c, info.version)
+
+    def read_range_to(self, key: str, start: int, end: int,
+                      sink: Callable[[int, bytes], Any], *, chunk: int = 8 << 20) -> None:
+        """Stream bytes ``[start, end)`` of ``key`` into ``sink(offset, data)``, in
+        order, in pieces of at most ``chunk`` bytes: memory holds one piece, however
+        long the range. A transient failure resumes at the first byte not yet given
+        to ``sink``; one that comes after progress gets a fresh retry budget (a long
+        range is not one short operation). ``EOFError`` if the object ends before
+        ``end``; an exception raised by ``sink`` stops the read and passes through
+        unchanged.
+        """
+        if start < 0 or end < start or chunk < 1:
+            raise ConfigError(f"invalid byte range [{start}, {end}) for {key}")
+        path = self.path(key)
+        pos = start
+
+        def attempt() -> None:
+            nonlocal pos
+            first = pos
+            pieces = self._iter_range(path, pos, end, min(chunk, end - pos))
+            try:
+                for data in pieces:
+                    if not data:
+                        continue
+                    if len(data) > end - pos:
+                        raise StorageError(f"{self.key_uri(key)}: the store sent more bytes "
+                                           f"than the range [{start}, {end}) asked for")
+                    try:
+                        sink(pos, data)
+                    except BaseException as exc:
+                        raise _SinkError(exc) from exc
+                    pos += len(data)
+            except _SinkError:
+                raise
+            except Exception as exc:
+                if status_of(exc) == 416:  # the object is shorter than the range
+                    raise EOFError(f"{self.key_uri(key)} ends before byte {end}") from exc
+                if pos > first and is_transient(exc):
+                    raise _Resume(exc) from exc
+                raise
+            finally:
+                close = getattr(pieces, "close", None)
+                if close is not None:
+                    close()
+            if pos < end:
+                raise EOFError(f"short read of {self.key_uri(key)} [{start}, {end}): the "
+                               f"object ends at byte {pos}")
+
+        failure: BaseException | None = None
+        while pos < end:
+            try:
+                self._call(attempt, "get_range", key)
+            except _Resume as exc:
+                log.warning("resuming get_range %s at byte %d of [%d, %d) after: %s",
+                            self.key_uri(key), pos, start, end, describe(exc.error))
+            except _SinkError as exc:
+                failure = exc.error
+                break
+        if failure is not None:
+            raise failure  # outside the handler: the sink's error, as it was raised
 
     # ------------------------------------------------------------- batches
 
@@ -485,6 +631,36 @@ class Store(ABC):
         return name.split("://", 1)[1] if "://" in name else name
 
 
+class RangeWriter(ABC):
+    """An object written as ranges at any offset, in any order, from several threads
+    (:meth:`Store.open_write_at`); it appears only on :meth:`commit`."""
+
+    @abstractmethod
+    def write_at(self, offset: int, data: Buffer) -> None: ...
+
+    @abstractmethod
+    def commit(self) -> None:
+        """Make the object durable and visible (the caller has checked its bytes)."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Discard everything written; safe to call more than once."""
+
+
+class _SinkError(CloudCkptError):
+    """Carries a failure of a :meth:`Store.read_range_to` sink through the retry
+    loop untouched (it is the caller's, not the store's)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _Resume(_SinkError):
+    """A transient failure of a ranged read after progress: resumed where it
+    stopped, under a fresh retry budget."""
+
+
 class RawWriter(ABC):
     """A backend's streamed upload: parts in, one object out on ``commit``."""
 
@@ -547,6 +723,9 @@ class ObjectWriter(CloseOnExit):
     def writable(self) -> bool:
         return True
 
+    def flush(self) -> None:
+        """Nothing to do: parts go up as they fill, the object appears on close."""
+
     def close(self) -> ObjectInfo:
         """Finish the upload and return the object's info."""
         if self.closed:
@@ -602,6 +781,36 @@ def _in_worker(fn: Callable[[Any], T], item: Any) -> T:
         return fn(item)
     finally:
         _worker.active = False
+
+
+def init_options(fs_class: type) -> frozenset[str]:
+    """The keyword arguments ``fs_class`` and its bases name in ``__init__``, and those
+    every fsspec filesystem takes (its instance and listings caches)."""
+    import inspect
+
+    names = {"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths"}
+    for klass in fs_class.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        for p in inspect.signature(init).parameters.values():
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self":
+                names.add(p.name)
+    return frozenset(names)
+
+
+async def read_upto(stream: Any, n: int) -> bytes:
+    """Up to ``n`` bytes of a response body (anything with ``async read(n)``, which
+    may return less), fewer only at its end: pieces of a streamed read."""
+    pieces: list[bytes] = []
+    got = 0
+    while got < n:
+        data = await stream.read(n - got)
+        if not data:
+            break
+        pieces.append(data)
+        got += len(data)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 def _nbytes(data: Buffer) -> int:

@@ -36,6 +36,7 @@ import fcntl
 import os
 import stat
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, BinaryIO, ClassVar
 
@@ -43,7 +44,8 @@ from fsspec.implementations.local import LocalFileSystem
 
 from ..crc import Buffer
 from ..errors import CorruptCheckpointError, StorageError
-from .base import RawWriter, Store
+from .base import RangeWriter, RawWriter, Store
+from .retry import storage_error
 
 _TMP_PREFIX = ".cloudckpt-tmp-"
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -64,6 +66,7 @@ class FileStore(Store):
 
     protocols: ClassVar[tuple[str, ...]] = ("file", "local")
     native_conditional_writes: ClassVar[bool] = True
+    ranged_writes: ClassVar[bool] = True
 
     def __init__(self, root: str, *, fsync: bool = True, **kwargs: Any) -> None:
         super().__init__(LocalFileSystem(), os.path.abspath(root), protocol="file", **kwargs)
@@ -120,11 +123,15 @@ class FileStore(Store):
     def _write_tmp(self, path: str, data: Buffer) -> str:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = self._tmp_for(path)
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if self.fsync:
-                f.flush()
-                os.fsync(f.fileno())
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+        except BaseException:
+            _unlink(tmp)  # a full disk leaves no partial file behind
+            raise
         return tmp
 
     def _sync_dir(self, path: str) -> None:
@@ -179,6 +186,9 @@ class FileStore(Store):
     def _open_writer(self, path: str) -> RawWriter:
         return _FileWriter(self, path)
 
+    def _open_range_writer(self, path: str, size: int) -> RangeWriter:
+        return _RangeFileWriter(self, path, size)
+
     # -- reads ---------------------------------------------------------------
 
     def _get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
@@ -186,6 +196,17 @@ class FileStore(Store):
             if start:
                 f.seek(start)
             return f.read() if end is None else f.read(end - (start or 0))
+
+    def _iter_range(self, path: str, start: int, end: int, chunk: int) -> Iterator[bytes]:
+        with self._open_read(path) as f:
+            f.seek(start)
+            pos = start
+            while pos < end:
+                data = f.read(min(chunk, end - pos))
+                if not data:
+                    return
+                pos += len(data)
+                yield data
 
     def _get_versioned(self, path: str) -> tuple[bytes, str]:
         with self._open_read(path) as f:
@@ -264,7 +285,10 @@ class _FileWriter(RawWriter):
         self._f = open(self._tmp, "wb")  # noqa: SIM115 - closed in commit/abort
 
     def write(self, data: Buffer) -> None:
-        self._f.write(data)
+        try:
+            self._f.write(data)
+        except OSError as exc:  # a full disk or the file size limit: say which
+            raise storage_error(exc, f"write {self._path}") from exc
 
     def commit(self, size: int, crc32c: str) -> None:
         try:
@@ -273,13 +297,82 @@ class _FileWriter(RawWriter):
                 os.fsync(self._f.fileno())
             self._f.close()
             os.replace(self._tmp, self._path)
-        except BaseException:
+        except BaseException as exc:
             self.abort()
+            if isinstance(exc, OSError):
+                raise storage_error(exc, f"write {self._path}") from exc
             raise
         self._store._sync_dir(self._path)
 
     def abort(self) -> None:
-        self._f.close()
+        try:
+            self._f.close()  # may fail flushing onto a full disk: the file goes anyway
+        except OSError:
+            pass
+        finally:
+            _unlink(self._tmp)
+
+
+class _RangeFileWriter(RangeWriter):
+    """A temporary file of the final size, written with ``pwrite`` at any offset from
+    any thread, then fsynced and renamed into place like every other write."""
+
+    def __init__(self, store: FileStore, path: str, size: int) -> None:
+        self._store = store
+        self._path = store._resolve_dir(path)  # the directory may not lead outside
+        self._size = size
+        self._tmp = store._tmp_for(self._path)
+        self._fd: int | None = None
+        try:
+            os.makedirs(os.path.dirname(self._path), exist_ok=True)
+            self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW
+                               | _O_CLOEXEC, 0o666)
+            os.ftruncate(self._fd, size)
+        except OSError as exc:
+            self.abort()
+            raise storage_error(exc, f"write {self._path}") from exc
+
+    def write_at(self, offset: int, data: Buffer) -> None:
+        if self._fd is None:
+            raise ValueError(f"write to a closed writer of {self._path}")
+        view = memoryview(data).cast("B")
+        if offset < 0 or offset + len(view) > self._size:
+            raise ValueError(f"range [{offset}, {offset + len(view)}) outside {self._path} "
+                             f"of {self._size} bytes")
+        try:
+            while view:
+                n = os.pwrite(self._fd, view, offset)
+                view, offset = view[n:], offset + n
+        except OSError as exc:  # a full disk or the file size limit: say which
+            raise storage_error(exc, f"write {self._path}") from exc
+
+    def commit(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is None:
+            raise ValueError(f"commit of a closed writer of {self._path}")
+        try:
+            try:
+                if os.fstat(fd).st_size != self._size:
+                    raise StorageError(f"{self._tmp} changed size while being written")
+                if self._store.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(self._tmp, self._path)
+        except BaseException as exc:
+            _unlink(self._tmp)
+            if isinstance(exc, OSError) and not isinstance(exc, StorageError):
+                raise storage_error(exc, f"write {self._path}") from exc
+            raise
+        self._store._sync_dir(self._path)
+
+    def abort(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
         _unlink(self._tmp)
 
 

@@ -26,10 +26,12 @@ talking to an emulator; this module sets that default itself.
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import logging
 import os
 import uuid
+from collections.abc import Iterator
 from typing import Any, ClassVar
 from urllib.parse import quote
 
@@ -37,10 +39,11 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 import gcsfs  # noqa: E402 - must follow the environment default above
 from fsspec.asyn import sync  # noqa: E402
+from gcsfs.retry import validate_response  # noqa: E402
 
 from ..crc import Buffer, crc32c_hex  # noqa: E402
-from ..errors import StorageError  # noqa: E402
-from .base import RawWriter, Store  # noqa: E402
+from ..errors import AccessDeniedError, StorageError  # noqa: E402
+from .base import ObjectInfo, RawWriter, Store, init_options, read_upto  # noqa: E402
 from .parts import PartWriter  # noqa: E402
 from .retry import describe, mask_secrets  # noqa: E402
 
@@ -55,6 +58,9 @@ class GCSStore(Store):
 
     def __init__(self, root: str, **kwargs: Any) -> None:
         options = dict(kwargs.pop("storage_options", None) or {})
+        searched = _searches_credentials(options)
+        if searched and not _credentials_may_exist():
+            raise _no_credentials(root)
         try:
             fs = _OneTryGCSFileSystem(**options)
         except Exception as exc:  # noqa: BLE001 - re-raised without the token it may quote
@@ -69,7 +75,13 @@ class GCSStore(Store):
             error = None
         if error is not None:
             raise error  # outside the except block: no __context__ to quote the token either
+        if searched and getattr(getattr(fs, "credentials", None), "method", None) == "anon":
+            raise _no_credentials(root)  # gcsfs found none and fell back to anonymous access
         super().__init__(fs, root, protocol="gs", storage_options=options, **kwargs)
+
+    @classmethod
+    def filesystem_options(cls) -> frozenset[str] | None:
+        return init_options(_OneTryGCSFileSystem) - {"loop", "asynchronous"}
 
     def _split(self, path: str) -> tuple[str, str]:
         bucket, _, key = path.partition("/")
@@ -142,14 +154,95 @@ class GCSStore(Store):
         return str(gen) if gen is not None else None
 
     def _delete(self, paths: list[str]) -> None:
-        if paths:
-            try:
-                self.fs.rm(paths)
-            except FileNotFoundError:
-                pass
+        # Literal names: gcsfs's rm() expands glob characters ("run[1]/a" is a pattern).
+        if not paths:
+            return
+        results = sync(self.fs.loop, self.fs._delete_files, list(paths), 100)
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, FileNotFoundError):
+                raise r
+        for p in paths:
+            self.fs.invalidate_cache(p)
+
+    def _bucket_exists(self) -> bool | None:
+        try:
+            sync(self.fs.loop, self.fs._call, "GET", "b/{}", self._split(self.root)[0],
+                 json_out=True)
+        except FileNotFoundError:
+            return False
+        return True
 
     def _open_writer(self, path: str) -> RawWriter:
         return _ComposeWriter(self, path)
+
+    def _iter_range(self, path: str, start: int, end: int, chunk: int) -> Iterator[bytes]:
+        # One ranged GET whose body is read a piece at a time (gcsfs's own calls read
+        # whole bodies): one request however long the range, one piece in memory.
+        fs = self.fs
+
+        async def open_range() -> Any:
+            await fs._set_session()
+            resp = await fs.session.get(
+                fs.url(path), params=fs._get_params({}),
+                headers=fs._get_headers({"Range": f"bytes={start}-{end - 1}"}),
+                timeout=fs.requests_timeout)
+            if resp.status >= 300:
+                try:
+                    body = await resp.read()
+                finally:
+                    resp.release()
+                validate_response(resp.status, body, path)  # gcsfs's errors, as its calls
+                raise StorageError(f"GET gs://{path}: HTTP {resp.status}")
+            return resp
+
+        resp = sync(fs.loop, open_range)
+        try:
+            if resp.status != 206 and (start > 0 or (resp.content_length or 0) > end - start):
+                raise StorageError(f"gs://{path}: the server ignored the byte range "
+                                   f"[{start}, {end})")
+            while True:
+                data = sync(fs.loop, read_upto, resp.content, chunk)
+                if not data:
+                    return
+                yield data
+        finally:
+            sync(fs.loop, _release, resp)
+
+    def can_copy_from(self, src: Store) -> bool:
+        # A rewrite reads the source with the destination's credentials: only on one
+        # endpoint with the same ones is that sure to work.
+        return self._same_service(src)
+
+    def _copy(self, src_path: str, path: str, size: int) -> ObjectInfo:
+        # objects.rewrite: one call within a location and storage class; GCS may ask
+        # for more (rewriteToken) for large objects between locations or classes.
+        # Each call is retried on its own; a token stays valid across retries.
+        src_bucket, src_key = self._split(src_path)
+        bucket, key = self._split(path)
+        token: str | None = None
+        while True:
+            params = {"rewriteToken": token} if token else {}
+            out = self.retry.call(
+                lambda params=params: sync(
+                    self.fs.loop, self.fs._call, "POST", "b/{}/o/{}/rewriteTo/b/{}/o/{}",
+                    src_bucket, src_key, bucket, key, json_out=True,
+                    headers={"Content-Type": "application/json"}, **params),
+                op="copy", key=f"gs://{path}")
+            if out.get("done"):
+                break
+            token = out.get("rewriteToken")
+            if not token:
+                raise StorageError(f"copy to gs://{path}: the rewrite is not done and "
+                                   "gave no token to continue it")
+        res = out.get("resource") or {}
+        crc = res.get("crc32c")
+        try:
+            crc_hex = _hex_crc(crc) if crc else None
+        except ValueError:
+            crc_hex = None
+        gen = res.get("generation")
+        return ObjectInfo(path, int(res.get("size", -1)), crc_hex,
+                          str(gen) if gen is not None else None)
 
 
 _PART_MARK = ".cloudckpt-part"  # a suffix: lifecycle rules can match it
@@ -229,8 +322,65 @@ class _ComposeWriter(PartWriter):
         return path[len(self._gcs.root) + 1:]
 
 
+def _searches_credentials(options: dict[str, Any]) -> bool:
+    """Whether gcsfs will look for credentials itself: no token given, and no emulator
+    (which needs none)."""
+    return (options.get("token") is None and not options.get("endpoint_url")
+            and not os.environ.get("STORAGE_EMULATOR_HOST"))
+
+
+def _credentials_may_exist() -> bool:
+    """Whether any source of Google credentials is here: the key file variable, gcloud's
+    application default credentials or login, gcsfs's token cache, or a metadata server
+    (a GCE, GKE or Cloud Run host), which must answer within a second. Without this
+    check, google-auth takes some 15 s probing for a metadata server that is not there."""
+    if os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"):
+        return True
+    home = os.path.expanduser("~")
+    gcloud = os.environ.get("CLOUDSDK_CONFIG") or os.path.join(home, ".config", "gcloud")
+    for path in (os.path.join(gcloud, "application_default_credentials.json"),
+                 os.path.join(gcloud, "credentials.db"), os.path.join(home, ".gcs_tokens")):
+        if os.path.exists(path):
+            return True
+    try:
+        with open("/sys/class/dmi/id/product_name") as f:
+            if "Google" in f.read():
+                return True
+    except OSError:
+        pass
+    host = os.environ.get("GCE_METADATA_HOST") or os.environ.get("GCE_METADATA_IP")
+    conn = http.client.HTTPConnection(host or "169.254.169.254", timeout=1.0)
+    try:
+        conn.request("GET", "/computeMetadata/v1/", headers={"Metadata-Flavor": "Google"})
+        return conn.getresponse().getheader("Metadata-Flavor") == "Google"
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
+
+
+def _no_credentials(root: str) -> AccessDeniedError:
+    return AccessDeniedError(
+        f"no Google Cloud credentials were found for gs://{root}, so no request was sent "
+        "(looked for GOOGLE_APPLICATION_CREDENTIALS, gcloud's application default "
+        "credentials and a metadata server). Set GOOGLE_APPLICATION_CREDENTIALS to a key "
+        "file, run `gcloud auth application-default login`, or pass the token storage "
+        "option (token='anon' for public buckets)")
+
+
+async def _release(resp: Any) -> None:
+    resp.release()  # on the loop's thread: aiohttp is not thread-safe
+
+
 def _b64_crc(crc_hex: str) -> str:
     return base64.b64encode(bytes.fromhex(crc_hex)).decode()
+
+
+def _hex_crc(b64: str) -> str:
+    raw = base64.b64decode(b64, validate=True)
+    if len(raw) != 4:
+        raise ValueError(f"not a CRC32C: {b64!r}")
+    return raw.hex()
 
 
 def _mask(text: str, token: Any) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 from collections.abc import Mapping
 from typing import Any
@@ -54,32 +55,99 @@ def open_store(uri: str, storage_options: Mapping[str, Any] | None = None) -> St
     paths, ``fsync``, which configure cloudckpt. Credentials and endpoints not
     given here come from the standard places (``AWS_*`` variables, ``~/.aws``,
     ``STORAGE_EMULATOR_HOST``, application default credentials).
+
+    Raises :class:`ConfigError` for an unknown URL scheme, an option the backend
+    does not know, or a value of the wrong type.
     """
     scheme, root = split_uri(uri)
     options = dict(storage_options or {})
-    own: dict[str, Any] = {k: options.pop(k) for k in STORE_OPTIONS if k in options}
-    retry = own.get("retry")
-    if isinstance(retry, Mapping):
-        try:
-            own["retry"] = RetryPolicy(**retry)
-        except TypeError as exc:
-            raise ConfigError(f"invalid retry options {dict(retry)!r}: {exc}") from None
-    elif retry is not None and not isinstance(retry, RetryPolicy):
-        raise ConfigError("storage_options['retry'] must be a RetryPolicy or a dict")
+    own = _own_options(options)
     target = _BACKENDS.get(scheme)
     if target is None:
         from .fsspec_generic import FsspecStore
 
+        _check_protocol(scheme, uri)
         return FsspecStore(scheme, root, storage_options=options, **own)
     module, _, name = target.partition(":")
     cls: type[Store] = getattr(importlib.import_module(module), name)
     if scheme in ("file", "local", "memory"):
         if scheme == "file" and "fsync" in options:
-            own["fsync"] = bool(options.pop("fsync"))
+            own["fsync"] = _flag("fsync", options.pop("fsync"))
         if options:
             raise ConfigError(
                 f"unknown storage options for {scheme}:// : {sorted(options)}; "
                 f"allowed: {sorted(STORE_OPTIONS) + (['fsync'] if scheme == 'file' else [])}"
             )
         return cls(root, **own)
+    _check_names(scheme, options, cls.filesystem_options())
     return cls(root, storage_options=options, **own)
+
+
+def _own_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Pop and check the options that configure cloudckpt itself."""
+    own: dict[str, Any] = {k: options.pop(k) for k in STORE_OPTIONS if k in options}
+    for key in ("max_concurrency", "part_size"):
+        if key in own:
+            own[key] = _positive_int(key, own[key])
+    retry = own.get("retry")
+    if isinstance(retry, Mapping):
+        try:
+            own["retry"] = RetryPolicy(**retry)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"invalid retry options {dict(retry)!r}: {exc}; the fields are "
+                              "max_attempts, initial_backoff, max_backoff and deadline") from None
+    elif retry is not None and not isinstance(retry, RetryPolicy):
+        raise ConfigError("storage_options['retry'] must be a RetryPolicy or a dict")
+    return own
+
+
+def _positive_int(key: str, value: Any) -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"storage option {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _flag(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    raise ConfigError(f"storage option {key} must be true or false, got {value!r}")
+
+
+def _check_names(scheme: str, options: Mapping[str, Any], known: frozenset[str] | None) -> None:
+    """Refuse option names the filesystem does not take: a misspelt one would
+    otherwise fail later as a storage error far from its cause."""
+    if known is None:
+        return
+    unknown = sorted(set(options) - known)
+    if not unknown:
+        return
+    hints, guessed = [], True
+    for key in unknown:
+        close = difflib.get_close_matches(key, sorted(known | set(STORE_OPTIONS)), n=1)
+        hints.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
+        guessed = guessed and bool(close)
+    valid = "" if guessed else (f" cloudckpt's own: {', '.join(STORE_OPTIONS)}; the "
+                                f"filesystem's: {', '.join(sorted(known))}.")
+    raise ConfigError(f"unknown storage option{'s' if len(unknown) > 1 else ''} for "
+                      f"{scheme}:// : {', '.join(hints)}.{valid} See docs/storage.md.")
+
+
+def _check_protocol(scheme: str, uri: str) -> None:
+    import fsspec
+
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except ImportError as exc:
+        raise ConfigError(f"{uri}: the {scheme}:// filesystem needs a package that is not "
+                          f"installed ({exc})") from None
+    except ValueError:
+        known = sorted(set(_BACKENDS) | {"hdfs", "abfs", "az", "sftp", "http", "https"})
+        close = difflib.get_close_matches(scheme, known, n=1, cutoff=0.5)
+        hint = f" Did you mean {close[0]}://?" if close else ""
+        raise ConfigError(f"unknown URL scheme {scheme}:// in {uri}.{hint} cloudckpt stores "
+                          "checkpoints at s3://, gs://, local paths, memory:// and any other "
+                          "scheme fsspec knows.") from None

@@ -20,7 +20,7 @@ from urllib.parse import quote, quote_plus
 
 import tenacity
 
-from ..errors import CloudCkptError, StorageError
+from ..errors import AccessDeniedError, CloudCkptError, DiskFullError, StorageError
 
 log = logging.getLogger("cloudckpt.storage")
 
@@ -95,17 +95,48 @@ def _log_retry(state: tenacity.RetryCallState, op: str, key: str, max_attempts: 
 
 
 def _storage_error(exc: BaseException, op: str, key: str, elapsed: float) -> StorageError:
-    what = describe(exc)
+    return storage_error(exc, f"{op} {key}", f"after {elapsed:.1f}s")
+
+
+def storage_error(exc: BaseException, what: str, when: str = "") -> StorageError:
+    """The cloudckpt error for a failure of ``what`` (e.g. ``"put s3://b/k"``): its
+    class and hint say what to check, by what the failure was."""
+    cause = describe(exc)
+    failed = f"{what} failed{' ' + when if when else ''}: {cause}"
+    if _no_credentials(exc):
+        return AccessDeniedError(
+            f"{what}: no credentials were found, so no request was sent ({cause}). Set "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, ~/.aws, an "
+            "instance role), or pass the key and secret storage options")
+    if any(isinstance(e, OSError) and e.errno in _DISK_FULL_ERRNO for e in _chain(exc)):
+        return DiskFullError(
+            f"{failed}; the local disk is full, a quota is reached, or a file exceeds the "
+            "file size limit (ulimit -f). Free space, or write somewhere else")
     if is_transient(exc):
-        hint = (
-            "the store kept failing with transient errors; check that the endpoint is "
-            "reachable and not throttling, or raise RetryPolicy.deadline/max_attempts"
-        )
+        hint = ("the store kept failing with transient errors; check that the endpoint is "
+                "reachable and not throttling, or raise RetryPolicy.deadline/max_attempts")
     elif status_of(exc) in (401, 403) or isinstance(exc, PermissionError):
-        hint = "access was denied; check the credentials and the bucket's permissions"
+        return AccessDeniedError(f"{failed}; access was denied; check the credentials and "
+                                 "the bucket's permissions")
+    elif _unreachable(exc):
+        hint = "the endpoint cannot be reached; check the endpoint URL and the network"
     else:
         hint = "the store refused the request; check the URI, bucket and storage options"
-    return StorageError(f"{op} {key} failed after {elapsed:.1f}s: {what}; {hint}")
+    return StorageError(f"{failed}; {hint}")
+
+
+_DISK_FULL_ERRNO = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+
+
+def _no_credentials(exc: BaseException) -> bool:
+    # botocore raises these before any request is sent.
+    return any(type(e).__name__ in ("NoCredentialsError", "PartialCredentialsError")
+               for e in _chain(exc))
+
+
+def _unreachable(exc: BaseException) -> bool:
+    return any("DNS" in type(e).__name__ or "Connector" in type(e).__name__
+               or "EndpointConnectionError" == type(e).__name__ for e in _chain(exc))
 
 
 def _chain(exc: BaseException | None) -> Iterator[BaseException]:
