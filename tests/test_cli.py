@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import torn_save
 
 from cloudckpt import CheckpointWriter, open_checkpoint, open_store
 from cloudckpt.cli import main
@@ -50,12 +51,12 @@ def test_verify_deep_names_the_flipped_object(s3):
 def test_ls_info_latest(s3, capsys):
     make(s3, "step-5", 5)
     make(s3, "step-12", 12, n=2)
-    open_store(s3.uri("step-20"), s3.options).put("part-0.bin", b"torn")
+    torn_save(s3.uri("step-20"), s3.options, {"part-0.bin": b"torn"})
     assert main([*s3_args(s3), "ls", s3.root]) == 0
     out = capsys.readouterr().out.splitlines()
     rows = {line.split()[0]: line for line in out[1:]}
     assert rows["step-5"].split()[1] == "5" and rows["step-5"].endswith("committed")
-    assert rows["step-20"].endswith("uncommitted")
+    assert rows["step-20"].endswith("uncommitted (no manifest)")
     assert [line.split()[0] for line in out[1:]] == ["step-20", "step-5", "step-12"]
     assert main([*s3_args(s3), "latest", s3.root]) == 0
     assert capsys.readouterr().out.strip() == s3.uri("step-12")
@@ -69,7 +70,7 @@ def test_ls_info_latest(s3, capsys):
 
 
 def test_error_exit_codes(s3, capsys):
-    open_store(s3.uri("torn"), s3.options).put("x", b"x")
+    torn_save(s3.uri("torn"), s3.options, {"x": b"x"})
     assert main([*s3_args(s3), "info", s3.uri("missing")]) == 3
     assert "no checkpoint at" in capsys.readouterr().err
     assert main([*s3_args(s3), "info", s3.uri("torn")]) == 4
@@ -96,7 +97,7 @@ def test_cp_download_rm(s3, tmp_path, capsys):
     assert main([*s3_args(s3), "download", s3.uri("step-3"), str(dest)]) == 0
     assert main([*s3_args(s3), "rm", s3.uri("step-3")]) == 0
     assert open_store(s3.uri("step-3"), s3.options).list() == []
-    open_store(s3.uri("torn"), s3.options).put("x", b"x")
+    torn_save(s3.uri("torn"), s3.options, {"x": b"x"})
     assert main([*s3_args(s3), "rm", s3.uri("torn")]) == 4
     assert main([*s3_args(s3), "rm", "--force", s3.uri("torn")]) == 0
 
