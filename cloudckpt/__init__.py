@@ -27,6 +27,7 @@ from .errors import (
     NotACheckpointError,
     StateMismatchError,
     StorageError,
+    WorldSizeError,
 )
 from .manifest import MANIFEST_NAME, Manifest
 from .storage import ObjectInfo, RetryPolicy, Store, open_store
@@ -75,6 +76,7 @@ __all__ = [
     "StepInfo",
     "StorageError",
     "Store",
+    "WorldSizeError",
     "delete_checkpoint",
     "latest_checkpoint",
     "list_checkpoints",

@@ -15,12 +15,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from .claim import WriterClaim, mark_deleting
+from .claim import WriterClaim, mark_deleting, seize
 from .crc import Buffer, crc32c_hex
 from .errors import (
+    CheckpointNotFoundError,
     CommitConflictError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    ManifestError,
+    NotACheckpointError,
     StorageError,
 )
 from .manifest import (
@@ -28,6 +31,7 @@ from .manifest import (
     MANIFEST_NAME,
     FileEntry,
     Manifest,
+    is_reserved,
     read_manifest_bytes,
     validate_path,
 )
@@ -81,7 +85,9 @@ class CheckpointWriter:
     One writer per URI: the first object written claims the prefix (see
     :mod:`cloudckpt.claim`), and a second live writer gets a
     :class:`CommitConflictError` before it writes anything. ``takeover``
-    replaces the claim of a writer on another host that is known to be dead.
+    replaces the claim of a writer on another host that is known to be dead. A
+    prefix holding data cloudckpt did not write (or checkpoints further down) is
+    refused with :class:`NotACheckpointError` at the first write.
     """
 
     def __init__(
@@ -93,9 +99,13 @@ class CheckpointWriter:
         kind: str = "generic",
         storage_options: Mapping[str, Any] | None = None,
         takeover: bool = False,
+        adopting: bool = False,
     ) -> None:
         self.store = _store_for(uri, storage_options)
-        self._claim = WriterClaim(self.store, takeover=takeover)
+        # adopting: the objects are someone else's (dcp.adopt commits them); the claim
+        # may cover them, and a failure removes it rather than leave it as a mark.
+        self._claim = WriterClaim(self.store, takeover=takeover, foreign_ok=adopting,
+                                  declared=lambda: self.entries.keys())
         self.step = step
         self.metadata = dict(metadata or {})
         self.kind = kind
@@ -319,7 +329,7 @@ class Checkpoint:
         try:
             return self.manifest.files[path]
         except KeyError:
-            raise FileNotFoundError(
+            raise CheckpointNotFoundError(
                 f"{path!r} is not part of checkpoint {self.uri}; it has: "
                 f"{', '.join(self.files[:10])}{' ...' if len(self.files) > 10 else ''}"
             ) from None
@@ -499,7 +509,7 @@ def list_checkpoints(
     if not names:
         store.check_bucket()
 
-    def probe(name: str) -> CheckpointInfo | None:
+    def probe(name: str, again: bool = True) -> CheckpointInfo | None:
         sub = store.child(name)
         try:
             m = Manifest.from_json(read_manifest_bytes(sub), source=sub.key_uri(MANIFEST_NAME))
@@ -509,6 +519,8 @@ def list_checkpoints(
             found = survey(sub)
             if found.kind == EMPTY:  # vanished meanwhile
                 return None
+            if found.kind == COMMITTED:  # committed between the read and the listing
+                return probe(name, again=False) if again else None
             return CheckpointInfo(name, sub.uri, False, created=found.newest, size=found.size,
                                   files=len(found.objects), status=_STATUS[found.kind])
         except CorruptCheckpointError as exc:
@@ -535,9 +547,12 @@ def latest_checkpoint(
 
 def delete_checkpoint(uri: str | Store, storage_options: Mapping[str, Any] | None = None,
                       *, force: bool = False) -> int:
-    """Delete a checkpoint: manifest first (it vanishes at once), then its objects.
+    """Delete a checkpoint: manifest first (it vanishes at once), then the objects it
+    lists. Anything else under the prefix (another checkpoint or save further down,
+    objects cloudckpt did not write) stays, with a WARNING naming it.
 
-    ``force`` also deletes a save that cloudckpt started and never committed.
+    ``force`` also deletes a save that cloudckpt started and never committed, and a
+    checkpoint whose manifest cannot be read (then everything under its prefix).
     Nothing else is ever deleted: a root holding checkpoints or objects cloudckpt
     did not write raise :class:`NotACheckpointError` (see
     :mod:`cloudckpt.ownership`; :func:`delete_tree` deletes a root's checkpoints).
@@ -545,20 +560,63 @@ def delete_checkpoint(uri: str | Store, storage_options: Mapping[str, Any] | Non
     """
     store = _store_for(uri, storage_options)
     try:
-        read_manifest(store)
+        manifest = read_manifest(store)
     except IncompleteCheckpointError:
         if not force:
             raise
-        return store.delete_prefix("")
+        return delete_unfinished(store, survey(store))
+    except ManifestError:
+        if not force:
+            raise
+        log.warning("deleting %s, whose manifest cannot be read, with all it holds", store.uri)
+        mark_deleting(store)
+        store.delete([MANIFEST_NAME])
+        n = store.delete_prefix("")
+        return n
     # A claim marked "deleting" first: a delete cut short leaves objects that still
     # prove to be cloudckpt's, for gc and rm --force.
     mark_deleting(store)
     store.delete([MANIFEST_NAME])  # invisible from here on
-    objects = store.list(internal=True)
-    mine = [o.key for o in objects if o.key != CLAIM_NAME]
+    objects = [o.key for o in store.list(internal=True) if o.key != CLAIM_NAME]
+    found = classify(store.uri, [ObjectInfo(k, 0) for k in objects])
+    units = (*found.checkpoints, *found.saves)
+    mine = [k for k in objects if k in manifest.files
+            or (is_reserved(k) and not any(k.startswith(u + "/") for u in units))]
+    left = sorted(set(objects) - set(mine))
     store.delete(mine)
     store.delete([CLAIM_NAME])  # the mark goes last
+    if left:
+        log.warning("deleted checkpoint %s; left %d object(s) under it that it does not "
+                    "list (e.g. %s): cloudckpt deletes only what it wrote", store.uri,
+                    len(left), left[0])
     return len(mine) + 1  # and the manifest
+
+
+def delete_unfinished(store: Store, found: Survey) -> int:
+    """Delete the unfinished save of cloudckpt's that ``found`` surveyed at ``store``.
+
+    Its claim is seized first, by compare-and-swap on what the survey saw
+    (:func:`cloudckpt.claim.seize`): a save that took the prefix over since keeps it
+    (:class:`CommitConflictError`, nothing deleted), and a writer that held it all
+    along can no longer commit into what is deleted. Returns the objects deleted.
+    """
+    if found.kind != OURS:
+        raise missing_manifest_error(found) if found.kind != COMMITTED else CommitConflictError(
+            f"{store.uri} was committed meanwhile; not deleting it as an unfinished save")
+    if not seize(store, found.objects):
+        raise CommitConflictError(
+            f"another save took {store.uri} over while it was to be deleted; nothing was "
+            "deleted")
+    keys = [o.key for o in store.list(internal=True) if o.key != CLAIM_NAME]
+    store.delete(keys)
+    if store.exists(MANIFEST_NAME):
+        # Its writer passed its last check just before the claim was seized and
+        # committed while the data went: hide the torn result rather than show it.
+        log.error("a save committed %s while it was deleted as unfinished; its data is "
+                  "gone, so its manifest is removed too", store.uri)
+        store.delete([MANIFEST_NAME])
+    store.delete([CLAIM_NAME])
+    return len(keys) + int(any(o.key == CLAIM_NAME for o in found.objects))
 
 
 def delete_tree(root: str | Store, storage_options: Mapping[str, Any] | None = None
@@ -567,38 +625,32 @@ def delete_tree(root: str | Store, storage_options: Mapping[str, Any] | None = N
     unfinished save cloudckpt left there; leave everything else.
 
     Returns the URIs deleted, the number of objects deleted, and the survey taken
-    before (its ``foreign`` keys are what was left alone).
+    before (its ``foreign`` keys are what was left alone). A checkpoint whose
+    manifest cannot be read, or a save taken over meanwhile, is left with a WARNING.
     """
     store = _store_for(root, storage_options)
     found = survey(store)
-    if found.kind == COMMITTED or found.kind == OURS:
+    if found.kind in (COMMITTED, OURS):
         return [store.uri], delete_checkpoint(store, force=True), found
     deleted: list[str] = []
     count = 0
     for prefix in found.checkpoints:
-        count += delete_checkpoint(store.child(prefix))
-        deleted.append(store.child(prefix).uri)
-    for prefix in _unfinished_saves(store, found):
-        count += store.child(prefix).delete_prefix("")
-        deleted.append(store.child(prefix).uri)
-    return deleted, count, found
-
-
-def _unfinished_saves(store: Store, found: Survey) -> list[str]:
-    """Prefixes below a root whose objects are all an unfinished save of cloudckpt's:
-    the outermost prefixes holding a writer claim, ROLL part markers, or nothing but
-    reserved names (upload parts, temporary files) outside committed checkpoints."""
-    inside = [o for o in found.objects
-              if not any(o.key.startswith(p + "/") for p in found.checkpoints)]
-    candidates = sorted({o.key.rsplit("/", 1)[0] for o in inside if "/" in o.key},
-                        key=lambda p: (p.count("/"), p))
-    out: list[str] = []
-    for prefix in candidates:
-        if any(prefix == q or prefix.startswith(q + "/") for q in out):
+        sub = store.child(prefix)
+        try:
+            count += delete_checkpoint(sub)
+        except (CorruptCheckpointError, NotACheckpointError) as exc:
+            log.warning("left %s: %s", sub.uri, exc)
             continue
-        below = [o for o in inside if o.key.startswith(prefix + "/")]
-        sub = classify(store.child(prefix).uri,
-                       [ObjectInfo(o.key[len(prefix) + 1:], o.size) for o in below])
-        if sub.kind == OURS:
-            out.append(prefix)
-    return out
+        deleted.append(sub.uri)
+    for prefix in found.saves:
+        if any(prefix.startswith(c + "/") for c in found.checkpoints):
+            continue  # inside a checkpoint just deleted, which left it: still there
+        sub = store.child(prefix)
+        sub_found = survey(sub)
+        try:
+            count += delete_unfinished(sub, sub_found)
+        except (CommitConflictError, CheckpointNotFoundError) as exc:
+            log.warning("left %s: %s", sub.uri, exc)
+            continue
+        deleted.append(sub.uri)
+    return deleted, count, found

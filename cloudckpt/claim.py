@@ -33,11 +33,13 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
-from .errors import CommitConflictError
-from .manifest import CLAIM_NAME, MANIFEST_NAME
-from .storage import RetryPolicy, Store
+from .errors import CommitConflictError, NotACheckpointError
+from .manifest import CLAIM_NAME
+from .ownership import COMMITTED, FOREIGN, ROOT, classify, not_a_checkpoint, survey
+from .storage import ObjectInfo, RetryPolicy, Store
 
 log = logging.getLogger("cloudckpt")
 
@@ -135,9 +137,14 @@ class WriterClaim:
     retry in this process may take over, and the writer itself may re-acquire.
     """
 
-    def __init__(self, store: Store, *, takeover: bool = False) -> None:
+    def __init__(self, store: Store, *, takeover: bool = False, foreign_ok: bool = False,
+                 declared: Callable[[], Collection[str]] | None = None) -> None:
         self.store = store
         self.takeover = takeover
+        self.foreign_ok = foreign_ok  # the objects are someone else's (adopt)
+        # Keys the writer already counts as its own (written by other processes for it,
+        # e.g. other ranks): not someone else's data when a fresh claim looks.
+        self.declared = declared or (lambda: ())
         self.writer = uuid.uuid4().hex
         self.held = False
         self.used = False  # acquired at least once: this writer has written objects
@@ -145,26 +152,28 @@ class WriterClaim:
         self._lock = threading.Lock()
 
     def acquire(self) -> None:
-        """Claim the prefix, or raise :class:`CommitConflictError` naming the holder."""
+        """Claim the prefix, or raise :class:`CommitConflictError` naming the holder.
+
+        A fresh claim (no earlier one to take over) is refused with
+        :class:`NotACheckpointError` where the prefix holds data that is not an
+        unfinished save of cloudckpt's (a root, or objects cloudckpt did not write):
+        the claim would otherwise make them look like cloudckpt's to ``gc`` and
+        ``rm --force`` (see :mod:`cloudckpt.ownership`). ``foreign_ok`` writers
+        (``adopt``) claim such a prefix on purpose.
+        """
         with self._lock:
             if self.held:
                 return
-            pid = os.getpid()
-            data = json.dumps({"writer": self.writer, **_whoami(), "pid": pid,
-                               "started_ticks": _start_ticks(pid), "since": time.time()}).encode()
+            data = _record(self.writer)
             with _live_lock:
                 _live.add(self.writer)
             try:
                 try:
                     self.store.put_if_absent(CLAIM_NAME, data)
+                    fresh = True
                 except CommitConflictError:
-                    self._replace(data)
-                # A writer that committed released its claim: a late one must not write.
-                if self.store.exists(MANIFEST_NAME):
-                    self._drop(delete=True, verify=False)
-                    raise CommitConflictError(
-                        f"a checkpoint was committed at {self.store.uri} while this save "
-                        "started; checkpoints are immutable. Choose a new URI.")
+                    fresh = self._replace(data)
+                self._check_prefix(fresh)
             except BaseException:
                 with _live_lock:
                     _live.discard(self.writer)
@@ -172,15 +181,38 @@ class WriterClaim:
             self.held = self.used = True
             self.abandoned = False
 
-    def _replace(self, data: bytes) -> None:
+    def _check_prefix(self, fresh: bool) -> None:
+        """One listing after claiming: a manifest means a writer committed (and released
+        its claim) meanwhile; a fresh claim must not cover someone else's data."""
+        found = survey(self.store)
+        if found.kind == COMMITTED:
+            self._drop(delete=True, verify=False)
+            raise CommitConflictError(
+                f"a checkpoint was committed at {self.store.uri} while this save "
+                "started; checkpoints are immutable. Choose a new URI.")
+        if not fresh or self.foreign_ok:
+            return
+        mine = {CLAIM_NAME, *self.declared()}
+        rest = classify(self.store.uri, [o for o in found.objects if o.key not in mine])
+        if rest.kind in (ROOT, FOREIGN):
+            self._drop(delete=True, verify=True)
+            raise NotACheckpointError(
+                f"cannot save into {self.store.uri}: {not_a_checkpoint(rest)} Nothing was "
+                "written: save to a new URI.")
+
+    def _replace(self, data: bytes) -> bool:
+        """Take over an existing claim if its writer is gone; True when there was none
+        after all (released meanwhile) and a fresh one was made."""
         try:
             raw, version = self.store.get_with_version(CLAIM_NAME)
         except FileNotFoundError:  # released meanwhile: try once more from scratch
             self.store.put_if_absent(CLAIM_NAME, data)
-            return
+            return True
         record = _parse(raw)
         if record.get("writer") == self.writer:
-            return
+            if record.get("abandoned"):  # this writer again, after it failed: live again
+                self.store.put_if_match(CLAIM_NAME, data, version)
+            return False
         if not (self.takeover or _holder_gone(record)):
             raise CommitConflictError(
                 f"another save is writing {self.store.uri} ({_describe(record)}); one writer "
@@ -189,6 +221,7 @@ class WriterClaim:
         log.warning("taking over %s from a save that is gone (%s)", self.store.uri,
                     _describe(record))
         self.store.put_if_match(CLAIM_NAME, data, version)
+        return False
 
     def check(self) -> None:
         """Raise :class:`CommitConflictError` unless the claim is still ours (a writer
@@ -222,8 +255,10 @@ class WriterClaim:
         over at once, and it still proves that the objects left there are cloudckpt's
         (see :mod:`cloudckpt.ownership`), so ``gc`` and ``rm --force`` may remove them."""
         with self._lock:
-            if committed:
-                if self.held:
+            if committed or (self.foreign_ok and self.used):
+                # after a commit; or an adopt that failed: its claim must not make the
+                # objects it covers look like cloudckpt's
+                if self.held or self.foreign_ok:
                     self._drop(delete=True, verify=True)
             elif self.used and not self.abandoned:  # suspended by the failure or not
                 self._abandon()
@@ -265,14 +300,40 @@ class WriterClaim:
             pass
 
 
-def mark_deleting(store: Store) -> None:
-    """Write a claim saying a delete of ``store``'s prefix is under way, before its
-    manifest goes: a delete cut short then leaves objects that still prove to be
-    cloudckpt's (see :mod:`cloudckpt.ownership`). Whoever claims it next takes over."""
+def _record(writer: str, **extra: Any) -> bytes:
     pid = os.getpid()
-    record = {"writer": uuid.uuid4().hex, **_whoami(), "pid": pid, "since": time.time(),
-              "abandoned": True, "deleting": True}
-    store.put(CLAIM_NAME, json.dumps(record).encode())
+    return json.dumps({"writer": writer, **_whoami(), "pid": pid,
+                       "started_ticks": _start_ticks(pid), "since": time.time(),
+                       **extra}).encode()
+
+
+def mark_deleting(store: Store) -> None:
+    """Write a claim saying a delete of ``store``'s committed prefix is under way,
+    before its manifest goes: a delete cut short then leaves objects that still prove
+    to be cloudckpt's (see :mod:`cloudckpt.ownership`). The claim is this process's,
+    live while it runs, so no writer takes the prefix over mid-delete."""
+    store.put(CLAIM_NAME, _record(uuid.uuid4().hex, deleting=True))
+
+
+def seize(store: Store, objects: Sequence[ObjectInfo]) -> bool:
+    """Before deleting an unfinished save surveyed as ``objects``: replace its claim,
+    by compare-and-swap on the version surveyed, with this process's "deleting"
+    claim (create it where there was none). A writer that took the prefix over
+    since then keeps it (False: delete nothing); one that comes later finds it held;
+    one that held it all along fails its check before committing."""
+    data = _record(uuid.uuid4().hex, deleting=True)
+    claim = next((o for o in objects if o.key == CLAIM_NAME), None)
+    try:
+        if claim is None:
+            store.put_if_absent(CLAIM_NAME, data)
+            return True
+        version = claim.version
+        if version is None:  # a listing without versions: read it (a narrower race)
+            _, version = store.get_with_version(CLAIM_NAME)
+        store.put_if_match(CLAIM_NAME, data, version)
+    except (CommitConflictError, FileNotFoundError):
+        return False
+    return True
 
 
 def _parse(raw: bytes) -> dict[str, Any]:

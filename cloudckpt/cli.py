@@ -220,8 +220,8 @@ def cmd_download(args: argparse.Namespace) -> int:
 def cmd_rm(args: argparse.Namespace) -> int:
     store = open_store(args.uri, args.options)
     found = survey_prefix(store)
-    if found.kind == COMMITTED:
-        n = delete_checkpoint(store)
+    if found.kind == COMMITTED:  # --force: even with a manifest that cannot be read
+        n = delete_checkpoint(store, force=args.force)
         print(f"deleted {store.uri} ({_plural(n, 'object')})")
         return EXIT_OK
     if found.kind == OURS:
@@ -427,7 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("rm", cmd_rm, "delete a committed checkpoint (manifest first, then its objects)")
     sp.add_argument("uri", help="the checkpoint (taken literally: no wildcards)")
     sp.add_argument("--force", action="store_true",
-                    help="also delete an unfinished save that cloudckpt left there")
+                    help="also delete an unfinished save that cloudckpt left there, or a "
+                    "checkpoint whose manifest cannot be read")
     sp.add_argument("--recursive", action="store_true",
                     help="on a root: delete every checkpoint below it (asks first)")
     sp.add_argument("--yes", action="store_true", help="do not ask before --recursive deletes")

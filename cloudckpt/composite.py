@@ -24,14 +24,11 @@ from . import _dist
 from . import dcp as cdcp
 from .checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
 from .errors import (
-    AccessDeniedError,
-    BucketNotFoundError,
-    CloudCkptError,
     CommitConflictError,
     ConfigError,
     CorruptCheckpointError,
-    NotACheckpointError,
     StorageError,
+    WorldSizeError,
 )
 from .manifest import CLAIM_NAME
 from .ownership import COMMITTED, FOREIGN, ROOT, not_a_checkpoint, survey
@@ -54,10 +51,6 @@ MODEL_PART = "model"
 SHARED = "state/shared.bin"
 _STEP_INFO = "__step_info__"
 _RNG = "__rng__"
-
-
-class WorldSizeError(CloudCkptError):
-    """Per-rank state was saved by a different number of ranks than are loading it."""
 
 
 @dataclass
@@ -95,6 +88,19 @@ def capture(
     if rng:
         snap.per_rank[_RNG] = get_rng_state()
     return snap
+
+
+def capture_together(*, group: Any = None, **what: Any) -> Captured:
+    """:func:`capture` on every rank of ``group``; if it refuses state on any rank,
+    every rank raises (no rank goes on to the save's collectives alone)."""
+    captured, refused = None, None
+    try:
+        captured = capture(**what)
+    except ConfigError as exc:
+        refused = exc
+    _dist.agree(refused, group)
+    assert captured is not None
+    return captured
 
 
 def _rank_key(rank: int) -> str:
@@ -143,19 +149,9 @@ def _write_parts(store: Store, writer: CheckpointWriter | None, app_state: Mappi
     failed = [g[1] for g in gathered if g[0] != "ok"]
     if failed:
         raise StorageError(f"saving training state to {store.uri} failed: {'; '.join(failed)}")
-    committed: Checkpoint | None = None
-    result: tuple[str, str] = ("ok", "")
-    if writer is not None:
-        try:
-            committed = _commit(writer, captured, gathered)
-        except Exception as exc:  # noqa: BLE001 - re-raised here, reported to the others
-            result = ("error", str(exc))
-            _dist.broadcast_object(result, group)
-            raise
-    result = _dist.broadcast_object(result, group)
-    if result[0] != "ok":
-        raise StorageError(f"committing {store.uri} failed on rank 0: {result[1]}")
-    return committed
+    return _dist.on_coordinator(
+        lambda: _commit(writer, captured, gathered) if writer is not None else None,
+        group, share=False)
 
 
 def _commit(writer: CheckpointWriter, captured: Captured, gathered: list[tuple]) -> Checkpoint:
@@ -166,11 +162,6 @@ def _commit(writer: CheckpointWriter, captured: Captured, gathered: list[tuple])
         writer.add_existing(key, size, crc)
     writer.put(SHARED, dumps_state(captured.shared))
     return writer.commit()
-
-
-_SHARED_ERRORS: dict[str, type[CloudCkptError]] = {
-    c.__name__: c for c in (CommitConflictError, NotACheckpointError, BucketNotFoundError,
-                            AccessDeniedError, StorageError)}
 
 
 def claim_prefix(store: Store, group: Any = None, **writer_options: Any
@@ -188,33 +179,28 @@ def claim_prefix(store: Store, group: Any = None, **writer_options: Any
     save holds it, or it holds data that is not an unfinished save of cloudckpt's
     (:class:`NotACheckpointError`: a root, or objects cloudckpt did not write).
     """
-    writer = None
-    outcome: tuple[str, str] | None = None
-    if _dist.rank(group) == 0:
+
+    def prepare() -> CheckpointWriter:
+        found = survey(store)
+        if found.kind == COMMITTED:
+            raise CommitConflictError(f"a checkpoint is already committed at {store.uri}; "
+                                      "checkpoints are immutable, use a new URI")
+        if found.kind in (ROOT, FOREIGN):
+            raise not_a_checkpoint(found)
+        writer = CheckpointWriter(store, **writer_options)
         try:
-            found = survey(store)
-            if found.kind == COMMITTED:
-                raise CommitConflictError(f"a checkpoint is already committed at {store.uri}; "
-                                          "checkpoints are immutable, use a new URI")
-            if found.kind in (ROOT, FOREIGN):
-                raise not_a_checkpoint(found)
-            writer = CheckpointWriter(store, **writer_options)
             writer.claim()
             leftovers = [o.key for o in found.objects if o.key != CLAIM_NAME]
             if leftovers:
                 log.warning("replacing the uncommitted leftovers of an earlier save at %s "
                             "(%d objects)", store.uri, len(leftovers))
                 store.delete(leftovers)
-        except Exception as exc:  # noqa: BLE001 - every rank raises it below
-            if writer is not None:
-                writer.abandon()
-            kind = next((c.__name__ for c in _SHARED_ERRORS.values() if isinstance(exc, c)),
-                        StorageError.__name__)
-            outcome = (kind, str(exc) if isinstance(exc, CloudCkptError) else describe(exc))
-    outcome = _dist.broadcast_object(outcome, group)
-    if outcome is not None:
-        raise _SHARED_ERRORS[outcome[0]](outcome[1])
-    return writer
+        except BaseException:
+            writer.abandon()
+            raise
+        return writer
+
+    return _dist.on_coordinator(prepare, group, share=False)
 
 
 @dataclass

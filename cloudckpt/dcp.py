@@ -640,7 +640,16 @@ def adopt(uri: str | Store, storage_options: Mapping[str, Any] | None = None, *,
         raise CorruptCheckpointError(
             f"cannot adopt {store.uri}: " + ", ".join(f"{p} ({w})" for p, w in problems.items()),
             problems)
-    writer = CheckpointWriter(store, step=step, kind=DCP_KIND)
+    writer = CheckpointWriter(store, step=step, kind=DCP_KIND, adopting=True)
+    try:
+        return _adopt(store, writer, needed, raw_md)
+    except BaseException:
+        writer.abandon()  # removes its claim: the objects stay someone else's
+        raise
+
+
+def _adopt(store: Store, writer: CheckpointWriter, needed: dict[str, list[_StorageInfo]],
+           raw_md: bytes) -> Checkpoint:
     items: dict[str, str] = {}
 
     def checksum(path: str) -> tuple[str, int, str, dict[str, str]]:

@@ -66,3 +66,7 @@ class DiskFullError(StorageError):
 
 class StateMismatchError(ConfigError):
     """The state to load into does not match the checkpoint (a key's shape or dtype)."""
+
+
+class WorldSizeError(StateMismatchError):
+    """Per-rank state was saved by a different number of ranks than are loading it."""

@@ -26,8 +26,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .checkpoint import delete_checkpoint, delete_unfinished
+from .errors import CommitConflictError
 from .manifest import MANIFEST_NAME, SLOT_POINTER_NAME
-from .ownership import OURS, ROOT, Survey, survey
+from .ownership import COMMITTED, OURS, ROOT, Survey, survey
 from .slot import GENERATION_RE, RecoverSlot
 from .storage import Store, open_store
 
@@ -48,10 +50,12 @@ class Garbage:
     size: int
     age_seconds: float
     kind: str = UNFINISHED
+    #: The grace period it was found with: :func:`collect` checks it again.
+    grace_seconds: float = DEFAULT_GRACE_SECONDS
 
 
-def _garbage(s: Survey, reason: str, kind: str, now: float) -> Garbage:
-    return Garbage(s.uri, reason, len(s.objects), s.size, now - (s.newest or 0.0), kind)
+def _garbage(s: Survey, reason: str, kind: str, now: float, grace: float) -> Garbage:
+    return Garbage(s.uri, reason, len(s.objects), s.size, now - (s.newest or 0.0), kind, grace)
 
 
 def find_garbage(root: str | Store, storage_options: Mapping[str, Any] | None = None, *,
@@ -67,19 +71,21 @@ def find_garbage(root: str | Store, storage_options: Mapping[str, Any] | None = 
     if not names:
         store.check_bucket()
     for name in names:
-        if slots and GENERATION_RE.match(name):
-            continue  # judged against the slot's pointer below
-        s = survey(store.child(name))
+        sub = store.child(name)
+        if (slots and GENERATION_RE.match(name)) or sub.exists(MANIFEST_NAME):
+            continue  # generations are judged by their slot's pointer; committed stays
+        s = survey(sub)
         if s.kind == ROOT and any(o.key == SLOT_POINTER_NAME for o in s.objects):
-            slots.append(store.child(name))
+            slots.append(sub)
         elif s.kind == ROOT:
-            log.info("gc: skipping %s, %d checkpoints lie below it; run gc on it to "
-                     "collect there", s.uri, len(s.checkpoints))
+            log.info("gc: skipping %s: checkpoints or saves lie below it; run gc on it to "
+                     "collect there", s.uri)
         elif s.kind == OURS:
-            g = _garbage(s, "uncommitted: a save that never committed", UNFINISHED, now)
+            g = _garbage(s, "uncommitted: a save that never committed", UNFINISHED, now,
+                         grace_seconds)
             if g.age_seconds >= grace_seconds:
                 found.append(g)
-        elif s.kind != "committed":
+        elif s.kind != COMMITTED:
             log.debug("gc: skipping %s (%s: not cloudckpt's)", s.uri, s.kind)
     for slot_store in slots:
         slot = RecoverSlot(slot_store)
@@ -88,7 +94,8 @@ def find_garbage(root: str | Store, storage_options: Mapping[str, Any] | None = 
             if gen == current:
                 continue
             g = _garbage(survey(slot_store.child(gen)),
-                         f"orphan generation of slot {slot_store.uri}", ORPHAN, now)
+                         f"orphan generation of slot {slot_store.uri}", ORPHAN, now,
+                         grace_seconds)
             if g.age_seconds >= grace_seconds:
                 found.append(g)
     return found
@@ -97,20 +104,30 @@ def find_garbage(root: str | Store, storage_options: Mapping[str, Any] | None = 
 def collect(garbage: list[Garbage], storage_options: Mapping[str, Any] | None = None) -> int:
     """Delete what :func:`find_garbage` found; return the number of objects removed.
 
-    Each prefix is surveyed again first: one that a save has committed since, or
-    that now holds objects cloudckpt did not write, is left alone.
+    Each prefix is surveyed again first: one that a save has committed or written
+    to since (younger than the grace period again), or that now holds objects
+    cloudckpt did not write, is left alone; an unfinished save's claim is seized by
+    compare-and-swap before anything goes, so a save that takes it over meanwhile
+    keeps it and never commits half-deleted (:func:`cloudckpt.checkpoint.delete_unfinished`).
     """
     removed = 0
     for g in garbage:
         sub = open_store(g.uri, storage_options)
         now = survey(sub)
-        if g.kind == UNFINISHED and now.kind != OURS:
-            log.warning("gc: leaving %s: it is no longer an unfinished save (%s)", g.uri,
-                        now.kind)
+        if time.time() - (now.newest or 0.0) < g.grace_seconds:
+            log.warning("gc: leaving %s: it was written to since it was found", g.uri)
             continue
-        hidden_first = g.kind == ORPHAN and any(o.key == MANIFEST_NAME for o in now.objects)
-        if hidden_first:
-            sub.delete([MANIFEST_NAME])  # an orphan generation may be committed: hide it first
-        removed += sub.delete_prefix("") + int(hidden_first)
+        try:
+            if g.kind == ORPHAN and now.kind == COMMITTED:
+                removed += delete_checkpoint(sub)
+            elif now.kind == OURS:
+                removed += delete_unfinished(sub, now)
+            else:
+                log.warning("gc: leaving %s: it is no longer an unfinished save (%s)", g.uri,
+                            now.kind)
+                continue
+        except CommitConflictError as exc:
+            log.warning("gc: leaving %s: %s", g.uri, exc)
+            continue
         log.info("gc: removed %s (%s)", g.uri, g.reason)
     return removed

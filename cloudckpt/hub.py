@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import open_checkpoint
-from .errors import AccessDeniedError, StorageError
+from .errors import AccessDeniedError, ConfigError, StorageError
 from .hf import download
 from .manifest import MANIFEST_NAME
 from .storage.retry import describe
@@ -67,10 +67,12 @@ def push_to_hub(
 def _hub_errors(what: str, endpoint: str) -> Iterator[None]:
     """The Hub's HTTP errors as cloudckpt errors saying what to check (the token is
     never quoted: huggingface_hub's messages do not carry it)."""
-    from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 
     try:
         yield
+    except HFValidationError as exc:
+        raise ConfigError(f"{what}: {exc}") from None
     except HfHubHTTPError as exc:
         status = getattr(getattr(exc, "response", None), "status_code", None)
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]

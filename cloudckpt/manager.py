@@ -153,9 +153,9 @@ class CheckpointManager:
         if not (due or force):
             return False
         self.wait()  # one save at a time; surfaces the previous one's error
-        captured = composite.capture(
+        captured = composite.capture_together(
             step_info=step_info, shared={**dict(extra or {}), _SCHEDULE: self.schedule},
-            per_rank=per_rank, rng=rng)
+            per_rank=per_rank, rng=rng, group=self.group)
         name = self.options.name_format.format(step=step_info.global_step)
         if not self.options.async_save:
             self._write(name, state_dict, captured, step_info.global_step)
@@ -233,9 +233,8 @@ class CheckpointManager:
         """
         if uri is not None:
             candidates = [uri]
-        else:
-            candidates = self._candidates() if _dist.rank(self.group) == 0 else None
-            candidates = _dist.broadcast_object(candidates, self.group)
+        else:  # one listing, on rank 0; its result or its error on every rank
+            candidates = _dist.on_coordinator(self._candidates, self.group)
         for i, cand in enumerate(candidates):
             try:
                 where = open_store(cand, self._storage_options) if uri else self.store.child(cand)

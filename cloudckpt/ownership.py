@@ -6,11 +6,13 @@ top is a committed checkpoint. Any other prefix is, by one recursive listing:
 - **empty**: nothing is stored there;
 - **ours**: a save, copy or delete that cloudckpt started and did not finish. Its
   proof is a mark only cloudckpt writes at the prefix's top: the writer claim
-  (kept after a failure, rewritten before a delete starts), or ROLL's part markers;
-  or every object under it has a name cloudckpt reserves (upload parts, temporary
-  files, claims). The committed parts of an unfinished save (a training
+  (kept after a failure, rewritten before a delete starts; a fresh claim is
+  never put on a prefix holding anything else), or ROLL's part markers; or every
+  object under it has a name cloudckpt reserves (upload parts, temporary files).
+  The committed parts of an unfinished save in :data:`PART_DIRS` (a training
   checkpoint's ``model/``) belong to it;
-- **root**: committed checkpoints lie below it (a run directory, a slot);
+- **root**: committed checkpoints, or other saves (their claims), lie below it (a
+  run directory, a slot);
 - **foreign**: objects cloudckpt did not write (logs, datasets, a user's files).
 
 Only *ours* is ever deleted as a whole (``rm --force``, ``gc``, a retried save or
@@ -28,6 +30,11 @@ from .storage import ObjectInfo, Store
 
 EMPTY, OURS, ROOT, FOREIGN, COMMITTED = "empty", "ours", "root", "foreign", "committed"
 
+#: Where a save's own committed parts lie below its prefix: a training checkpoint's
+#: DCP part (cloudckpt.composite) and RLinf's actor/critic parts. A claimed prefix
+#: with checkpoints anywhere else is a root, not a save.
+PART_DIRS = frozenset({"model", "actor", "critic"})
+
 
 @dataclass(frozen=True)
 class Survey:
@@ -40,6 +47,8 @@ class Survey:
     checkpoints: tuple[str, ...] = ()
     #: Keys that no cloudckpt mark or layout explains.
     foreign: tuple[str, ...] = ()
+    #: Saves of cloudckpt's under way (or cut short) below the prefix: where claims lie.
+    saves: tuple[str, ...] = ()
 
     @property
     def size(self) -> int:
@@ -67,18 +76,25 @@ def classify(uri: str, objects: Sequence[ObjectInfo]) -> Survey:
         return Survey(uri, COMMITTED, objects)
     nested = _outermost(k[: -len(MANIFEST_NAME) - 1] for k in keys
                         if k.endswith("/" + MANIFEST_NAME))
+    # Saves under way (or cut short) further down: a claim below the top.
+    saves = _outermost(k[: -len(CLAIM_NAME) - 1] for k in keys
+                       if k.endswith("/" + CLAIM_NAME))
+    units = _outermost([*nested, *saves])
+    foreign = tuple(k for k in keys if not is_reserved(k) and not _inside(k, units))
     marked = CLAIM_NAME in keys or any(k.startswith(ROLL_PARTS_DIR + "/") for k in keys)
-    foreign = tuple(k for k in keys if not is_reserved(k)
-                    and not any(k.startswith(p + "/") for p in nested))
-    if marked:
-        kind = OURS
-    elif nested:
+    if marked and all(p.split("/", 1)[0] in PART_DIRS for p in units):
+        kind = OURS  # a save of cloudckpt's, its committed parts (model/, actor/...) its own
+    elif nested or (saves and not marked):
         kind = ROOT
-    elif not foreign:
-        kind = OURS
+    elif not foreign and not marked:
+        kind = OURS  # nothing but upload parts and temporary files of cloudckpt's
     else:
         kind = FOREIGN
-    return Survey(uri, kind, objects, nested, foreign)
+    return Survey(uri, kind, objects, nested, foreign, saves)
+
+
+def _inside(key: str, prefixes: Sequence[str]) -> bool:
+    return any(key.startswith(p + "/") for p in prefixes)
 
 
 def _outermost(prefixes: Sequence[str] | object) -> tuple[str, ...]:
@@ -98,6 +114,9 @@ def _names(items: Sequence[str], n: int = 3) -> str:
 def describe_root(s: Survey) -> str:
     """'a root holding 2 committed checkpoints (step-1, step-2)', for messages."""
     n = len(s.checkpoints)
+    if not n:
+        return (f"a root with {len(s.saves)} unfinished save{'s' if len(s.saves) != 1 else ''}"
+                f" below it ({_names(list(s.saves))})")
     return (f"a root holding {n} committed checkpoint{'s' if n != 1 else ''} below it "
             f"({_names(list(s.checkpoints))})")
 
@@ -109,9 +128,10 @@ def not_a_checkpoint(s: Survey) -> CheckpointNotFoundError:
             f"no checkpoint at {s.uri}: nothing is stored there. Check the URI; "
             "`cloudckpt ls` on the parent lists the checkpoints.")
     if s.kind == ROOT:
+        below = (s.checkpoints or s.saves)[-1]
         return NotACheckpointError(
             f"{s.uri} is not a checkpoint but {describe_root(s)}. `cloudckpt ls {s.uri}` "
-            f"lists them; name one of them, e.g. {s.uri}/{s.checkpoints[-1]}.")
+            f"lists them; name one of them, e.g. {s.uri}/{below}.")
     if s.kind == FOREIGN:
         if ".metadata" in s.foreign:
             return NotACheckpointError(

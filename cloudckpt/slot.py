@@ -108,8 +108,8 @@ class RecoverSlot:
         generation = _dist.broadcast_object(generation, self.group)
         if step is None and step_info is not None:
             step = step_info.global_step
-        captured = composite.capture(step_info=step_info, shared=extra, per_rank=per_rank,
-                                     rng=rng)
+        captured = composite.capture_together(step_info=step_info, shared=extra,
+                                              per_rank=per_rank, rng=rng, group=self.group)
         composite.write(self.store.child(generation), state_dict, captured, step=step,
                         metadata={"slot": self.uri}, group=self.group)
         outcome: tuple[str, str] = ("ok", "")

@@ -10,6 +10,7 @@ import io
 import json
 import random
 import re
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -170,6 +171,24 @@ def safe_torch_load(f: Any, source: str) -> Any:
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
+_PLAIN_TYPES = (str, int, float, bool, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is, by its types alone, something ``weights_only`` loads:
+    plain scalars, tensors, and lists, tuples and dicts of them. (Anything else is
+    judged by a round trip through ``torch.save``.)"""
+    if depth > 64:
+        return False
+    if isinstance(value, _PLAIN_TYPES) or type(value) in (torch.Tensor, torch.nn.Parameter):
+        return True
+    if type(value) in (list, tuple):
+        return all(_plain(v, depth + 1) for v in value)
+    if type(value) in (dict, OrderedDict):
+        return all(_plain(k, depth + 1) and _plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
 def refusal(exc: BaseException) -> str:
     """The line of an error that says what is wrong, without terminal colour codes, at
     most 200 chars. For torch's weights-only refusal that is its unpickler's reason
@@ -190,11 +209,8 @@ def check_restorable(where: str, value: Any, *, owner: Any = None) -> None:
     :class:`ConfigError` naming ``where`` and the fix. ``owner`` is the object whose
     ``state_dict()`` gave ``value``, if it came from one.
     """
-    try:
-        json.dumps(value, allow_nan=True)
-        return
-    except (TypeError, ValueError):
-        pass
+    if _plain(value):
+        return  # the common case, without serialising tensors a second time
     buf = io.BytesIO()
     try:
         torch.save(value, buf)

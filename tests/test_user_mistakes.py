@@ -494,3 +494,221 @@ def test_docs_list_every_exit_code():
         cli_module.EXIT_OK, cli_module.EXIT_INTERNAL, cli_module.EXIT_INTERRUPTED,
         cli_module.EXIT_PIPE}
     assert documented == codes
+
+
+# ------------------------------------------------ found in review, each with a test
+
+
+def test_a_claim_never_covers_data_cloudckpt_did_not_write(local, capsys):
+    from cloudckpt import NotACheckpointError
+    from cloudckpt.ownership import survey
+
+    store = open_store(local.root, local.options)
+    store.put("datasets/train.jsonl", b'{"x": 1}\n')
+    with pytest.raises(NotACheckpointError, match="did not write"):
+        CheckpointWriter(local.uri("datasets"), storage_options=local.options).put(
+            "a.bin", b"a")
+    assert keys(local, local.uri("datasets")) == ["train.jsonl"]  # no claim, no object
+    commit(local, "run/step-1", 1)
+    store.put("run/train.log", b"log")
+    with pytest.raises(NotACheckpointError, match="root holding 1 committed checkpoint"):
+        CheckpointWriter(local.uri("run"), storage_options=local.options).put("a.bin", b"a")
+    # A stale claim at a run's top (left by an older release) does not make it a save.
+    store.put(f"run/{CLAIM_NAME}", b'{"writer": "old", "abandoned": true}')
+    assert survey(open_store(local.uri("run"), local.options)).kind == "root"
+    assert main(["rm", "--force", local.uri("run")]) == 2
+    assert main(["gc", "--yes", "--grace", "0", local.root]) == 0
+    capsys.readouterr()
+    assert store.get("run/train.log") == b"log" and store.get("datasets/train.jsonl")
+    open_checkpoint(local.uri("run/step-1"), local.options).verify(deep=True)
+
+
+def test_a_failed_adopt_leaves_the_objects_foreign(local, tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as tdcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    import cloudckpt.dcp as cdcp
+    from cloudckpt.gc import collect, find_garbage
+    from cloudckpt.ownership import survey
+
+    tdcp.save({"w": torch.ones(4)}, storage_writer=FileSystemWriter(str(tmp_path / "s")),
+              no_dist=True)
+    store = open_store(local.uri("stock"), local.options)
+    store.put_many({p.name: p.read_bytes() for p in (tmp_path / "s").iterdir()})
+    before = keys(local, local.uri("stock"))
+
+    def fail(self, manifest=None):
+        self._claim.acquire()  # the claim is in place when the commit fails
+        raise RuntimeError("manifest write failed")
+
+    monkeypatch.setattr(CheckpointWriter, "commit", fail)
+    with pytest.raises(RuntimeError):
+        cdcp.adopt(local.uri("stock"), local.options)
+    monkeypatch.undo()
+    assert keys(local, local.uri("stock")) == before  # its claim went with it
+    assert survey(store).kind == "foreign"
+    collect(find_garbage(local.root, local.options, grace_seconds=0), local.options)
+    assert keys(local, local.uri("stock")) == before
+    cdcp.adopt(local.uri("stock"), local.options).verify(deep=True)
+
+
+def test_deleting_a_checkpoint_leaves_what_it_does_not_list(s3, caplog):
+    one = commit(s3, "step-1", 1)
+    open_store(s3.uri("step-1"), s3.options).put("notes.txt", b"mine")
+    inner = commit(s3, "step-1/backup", 1)  # e.g. cp step-1 step-1/backup
+    with caplog.at_level(logging.WARNING, logger="cloudckpt"):
+        assert delete_checkpoint(s3.uri("step-1"), s3.options) == len(one) + 1
+    assert "left 5 object(s)" in caplog.text
+    assert open_store(s3.uri("step-1"), s3.options).get("notes.txt") == b"mine"
+    assert open_checkpoint(s3.uri("step-1/backup"), s3.options).read_many(
+        sorted(inner)) == inner
+
+
+def test_a_save_below_is_not_a_leftover_of_the_root(local, s3, capsys):
+    from cloudckpt import NotACheckpointError
+    from cloudckpt.transfer import copy_checkpoint
+
+    commit(s3, "src", 1)
+    live = CheckpointWriter(local.uri("run/step-7"), step=7, storage_options=local.options)
+    live.put("a.bin", b"a")  # a save under way further down: its claim, its object
+    with pytest.raises(NotACheckpointError, match="unfinished save"):
+        copy_checkpoint(s3.uri("src"), local.uri("run"), src_options=s3.options,
+                        dst_options=local.options)
+    assert main(["rm", "--force", local.uri("run")]) == 2
+    capsys.readouterr()
+    live.commit()  # untouched: it commits
+    open_checkpoint(local.uri("run/step-7"), local.options).verify(deep=True)
+
+
+def test_gc_leaves_a_save_written_to_since_it_was_found(local):
+    from cloudckpt.gc import collect, find_garbage
+
+    torn_save(local.uri("step-2"), local.options, {"a.bin": b"old"})
+    old = os.path.getmtime(local.uri("step-2", "a.bin")) - 7200
+    for name in os.listdir(local.uri("step-2")):
+        os.utime(local.uri("step-2", name), (old, old))
+    found = find_garbage(local.root, local.options, grace_seconds=3600)
+    assert [g.uri for g in found] == [local.uri("step-2")]
+    with CheckpointWriter(local.uri("step-2"), step=2, storage_options=local.options) as w:
+        w.put("a.bin", b"the retry")  # takes the dead save over, still running ...
+        assert collect(found, local.options) == 0  # ... when gc gets to it
+    assert open_checkpoint(local.uri("step-2"), local.options).read("a.bin") == b"the retry"
+
+
+def test_an_unfinished_save_is_deleted_only_with_its_claim_seized(local):
+    from cloudckpt.checkpoint import delete_unfinished
+    from cloudckpt.errors import CommitConflictError
+    from cloudckpt.ownership import survey
+
+    torn_save(local.uri("step-3"), local.options, {"a.bin": b"a"})
+    store = open_store(local.uri("step-3"), local.options)
+    seen = survey(store)
+    retry = CheckpointWriter(store, step=3)
+    retry.put("a.bin", b"retried")  # takes the claim over after the survey
+    with pytest.raises(CommitConflictError, match="took .* over"):
+        delete_unfinished(store, seen)
+    retry.commit()
+    assert open_checkpoint(store).read("a.bin") == b"retried"
+
+
+def test_one_rank_refusing_state_stops_every_rank(tmp_path):
+    from dist_run import run_ranks
+
+    results = run_ranks("mistake_workers.refuse_on_one_rank", 2, str(tmp_path / "run"),
+                        timeout=120, pg_timeout=60)
+    assert results[1][0] == "ConfigError" and "per_rank['fn']" in results[1][1]
+    assert results[0][0] == "ConfigError" and "rank 1" in results[0][1]
+    assert not (tmp_path / "run").exists() or not list((tmp_path / "run").rglob("*.distcp"))
+
+
+def test_a_bucket_probe_that_is_forbidden_is_not_an_error(s3, moto_server):
+    from cloudckpt.testing import FaultPlan, FaultProxy
+
+    with FaultProxy(moto_server.endpoint) as proxy:
+        proxy.set_plan(FaultPlan(permanent_status=403, methods=("HEAD",)))
+        opts = {**s3.options, "endpoint_url": proxy.endpoint}
+        assert list_checkpoints(s3.uri("fresh-run"), opts) == []  # a fresh run: nothing
+        assert proxy.faults["permanent"] >= 1
+
+
+def test_a_listing_racing_a_commit_shows_it_committed(local, monkeypatch):
+    from cloudckpt import checkpoint
+
+    commit(local, "step-1", 1)
+    real = checkpoint.read_manifest_bytes
+    calls = []
+
+    def late(store, *a, **k):  # the first read misses the manifest that then lands
+        calls.append(store.uri)
+        if len(calls) == 1:
+            raise FileNotFoundError(store.uri)
+        return real(store, *a, **k)
+
+    monkeypatch.setattr(checkpoint, "read_manifest_bytes", late)
+    infos = list_checkpoints(local.root, local.options, include_uncommitted=True)
+    assert [(i.name, i.status) for i in infos] == [("step-1", "committed")]
+
+
+def test_roll_pruning_never_touches_checkpoints_it_did_not_write(s3, tmp_path):
+    from test_integration_roll import commit_checkpoint, config, roll_manager_uploader
+
+    open_store(s3.uri("checkpoint-50"), s3.options).put("actor/model.pt", b"stock upload")
+    up = roll_manager_uploader(config(s3, expected_uploads=2, max_ckpt_to_keep=1,
+                                      torn_grace_seconds=0))
+    commit_checkpoint(up, tmp_path, 100)
+    assert open_store(s3.uri("checkpoint-50"), s3.options).get("actor/model.pt") == (
+        b"stock upload")
+    open_checkpoint(s3.uri("checkpoint-100"), s3.options).verify()
+
+
+def test_an_unreadable_checkpoint_can_be_removed_by_force(local, capsys):
+    commit(local, "step-1", 1)
+    commit(local, "step-2", 2)
+    open_store(local.uri("step-2"), local.options).put("cloudckpt-manifest.json", b"{oops")
+    assert main(["rm", local.uri("step-2")]) == 1
+    assert main(["rm", "--recursive", "--yes", local.root]) == 0  # step-1 goes, step-2 stays
+    assert [k.split("/")[0] for k in keys(local, local.root)] == ["step-2"] * 4
+    assert main(["rm", "--force", local.uri("step-2")]) == 0
+    assert keys(local, local.root) == []
+    capsys.readouterr()
+
+
+def test_more_user_errors_have_their_exit_codes(s3, memory, hub_server, capsys):
+    from cloudckpt import CheckpointNotFoundError, WorldSizeError
+    from cloudckpt.cli import _report
+
+    commit(memory, "export", 1, {"config.json": b"{}"})
+    assert main(["push", memory.uri("export"), "bad repo/id!", "--endpoint",
+                 hub_server.endpoint, "--token", HUB_TOKEN]) == 2
+    o = [f"endpoint_url={s3.options['endpoint_url']}"]
+    assert main(["-o", o[0], "-o", "client_kwargs=notadict", "ls", s3.root]) == 2
+    assert main(["-o", o[0], "-o", "anon=maybe", "ls", s3.root]) == 2
+    assert main(["-o", o[0], "ls", "s3://Not_A_Valid_Bucket!/run"]) == 2
+    assert _report(WorldSizeError("saved by 2 ranks")) == 2
+    capsys.readouterr()
+    ckpt = open_checkpoint(memory.uri("export"))
+    with pytest.raises(CheckpointNotFoundError, match="not part of checkpoint"):
+        ckpt.read("typo.json")
+
+
+def test_a_writer_that_claims_again_after_failing_is_live_again(local):
+    import json
+
+    w = CheckpointWriter(local.uri("step-4"), storage_options=local.options)
+    w.put("a.bin", b"a")
+    w.abandon()
+    store = open_store(local.uri("step-4"), local.options)
+    assert json.loads(store.get(CLAIM_NAME))["abandoned"] is True
+    w.put("b.bin", b"b")  # the same writer goes on: its claim must not say abandoned
+    assert "abandoned" not in json.loads(store.get(CLAIM_NAME))
+    w.commit()
+
+
+def test_checking_state_does_not_serialise_tensors(monkeypatch):
+    from cloudckpt.state import check_restorable
+
+    def no_save(*a, **k):
+        raise AssertionError("tensors were serialised to check them")
+
+    monkeypatch.setattr(torch, "save", no_save)
+    check_restorable("per_rank['x']", {"w": torch.zeros(1000), "step": 3, "ids": [1, 2]})

@@ -44,11 +44,9 @@ from ..errors import (
     ConfigError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
-    StorageError,
 )
 from ..manifest import MANIFEST_NAME
 from ..storage import Store, open_store
-from ..storage.retry import describe
 
 log = logging.getLogger("cloudckpt.rlinf")
 
@@ -292,8 +290,13 @@ class RLinfCheckpointer:
         """
         from .. import state
 
+        refused = None
         if data_state is not None:
-            state.check_restorable("data_state", data_state)
+            try:
+                state.check_restorable("data_state", data_state)
+            except ConfigError as exc:
+                refused = exc
+        _dist.agree(refused, self.group)  # every rank stops, not only the one refused
         store = self.store.child(step_name(step))
         world = _dist.world_size(self.group)
         parts = [ACTOR] + ([CRITIC] if critic is not None else [])
@@ -302,6 +305,8 @@ class RLinfCheckpointer:
                 **dict(metadata or {}), "world_size": world, "parts": parts,
                 "layout": "rlinf-fsdp", "key_prefix": KEY_PREFIX})
         except CommitConflictError as exc:  # raised alike on every rank
+            if "already committed" not in str(exc):
+                raise
             raise CommitConflictError(
                 f"{exc}. This run resumed from an earlier step than the newest one: delete "
                 f"the later steps first (cloudckpt rm {store.uri}) or resume with "
@@ -326,25 +331,18 @@ class RLinfCheckpointer:
         for part, state in zip(parts, (actor, critic), strict=False):
             cdcp.save(dict(state), store.child(f"{part}/{DCP_DIR}"), process_group=self.group,
                       step=step)
-        committed: Checkpoint | None = None
-        result = ("ok", "")
-        if writer is not None:
-            try:
-                for part in parts:
-                    writer.add_part(f"{part}/{DCP_DIR}")
-                if data_state is not None:
-                    buf = io.BytesIO()
-                    torch.save(data_state, buf)
-                    writer.put(DATA_PATH, buf.getvalue())  # last data object, as RLinf
-                committed = writer.commit()
-            except Exception as exc:  # noqa: BLE001 - reported to every rank
-                result = ("error", describe(exc))
-                _dist.broadcast_object(result, self.group)
-                raise
-        result = _dist.broadcast_object(result, self.group)
-        if result[0] != "ok":
-            raise StorageError(f"committing {store.uri} failed on rank 0: {result[1]}")
-        return committed
+
+        def commit() -> Checkpoint:
+            assert writer is not None
+            for part in parts:
+                writer.add_part(f"{part}/{DCP_DIR}")
+            if data_state is not None:
+                buf = io.BytesIO()
+                torch.save(data_state, buf)
+                writer.put(DATA_PATH, buf.getvalue())  # last data object, as RLinf
+            return writer.commit()
+
+        return _dist.on_coordinator(commit, self.group, share=False)
 
     def _prune(self) -> None:
         from ..checkpoint import delete_checkpoint

@@ -407,8 +407,8 @@ class RollUploader:
                 delete_checkpoint(self.store.child(name))
         now = time.time()
         for info in list_checkpoints(self.store, include_uncommitted=True):
-            if info.committed or not CKPT_RE.match(info.name) or info.error:
-                continue
+            if info.status != "uncommitted" or not CKPT_RE.match(info.name):
+                continue  # only unfinished saves of cloudckpt's; never others' objects
             sub = self.store.child(info.name)
             newest = max((o.mtime or now for o in sub.list()), default=now)
             if now - newest >= self.torn_grace_seconds:

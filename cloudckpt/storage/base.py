@@ -21,6 +21,7 @@ import fsspec
 
 from ..crc import Buffer, Crc32c, crc32c_hex
 from ..errors import (
+    AccessDeniedError,
     BucketNotFoundError,
     CloudCkptError,
     CommitConflictError,
@@ -284,7 +285,13 @@ class Store(ABC):
         Reads cannot tell a missing bucket from an empty prefix (both list nothing);
         callers ask this once a read found nothing, so a typo in a bucket name is not
         reported as "no checkpoints"."""
-        if self._call(self._bucket_exists, "head bucket", "") is False:
+        try:
+            exists = self._call(self._bucket_exists, "head bucket", "")
+        except AccessDeniedError:
+            # Asking about the bucket takes a permission (s3:ListBucket unscoped, GCS
+            # storage.buckets.get) that prefix-scoped roles lack: then it is unknown.
+            return
+        if exists is False:
             bucket = self.root.split("/", 1)[0]
             raise BucketNotFoundError(
                 f"the bucket {self.protocol}://{bucket} does not exist (reading {self.uri}); "

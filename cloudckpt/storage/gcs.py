@@ -329,11 +329,24 @@ def _searches_credentials(options: dict[str, Any]) -> bool:
             and not os.environ.get("STORAGE_EMULATOR_HOST"))
 
 
+_found_credentials: dict[tuple[str | None, ...], bool] = {}  # per environment, this process
+
+
 def _credentials_may_exist() -> bool:
     """Whether any source of Google credentials is here: the key file variable, gcloud's
     application default credentials or login, gcsfs's token cache, or a metadata server
     (a GCE, GKE or Cloud Run host), which must answer within a second. Without this
-    check, google-auth takes some 15 s probing for a metadata server that is not there."""
+    check, google-auth takes some 15 s probing for a metadata server that is not there.
+    Asked once per process and environment."""
+    env = tuple(os.environ.get(k) for k in ("GOOGLE_APPLICATION_CREDENTIALS",
+                                            "CLOUDSDK_CONFIG", "HOME", "GCE_METADATA_HOST",
+                                            "GCE_METADATA_IP"))
+    if env not in _found_credentials:
+        _found_credentials[env] = _look_for_credentials()
+    return _found_credentials[env]
+
+
+def _look_for_credentials() -> bool:
     if os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"):
         return True
     home = os.path.expanduser("~")

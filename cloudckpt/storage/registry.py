@@ -80,7 +80,26 @@ def open_store(uri: str, storage_options: Mapping[str, Any] | None = None) -> St
             )
         return cls(root, **own)
     _check_names(scheme, options, cls.filesystem_options())
+    _check_types(options)
     return cls(root, storage_options=options, **own)
+
+
+#: Filesystem options that must be mappings, and those that are switches.
+_MAPPINGS = ("client_kwargs", "config_kwargs", "s3_additional_kwargs", "session_kwargs")
+_FLAGS = ("anon", "use_ssl", "requester_pays", "version_aware", "check_connection",
+          "skip_instance_cache", "use_listings_cache")
+
+
+def _check_types(options: dict[str, Any]) -> None:
+    """Refuse ill-typed values of the filesystem options whose type is known (a typo
+    would fail later as a storage error); read "true"/"false" from the CLI as such."""
+    for key in _MAPPINGS:
+        if key in options and not isinstance(options[key], Mapping):
+            raise ConfigError(f"storage option {key} must be a mapping (JSON object on the "
+                              f"command line, e.g. -o '{key}={{...}}'), got {options[key]!r}")
+    for key in _FLAGS:
+        if key in options:
+            options[key] = _flag(key, options[key])
 
 
 def _own_options(options: dict[str, Any]) -> dict[str, Any]:

@@ -20,7 +20,13 @@ from urllib.parse import quote, quote_plus
 
 import tenacity
 
-from ..errors import AccessDeniedError, CloudCkptError, DiskFullError, StorageError
+from ..errors import (
+    AccessDeniedError,
+    CloudCkptError,
+    ConfigError,
+    DiskFullError,
+    StorageError,
+)
 
 log = logging.getLogger("cloudckpt.storage")
 
@@ -78,6 +84,9 @@ class RetryPolicy:
         except (CloudCkptError, FileNotFoundError, FileExistsError, EOFError):
             raise
         except Exception as exc:  # noqa: BLE001 - every other failure is a storage failure
+            if type(exc).__name__ == "ParamValidationError":  # botocore, before sending
+                raise ConfigError(f"{op} {key}: {describe(exc)}; check the URI (bucket "
+                                  "name) and the storage options") from exc
             raise _storage_error(exc, op, key, time.monotonic() - start) from exc
 
 
