@@ -46,7 +46,7 @@ from .ownership import (
     missing_manifest_error,
     survey,
 )
-from .storage import ObjectInfo, ObjectWriter, Store, open_store
+from .storage import ObjectInfo, ObjectWriter, Store, as_store
 from .storage.base import CloseOnExit
 
 log = logging.getLogger("cloudckpt")
@@ -61,12 +61,6 @@ __all__ = [
     "list_checkpoints",
     "open_checkpoint",
 ]
-
-
-def _store_for(uri_or_store: str | Store, storage_options: Mapping[str, Any] | None) -> Store:
-    if isinstance(uri_or_store, Store):
-        return uri_or_store
-    return open_store(uri_or_store, storage_options)
 
 
 class CheckpointWriter:
@@ -101,7 +95,7 @@ class CheckpointWriter:
         takeover: bool = False,
         adopting: bool = False,
     ) -> None:
-        self.store = _store_for(uri, storage_options)
+        self.store = as_store(uri, storage_options)
         # adopting: the objects are someone else's (dcp.adopt commits them); the claim
         # may cover them, and a failure removes it rather than leave it as a mark.
         self._claim = WriterClaim(self.store, takeover=takeover, foreign_ok=adopting,
@@ -458,7 +452,7 @@ def open_checkpoint(
     uri: str | Store, storage_options: Mapping[str, Any] | None = None
 ) -> Checkpoint:
     """Open the committed checkpoint at ``uri`` (its manifest is read and validated)."""
-    store = _store_for(uri, storage_options)
+    store = as_store(uri, storage_options)
     return Checkpoint(store, read_manifest(store))
 
 
@@ -504,7 +498,7 @@ def list_checkpoints(
     other prefix there, flagged ``committed=False`` with its ``status``.
     Raises :class:`BucketNotFoundError` when the bucket does not exist.
     """
-    store = _store_for(root, storage_options)
+    store = as_store(root, storage_options)
     names = store.list_prefixes()
     if not names:
         store.check_bucket()
@@ -538,7 +532,7 @@ def latest_checkpoint(
     root: str | Store, storage_options: Mapping[str, Any] | None = None
 ) -> Checkpoint | None:
     """The committed checkpoint with the highest step below ``root``, or None."""
-    store = _store_for(root, storage_options)
+    store = as_store(root, storage_options)
     committed = list_checkpoints(store)
     if not committed:
         return None
@@ -558,7 +552,7 @@ def delete_checkpoint(uri: str | Store, storage_options: Mapping[str, Any] | Non
     :mod:`cloudckpt.ownership`; :func:`delete_tree` deletes a root's checkpoints).
     Returns the number of objects deleted, hidden bookkeeping objects included.
     """
-    store = _store_for(uri, storage_options)
+    store = as_store(uri, storage_options)
     try:
         manifest = read_manifest(store)
     except IncompleteCheckpointError:
@@ -628,7 +622,7 @@ def delete_tree(root: str | Store, storage_options: Mapping[str, Any] | None = N
     before (its ``foreign`` keys are what was left alone). A checkpoint whose
     manifest cannot be read, or a save taken over meanwhile, is left with a WARNING.
     """
-    store = _store_for(root, storage_options)
+    store = as_store(root, storage_options)
     found = survey(store)
     if found.kind in (COMMITTED, OURS):
         return [store.uri], delete_checkpoint(store, force=True), found

@@ -37,7 +37,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from .errors import CommitConflictError, NotACheckpointError
-from .manifest import CLAIM_NAME
+from .names import CLAIM_NAME
 from .ownership import COMMITTED, FOREIGN, ROOT, classify, not_a_checkpoint, survey
 from .storage import ObjectInfo, RetryPolicy, Store
 

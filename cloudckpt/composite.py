@@ -20,14 +20,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _dist
+from . import coordination as coord
 from . import dcp as cdcp
 from .checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
 from .errors import (
     CommitConflictError,
     ConfigError,
     CorruptCheckpointError,
-    StorageError,
     WorldSizeError,
 )
 from .manifest import CLAIM_NAME
@@ -41,8 +40,7 @@ from .state import (
     loads_state,
     set_rng_state,
 )
-from .storage import Store, open_store
-from .storage.retry import describe
+from .storage import Store, as_store
 
 log = logging.getLogger("cloudckpt")
 
@@ -98,7 +96,7 @@ def capture_together(*, group: Any = None, **what: Any) -> Captured:
         captured = capture(**what)
     except ConfigError as exc:
         refused = exc
-    _dist.agree(refused, group)
+    coord.agree(refused, group)
     assert captured is not None
     return captured
 
@@ -123,8 +121,8 @@ def write(
     the DCP part. Returns the committed checkpoint on rank 0, None elsewhere.
     Raises on every rank if any rank failed; then nothing is committed.
     """
-    store = uri if isinstance(uri, Store) else open_store(uri, storage_options)
-    world = _dist.world_size(group)
+    store = as_store(uri, storage_options)
+    world = coord.world_size(group)
     writer = claim_prefix(store, group, step=step, kind=KIND, metadata={
         **dict(metadata or {}), "world_size": world, "parts": [MODEL_PART, "state"],
         "step_info": captured.shared.get(_STEP_INFO)})
@@ -138,27 +136,25 @@ def write(
 
 def _write_parts(store: Store, writer: CheckpointWriter | None, app_state: Mapping[str, Any],
                  captured: Captured, step: int | None, group: Any) -> Checkpoint | None:
-    rank = _dist.rank(group)
     cdcp.save(dict(app_state), store.child(MODEL_PART), process_group=group, step=step)
-    try:
-        info = store.put(_rank_key(rank), dumps_state(captured.per_rank))
-        mine: tuple = ("ok", info.key, info.size, info.crc32c)
-    except Exception as exc:  # noqa: BLE001 - every rank must learn of it
-        mine = ("error", f"rank {rank}: {describe(exc)}")
-    gathered = _dist.all_gather_object(mine, group)
-    failed = [g[1] for g in gathered if g[0] != "ok"]
-    if failed:
-        raise StorageError(f"saving training state to {store.uri} failed: {'; '.join(failed)}")
-    return _dist.on_coordinator(
-        lambda: _commit(writer, captured, gathered) if writer is not None else None,
+
+    def mine() -> tuple[str, int, str]:  # this rank's state: every rank writes its own
+        info = store.put(_rank_key(coord.rank(group)), dumps_state(captured.per_rank))
+        assert info.crc32c is not None
+        return info.key, info.size, info.crc32c
+
+    parts = coord.each_rank(mine, group)
+    return coord.on_coordinator(
+        lambda: _commit(writer, captured, parts) if writer is not None else None,
         group, share=False)
 
 
-def _commit(writer: CheckpointWriter, captured: Captured, gathered: list[tuple]) -> Checkpoint:
+def _commit(writer: CheckpointWriter, captured: Captured,
+            parts: list[tuple[str, int, str]]) -> Checkpoint:
     """Rank 0, once every rank's part is durable: the shared state, then the root
     manifest listing every object of every part."""
     writer.add_part(MODEL_PART)
-    for _, key, size, crc in gathered:
+    for key, size, crc in parts:
         writer.add_existing(key, size, crc)
     writer.put(SHARED, dumps_state(captured.shared))
     return writer.commit()
@@ -200,7 +196,7 @@ def claim_prefix(store: Store, group: Any = None, **writer_options: Any
             raise
         return writer
 
-    return _dist.on_coordinator(prepare, group, share=False)
+    return coord.on_coordinator(prepare, group, share=False)
 
 
 @dataclass
@@ -234,7 +230,7 @@ def read(
     _restore_into(shared or {}, saved_shared, ckpt.uri)
     if per_rank or rng:
         saved_world = int(ckpt.metadata.get("world_size", 1))
-        world, rank = _dist.world_size(group), _dist.rank(group)
+        world, rank = coord.world_size(group), coord.rank(group)
         if saved_world != world:
             raise WorldSizeError(
                 f"{ckpt.uri} holds per-rank state (RNG, dataloader positions) of {saved_world} "

@@ -20,7 +20,7 @@ from .checkpoint import open_checkpoint
 from .composite import KIND as TRAINING_KIND
 from .composite import MODEL_PART
 from .errors import ConfigError
-from .storage import Store, open_store, split_uri
+from .storage import Store, as_store, open_store, split_uri
 
 log = logging.getLogger("cloudckpt")
 
@@ -29,7 +29,7 @@ AUTO_PREFIXES = ("model.", "fsdp_checkpoint.model.", "")
 
 
 def _dcp_store(uri: str | Store, storage_options: Mapping[str, Any] | None) -> Store:
-    store = uri if isinstance(uri, Store) else open_store(uri, storage_options)
+    store = as_store(uri, storage_options)
     kind = open_checkpoint(store).manifest.kind
     if kind == TRAINING_KIND:
         return store.child(MODEL_PART)  # a manager/slot checkpoint: its DCP part

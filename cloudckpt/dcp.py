@@ -62,7 +62,7 @@ from .errors import (
 from .manifest import MANIFEST_NAME
 from .ownership import COMMITTED, EMPTY, ROOT, survey
 from .state import refusal, safe_torch_load
-from .storage import Store, open_store, split_uri
+from .storage import Store, as_store, split_uri
 
 log = logging.getLogger("cloudckpt.dcp")
 
@@ -107,10 +107,6 @@ class _ItemInfo(_StorageInfo):
     crc32c: str | None = None
     file_size: int | None = None
     file_crc32c: str | None = None
-
-
-def _store(uri: str | Store, storage_options: Mapping[str, Any] | None) -> Store:
-    return uri if isinstance(uri, Store) else open_store(str(uri), storage_options)
 
 
 def _valid_id(checkpoint_id: Any) -> bool:
@@ -165,7 +161,7 @@ class CloudStorageWriter(_OnStore, StorageWriter):
         if file_size <= 0 or max_files < 1 or key_spread < 0:
             raise ConfigError("file_size and max_files must be positive, key_spread >= 0")
         self.storage_options = dict(storage_options or {})
-        self.store = _store(uri, self.storage_options)
+        self.store = as_store(uri, self.storage_options)
         self.file_size = file_size
         self.max_files = max_files
         self.key_spread = key_spread
@@ -178,7 +174,7 @@ class CloudStorageWriter(_OnStore, StorageWriter):
 
     def reset(self, checkpoint_id: Any = None) -> None:
         if checkpoint_id:
-            self.store = _store(str(checkpoint_id), self.storage_options)
+            self.store = as_store(str(checkpoint_id), self.storage_options)
         self.committed = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -415,7 +411,7 @@ class CloudStorageReader(_OnStore, StorageReader):
     ) -> None:
         super().__init__()
         self.storage_options = dict(storage_options or {})
-        self.store = _store(uri, self.storage_options)
+        self.store = as_store(uri, self.storage_options)
         self.read_window = read_window
         self.checkpoint: Checkpoint | None = None
         self._metadata: Metadata | None = None
@@ -425,7 +421,7 @@ class CloudStorageReader(_OnStore, StorageReader):
         # DCP calls this at the start of every load; keep what was already read
         # unless the checkpoint changes.
         if checkpoint_id and str(checkpoint_id) != self.uri:
-            self.store = _store(str(checkpoint_id), self.storage_options)
+            self.store = as_store(str(checkpoint_id), self.storage_options)
             self.checkpoint = None
             self._metadata = None
         self.storage_data = {}
@@ -613,7 +609,7 @@ def adopt(uri: str | Store, storage_options: Mapping[str, Any] | None = None, *,
     covers every item, checksums every file and item, and writes the manifest
     create-only. Raises :class:`CorruptCheckpointError` naming what is missing.
     """
-    store = _store(uri, storage_options)
+    store = as_store(uri, storage_options)
     found = survey(store)
     if found.kind == COMMITTED:
         raise CommitConflictError(f"{store.uri} is already committed; nothing to adopt")

@@ -70,3 +70,12 @@ class StateMismatchError(ConfigError):
 
 class WorldSizeError(StateMismatchError):
     """Per-rank state was saved by a different number of ranks than are loading it."""
+
+
+class OutsideRootError(StorageError, CorruptCheckpointError, PermissionError):
+    """A path below a local store's root leads outside it through a symbolic link.
+
+    Also a :class:`~cloudckpt.errors.CorruptCheckpointError`: a checkpoint holding
+    such a link cannot be trusted, and listings, ``latest`` and resume skip it (or fall
+    back) as they do any corrupt checkpoint instead of failing the whole root.
+    """

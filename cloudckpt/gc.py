@@ -22,16 +22,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .checkpoint import delete_checkpoint, delete_unfinished
 from .errors import CommitConflictError
-from .manifest import MANIFEST_NAME, SLOT_POINTER_NAME
+from .names import MANIFEST_NAME, SLOT_POINTER_NAME
 from .ownership import COMMITTED, OURS, ROOT, Survey, survey
 from .slot import GENERATION_RE, RecoverSlot
-from .storage import Store, open_store
+from .storage import Store, as_store, open_store
 
 log = logging.getLogger("cloudckpt")
 
@@ -59,18 +59,22 @@ def _garbage(s: Survey, reason: str, kind: str, now: float, grace: float) -> Gar
 
 
 def find_garbage(root: str | Store, storage_options: Mapping[str, Any] | None = None, *,
-                 grace_seconds: float = DEFAULT_GRACE_SECONDS) -> list[Garbage]:
+                 grace_seconds: float = DEFAULT_GRACE_SECONDS,
+                 names: Callable[[str], Any] | None = None) -> list[Garbage]:
     """What lies directly below ``root`` (and in slots there, or ``root`` itself
     as a slot) that no reader can reach, that cloudckpt wrote, and that is older
-    than ``grace_seconds``."""
-    store = root if isinstance(root, Store) else open_store(root, storage_options)
+    than ``grace_seconds``; ``names`` limits it to the prefixes whose names it
+    accepts (e.g. a framework's own checkpoint names)."""
+    store = as_store(root, storage_options)
     now = time.time()
     found: list[Garbage] = []
     slots = [store] if store.exists(SLOT_POINTER_NAME) else []
-    names = store.list_prefixes()
-    if not names:
+    listed = store.list_prefixes()
+    if not listed:
         store.check_bucket()
-    for name in names:
+    for name in listed:
+        if names is not None and not names(name):
+            continue
         sub = store.child(name)
         if (slots and GENERATION_RE.match(name)) or sub.exists(MANIFEST_NAME):
             continue  # generations are judged by their slot's pointer; committed stays

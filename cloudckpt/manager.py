@@ -1,7 +1,7 @@
 """CheckpointManager: when to save, what to keep, sync or async, and resume.
 
 Policies are small objects of their own — :class:`SaveSchedule` (when),
-:func:`select_for_deletion` (what to keep) — and the manager only wires them
+:mod:`cloudckpt.retention` (what to keep) — and the manager only wires them
 to the mechanisms (:mod:`cloudckpt.composite` training checkpoints, the
 commit protocol, retries).
 """
@@ -15,11 +15,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from . import _dist, composite
-from .checkpoint import Checkpoint, delete_checkpoint, list_checkpoints, open_checkpoint
-from .errors import CloudCkptError, ConfigError, CorruptCheckpointError
+from . import composite
+from . import coordination as coord
+from .checkpoint import Checkpoint, list_checkpoints, open_checkpoint
+from .errors import ConfigError, CorruptCheckpointError
+from .retention import apply_retention, select_for_deletion  # noqa: F401 - re-exported
 from .state import StepInfo
-from .storage import Store, open_store
+from .storage import Store, as_store, open_store
 
 log = logging.getLogger("cloudckpt")
 
@@ -79,7 +81,7 @@ class SaveSchedule:
         if self.every_epochs and self.epochs >= self.every_epochs:
             self.epochs, fired = 0, True
         if self.every_seconds:
-            elapsed = _dist.all_reduce_max(time.monotonic() - self._start, self.group)
+            elapsed = coord.all_reduce_max(time.monotonic() - self._start, self.group)
             if elapsed >= self.every_seconds:
                 self._start, fired = time.monotonic(), True
         return fired
@@ -91,16 +93,6 @@ class SaveSchedule:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.steps, self.epochs = int(state["steps"]), int(state["epochs"])
         self._start = time.monotonic() - float(state["elapsed"])
-
-
-def select_for_deletion(steps: list[int], keep_last: int | None,
-                        keep_every: int | None) -> list[int]:
-    """Which of ``steps`` (committed checkpoints) the retention policy drops."""
-    if keep_last is None:
-        return []
-    newest = set(sorted(steps)[-keep_last:])
-    return sorted(s for s in steps
-                  if s not in newest and not (keep_every and s % keep_every == 0))
 
 
 class CheckpointManager:
@@ -121,12 +113,12 @@ class CheckpointManager:
                  process_group: Any = None) -> None:
         self.options = options or ManagerOptions()
         self._storage_options = dict(storage_options or {})
-        self.store = root if isinstance(root, Store) else open_store(root, storage_options)
+        self.store = as_store(root, storage_options)
         self.group = process_group
         self.schedule = SaveSchedule(self.options.every_steps, self.options.every_epochs,
                                      self.options.every_seconds, group=process_group)
         # Background saves run collectives on a group of their own.
-        self._io_group = _dist.new_cpu_group() if self.options.async_save else process_group
+        self._io_group = coord.new_cpu_group() if self.options.async_save else process_group
         self._executor: ThreadPoolExecutor | None = None
         self._stager: Any = None
         self._pending: Future[Checkpoint | None] | None = None
@@ -173,22 +165,11 @@ class CheckpointManager:
                step: int) -> Checkpoint | None:
         ckpt = composite.write(self.store.child(name), state_dict, captured, step=step,
                                group=self._io_group)
-        if _dist.rank(self._io_group) == 0:
-            self._apply_retention(keep=name)
+        # Retention never fails a committed save: it warns and the next save retries.
+        coord.on_coordinator(lambda: apply_retention(
+            self.store, self.options.keep_last, self.options.keep_every, keep=name),
+            self._io_group)
         return ckpt
-
-    def _apply_retention(self, keep: str) -> None:
-        committed = [c for c in list_checkpoints(self.store) if c.step is not None]
-        drop = set(select_for_deletion([c.step for c in committed], self.options.keep_last,
-                                       self.options.keep_every))
-        for c in committed:
-            if c.step in drop and c.name != keep:
-                log.info("retention: deleting %s (step %s)", c.uri, c.step)
-                try:
-                    delete_checkpoint(self.store.child(c.name))
-                except CloudCkptError as exc:  # the save itself is committed: go on training
-                    log.warning("retention could not delete %s (%s); it stays, the next "
-                                "save tries again", c.uri, exc)
 
     def wait(self) -> None:
         """Block until the pending async save is committed; raise its error if it failed."""
@@ -234,27 +215,28 @@ class CheckpointManager:
         if uri is not None:
             candidates = [uri]
         else:  # one listing, on rank 0; its result or its error on every rank
-            candidates = _dist.on_coordinator(self._candidates, self.group)
-        for i, cand in enumerate(candidates):
+            candidates = coord.on_coordinator(self._candidates, self.group)
+        for i, cand in enumerate(candidates or []):
+            restored, err = None, None
             try:
                 where = open_store(cand, self._storage_options) if uri else self.store.child(cand)
                 restored = composite.read(where, state_dict,
                                           shared={**dict(extra or {}), _SCHEDULE: self.schedule},
                                           per_rank=per_rank, rng=rng, group=self.group)
-                err = None
             except CorruptCheckpointError as exc:
-                restored, err = None, exc
-            errors = [e for e in _dist.all_gather_object(str(err) if err else None, self.group)
-                      if e]
-            if not errors:
-                assert restored is not None
-                log.info("resumed from %s (step %s)", restored.checkpoint.uri,
-                         restored.checkpoint.step)
-                return restored.step_info
-            if self.options.strict or uri is not None or i == len(candidates) - 1:
-                raise err or CorruptCheckpointError(errors[0])
-            log.warning("checkpoint %s is corrupt (%s); falling back to the previous one",
-                        cand, errors[0])
+                err = exc
+            try:
+                coord.agree(err, self.group)  # corrupt on any rank: corrupt on every rank
+            except CorruptCheckpointError as exc:
+                if self.options.strict or uri is not None or i == len(candidates) - 1:
+                    raise
+                log.warning("checkpoint %s is corrupt (%s); falling back to the previous one",
+                            cand, exc)
+                continue
+            assert restored is not None
+            log.info("resumed from %s (step %s)", restored.checkpoint.uri,
+                     restored.checkpoint.step)
+            return restored.step_info
         return None
 
     def _candidates(self) -> list[str]:

@@ -24,20 +24,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .errors import ManifestError
+from .names import (  # noqa: F401 - re-exported: the names every checkpoint uses
+    CLAIM_NAME,
+    INTERNAL_MARKS,
+    MANIFEST_NAME,
+    ROLL_PARTS_DIR,
+    SLOT_POINTER_NAME,
+    is_reserved,
+)
 
 if TYPE_CHECKING:
     from .storage import Store
 
-#: The manifest's fixed key inside every checkpoint prefix.
-MANIFEST_NAME = "cloudckpt-manifest.json"
-#: The claim of the writer saving into a prefix (see cloudckpt.claim); hidden from listings.
-CLAIM_NAME = ".cloudckpt-writer.json"
-#: Name fragments of backends' bookkeeping objects (temporary files, upload parts).
-INTERNAL_MARKS = (".cloudckpt-tmp-", ".cloudckpt-part")
-#: A recover slot's pointer (cloudckpt.slot).
-SLOT_POINTER_NAME = "slot-pointer.json"
-#: Where ROLL's part markers (cloudckpt.integrations.roll) live inside a checkpoint.
-ROLL_PARTS_DIR = "_cloudckpt_parts"
 FORMAT = "cloudckpt.manifest"
 VERSION = 1
 #: Manifests larger than this are refused unread (bounded memory on hostile input).
@@ -182,16 +180,6 @@ def validate_path(path: Any, *, source: str = "manifest") -> str:
     return path
 
 
-def is_reserved(key: str) -> bool:
-    """Whether ``key`` (relative to some prefix) names an object only cloudckpt writes:
-    a manifest, a writer claim, a slot pointer, a ROLL part marker, an upload part
-    or a temporary file."""
-    name = key.rsplit("/", 1)[-1]
-    return (name in (MANIFEST_NAME, CLAIM_NAME, SLOT_POINTER_NAME)
-            or any(m in name for m in INTERNAL_MARKS)
-            or key.startswith(ROLL_PARTS_DIR + "/") or f"/{ROLL_PARTS_DIR}/" in key)
-
-
 def _utf8(text: str) -> bool:
     try:
         text.encode("utf-8")
@@ -263,29 +251,11 @@ def read_manifest_bytes(store: Store, key: str = MANIFEST_NAME, *,
         except EOFError:
             raise ManifestError(f"{uri} shrank while it was read; it is being replaced, "
                                 "which a committed manifest never is") from None
-    if _read_range(store, key, limit, limit + 1):  # a byte past the limit: refuse unread
+    if store.get_upto(key, limit, limit + 1):  # a byte past the limit: refuse unread
         raise ManifestError(f"{uri} is over the {limit} byte limit; refusing to read it: it "
                             "is not a cloudckpt manifest")
-    data = _read_range(store, key, 0, limit + 1)
+    data = store.get_upto(key, 0, limit + 1)
     if len(data) > limit:  # it grew meanwhile
         raise ManifestError(f"{uri} is over the {limit} byte limit; refusing to read it: it "
                             "is not a cloudckpt manifest")
     return data
-
-
-def _read_range(store: Store, key: str, start: int, end: int) -> bytes:
-    """Bytes ``[start, end)`` of ``key``, fewer (or none) where it ends sooner: one
-    request, retried like any read. (``Store.get_range`` insists on the whole range.)"""
-    from .storage.retry import status_of
-
-    path = store.path(key)
-
-    def fetch() -> bytes:
-        try:
-            return bytes(store._get(path, start, end))
-        except Exception as exc:
-            if status_of(exc) == 416:  # the object ends before ``start``
-                return b""
-            raise
-
-    return store._call(fetch, "get", key)

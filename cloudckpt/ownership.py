@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .errors import CheckpointNotFoundError, IncompleteCheckpointError, NotACheckpointError
-from .manifest import CLAIM_NAME, MANIFEST_NAME, ROLL_PARTS_DIR, is_reserved
+from .names import CLAIM_NAME, MANIFEST_NAME, ROLL_PARTS_DIR, is_reserved
 from .storage import ObjectInfo, Store
 
 EMPTY, OURS, ROOT, FOREIGN, COMMITTED = "empty", "ours", "root", "foreign", "committed"

@@ -20,12 +20,13 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from . import _dist, composite
+from . import composite
+from . import coordination as coord
 from .checkpoint import delete_checkpoint
 from .errors import CheckpointNotFoundError, CommitConflictError, CorruptCheckpointError
-from .manifest import SLOT_POINTER_NAME
+from .names import SLOT_POINTER_NAME
 from .state import StepInfo
-from .storage import Store, open_store
+from .storage import Store, as_store
 
 log = logging.getLogger("cloudckpt")
 
@@ -43,7 +44,7 @@ class RecoverSlot:
 
     def __init__(self, uri: str | Store, *, storage_options: Mapping[str, Any] | None = None,
                  process_group: Any = None) -> None:
-        self.store = uri if isinstance(uri, Store) else open_store(uri, storage_options)
+        self.store = as_store(uri, storage_options)
         self.group = process_group
 
     @property
@@ -102,25 +103,21 @@ class RecoverSlot:
         shared state (stateful objects or plain data), ``per_rank`` each rank's
         own (e.g. its dataloader); RNG state is saved unless ``rng=False``.
         """
-        rank = _dist.rank(self.group)
-        pointer, version = self._read_pointer() if rank == 0 else (None, None)
-        generation = f"gen-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}" if rank == 0 else None
-        generation = _dist.broadcast_object(generation, self.group)
+        def begin() -> tuple[str, dict[str, Any] | None, str | None]:
+            pointer, version = self._read_pointer()
+            return f"gen-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}", pointer, version
+
+        begun = coord.on_coordinator(begin, self.group)
+        assert begun is not None
+        generation, pointer, version = begun
         if step is None and step_info is not None:
             step = step_info.global_step
         captured = composite.capture_together(step_info=step_info, shared=extra,
                                               per_rank=per_rank, rng=rng, group=self.group)
         composite.write(self.store.child(generation), state_dict, captured, step=step,
                         metadata={"slot": self.uri}, group=self.group)
-        outcome: tuple[str, str] = ("ok", "")
-        if rank == 0:
-            try:
-                self._swap(generation, pointer, version, step, step_info)
-            except CommitConflictError as exc:
-                outcome = ("conflict", str(exc))
-        outcome = _dist.broadcast_object(outcome, self.group)
-        if outcome[0] != "ok":
-            raise CommitConflictError(outcome[1])
+        coord.on_coordinator(lambda: self._swap(generation, pointer, version, step, step_info),
+                             self.group)
         return generation
 
     def _swap(self, generation: str, old: dict[str, Any] | None, version: str | None,

@@ -33,12 +33,12 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
-from .checkpoint import Checkpoint, CheckpointWriter, _store_for, open_checkpoint
+from .checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
 from .crc import Crc32c
 from .errors import CommitConflictError, CorruptCheckpointError, NotACheckpointError
 from .manifest import CLAIM_NAME, FileEntry, Manifest
 from .ownership import COMMITTED, FOREIGN, OURS, ROOT, Survey, not_a_checkpoint, survey
-from .storage import ObjectInfo, RetryPolicy, Store
+from .storage import ObjectInfo, RetryPolicy, Store, as_store
 from .storage.base import RangeWriter
 
 log = logging.getLogger("cloudckpt")
@@ -78,7 +78,7 @@ def copy_checkpoint(
     to resume (or ``cloudckpt gc`` / ``rm --force`` to remove).
     """
     ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src, src_options)
-    store = _store_for(dst, dst_options)
+    store = as_store(dst, dst_options)
     found = survey(store)
     if found.kind == COMMITTED:
         return _already_there(ckpt, store, progress)

@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from .. import _dist, hf
+from .. import coordination as coord
+from .. import hf
 from ..checkpoint import Checkpoint, list_checkpoints, open_checkpoint
 from ..errors import CloudCkptError, ConfigError
 from ..manager import SaveSchedule
@@ -387,7 +388,7 @@ def _set_engine_state(eng: Engine, state: Mapping[str, Any]) -> None:
 
 
 def _is_sharded(model: torch.nn.Module) -> bool:
-    return _dist.initialized() and any(type(p).__name__ == "DTensor"
+    return coord.initialized() and any(type(p).__name__ == "DTensor"
                                        for p in model.parameters())
 
 
@@ -450,7 +451,7 @@ class Saver(_Periodic):
         if config is None:
             config = getattr(eng.model, "config", None)
         outcome: tuple[str, str] = ("ok", "")
-        if _dist.rank(self.group) == 0:
+        if coord.rank(self.group) == 0:
             try:
                 if open_store(uri, self.storage_options).exists(MANIFEST_NAME):
                     # Exported before a crash that came before the next recover dump:
@@ -463,9 +464,9 @@ class Saver(_Periodic):
                                                       "global_step": global_step}})
             except Exception as exc:  # noqa: BLE001 - every rank must learn of it
                 outcome = ("error", str(exc))
-                _dist.broadcast_object(outcome, self.group)
+                coord.broadcast_object(outcome, self.group)
                 raise
-        outcome = _dist.broadcast_object(outcome, self.group)
+        outcome = coord.broadcast_object(outcome, self.group)
         if outcome[0] != "ok":
             raise CloudCkptError(f"exporting {uri} failed on rank 0: {outcome[1]}")
         return uri
@@ -572,9 +573,9 @@ class RecoverHandler(_Periodic):
         slot = self.slot(first)
         generation = slot.save(state, step_info=step_info, extra=shared, per_rank=per_rank)
         self.last_step_info = step_info
-        loaders = _dist.all_gather_object(
+        loaders = coord.all_gather_object(
             dataloader.state_dict() if dataloader is not None else None, self.group)
-        if _dist.rank(self.group) == 0:
+        if coord.rank(self.group) == 0:
             self._write_mirror(info, loaders, generation)
         return True
 
@@ -612,9 +613,9 @@ class RecoverHandler(_Periodic):
         first = next(iter(engines))
         slot = self.slot(first)
         decision: tuple[str, str] = ("resume", "")
-        if _dist.rank(self.group) == 0:
+        if coord.rank(self.group) == 0:
             decision = self._decide(slot)
-        decision = _dist.broadcast_object(decision, self.group)
+        decision = coord.broadcast_object(decision, self.group)
         if decision[0] != "resume":
             log.warning("%s: starting from scratch", decision[1])
             return None

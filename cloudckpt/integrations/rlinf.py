@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .. import _dist
+from .. import coordination as coord
 from ..checkpoint import Checkpoint, CheckpointWriter, list_checkpoints, open_checkpoint
 from ..composite import claim_prefix
 from ..errors import (
@@ -46,7 +46,8 @@ from ..errors import (
     IncompleteCheckpointError,
 )
 from ..manifest import MANIFEST_NAME
-from ..storage import Store, open_store
+from ..retention import apply_retention
+from ..storage import Store, as_store, open_store
 
 log = logging.getLogger("cloudckpt.rlinf")
 
@@ -182,7 +183,7 @@ def fsdp_state_dict(model: Any, optimizer: Any, lr_scheduler: Any = None, *,
     from ..state import get_rng_state
 
     msd, osd = get_state_dict(model, optimizer)
-    r = _dist.rank() if rank is None else rank
+    r = coord.rank() if rank is None else rank
     return {ROOT_KEY: {
         "model": msd, "optimizers": osd,
         "lr_schedulers": lr_scheduler.state_dict() if lr_scheduler is not None else {},
@@ -264,7 +265,7 @@ class RLinfCheckpointer:
         """Whether the slowest rank has passed ``time_limit_s`` (all ranks agree)."""
         if self.time_limit_s is None:
             return False
-        elapsed = _dist.all_reduce_max(time.monotonic() - self._started, self.group)
+        elapsed = coord.all_reduce_max(time.monotonic() - self._started, self.group)
         return elapsed >= self.time_limit_s
 
     def should_save(self, step: int) -> bool:
@@ -296,9 +297,9 @@ class RLinfCheckpointer:
                 state.check_restorable("data_state", data_state)
             except ConfigError as exc:
                 refused = exc
-        _dist.agree(refused, self.group)  # every rank stops, not only the one refused
+        coord.agree(refused, self.group)  # every rank stops, not only the one refused
         store = self.store.child(step_name(step))
-        world = _dist.world_size(self.group)
+        world = coord.world_size(self.group)
         parts = [ACTOR] + ([CRITIC] if critic is not None else [])
         try:
             writer = claim_prefix(store, self.group, step=step, kind=KIND, metadata={
@@ -317,8 +318,8 @@ class RLinfCheckpointer:
             if writer is not None:
                 writer.abandon()  # the claim stays, marked: the leftovers remain ours
             raise
-        if writer is not None and self.keep_last is not None:
-            self._prune()
+        if self.keep_last is not None:  # on rank 0; never fails the save just committed
+            coord.on_coordinator(self._prune, self.group)
         return committed
 
     def _write_parts(self, store: Store, writer: CheckpointWriter | None, parts: list[str],
@@ -342,18 +343,10 @@ class RLinfCheckpointer:
                 writer.put(DATA_PATH, buf.getvalue())  # last data object, as RLinf
             return writer.commit()
 
-        return _dist.on_coordinator(commit, self.group, share=False)
+        return coord.on_coordinator(commit, self.group, share=False)
 
     def _prune(self) -> None:
-        from ..checkpoint import delete_checkpoint
-
-        ours = [c for c in list_checkpoints(self.store) if _STEP_RE.match(c.name)]
-        for old in ours[:-self.keep_last] if self.keep_last else []:
-            try:
-                delete_checkpoint(old.uri, self.storage_options)
-                log.info("pruned %s (keep_last=%d)", old.uri, self.keep_last)
-            except CloudCkptError as exc:
-                log.warning("could not prune %s: %s", old.uri, exc)
+        apply_retention(self.store, self.keep_last, number=_step_number)
 
     # -- resume -------------------------------------------------------------
 
@@ -375,7 +368,7 @@ class RLinfCheckpointer:
         ckpt = open_rlinf_checkpoint(uri, self.storage_options)
         step = _checked_step(ckpt)
         saved_world = int(ckpt.metadata.get("world_size", 1))
-        world = _dist.world_size(self.group)
+        world = coord.world_size(self.group)
         for part, state in ((ACTOR, actor), (CRITIC, critic)):
             if state is None:
                 continue
@@ -402,6 +395,12 @@ def read_data_state(ckpt: Checkpoint) -> Any:
     from ..state import safe_torch_load
 
     return safe_torch_load(io.BytesIO(ckpt.read(DATA_PATH)), f"{ckpt.uri}/{DATA_PATH}")
+
+
+def _step_number(info: Any) -> int | None:
+    """The N of ``global_step_N`` (retention governs only RLinf's own steps)."""
+    m = _STEP_RE.match(info.name)
+    return int(m.group(1)) if m and info.step is not None else None
 
 
 def open_rlinf_checkpoint(uri: str | Store,
@@ -436,7 +435,7 @@ def resolve_resume_dir(resume_dir: str | None, root: str | Store,
     """
     if resume_dir is None or str(resume_dir).strip().lower() in _NULLS:
         return None
-    store = root if isinstance(root, Store) else open_store(str(root), storage_options)
+    store = as_store(root, storage_options)
     if str(resume_dir).strip().lower() == "auto":
         return _latest(store)
     target = str(resume_dir).strip().rstrip("/")

@@ -46,7 +46,6 @@ from typing import Any, ClassVar
 from ..checkpoint import (
     Checkpoint,
     CheckpointWriter,
-    delete_checkpoint,
     list_checkpoints,
     open_checkpoint,
     read_manifest,
@@ -58,7 +57,8 @@ from ..errors import (
     IncompleteCheckpointError,
     StorageError,
 )
-from ..manifest import MANIFEST_NAME, ROLL_PARTS_DIR
+from ..names import MANIFEST_NAME, ROLL_PARTS_DIR
+from ..retention import apply_retention
 from ..storage import Store, open_store
 
 log = logging.getLogger("cloudckpt.roll")
@@ -399,21 +399,24 @@ class RollUploader:
             store.delete(extra)
 
     def _prune(self) -> None:
+        """``max_ckpt_to_keep`` committed checkpoints (by N), and torn saves older than
+        ``torn_grace_seconds`` removed by gc's rules (an upload still sending parts
+        counts as alive)."""
+        from ..gc import collect, find_garbage
+
         if self.max_ckpt_to_keep > 0:
-            committed = _committed(self.store)
-            for _, name in committed[:-self.max_ckpt_to_keep]:
-                log.info("max_ckpt_to_keep=%d: deleting %s", self.max_ckpt_to_keep,
-                         self.store.child(name).uri)
-                delete_checkpoint(self.store.child(name))
-        now = time.time()
-        for info in list_checkpoints(self.store, include_uncommitted=True):
-            if info.status != "uncommitted" or not CKPT_RE.match(info.name):
-                continue  # only unfinished saves of cloudckpt's; never others' objects
-            sub = self.store.child(info.name)
-            newest = max((o.mtime or now for o in sub.list()), default=now)
-            if now - newest >= self.torn_grace_seconds:
-                log.info("deleting torn %s (untouched for %.0f s)", sub.uri, now - newest)
-                delete_checkpoint(sub, force=True)
+            apply_retention(self.store, self.max_ckpt_to_keep, number=_checkpoint_number)
+        torn = find_garbage(self.store, grace_seconds=self.torn_grace_seconds,
+                            names=CKPT_RE.match)
+        for g in torn:
+            log.info("deleting torn %s (untouched for %.0f s)", g.uri, g.age_seconds)
+        collect(torn, self.storage_options)
+
+
+def _checkpoint_number(info: Any) -> int | None:
+    """The N of ``checkpoint-N``: retention governs only ROLL's own checkpoints."""
+    m = CKPT_RE.match(info.name)
+    return int(m.group(1)) if m else None
 
 
 def _committed(store: Store) -> list[tuple[int, str]]:

@@ -1,7 +1,7 @@
 """Storage layer: one :class:`Store` interface, one module per backend."""
 
 from .base import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, ObjectInfo, ObjectWriter, Store
-from .registry import open_store, register_backend, split_uri
+from .registry import as_store, open_store, register_backend, split_uri
 from .retry import RetryPolicy, is_transient
 
 __all__ = [
@@ -11,6 +11,7 @@ __all__ = [
     "ObjectWriter",
     "RetryPolicy",
     "Store",
+    "as_store",
     "is_transient",
     "open_store",
     "register_backend",

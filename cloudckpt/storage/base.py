@@ -28,7 +28,7 @@ from ..errors import (
     ConfigError,
     StorageError,
 )
-from ..manifest import CLAIM_NAME
+from ..names import is_hidden
 from .retry import RetryPolicy, describe, is_transient, status_of
 
 log = logging.getLogger("cloudckpt.storage")
@@ -228,13 +228,9 @@ class Store(ABC):
         nothing (local paths) or cannot be told."""
         return None
 
-    def _is_internal(self, path: str) -> bool:
-        """True for backend bookkeeping files (temp files) hidden from listings."""
-        return False
-
     def _hidden(self, path: str) -> bool:
-        # Writer claims (cloudckpt.claim) are bookkeeping too, on every backend.
-        return path.rsplit("/", 1)[-1] == CLAIM_NAME or self._is_internal(path)
+        # Writer claims, temporary files and upload parts: bookkeeping, on every backend.
+        return is_hidden(path)
 
     def _iter_range(self, path: str, start: int, end: int, chunk: int) -> Iterator[bytes]:
         """Bytes ``[start, end)`` of ``path`` in pieces of at most ``chunk`` bytes (one
@@ -331,6 +327,24 @@ class Store(ABC):
                 f"short read of {self.key_uri(key)} [{start}, {end}): got {len(data)} bytes"
             )
         return data
+
+    def get_upto(self, key: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``key``, fewer (or none) where it ends sooner: one
+        request, retried like any read. For bounded reads of objects whose size is not
+        trusted (:meth:`get_range` insists on the whole range)."""
+        if start < 0 or end < start:
+            raise ConfigError(f"invalid byte range [{start}, {end}) for {key}")
+        path = self.path(key)
+
+        def fetch() -> bytes:
+            try:
+                return bytes(self._get(path, start, end))
+            except Exception as exc:
+                if status_of(exc) == 416:  # the object ends before ``start``
+                    return b""
+                raise
+
+        return self._call(fetch, "get", key)
 
     def info(self, key: str) -> ObjectInfo | None:
         """Size and version of ``key``, or None if it does not exist."""

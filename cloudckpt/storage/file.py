@@ -43,22 +43,13 @@ from typing import Any, BinaryIO, ClassVar
 from fsspec.implementations.local import LocalFileSystem
 
 from ..crc import Buffer
-from ..errors import CorruptCheckpointError, StorageError
+from ..errors import OutsideRootError, StorageError
+from ..names import TMP_PREFIX
 from .base import RangeWriter, RawWriter, Store
 from .retry import storage_error
 
-_TMP_PREFIX = ".cloudckpt-tmp-"
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-
-
-class OutsideRootError(StorageError, CorruptCheckpointError, PermissionError):
-    """A path below a local store's root leads outside it through a symbolic link.
-
-    Also a :class:`~cloudckpt.errors.CorruptCheckpointError`: a checkpoint holding
-    such a link cannot be trusted, and listings, ``latest`` and resume skip it (or fall
-    back) as they do any corrupt checkpoint instead of failing the whole root.
-    """
 
 
 class FileStore(Store):
@@ -118,7 +109,7 @@ class FileStore(Store):
 
     def _tmp_for(self, path: str) -> str:
         d, name = os.path.split(path)
-        return os.path.join(d, f"{_TMP_PREFIX}{name}.{uuid.uuid4().hex[:12]}")
+        return os.path.join(d, f"{TMP_PREFIX}{name}.{uuid.uuid4().hex[:12]}")
 
     def _write_tmp(self, path: str, data: Buffer) -> str:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -255,9 +246,6 @@ class FileStore(Store):
 
     def _version_of(self, info: dict[str, Any]) -> str | None:
         return info.get("version")
-
-    def _is_internal(self, path: str) -> bool:
-        return os.path.basename(path).startswith(_TMP_PREFIX)
 
     def _delete(self, paths: list[str]) -> None:
         # Every directory is checked before anything is deleted; the last component

@@ -43,6 +43,7 @@ from gcsfs.retry import validate_response  # noqa: E402
 
 from ..crc import Buffer, crc32c_hex  # noqa: E402
 from ..errors import AccessDeniedError, StorageError  # noqa: E402
+from ..names import PART_SUFFIX  # noqa: E402
 from .base import ObjectInfo, RawWriter, Store, init_options, read_upto  # noqa: E402
 from .parts import PartWriter  # noqa: E402
 from .retry import describe, mask_secrets  # noqa: E402
@@ -125,9 +126,6 @@ class GCSStore(Store):
                 "destination": {"name": key}}
         return sync(self.fs.loop, self.fs._call, "POST", "b/{}/o/{}/compose", bucket, key,
                     json_out=True, json=body)
-
-    def _is_internal(self, path: str) -> bool:
-        return path.endswith(_PART_MARK)
 
     def _put_if_absent(self, path: str, data: Buffer) -> str:
         return self._upload(path, data, ifGenerationMatch="0")
@@ -245,7 +243,6 @@ class GCSStore(Store):
                           str(gen) if gen is not None else None)
 
 
-_PART_MARK = ".cloudckpt-part"  # a suffix: lifecycle rules can match it
 #: Sources per compose request, and components per object (GCS limits).
 _COMPOSE_SOURCES, _MAX_COMPONENTS = 32, 1024
 
@@ -272,7 +269,7 @@ class _ComposeWriter(PartWriter):
         return self._part_size << ((number - 1) // 256)
 
     def _part_name(self, tag: str) -> str:
-        return f"{self._path}.{self._id}-{tag}{_PART_MARK}"
+        return f"{self._path}.{self._id}-{tag}{PART_SUFFIX}"
 
     def _upload(self, number: int, part: bytes) -> str:
         name = self._part_name(f"{number:04d}")

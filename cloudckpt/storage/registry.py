@@ -46,6 +46,15 @@ def split_uri(uri: str) -> tuple[str, str]:
     return scheme, rest.strip("/")
 
 
+def as_store(uri_or_store: str | Store,
+             storage_options: Mapping[str, Any] | None = None) -> Store:
+    """``uri_or_store`` itself when it is a :class:`Store`, else :func:`open_store` of it:
+    what every API taking "a URI or a store" does first."""
+    if isinstance(uri_or_store, Store):
+        return uri_or_store
+    return open_store(str(uri_or_store), storage_options)
+
+
 def open_store(uri: str, storage_options: Mapping[str, Any] | None = None) -> Store:
     """Open the store rooted at ``uri``.
 

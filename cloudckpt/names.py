@@ -1,0 +1,39 @@
+"""The object names cloudckpt reserves: the one home of every fixed name.
+
+The bottom of the package: every layer (storage backends included) imports
+these from here, never from the layer that uses them most.
+"""
+
+from __future__ import annotations
+
+#: The manifest's fixed key inside every checkpoint prefix.
+MANIFEST_NAME = "cloudckpt-manifest.json"
+#: The claim of the writer saving into a prefix (cloudckpt.claim); hidden from listings.
+CLAIM_NAME = ".cloudckpt-writer.json"
+#: Prefix of the local backend's temporary files (renamed into place when complete).
+TMP_PREFIX = ".cloudckpt-tmp-"
+#: Suffix of the GCS backend's hidden upload parts (a suffix: lifecycle rules match it).
+PART_SUFFIX = ".cloudckpt-part"
+#: Name fragments of backends' bookkeeping objects, hidden from listings.
+INTERNAL_MARKS = (TMP_PREFIX, PART_SUFFIX)
+#: A recover slot's pointer (cloudckpt.slot).
+SLOT_POINTER_NAME = "slot-pointer.json"
+#: Where ROLL's part markers (cloudckpt.integrations.roll) live inside a checkpoint.
+ROLL_PARTS_DIR = "_cloudckpt_parts"
+
+
+def is_reserved(key: str) -> bool:
+    """Whether ``key`` (relative to some prefix) names an object only cloudckpt writes:
+    a manifest, a writer claim, a slot pointer, a ROLL part marker, an upload part
+    or a temporary file."""
+    name = key.rsplit("/", 1)[-1]
+    return (name in (MANIFEST_NAME, CLAIM_NAME, SLOT_POINTER_NAME)
+            or any(m in name for m in INTERNAL_MARKS)
+            or key.startswith(ROLL_PARTS_DIR + "/") or f"/{ROLL_PARTS_DIR}/" in key)
+
+
+def is_hidden(name: str) -> bool:
+    """Whether a listing hides the object named ``name`` (a key or a path): writer
+    claims and backends' bookkeeping objects."""
+    base = name.rsplit("/", 1)[-1]
+    return base == CLAIM_NAME or any(m in base for m in INTERNAL_MARKS)

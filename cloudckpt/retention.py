@@ -1,0 +1,69 @@
+"""What to keep: the retention policy, and applying it to a run directory.
+
+One policy for every saver (the manager, RLinf's ``keep_last``, ROLL's
+``max_ckpt_to_keep``): keep the newest ``keep_last`` committed checkpoints and
+every one whose number is a multiple of ``keep_every``. Applying it deletes
+only committed checkpoints (:func:`cloudckpt.checkpoint.delete_checkpoint`),
+and never fails the save that triggered it: a delete that fails is logged and
+the checkpoint stays for the next save to try again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from .checkpoint import CheckpointInfo, delete_checkpoint, list_checkpoints
+from .errors import CloudCkptError
+from .storage import Store
+
+log = logging.getLogger("cloudckpt")
+
+
+def select_for_deletion(steps: list[int], keep_last: int | None,
+                        keep_every: int | None = None) -> list[int]:
+    """Which of ``steps`` (committed checkpoints' numbers) the policy drops."""
+    if keep_last is None:
+        return []
+    newest = set(sorted(steps)[-keep_last:])
+    return sorted(s for s in steps
+                  if s not in newest and not (keep_every and s % keep_every == 0))
+
+
+def by_step(info: CheckpointInfo) -> int | None:
+    """A checkpoint's number: its manifest's step."""
+    return info.step
+
+
+def apply_retention(store: Store, keep_last: int | None, keep_every: int | None = None, *,
+                    number: Callable[[CheckpointInfo], int | None] = by_step,
+                    keep: str | None = None) -> list[str]:
+    """Delete the committed checkpoints directly below ``store`` that the policy drops.
+
+    ``number`` gives each checkpoint's number (None: not one the policy governs,
+    e.g. a name another tool uses); ``keep`` is a name never deleted (the save
+    just made). Returns the URIs deleted; failures are WARNINGs, never raised.
+    """
+    if keep_last is None:
+        return []
+    try:
+        governed = [(n, c) for c in list_checkpoints(store) if (n := number(c)) is not None]
+    except CloudCkptError as exc:
+        log.warning("retention could not list %s (%s); the next save tries again",
+                    store.uri, exc)
+        return []
+    drop = set(select_for_deletion([n for n, _ in governed], keep_last, keep_every))
+    deleted = []
+    for n, c in governed:
+        if n not in drop or c.name == keep:
+            continue
+        try:
+            delete_checkpoint(store.child(c.name))
+        except CloudCkptError as exc:
+            log.warning("retention could not delete %s (%s); it stays, the next save "
+                        "tries again", c.uri, exc)
+            continue
+        log.info("retention: deleted %s (%s %d; keep_last=%s, keep_every=%s)", c.uri,
+                 c.name, n, keep_last, keep_every)
+        deleted.append(c.uri)
+    return deleted
