@@ -450,25 +450,18 @@ class Saver(_Periodic):
         model: Any = _full_model_state(eng.model) if _is_sharded(eng.model) else eng.model
         if config is None:
             config = getattr(eng.model, "config", None)
-        outcome: tuple[str, str] = ("ok", "")
-        if coord.rank(self.group) == 0:
-            try:
-                if open_store(uri, self.storage_options).exists(MANIFEST_NAME):
-                    # Exported before a crash that came before the next recover dump:
-                    # the run resumed earlier and reached this step again.
-                    log.info("%s was exported before a restart; keeping it", uri)
-                else:  # this job owns its exports: a crashed attempt's claim is ours
-                    hf.export(model, uri, config=config, tokenizer=tokenizer,
-                              storage_options=self.storage_options, takeover=True,
-                              metadata={"step_info": {"epoch": epoch, "epoch_step": step,
-                                                      "global_step": global_step}})
-            except Exception as exc:  # noqa: BLE001 - every rank must learn of it
-                outcome = ("error", str(exc))
-                coord.broadcast_object(outcome, self.group)
-                raise
-        outcome = coord.broadcast_object(outcome, self.group)
-        if outcome[0] != "ok":
-            raise CloudCkptError(f"exporting {uri} failed on rank 0: {outcome[1]}")
+        def export() -> None:
+            if open_store(uri, self.storage_options).exists(MANIFEST_NAME):
+                # Exported before a crash that came before the next recover dump:
+                # the run resumed earlier and reached this step again.
+                log.info("%s was exported before a restart; keeping it", uri)
+            else:  # this job owns its exports: a crashed attempt's claim is ours
+                hf.export(model, uri, config=config, tokenizer=tokenizer,
+                          storage_options=self.storage_options, takeover=True,
+                          metadata={"step_info": {"epoch": epoch, "epoch_step": step,
+                                                  "global_step": global_step}})
+
+        coord.on_coordinator(export, self.group)
         return uri
 
     def state_dict(self) -> dict[str, Any]:
@@ -573,10 +566,9 @@ class RecoverHandler(_Periodic):
         slot = self.slot(first)
         generation = slot.save(state, step_info=step_info, extra=shared, per_rank=per_rank)
         self.last_step_info = step_info
-        loaders = coord.all_gather_object(
-            dataloader.state_dict() if dataloader is not None else None, self.group)
-        if coord.rank(self.group) == 0:
-            self._write_mirror(info, loaders, generation)
+        loaders = coord.each_rank(
+            lambda: dataloader.state_dict() if dataloader is not None else None, self.group)
+        coord.on_coordinator(lambda: self._write_mirror(info, loaders, generation), self.group)
         return True
 
     def _write_mirror(self, info: Mapping[str, Any], loaders: list[Any],
@@ -612,10 +604,8 @@ class RecoverHandler(_Periodic):
         engines = _engines(engine)
         first = next(iter(engines))
         slot = self.slot(first)
-        decision: tuple[str, str] = ("resume", "")
-        if coord.rank(self.group) == 0:
-            decision = self._decide(slot)
-        decision = coord.broadcast_object(decision, self.group)
+        decision = coord.on_coordinator(lambda: self._decide(slot), self.group)
+        assert decision is not None
         if decision[0] != "resume":
             log.warning("%s: starting from scratch", decision[1])
             return None
