@@ -492,7 +492,7 @@ def _dcp_part(uri: str, storage_options: Mapping[str, Any] | None) -> str:
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
-    from ..cli import parse_options
+    from ..storage import parse_options
 
     opts = json.loads(args.storage_options) if args.storage_options else {}
     opts.update(parse_options(args.storage_option))

@@ -1,7 +1,7 @@
 """Storage layer: one :class:`Store` interface, one module per backend."""
 
 from .base import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, ObjectInfo, ObjectWriter, Store
-from .registry import as_store, open_store, register_backend, split_uri
+from .registry import as_store, open_store, parse_options, register_backend, split_uri
 from .retry import RetryPolicy, is_transient
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "as_store",
     "is_transient",
     "open_store",
+    "parse_options",
     "register_backend",
     "split_uri",
 ]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import difflib
 import importlib
-from collections.abc import Mapping
+import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import ConfigError
@@ -179,3 +180,18 @@ def _check_protocol(scheme: str, uri: str) -> None:
         raise ConfigError(f"unknown URL scheme {scheme}:// in {uri}.{hint} cloudckpt stores "
                           "checkpoints at s3://, gs://, local paths, memory:// and any other "
                           "scheme fsspec knows.") from None
+
+
+def parse_options(pairs: Sequence[str] | None) -> dict[str, Any]:
+    """Storage options from ``KEY=VALUE`` pairs (the command line's ``-o``): values are
+    JSON when they parse as JSON, else strings."""
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"storage option {pair!r} must look like KEY=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out

@@ -1,0 +1,220 @@
+"""The ``cloudckpt`` command: inspect, verify, copy and delete checkpoints.
+
+The parser and ``main`` live here, the commands in :mod:`.commands`, the exit
+codes (one per kind of failure, listed in docs/cli.md) in :mod:`.exits`, the
+printing helpers in :mod:`.output`. Every failure is a cloudckpt error with its
+exit code; a raw traceback is shown only with ``-vv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from .. import __version__
+from ..errors import CloudCkptError
+from ..storage import parse_options
+from .commands import (
+    _INFO_FILES,
+    cmd_adopt,
+    cmd_convert,
+    cmd_cp,
+    cmd_download,
+    cmd_gc,
+    cmd_info,
+    cmd_latest,
+    cmd_ls,
+    cmd_push,
+    cmd_rm,
+    cmd_verify,
+)
+from .exits import (  # noqa: F401 - the exit codes are part of the command's interface
+    EXIT_ACCESS,
+    EXIT_CODES,
+    EXIT_CONFLICT,
+    EXIT_CORRUPT,
+    EXIT_DISK_FULL,
+    EXIT_INCOMPLETE,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_PIPE,
+    EXIT_STORAGE,
+    EXIT_USAGE,
+)
+
+log = logging.getLogger("cloudckpt")
+
+_EPILOG = """\
+exit codes:
+  0    success
+  1    a checkpoint is corrupt or failed verification
+  2    bad usage, option or configuration; the URI is a root or holds data cloudckpt
+       did not write; the state to load does not match the checkpoint
+  3    not found: no checkpoint, or no such bucket, at the URI
+  4    incomplete: a save that never committed (no manifest)
+  5    conflict: a checkpoint is already there, or another save holds the URI
+  6    storage failure (retries exhausted, or the store refused the request)
+  7    access denied, or no credentials (storage or the Hugging Face Hub)
+  8    the local disk is full, or a file exceeds the file size limit
+  70   internal error (a bug: rerun with -vv and report the traceback)
+  130  interrupted
+  141  the output was closed (e.g. piped into head)
+
+Storage options go with -o KEY=VALUE, before or after the command; the standard
+environment (AWS_*, STORAGE_EMULATOR_HOST, GOOGLE_APPLICATION_CREDENTIALS) works too.
+See docs/cli.md."""
+
+
+def _common(dest_suffix: str) -> argparse.ArgumentParser:
+    """-v and -o, taken before or after the command (merged in :func:`main`)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("-v", "--verbose", action="count", default=0, dest=f"verbose{dest_suffix}",
+                   help="more logging (-v: progress, -vv: cloudckpt's debug and tracebacks, "
+                   "-vvv: every library's debug)")
+    p.add_argument("-o", "--storage-option", action="append", metavar="KEY=VALUE",
+                   dest=f"storage_option{dest_suffix}",
+                   help="storage option for the URI (repeatable), e.g. endpoint_url=http://...")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="cloudckpt", parents=[_common("")],
+        description="Inspect, verify, copy and delete crash-safe PyTorch checkpoints on S3, "
+        "GCS, local disk or any fsspec URL.",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"cloudckpt {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                           help="what to do (COMMAND --help says more)")
+    common = _common("_sub")
+
+    def add(name: str, fn: Any, help: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help, parents=[common])
+        sp.set_defaults(fn=fn)
+        return sp
+
+    sp = add("ls", cmd_ls, "list the checkpoints below ROOT, and what else lies there")
+    sp.add_argument("root", help="the run directory, e.g. s3://bucket/run")
+    sp.add_argument("--json", action="store_true", help="print the listing as JSON")
+    sp = add("info", cmd_info, "show a checkpoint's manifest")
+    sp.add_argument("uri", help="the checkpoint, e.g. s3://bucket/run/step-100")
+    sp.add_argument("--json", action="store_true", help="print the manifest itself")
+    sp.add_argument("--all", action="store_true",
+                    help=f"list every object (default: the first {_INFO_FILES})")
+    sp = add("verify", cmd_verify, "check a checkpoint's objects (sizes; --deep: CRC32C too)")
+    sp.add_argument("uri", help="the checkpoint")
+    sp.add_argument("--deep", action="store_true", help="download every object and check CRC32C")
+    sp = add("latest", cmd_latest, "print the URI of the newest committed checkpoint below ROOT")
+    sp.add_argument("root", help="the run directory")
+    sp = add("cp", cmd_cp, "copy a committed checkpoint to DST (verified, then committed); "
+             "rerunning an interrupted copy resumes it")
+    sp.add_argument("src", help="the checkpoint to copy")
+    sp.add_argument("dst", help="where the copy goes: a new URI, not a root holding checkpoints")
+    sp.add_argument("--dst-option", action="append", metavar="KEY=VALUE",
+                    help="storage option for DST (default: the -o options)")
+    sp = add("download", cmd_download, "download a committed checkpoint to a local directory; "
+             "rerunning an interrupted download resumes it")
+    sp.add_argument("uri", help="the checkpoint")
+    sp.add_argument("dir", help="a new or empty local directory")
+    sp = add("adopt", cmd_adopt, "commit a DCP checkpoint written without cloudckpt, after "
+             "checking every object its .metadata references")
+    sp.add_argument("uri", help="the DCP checkpoint's directory")
+    sp.add_argument("--step", type=int, default=None, help="step number to record")
+    sp = add("gc", cmd_gc, "remove unfinished saves cloudckpt left below ROOT and orphan slot "
+             "generations, older than a grace period (dry run unless --yes)")
+    sp.add_argument("root", help="the run directory")
+    sp.add_argument("--grace", type=float, default=6 * 3600.0, metavar="SECONDS",
+                    help="only collect what is older than this (default: 6 hours)")
+    sp.add_argument("--yes", action="store_true", help="really delete")
+    sp = add("push", cmd_push, "verify an HF export, then push it to the Hugging Face Hub")
+    sp.add_argument("uri", help="the committed HF export")
+    sp.add_argument("repo_id", help="the Hub repository, e.g. my-org/my-model")
+    sp.add_argument("--revision", default="main", help="branch to commit to (default: main)")
+    sp.add_argument("--private", action="store_true", help="create the repo private")
+    sp.add_argument("--create-pr", action="store_true", help="open a pull request")
+    sp.add_argument("--message", default=None, help="commit message")
+    sp.add_argument("--endpoint", default=None,
+                    help="Hub URL (default: HF_ENDPOINT, else huggingface.co)")
+    sp.add_argument("--token", default=None,
+                    help="Hub token with write access (default: HF_TOKEN or a saved login)")
+    sp = add("convert", cmd_convert, "convert a DCP checkpoint's model to HF or torch.save")
+    conv = sp.add_subparsers(dest="what", required=True, metavar="KIND",
+                             help="dcp-to-hf or dcp-to-pt")
+    c = conv.add_parser("dcp-to-hf", help="DCP model tensors -> HF safetensors export",
+                        parents=[common])
+    c.add_argument("src", help="the DCP (or training) checkpoint")
+    c.add_argument("dst", help="where the HF export goes")
+    c.add_argument("--config", required=True, help="config.json of the model")
+    c.add_argument("--key-prefix", default=None, help="model keys' prefix (default: auto)")
+    c.add_argument("--dtype", default=None, help="bf16, fp16 or fp32")
+    c.add_argument("--max-shard-size", default="5GB", help="largest shard (default: 5GB)")
+    c = conv.add_parser("dcp-to-pt", help="DCP model tensors -> torch.save state dict "
+                        "(RLinf's converter arguments)", parents=[common])
+    c.add_argument("--dcp_path", "--dcp-path", dest="dcp_path", required=True,
+                   help="the DCP checkpoint")
+    c.add_argument("--output_path", "--output-path", dest="output_path", required=True,
+                   help="the .pt file to write")
+    c.add_argument("--key-prefix", default=None, help="model keys' prefix (default: auto)")
+    sp = add("rm", cmd_rm, "delete a committed checkpoint (manifest first, then its objects)")
+    sp.add_argument("uri", help="the checkpoint (taken literally: no wildcards)")
+    sp.add_argument("--force", action="store_true",
+                    help="also delete an unfinished save that cloudckpt left there, or a "
+                    "checkpoint whose manifest cannot be read")
+    sp.add_argument("--recursive", action="store_true",
+                    help="on a root: delete every checkpoint below it (asks first)")
+    sp.add_argument("--yes", action="store_true", help="do not ask before --recursive deletes")
+    return p
+
+
+def _report(exc: CloudCkptError) -> int:
+    print(f"cloudckpt: error: {exc}", file=sys.stderr)
+    for cls, code in EXIT_CODES:
+        if isinstance(exc, cls):
+            return code
+    return EXIT_STORAGE
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.verbose = args.verbose + getattr(args, "verbose_sub", 0)
+    # -vv is ours only: the HTTP libraries' debug lines quote request headers.
+    level = [logging.WARNING, logging.INFO, logging.INFO, logging.DEBUG][min(args.verbose, 3)]
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    if args.verbose >= 2:
+        logging.getLogger("cloudckpt").setLevel(logging.DEBUG)
+    try:
+        try:
+            args.options = parse_options((args.storage_option or [])
+                                         + (getattr(args, "storage_option_sub", None) or []))
+            code = int(args.fn(args))
+            sys.stdout.flush()  # a closed pipe shows here, not at exit
+            return code
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        except CloudCkptError as exc:
+            if args.verbose >= 2:
+                log.debug("traceback", exc_info=True)
+            return _report(exc)
+    except BrokenPipeError:
+        # The reader went away (e.g. `| head`): end quietly, as a command killed by
+        # SIGPIPE does; point stdout at /dev/null so the exit does not complain again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE
+    except Exception as exc:  # noqa: BLE001 - a bug: one line, the traceback with -vv
+        if args.verbose >= 2:
+            raise
+        print(f"cloudckpt: internal error: {type(exc).__name__}: {exc}. This is a bug in "
+              "cloudckpt: rerun with -vv for the traceback and report it.", file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""The commands of ``cloudckpt``: one function each, taking the parsed arguments."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint import (
+    delete_checkpoint,
+    delete_tree,
+    latest_checkpoint,
+    list_checkpoints,
+    open_checkpoint,
+)
+from ..errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    NotACheckpointError,
+)
+from ..ownership import COMMITTED, EMPTY, OURS, ROOT, describe_root, incomplete, not_a_checkpoint
+from ..ownership import survey as survey_prefix
+from ..storage import open_store, parse_options
+from ..transfer import copy_checkpoint
+from .exits import EXIT_CORRUPT, EXIT_OK
+from .output import plural, plural_prefix, progress, size, when
+
+_STATUS_LABEL = {"committed": "committed", "uncommitted": "uncommitted (no manifest)",
+                 "unreadable": "UNREADABLE", "root": "root (checkpoints below)",
+                 "foreign": "not cloudckpt's"}
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    infos = list_checkpoints(args.root, args.options, include_uncommitted=True)
+    if args.json:
+        print(json.dumps([i.__dict__ for i in infos], indent=1))
+        return EXIT_OK
+    if not infos:
+        print(f"no checkpoints under {args.root}")
+        return EXIT_OK
+    print(f"{'NAME':<32} {'STEP':>8} {'TIME':<25} {'SIZE':>10} {'FILES':>6}  STATUS")
+    for i in infos:
+        step = "-" if i.step is None else str(i.step)
+        print(f"{i.name:<32} {step:>8} {when(i.created):<25} {size(i.size):>10} "
+              f"{i.files:>6}  {_STATUS_LABEL.get(i.status, i.status)}")
+    return EXIT_OK
+
+
+_INFO_FILES = 20
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    c = open_checkpoint(args.uri, args.options)
+    m = c.manifest
+    if args.json:
+        print(m.to_json().decode())
+        return EXIT_OK
+    print(f"uri:       {c.uri}\nstep:      {m.step}\nkind:      {m.kind}\n"
+          f"created:   {when(m.created)}\ncommit id: {m.commit_id}\n"
+          f"size:      {size(m.total_size)} in {plural(len(m.files), 'object')}")
+    if m.metadata:
+        text = json.dumps(dict(m.metadata), sort_keys=True)
+        print(f"metadata:  {text if args.all or len(text) <= 500 else text[:500] + ' ...'}")
+    shown = c.files if args.all else c.files[:_INFO_FILES]
+    for path in shown:
+        e = m.files[path]
+        print(f"  {e.crc32c}  {e.size:>12}  {path}")
+    if len(shown) < len(c.files):
+        print(f"  ... and {plural(len(c.files) - len(shown), 'more object')} "
+              "(--all lists every one, --json prints the manifest)")
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    c = open_checkpoint(args.uri, args.options)
+    try:
+        c.verify(deep=args.deep)
+    except CorruptCheckpointError as exc:
+        for path, why in sorted(exc.problems.items()):
+            print(f"BAD  {path}: {why}")
+        print(f"{c.uri}: {len(exc.problems)} of {plural(len(c.files), 'object')} failed "
+              "verification")
+        return EXIT_CORRUPT
+    print(f"OK   {c.uri}: {plural(len(c.files), 'object')}, {size(c.total_size)}"
+          f" ({'sizes and CRC32C' if args.deep else 'sizes'} checked)")
+    return EXIT_OK
+
+
+def cmd_latest(args: argparse.Namespace) -> int:
+    c = latest_checkpoint(args.root, args.options)
+    if c is None:
+        raise CheckpointNotFoundError(f"no committed checkpoint under {args.root}")
+    print(c.uri)
+    return EXIT_OK
+
+
+def _copy(args: argparse.Namespace, src_uri: str, dst: str, dst_options: dict[str, Any],
+          label: str) -> int:
+    src = open_checkpoint(src_uri, args.options)
+    with progress(src.total_size, label) as update:
+        out = copy_checkpoint(src, dst, dst_options=dst_options, progress=update)
+    print(f"{label}: {src.uri} -> {out.uri} ({plural(len(out.files), 'object')}, "
+          f"{size(out.total_size)})")
+    return EXIT_OK
+
+
+def cmd_cp(args: argparse.Namespace) -> int:
+    return _copy(args, args.src, args.dst, parse_options(args.dst_option) or args.options,
+                 "copy")
+
+
+def cmd_download(args: argparse.Namespace) -> int:
+    return _copy(args, args.uri, args.dir, {}, "download")
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    store = open_store(args.uri, args.options)
+    found = survey_prefix(store)
+    if found.kind == COMMITTED:  # --force: even with a manifest that cannot be read
+        n = delete_checkpoint(store, force=args.force)
+        print(f"deleted {store.uri} ({plural(n, 'object')})")
+        return EXIT_OK
+    if found.kind == OURS:
+        if not args.force:
+            raise incomplete(found)
+        n = delete_checkpoint(store, force=True)
+        print(f"deleted the unfinished save at {store.uri} ({plural(n, 'object')})")
+        return EXIT_OK
+    if found.kind == EMPTY:
+        store.check_bucket()
+        raise not_a_checkpoint(found)
+    if found.kind != ROOT:
+        raise NotACheckpointError(f"{not_a_checkpoint(found)} Nothing was deleted: cloudckpt "
+                                  "deletes only what it wrote.")
+    if not args.recursive:
+        raise NotACheckpointError(
+            f"{store.uri} is {describe_root(found)}; nothing was deleted. `cloudckpt rm "
+            f"--recursive {store.uri}` deletes every checkpoint below it (after asking; --yes "
+            "does not ask) and leaves every object cloudckpt did not write.")
+    print(f"{store.uri} is {describe_root(found)}:")
+    for prefix in found.checkpoints:
+        print(f"  {store.child(prefix).uri}")
+    if not _confirm(args, f"delete these {plural(len(found.checkpoints), 'checkpoint')} "
+                    "and any unfinished saves of cloudckpt's there?"):
+        print("nothing deleted")
+        return EXIT_OK
+    deleted, n, before = delete_tree(store)
+    print(f"deleted {plural(len(deleted), 'checkpoint or unfinished save')} "
+          f"({plural(n, 'object')}) below {store.uri}")
+    if before.foreign:
+        print(f"left {plural(len(before.foreign), 'object')} cloudckpt did not write, e.g. "
+              f"{before.foreign[0]}")
+    return EXIT_OK
+
+
+def _confirm(args: argparse.Namespace, question: str) -> bool:
+    if args.yes:
+        return True
+    if not sys.stdin.isatty():
+        raise ConfigError(f"{question} Not asked: the input is not a terminal; pass --yes "
+                          "to confirm")
+    return input(f"{question} [y/N] ").strip().lower() in ("y", "yes")
+
+
+def cmd_adopt(args: argparse.Namespace) -> int:
+    from ..dcp import adopt
+
+    c = adopt(args.uri, args.options, step=args.step)
+    print(f"adopted {c.uri}: {plural(len(c.files), 'object')} checked and committed")
+    return EXIT_OK
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from ..gc import collect, find_garbage
+
+    garbage = find_garbage(args.root, args.options, grace_seconds=args.grace)
+    if not garbage:
+        print(f"nothing to collect under {args.root} (grace {args.grace:.0f} s)")
+        return EXIT_OK
+    for g in garbage:
+        print(f"{'remove' if args.yes else 'would remove'}  {g.uri}  ({g.reason}; "
+              f"{plural(g.objects, 'object')}, {size(g.size)}, "
+              f"{g.age_seconds / 3600:.1f} h old)")
+    total = sum(g.objects for g in garbage)
+    if args.yes:
+        n = collect(garbage, args.options)
+        print(f"removed {plural_prefix(len(garbage))} ({plural(n, 'object')})")
+    else:
+        print(f"dry run: nothing deleted; --yes deletes {plural_prefix(len(garbage))} "
+              f"({plural(total, 'object')})")
+    return EXIT_OK
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    from ..hub import push_to_hub
+
+    url = push_to_hub(args.uri, args.repo_id, revision=args.revision,
+                      private=True if args.private else None, create_pr=args.create_pr,
+                      commit_message=args.message, storage_options=args.options,
+                      endpoint=args.endpoint, token=args.token)
+    print(url)
+    return EXIT_OK
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .. import convert
+
+    dtype = None
+    if getattr(args, "dtype", None):
+        if args.dtype not in convert.DTYPES:
+            raise ConfigError(f"unknown --dtype {args.dtype!r}; use {sorted(convert.DTYPES)}")
+        dtype = convert.DTYPES[args.dtype]
+    if args.what == "dcp-to-hf":
+        try:
+            config = json.loads(Path(args.config).read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read --config {args.config}: {exc}") from None
+        out = convert.dcp_to_hf(args.src, args.dst, config=config, key_prefix=args.key_prefix,
+                                dtype=dtype, max_shard_size=args.max_shard_size,
+                                storage_options=args.options)
+        print(f"converted {args.src} -> {out.uri} ({plural(len(out.files), 'file')})")
+    else:
+        n = convert.dcp_to_pt(args.dcp_path, args.output_path, key_prefix=args.key_prefix,
+                              storage_options=args.options)
+        print(f"wrote {plural(n, 'tensor')} to {args.output_path}")
+    return EXIT_OK

@@ -1,0 +1,41 @@
+"""How the command prints: sizes, times, plurals, progress bars."""
+
+from __future__ import annotations
+
+import sys
+import time
+from contextlib import contextmanager
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def when(t: float | None) -> str:
+    """Local time with its UTC offset, so times read alike anywhere."""
+    return time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(t)) if t else "-"
+
+
+@contextmanager
+def progress(total: int, desc: str):
+    """A tqdm bar on a terminal; nothing when stderr is not a TTY."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+               disable=not sys.stderr.isatty(), leave=False)
+    try:
+        yield bar.update
+    finally:
+        bar.close()
+
+
+def plural_prefix(n: int) -> str:
+    return f"{n} prefix{'' if n == 1 else 'es'}"
