@@ -27,10 +27,8 @@ from typing import Any
 import torch
 
 from .checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
-from .crc import crc32c_hex
 from .errors import ConfigError, CorruptCheckpointError
-from .manifest import MANIFEST_NAME
-from .storage import open_store
+from .transfer import download  # noqa: F401 - the downloader, kept as hf.download
 
 log = logging.getLogger("cloudckpt.hf")
 
@@ -292,33 +290,6 @@ def load_state_dict(uri: str | Checkpoint, storage_options: Mapping[str, Any] | 
     for name in weight_files(ckpt):
         state.update(load(ckpt.read(name)))
     return state
-
-
-def download(uri: str | Checkpoint, local_dir: str | os.PathLike,
-             storage_options: Mapping[str, Any] | None = None) -> Path:
-    """Download an export (every file checked) into ``local_dir``; files already
-    there with the right size and CRC32C are skipped. Returns the directory.
-
-    Files are written through a local store rooted at ``local_dir``, so a symbolic
-    link already in the destination never leads a write outside it.
-    """
-    ckpt = uri if isinstance(uri, Checkpoint) else open_checkpoint(uri, storage_options)
-    root = Path(local_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    dest = open_store(str(root.resolve()))
-    todo = []
-    for path in ckpt.files:
-        entry, have = ckpt.manifest.files[path], dest.info(path)
-        if have is not None and have.size == entry.size and crc32c_hex(
-                dest.get(path)) == entry.crc32c:
-            continue
-        todo.append(path)
-    for path in todo:  # each read is itself parallel
-        dest.put(path, ckpt.read(path))
-    dest.put(MANIFEST_NAME, ckpt.manifest.to_json())
-    log.info("downloaded %s to %s (%d files fetched, %d already present)", ckpt.uri, root,
-             len(todo), len(ckpt.files) - len(todo))
-    return root
 
 
 def cache_dir() -> Path:

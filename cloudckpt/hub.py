@@ -20,9 +20,9 @@ from typing import Any
 
 from .checkpoint import open_checkpoint
 from .errors import AccessDeniedError, ConfigError, StorageError
-from .hf import download
 from .manifest import MANIFEST_NAME
 from .storage.retry import describe
+from .transfer import download
 
 log = logging.getLogger("cloudckpt.hub")
 

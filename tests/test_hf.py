@@ -97,12 +97,12 @@ def test_from_pretrained_caches_by_commit_and_download_skips_unchanged(s3, tiny,
     assert next(loaded.parameters()).dtype == torch.bfloat16
     cached = tmp_path / "cache" / "hf" / ckpt.manifest.commit_id
     assert (cached / "model.safetensors").is_file()
-    with caplog.at_level(logging.INFO, logger="cloudckpt.hf"):
+    with caplog.at_level(logging.INFO, logger="cloudckpt"):
         hf.download(uri, cached, storage_options=s3.options)
     assert f"0 files fetched, {len(ckpt.files)} already present" in caplog.text
     (cached / "config.json").write_text("{}")  # a changed local file is fetched again
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="cloudckpt.hf"):
+    with caplog.at_level(logging.INFO, logger="cloudckpt"):
         hf.download(uri, cached, storage_options=s3.options)
     assert "1 files fetched" in caplog.text
     assert json.loads((cached / "config.json").read_text())["hidden_size"] == 32
