@@ -1,8 +1,12 @@
 """Conversions out of DCP training checkpoints: to a Hugging Face export, or to a
-``torch.save`` state dict (the second is RLinf's ``--dcp_path/--output_path`` tool).
+``torch.save`` state dict (what RLinf's ``--dcp_path/--output_path`` tool writes).
 
 Only the model's tensors are read: the keys under ``key_prefix`` are planned
 alone, so DCP never fetches optimizer state.
+
+Framework checkpoints are read through the layouts their integrations declare
+(:func:`cloudckpt.integrations.dcp_layouts`), asked for at call time: the integrations
+sit above this module.
 """
 
 from __future__ import annotations
@@ -24,8 +28,26 @@ from .storage import Store, as_store, open_store, split_uri
 
 log = logging.getLogger("cloudckpt")
 
-#: Prefixes tried, in order, when none is given: cloudckpt's manager, RLinf's FSDP layout.
-AUTO_PREFIXES = ("model.", "fsdp_checkpoint.model.", "")
+
+def framework_layouts() -> dict[str, tuple[str, str]]:
+    """The framework checkpoints a model can be read from: ``{manifest kind: (the DCP
+    part inside such a checkpoint, its model tensors' key prefix)}``."""
+    from .integrations import dcp_layouts  # at call time: integrations sit above
+
+    return dcp_layouts()
+
+
+def auto_prefixes() -> tuple[str, ...]:
+    """Prefixes tried, in order, when none is given: cloudckpt's manager's, each
+    framework layout's, then none."""
+    framework = dict.fromkeys(prefix for _, prefix in framework_layouts().values())
+    return ("model.", *framework, "")
+
+
+def __getattr__(name: str) -> Any:
+    if name == "AUTO_PREFIXES":  # was a constant; now the layouts are asked on use
+        return auto_prefixes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _dcp_store(uri: str | Store, storage_options: Mapping[str, Any] | None) -> Store:
@@ -33,8 +55,9 @@ def _dcp_store(uri: str | Store, storage_options: Mapping[str, Any] | None) -> S
     kind = open_checkpoint(store).manifest.kind
     if kind == TRAINING_KIND:
         return store.child(MODEL_PART)  # a manager/slot checkpoint: its DCP part
-    if kind == "rlinf":  # an RLinf global_step_N: its actor's DCP part
-        return store.child("actor/dcp_checkpoint")
+    layout = framework_layouts().get(kind)
+    if layout is not None:  # a framework's checkpoint: its model's DCP part
+        return store.child(layout[0])
     return store
 
 
@@ -46,7 +69,7 @@ def model_state_from_dcp(uri: str | Store, *, key_prefix: str | None = None,
     metadata = cdcp.CloudStorageReader(store).read_metadata()
     tensors = {k: v for k, v in metadata.state_dict_metadata.items()
                if isinstance(v, TensorStorageMetadata)}
-    prefixes = [key_prefix] if key_prefix is not None else list(AUTO_PREFIXES)
+    prefixes = [key_prefix] if key_prefix is not None else list(auto_prefixes())
     for prefix in prefixes:
         keys = [k for k in tensors if k.startswith(prefix)]
         if keys:

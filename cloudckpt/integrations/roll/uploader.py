@@ -1,78 +1,35 @@
-"""ROLL: checkpoint uploaders for ``s3`` and ``gcs`` that commit atomically.
-
-ROLL's ``CheckpointManager`` pops ``type`` from ``checkpoint_config``, looks
-it up in ``roll.utils.upload_utils.uploader_registry`` and calls
-``cls(**rest)``; every worker (the pipeline and each rank of each cluster)
-then calls ``upload(ckpt_id, local_state_path)`` with its own local directory,
-whose contents are merged into ``{output_dir}/{ckpt_id}/``. ROLL has no
-"complete" marker, so a crash mid-upload leaves a torn ``checkpoint-N`` that
-``get_latest_ckpt`` happily returns.
-
-Here each ``upload`` is one *part*: its files go to ``{output_dir}/{ckpt_id}/``
-(ROLL's merged layout, unchanged), each with its CRC32C, and then a small part
-marker ``{ckpt_id}/_cloudckpt_parts/{part}.json`` lists them. The checkpoint is
-committed (cloudckpt manifest, written create-only, listing every object)
-
-- automatically by whichever uploader sees ``expected_uploads`` current parts
-  after writing its own marker (the last one to finish: listings are strongly
-  consistent, and two simultaneous committers race on a create-only write
-  that exactly one wins), or
-- explicitly by :meth:`RollUploader.commit`, e.g. from the pipeline once every
-  worker's upload has returned, when ``expected_uploads`` is not set.
-
-After the commit the markers (and objects only a crashed earlier attempt
-wrote) are removed, so the prefix holds exactly the manifest's objects.
-``get_latest_ckpt`` returns the highest committed ``checkpoint-N``; torn ones
-are invisible. See docs/integrations/roll.md.
-"""
+"""The ``s3`` and ``gcs`` uploaders: each ``upload`` one part, committed atomically by
+the last part (or :meth:`RollUploader.commit`), pruned by ``max_ckpt_to_keep``."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import re
-import shutil
 import socket
 import threading
 import time
-import uuid
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..checkpoint import (
-    Checkpoint,
-    CheckpointWriter,
-    list_checkpoints,
-    open_checkpoint,
-    read_manifest,
+from ...checkpoint import Checkpoint, CheckpointWriter, list_checkpoints, open_checkpoint
+from ...errors import CommitConflictError, ConfigError, StorageError
+from ...names import MANIFEST_NAME, ROLL_PARTS_DIR
+from ...retention import apply_retention
+from ...storage import Store, open_store
+from .staging import (
+    _PART_RE,
+    _attempt_from_env,
+    _default_part_id,
+    _local_files,
+    _remove,
+    _snapshot,
 )
-from ..errors import (
-    CheckpointNotFoundError,
-    CommitConflictError,
-    ConfigError,
-    IncompleteCheckpointError,
-    StorageError,
-)
-from ..names import MANIFEST_NAME, ROLL_PARTS_DIR
-from ..retention import apply_retention
-from ..storage import Store, open_store
 
 log = logging.getLogger("cloudckpt.roll")
-
-__all__ = [
-    "CKPT_RE",
-    "GcsUploader",
-    "PARTS_DIR",
-    "RollUploader",
-    "S3Uploader",
-    "download_checkpoint",
-    "register",
-    "wrap_model_downloaders",
-]
 
 #: ROLL's checkpoint directory names.
 CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -80,72 +37,6 @@ CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 PARTS_DIR = ROLL_PARTS_DIR
 #: Torn checkpoints younger than this are never pruned (a save may be running).
 DEFAULT_TORN_GRACE_SECONDS = 6 * 3600.0
-_PART_RE = re.compile(r"[^A-Za-z0-9._-]+")
-
-
-def _attempt_from_env() -> str:
-    """The id shared by every process of one launch of the job, if one is known."""
-    explicit = os.environ.get("CLOUDCKPT_ATTEMPT_ID")
-    if explicit:
-        return explicit
-    import sys
-
-    ray = sys.modules.get("ray")
-    if ray is not None:
-        try:
-            if ray.is_initialized():
-                return str(ray.get_runtime_context().get_job_id())
-        except Exception:  # noqa: BLE001 - Ray without a job context
-            pass
-    return ""
-
-
-def _default_part_id(ckpt_id: str, local_state_path: str) -> str:
-    """ROLL stages into ``{output_dir}/{worker_name}/{ckpt_id}``: the worker name
-    ("pipeline", "actor_train-3") names the part, stably across restarts."""
-    p = Path(local_state_path)
-    if p.name == ckpt_id and p.parent.name:
-        name = p.parent.name
-    else:
-        digest = hashlib.sha1(str(p).encode()).hexdigest()[:8]
-        name = f"{socket.gethostname()}-{os.getpid()}-{digest}"
-    return _PART_RE.sub("_", name).strip("._") or "part"
-
-
-def _local_files(root: Path) -> dict[str, Path]:
-    if root.is_file():
-        return {root.name: root}
-    if not root.is_dir():
-        raise FileNotFoundError(f"nothing to upload: {root} does not exist")
-    out: dict[str, Path] = {}
-    for dirpath, _dirs, names in os.walk(root):
-        for name in names:
-            full = Path(dirpath) / name
-            out[full.relative_to(root).as_posix()] = full
-    return out
-
-
-def _snapshot(src: Path) -> Path:
-    """Hard-link (or copy) ``src`` into a private staging directory beside it, so
-    a background upload survives ROLL deleting ``src`` as soon as ``upload``
-    returns. Linking is free; ROLL never modifies checkpoint files in place."""
-    staging = src.parent / f".cloudckpt-staging-{src.name}-{uuid.uuid4().hex[:8]}"
-    for rel, full in _local_files(src).items():
-        dst = staging / rel
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(full, dst)
-        except OSError:
-            shutil.copy2(full, dst)
-    staging.mkdir(parents=True, exist_ok=True)
-    return staging
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    elif path.exists():
-        path.unlink(missing_ok=True)
 
 
 class RollUploader:
@@ -402,7 +293,7 @@ class RollUploader:
         """``max_ckpt_to_keep`` committed checkpoints (by N), and torn saves older than
         ``torn_grace_seconds`` removed by gc's rules (an upload still sending parts
         counts as alive)."""
-        from ..gc import collect, find_garbage
+        from ...gc import collect, find_garbage
 
         if self.max_ckpt_to_keep > 0:
             apply_retention(self.store, self.max_ckpt_to_keep, number=_checkpoint_number)
@@ -441,72 +332,3 @@ class GcsUploader(RollUploader):
 
     schemes = ("gs", "gcs")
     type_name = "gcs"
-
-
-def register(uploader_registry: MutableMapping[str, Any],
-             model_download_registry: MutableMapping[str, Any] | None = None,
-             storage_options: Mapping[str, Any] | None = None) -> None:
-    """Add ``s3`` and ``gcs`` to ROLL's ``uploader_registry`` (call it in every
-    worker process: each builds its own CheckpointManager). With
-    ``model_download_registry``, also let ``resume_from_checkpoint`` be a bucket
-    URI (downloaded with ``storage_options``, default: the environment's)."""
-    uploader_registry["s3"] = S3Uploader
-    uploader_registry["gcs"] = GcsUploader
-    if model_download_registry is not None:
-        wrap_model_downloaders(model_download_registry, storage_options)
-
-
-def download_checkpoint(uri_or_latest: str, local_dir: str | os.PathLike[str],
-                        storage_options: Mapping[str, Any] | None = None) -> str:
-    """Download a committed checkpoint, every object checked, and return its local path.
-
-    ``uri_or_latest`` is a ``.../checkpoint-N`` URI, or an ``output_dir`` whose
-    newest committed ``checkpoint-N`` is taken. The files land in
-    ``local_dir/checkpoint-N`` in ROLL's layout.
-    """
-    from ..hf import download
-
-    store = open_store(str(uri_or_latest).rstrip("/"), storage_options)
-    name = store.uri.rstrip("/").rsplit("/", 1)[-1]
-    if not CKPT_RE.match(name):
-        best = _committed(store)
-        if not best:
-            raise CheckpointNotFoundError(f"no committed checkpoint-N under {store.uri}")
-        name = best[-1][1]
-        store = store.child(name)
-    try:
-        read_manifest(store)
-    except IncompleteCheckpointError as exc:
-        raise IncompleteCheckpointError(
-            f"{store.uri} is a torn ROLL checkpoint (never committed); resume from "
-            f"`latest` instead. {exc}") from None
-    target = Path(local_dir) / name
-    download(store.uri, target, storage_options)
-    return str(target)
-
-
-def _cache_dir_for(uri: str) -> Path:
-    from ..hf import cache_dir
-
-    return cache_dir() / "roll" / hashlib.sha1(uri.encode()).hexdigest()[:16]
-
-
-def wrap_model_downloaders(registry: MutableMapping[str, Callable[..., str]],
-                           storage_options: Mapping[str, Any] | None = None) -> None:
-    """Make every downloader in ROLL's ``model_download_registry`` send ``s3://``
-    and ``gs://`` paths to :func:`download_checkpoint` (ROLL resumes through
-    ``download_model``, which otherwise sends them to a model hub and fails).
-    Calling it again replaces the options; nothing is wrapped twice."""
-    for key, fn in list(registry.items()):
-        fn = getattr(fn, "_cloudckpt_original", fn)
-
-        def wrapped(model_name_or_path: str, local_dir: str | None = None, *args: Any,
-                    _fn: Callable[..., str] = fn, **kwargs: Any) -> str:
-            if isinstance(model_name_or_path, str) and model_name_or_path.split("://")[0] in (
-                    "s3", "s3a", "gs", "gcs") and "://" in model_name_or_path:
-                dest = local_dir or str(_cache_dir_for(model_name_or_path))
-                return download_checkpoint(model_name_or_path, dest, storage_options)
-            return _fn(model_name_or_path, local_dir, *args, **kwargs)
-
-        wrapped._cloudckpt_original = fn  # type: ignore[attr-defined]
-        registry[key] = wrapped

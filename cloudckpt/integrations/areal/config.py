@@ -1,0 +1,142 @@
+"""AReaL's ``saver:`` and ``recover:`` config sections, and the paths they name."""
+
+from __future__ import annotations
+
+import dataclasses
+import getpass
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ...errors import ConfigError
+
+EXPORT_RE = re.compile(r"^epoch(\d+)epochstep(\d+)globalstep(\d+)$")
+_SAVER_MODES = ("auto", "sync", "async")
+_RECOVER_MODES = ("on", "auto", "off", "disabled")
+
+# -------------------------------------------------------------------------- config
+
+
+def _check_freq(cls: str, name: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{cls}.{name} must be a positive integer or null, got {value!r}")
+
+
+def _check_str(cls: str, name: str, value: Any, *, required: bool = True) -> None:
+    if value is None and not required:
+        return
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{cls}.{name} must be a non-empty string, got {value!r}")
+
+
+def _from_dict(cls: type, data: Mapping[str, Any]) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{cls.__name__} needs a mapping, got {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown {cls.__name__} key(s) {unknown}; known keys: "
+                          f"{sorted(known)}")
+    try:
+        return cls(**dict(data))
+    except TypeError as exc:  # a required key is missing
+        raise ConfigError(f"{cls.__name__}: {exc}") from None
+
+
+@dataclass
+class SaverConfig:
+    """AReaL's ``saver:`` section. ``fileroot`` may be a bucket URI; ``user`` (not an
+    AReaL key) overrides the ``getpass.getuser()`` path part."""
+
+    experiment_name: str
+    trial_name: str
+    fileroot: str = "/tmp/areal/"
+    freq_epochs: int | None = None
+    freq_steps: int | None = None
+    freq_secs: int | None = None
+    mode: str = "auto"
+    user: str | None = None
+
+    def __post_init__(self) -> None:
+        _validate_common(self)
+        if self.mode not in _SAVER_MODES:
+            raise ConfigError(f"SaverConfig.mode must be one of {list(_SAVER_MODES)}, "
+                              f"got {self.mode!r}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SaverConfig:
+        """Build from a YAML/dict section; unknown keys and bad values raise ConfigError."""
+        return _from_dict(cls, data)
+
+
+@dataclass
+class RecoverConfig:
+    """AReaL's ``recover:`` section. ``retries`` is how many times the launcher
+    (:func:`run_with_retries`) relaunches a failed job."""
+
+    experiment_name: str
+    trial_name: str
+    fileroot: str = "/tmp/areal/"
+    freq_epochs: int | None = None
+    freq_steps: int | None = None
+    freq_secs: int | None = None
+    mode: str = "disabled"
+    retries: int = 3
+    user: str | None = None
+
+    def __post_init__(self) -> None:
+        _validate_common(self)
+        if self.mode not in _RECOVER_MODES:
+            raise ConfigError(f"RecoverConfig.mode must be one of {list(_RECOVER_MODES)}, "
+                              f"got {self.mode!r}")
+        if isinstance(self.retries, bool) or not isinstance(self.retries, int) \
+                or self.retries < 0:
+            raise ConfigError(f"RecoverConfig.retries must be an integer >= 0, "
+                              f"got {self.retries!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode in ("on", "auto")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RecoverConfig:
+        """Build from a YAML/dict section; unknown keys and bad values raise ConfigError."""
+        return _from_dict(cls, data)
+
+
+def _validate_common(cfg: SaverConfig | RecoverConfig) -> None:
+    name = type(cfg).__name__
+    for key in ("experiment_name", "trial_name", "fileroot"):
+        _check_str(name, key, getattr(cfg, key))
+    _check_str(name, "user", cfg.user, required=False)
+    for key in ("experiment_name", "trial_name", "user"):
+        value = getattr(cfg, key)
+        if value is not None and ("/" in value or value in (".", "..")):
+            raise ConfigError(f"{name}.{key} is a path part and cannot be {value!r}")
+    for key in ("freq_epochs", "freq_steps", "freq_secs"):
+        _check_freq(name, key, getattr(cfg, key))
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def save_root(cfg: SaverConfig | RecoverConfig) -> str:
+    """``{fileroot}/checkpoints/{user}/{experiment}/{trial}``, as AReaL builds it."""
+    user = cfg.user or getpass.getuser()
+    return "/".join([cfg.fileroot.rstrip("/"), "checkpoints", user, cfg.experiment_name,
+                     cfg.trial_name])
+
+
+def export_name(epoch: int, epoch_step: int, global_step: int) -> str:
+    return f"epoch{epoch}epochstep{epoch_step}globalstep{global_step}"
+
+
+def recover_checkpoint_uri(cfg: SaverConfig | RecoverConfig, name: str = "default") -> str:
+    return f"{save_root(cfg)}/{name}/recover_checkpoint"
+
+
+def recover_info_uri(cfg: SaverConfig | RecoverConfig) -> str:
+    return f"{save_root(cfg)}/recover_info"

@@ -1,0 +1,65 @@
+"""RLinf on object storage: ``runner.*`` keys and the ``global_step_N/`` layout, crash-safe.
+
+RLinf's FSDP backend writes, per saved step::
+
+    {output_dir}/{experiment_name}/checkpoints/global_step_{N}/
+        actor/dcp_checkpoint/{.metadata, __{rank}_{i}.distcp}   DCP, keys fsdp_checkpoint.*
+        critic/dcp_checkpoint/...                                optional
+        data/data.pt                                             torch.save(dataloader state)
+
+This module writes the same layout to any cloudckpt URI (``s3://``, ``gs://``,
+a path). Each DCP part is committed by its own manifest (all ranks write their
+shards in parallel), ``data/data.pt`` is written after them, and then one root
+manifest ``global_step_{N}/cloudckpt-manifest.json`` lists every object of every
+part with its CRC32C. Until that manifest exists the step is invisible: a crash
+at any point leaves the previous step as the latest, where RLinf's own rule
+("``actor/`` and ``data/data.pt`` exist") accepts a half-written shard or
+``data.pt``.
+
+Our DCP writer names shard files ``__{rank}_{i}.distcp`` (``i`` > 0 when a
+rank's items are split over several files); ``.metadata`` records every name,
+so stock DCP readers load them as usual.
+
+The package has one module per job: ``layout`` (RLinf's names and paths), ``config``
+(``runner.*`` keys, the ``save_interval`` rule), ``fsdp`` (the actor's state dict),
+``checkpointer`` (:class:`RLinfCheckpointer`), ``resume`` (``runner.resume_dir``),
+``converter`` (RLinf's DCP -> ``torch.save`` tool) and ``command`` (``python -m
+cloudckpt.integrations.rlinf``).
+"""
+
+# Public names outside __all__ (as before the split) are re-exported as ``X as X``;
+# CheckpointWriter is the class RLinfCheckpointer commits with (examples/rlinf patches it).
+from ...checkpoint import CheckpointWriter as CheckpointWriter
+from .checkpointer import Resumed, RLinfCheckpointer
+from .checkpointer import read_data_state as read_data_state
+from .command import main
+from .config import RunnerConfig, should_save
+from .converter import convert
+from .fsdp import fsdp_state_dict, load_fsdp_state_dict
+from .layout import ACTOR as ACTOR
+from .layout import CHECKPOINTS as CHECKPOINTS
+from .layout import CRITIC as CRITIC
+from .layout import DATA_PATH as DATA_PATH
+from .layout import DCP_DIR as DCP_DIR
+from .layout import KEY_PREFIX, checkpoints_root, parse_step
+from .layout import KIND as KIND
+from .layout import ROOT_KEY as ROOT_KEY
+from .layout import STEP_PREFIX as STEP_PREFIX
+from .layout import step_name as step_name
+from .resume import open_rlinf_checkpoint as open_rlinf_checkpoint
+from .resume import resolve_resume_dir
+
+__all__ = [
+    "KEY_PREFIX",
+    "RLinfCheckpointer",
+    "Resumed",
+    "RunnerConfig",
+    "checkpoints_root",
+    "convert",
+    "fsdp_state_dict",
+    "load_fsdp_state_dict",
+    "main",
+    "parse_step",
+    "resolve_resume_dir",
+    "should_save",
+]

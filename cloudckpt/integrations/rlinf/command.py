@@ -1,0 +1,59 @@
+"""``python -m cloudckpt.integrations.rlinf {convert,latest} ...``: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ...errors import CloudCkptError
+from .converter import convert
+from .layout import checkpoints_root
+from .resume import resolve_resume_dir
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    from ...storage import parse_options
+
+    opts = json.loads(args.storage_options) if args.storage_options else {}
+    opts.update(parse_options(args.storage_option))
+    return opts
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m cloudckpt.integrations.rlinf {convert,latest} ...``"""
+    p = argparse.ArgumentParser(prog="python -m cloudckpt.integrations.rlinf",
+                                description="RLinf checkpoints on object storage")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("convert", help="DCP actor checkpoint -> torch.save state dict")
+    c.add_argument("--dcp_path", "--dcp-path", required=True,
+                   help="global_step_N, its actor/ or actor/dcp_checkpoint (any URI)")
+    c.add_argument("--output_path", "--output-path", required=True,
+                   help="file to write (a local path or any URI)")
+    lt = sub.add_parser("latest", help="print the URI `resume_dir: auto` would resume from")
+    lt.add_argument("--output_dir", "--output-dir", required=True)
+    lt.add_argument("--experiment_name", "--experiment-name", required=True)
+    for sp in (c, lt):
+        sp.add_argument("--storage-options", default=None, help="storage options as JSON")
+        sp.add_argument("-o", "--storage-option", action="append", metavar="KEY=VALUE")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.cmd == "convert":
+            n = convert(args.dcp_path, args.output_path, storage_options=_options(args))
+            print(f"wrote {n} tensors to {args.output_path}")
+            return 0
+        uri = resolve_resume_dir("auto", checkpoints_root(args.output_dir,
+                                                          args.experiment_name),
+                                 _options(args))
+        if uri is None:
+            print("no committed checkpoint", file=sys.stderr)
+            return 1
+        print(uri)
+        return 0
+    except CloudCkptError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

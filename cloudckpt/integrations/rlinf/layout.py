@@ -1,0 +1,47 @@
+"""RLinf's names: the ``global_step_N/`` layout, its parts and keys, and the paths
+built from ``runner.*``."""
+
+from __future__ import annotations
+
+import re
+
+from ...errors import ConfigError
+
+KIND = "rlinf"
+CHECKPOINTS = "checkpoints"
+STEP_PREFIX = "global_step_"
+ACTOR = "actor"
+CRITIC = "critic"
+DCP_DIR = "dcp_checkpoint"
+DATA_PATH = "data/data.pt"
+#: RLinf's DCP state dict is ``{"fsdp_checkpoint": {model, optimizers, lr_schedulers,
+#: fsdp_version, rng}}``; DCP flattens it, so model tensors are under this prefix.
+ROOT_KEY = "fsdp_checkpoint"
+KEY_PREFIX = f"{ROOT_KEY}.model."
+_STEP_RE = re.compile(rf"^{STEP_PREFIX}(\d+)$")
+
+#: For :mod:`cloudckpt.convert` (through :func:`cloudckpt.integrations.dcp_layouts`):
+#: an RLinf ``global_step_N`` converts from its actor's DCP part, whose model tensors'
+#: keys start with KEY_PREFIX. ``{manifest kind: (DCP part, model key prefix)}``.
+DCP_LAYOUTS = {KIND: (f"{ACTOR}/{DCP_DIR}", KEY_PREFIX)}
+
+
+def checkpoints_root(output_dir: str, experiment_name: str) -> str:
+    """``{output_dir}/{experiment_name}/checkpoints`` (``output_dir`` may be a URI)."""
+    if not output_dir or not experiment_name:
+        raise ConfigError("runner.output_dir and runner.experiment_name must both be set")
+    return f"{str(output_dir).rstrip('/')}/{experiment_name.strip('/')}/{CHECKPOINTS}"
+
+
+def step_name(step: int) -> str:
+    return f"{STEP_PREFIX}{int(step)}"
+
+
+def parse_step(uri: str) -> int:
+    """The step RLinf resumes at, from the directory name: ``.../global_step_150/`` -> 150."""
+    name = str(uri).rstrip("/").rpartition("/")[2]
+    m = _STEP_RE.match(name)
+    if not m:
+        raise ConfigError(f"resume_dir {uri!r} does not end in {STEP_PREFIX}<N>; RLinf takes "
+                          "the resumed step from that name")
+    return int(m.group(1))

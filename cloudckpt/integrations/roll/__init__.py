@@ -1,0 +1,52 @@
+"""ROLL: checkpoint uploaders for ``s3`` and ``gcs`` that commit atomically.
+
+ROLL's ``CheckpointManager`` pops ``type`` from ``checkpoint_config``, looks
+it up in ``roll.utils.upload_utils.uploader_registry`` and calls
+``cls(**rest)``; every worker (the pipeline and each rank of each cluster)
+then calls ``upload(ckpt_id, local_state_path)`` with its own local directory,
+whose contents are merged into ``{output_dir}/{ckpt_id}/``. ROLL has no
+"complete" marker, so a crash mid-upload leaves a torn ``checkpoint-N`` that
+``get_latest_ckpt`` happily returns.
+
+Here each ``upload`` is one *part*: its files go to ``{output_dir}/{ckpt_id}/``
+(ROLL's merged layout, unchanged), each with its CRC32C, and then a small part
+marker ``{ckpt_id}/_cloudckpt_parts/{part}.json`` lists them. The checkpoint is
+committed (cloudckpt manifest, written create-only, listing every object)
+
+- automatically by whichever uploader sees ``expected_uploads`` current parts
+  after writing its own marker (the last one to finish: listings are strongly
+  consistent, and two simultaneous committers race on a create-only write
+  that exactly one wins), or
+- explicitly by :meth:`RollUploader.commit`, e.g. from the pipeline once every
+  worker's upload has returned, when ``expected_uploads`` is not set.
+
+After the commit the markers (and objects only a crashed earlier attempt
+wrote) are removed, so the prefix holds exactly the manifest's objects.
+``get_latest_ckpt`` returns the highest committed ``checkpoint-N``; torn ones
+are invisible. See docs/integrations/roll.md.
+
+The package: ``staging`` (a worker's local files and part name), ``uploader`` (the
+uploaders and the commit) and ``registries`` (ROLL's registries, and downloading a
+committed checkpoint to resume from).
+"""
+
+from .registries import download_checkpoint, register, wrap_model_downloaders
+from .uploader import (
+    CKPT_RE,
+    PARTS_DIR,
+    GcsUploader,
+    RollUploader,
+    S3Uploader,
+)
+from .uploader import DEFAULT_TORN_GRACE_SECONDS as DEFAULT_TORN_GRACE_SECONDS
+
+__all__ = [
+    "CKPT_RE",
+    "GcsUploader",
+    "PARTS_DIR",
+    "RollUploader",
+    "S3Uploader",
+    "download_checkpoint",
+    "register",
+    "wrap_model_downloaders",
+]
