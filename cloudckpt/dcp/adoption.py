@@ -1,0 +1,77 @@
+"""Adopting a DCP checkpoint written without cloudckpt: checked, then committed."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+from ..checkpoint import Checkpoint, CheckpointWriter, read_manifest
+from ..crc import crc32c_hex
+from ..errors import CommitConflictError, CorruptCheckpointError
+from ..ownership import COMMITTED, EMPTY, ROOT, survey
+from ..storage import Store, as_store
+from .metadata import DCP_KIND, METADATA_NAME, load_metadata
+
+
+def adopt(uri: str | Store, storage_options: Mapping[str, Any] | None = None, *,
+          step: int | None = None) -> Checkpoint:
+    """Commit a DCP checkpoint written without cloudckpt (e.g. stock ``FileSystemWriter``
+    output uploaded to a bucket).
+
+    Reads ``.metadata`` safely, checks that every file it references exists and
+    covers every item, checksums every file and item, and writes the manifest
+    create-only. Raises :class:`CorruptCheckpointError` naming what is missing.
+    """
+    store = as_store(uri, storage_options)
+    found = survey(store)
+    if found.kind == COMMITTED:
+        raise CommitConflictError(f"{store.uri} is already committed; nothing to adopt")
+    if found.kind in (EMPTY, ROOT):  # nothing there, or checkpoints below: say which
+        read_manifest(store)
+    try:
+        raw_md = store.get(METADATA_NAME)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(
+            f"{store.uri} has no .metadata: it is not a complete DCP checkpoint",
+            {METADATA_NAME: "missing"}) from None
+    md = load_metadata(raw_md, source=store.key_uri(METADATA_NAME))
+    needed: dict[str, list[_StorageInfo]] = {}
+    for info in (md.storage_data or {}).values():
+        needed.setdefault(info.relative_path, []).append(info)
+    listed = {o.key: o.size for o in store.list()}
+    problems = {}
+    for path, infos in needed.items():
+        if path not in listed:
+            problems[path] = "missing"
+        elif max(i.offset + i.length for i in infos) > listed[path]:
+            problems[path] = f"short: {listed[path]} bytes, items need more"
+    if problems:
+        raise CorruptCheckpointError(
+            f"cannot adopt {store.uri}: " + ", ".join(f"{p} ({w})" for p, w in problems.items()),
+            problems)
+    writer = CheckpointWriter(store, step=step, kind=DCP_KIND, adopting=True)
+    try:
+        return _adopt(store, writer, needed, raw_md)
+    except BaseException:
+        writer.abandon()  # removes its claim: the objects stay someone else's
+        raise
+
+
+def _adopt(store: Store, writer: CheckpointWriter, needed: dict[str, list[_StorageInfo]],
+           raw_md: bytes) -> Checkpoint:
+    items: dict[str, str] = {}
+
+    def checksum(path: str) -> tuple[str, int, str, dict[str, str]]:
+        data = store.get(path)
+        crcs = {f"{path}@{i.offset}": crc32c_hex(memoryview(data)[i.offset:i.offset + i.length])
+                for i in needed[path]}
+        return path, len(data), crc32c_hex(data), crcs
+
+    for path, size, crc, crcs in store.map(checksum, sorted(needed)):
+        writer.add_existing(path, size, crc)
+        items.update(crcs)
+    writer.add_existing(METADATA_NAME, len(raw_md), crc32c_hex(raw_md))
+    writer.metadata["dcp"] = {"items": items, "key_spread": 0, "adopted": True}
+    return writer.commit()

@@ -1,0 +1,197 @@
+"""``save``, ``load`` and ``async_save``: DCP's own calls with cloudckpt's writer
+and reader, raising cloudckpt errors.
+
+DCP reports every rank's failure as one ``CheckpointException`` (a
+``BaseException``); these raise the cloudckpt error inside it instead, or
+translate DCP's own complaint (a state that does not match the checkpoint).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future as ConcurrentFuture
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
+
+from ..checkpoint import Checkpoint
+from ..errors import CloudCkptError, StateMismatchError, StorageError
+from ..state import refusal
+from ..storage import Store
+from .reader import CloudStorageReader
+from .writer import CloudStorageWriter
+
+
+@contextmanager
+def _unwrapped(what: str) -> Iterator[None]:
+    """DCP wraps every rank's failure in ``CheckpointException`` (a BaseException, which
+    ``except Exception`` misses); raise a cloudckpt error instead, so callers can catch
+    ours: the first cloudckpt error inside, else :func:`_translate`'s."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as exc:
+        raise _ours(exc) or _translate(exc, what) from exc
+
+
+def _failures(exc: BaseException) -> list[tuple[int, BaseException]]:
+    out = []
+    for rank, failure in sorted(getattr(exc, "failures", {}).items()):
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, BaseException):
+            out.append((rank, inner))
+    return out
+
+
+def _ours(exc: BaseException) -> CloudCkptError | None:
+    for _, inner in _failures(exc):
+        if isinstance(inner, CloudCkptError):
+            return inner
+    return None
+
+
+_SIZE_MISMATCH = re.compile(r"Size mismatch between saved (?P<saved>.+?) and current: "
+                            r"(?P<current>.+?) for (?P<key>\S+)")
+_MISSING_KEY = re.compile(r"Missing key in checkpoint state_dict: (?P<key>\S+?)\.?$")
+
+
+def _translate(exc: BaseException, what: str) -> CloudCkptError:
+    """A cloudckpt error for a failure DCP reported: the state to load not matching the
+    checkpoint (a key's shape, a key the checkpoint lacks) is a
+    :class:`StateMismatchError` naming the key; anything else a :class:`StorageError`."""
+    failures = _failures(exc)
+    if not failures:
+        return StorageError(f"{what} failed: {refusal(exc)}")
+    rank, inner = failures[0]
+    text = refusal(inner)
+    m = _SIZE_MISMATCH.search(str(inner))
+    if m:
+        return StateMismatchError(
+            f"{what}: {m['key']} has shape {_shape(m['saved'])} in the checkpoint but "
+            f"{_shape(m['current'])} in the state to load into. The model (or optimizer) does "
+            "not match the checkpoint: build it with the configuration it was saved with.")
+    m = _MISSING_KEY.search(str(inner))
+    if m:
+        return StateMismatchError(
+            f"{what}: the state to load into has {m['key']}, which the checkpoint lacks. The "
+            "model does not match the checkpoint; load with a matching model, or drop the key "
+            "(or pass a planner allowing partial loads, e.g. DefaultLoadPlanner("
+            "allow_partial_load=True)).")
+    if isinstance(inner, (ValueError, KeyError, TypeError)):
+        return StateMismatchError(f"{what} failed on rank {rank}: {type(inner).__name__}: "
+                                  f"{text}; the state to load does not match the checkpoint")
+    return StorageError(f"{what} failed on rank {rank}: {type(inner).__name__}: {text}")
+
+
+def _shape(torch_size: str) -> str:
+    """``torch.Size([3, 4])`` -> ``(3, 4)``."""
+    m = re.fullmatch(r"torch\.Size\(\[(.*)\]\)", torch_size.strip())
+    return f"({m[1]})" if m else torch_size
+
+
+def _no_dist() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def save(
+    state_dict: dict[str, Any],
+    uri: str | Store,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    process_group: Any = None,
+    planner: SavePlanner | None = None,
+    step: int | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    **writer_options: Any,
+) -> Checkpoint | None:
+    """``dcp.save`` to ``uri`` with a :class:`CloudStorageWriter`; cloudckpt errors
+    are raised as themselves. Returns the committed checkpoint on the coordinator."""
+    import torch.distributed.checkpoint as dcp
+
+    writer = CloudStorageWriter(uri, storage_options=storage_options, step=step,
+                                metadata=metadata, **writer_options)
+    try:
+        with _unwrapped(f"saving {writer.uri}"):
+            dcp.save(state_dict, storage_writer=writer, planner=planner,
+                     process_group=process_group, no_dist=_no_dist())
+    except BaseException:
+        writer.release_claim()
+        raise
+    return writer.committed
+
+
+def load(
+    state_dict: dict[str, Any],
+    uri: str | Store,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    process_group: Any = None,
+    planner: LoadPlanner | None = None,
+) -> None:
+    """``dcp.load`` in place from the committed DCP checkpoint at ``uri``.
+
+    The manifest is read first, so a missing, torn or unadopted checkpoint raises
+    :class:`CheckpointNotFoundError`/:class:`IncompleteCheckpointError` at once.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    reader = CloudStorageReader(uri, storage_options=storage_options)
+    reader.read_metadata()  # manifest and metadata problems surface as our own errors
+    with _unwrapped(f"loading {reader.uri}"):
+        dcp.load(state_dict, storage_reader=reader, planner=planner,
+                 process_group=process_group, no_dist=_no_dist())
+
+
+# ----------------------------------------------------------------------- async
+
+
+def async_save(
+    state_dict: dict[str, Any],
+    uri: str | Store,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    process_group: Any = None,
+    planner: SavePlanner | None = None,
+    step: int | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    **writer_options: Any,
+) -> ConcurrentFuture:
+    """Save with only staging on the caller's thread; the upload runs in the background.
+
+    Staging copies every tensor to host memory (pinned, with non-blocking
+    copies, when CUDA is available) before this returns; then DCP's save runs
+    on a background thread. ``result()`` on the returned future returns the
+    DCP metadata once the checkpoint is committed, or raises what went wrong.
+    Use a gloo process group (or ``cpu:gloo,cuda:nccl``) for the background
+    collectives.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    cuda = torch.cuda.is_available()
+    stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                          use_async_staging=False, use_non_blocking_copy=cuda))
+    writer = CloudStorageWriter(uri, storage_options=storage_options, step=step,
+                                metadata=metadata, **writer_options)
+    inner = dcp.async_save(state_dict, storage_writer=writer, planner=planner,
+                           process_group=process_group, async_stager=stager,
+                           no_dist=_no_dist())
+    outer: ConcurrentFuture = ConcurrentFuture()
+
+    def done(f: Any) -> None:
+        stager.close()
+        try:
+            outer.set_result(f.result())
+        except BaseException as exc:  # noqa: BLE001 - surfaced on result()
+            writer.release_claim()
+            outer.set_exception(_ours(exc) or (_translate(exc, f"saving {writer.uri}")
+                                               if _failures(exc) else exc))
+
+    inner.add_done_callback(done)
+    return outer

@@ -1,0 +1,257 @@
+"""Writing DCP checkpoints: :class:`CloudStorageWriter`.
+
+Each rank's items are spread over files of about ``file_size`` bytes, uploaded
+in parallel with a CRC32C per item; the coordinator writes ``.metadata`` and
+then commits the manifest, create-only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pickle
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ..checkpoint import Checkpoint, CheckpointWriter
+from ..crc import Crc32c
+from ..errors import CommitConflictError, ConfigError
+from ..manifest import MANIFEST_NAME
+from ..storage import Store, as_store
+from .base import _OnStore
+from .metadata import DCP_KIND, METADATA_NAME, SUFFIX
+
+log = logging.getLogger("cloudckpt.dcp")
+
+#: Target size of one uploaded file; a rank's items are split into files of about this size.
+#: About one part (the store's default part size): a file goes up in one PUT and comes
+#: back in one GET, and the next file's requests overlap with this one's.
+DEFAULT_FILE_SIZE = 16 * 1024 * 1024
+#: Most files one rank writes (and uploads at once): the store's default concurrency.
+DEFAULT_MAX_FILES = 16
+
+try:  # the version string stock FileSystemWriter writes
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION as _DCP_VERSION
+except ImportError:  # pragma: no cover - older torch
+    _DCP_VERSION = None
+
+
+@dataclass
+class _ItemInfo(_StorageInfo):
+    """Where an item went, plus what the coordinator needs for the manifest.
+
+    Travels from each rank to the coordinator inside WriteResults; the
+    coordinator writes plain ``_StorageInfo`` into ``.metadata``.
+    """
+
+    crc32c: str | None = None
+    file_size: int | None = None
+    file_crc32c: str | None = None
+
+
+
+class CloudStorageWriter(_OnStore, StorageWriter):
+    """DCP storage writer for any cloudckpt URI (``s3://``, ``gs://``, a path, ...).
+
+    >>> writer = CloudStorageWriter("s3://b/run/step-100")
+    >>> dcp.save(state_dict, storage_writer=writer)  # doctest: +SKIP
+
+    ``key_spread`` > 0 puts each file under one of that many sub-prefixes
+    (``"0a/__3_0.distcp"``), so S3 can split a large world size's requests over
+    partitions; the layout is recorded in ``.metadata`` and the manifest, so
+    readers need no configuration. Picklable, for process-based async saves.
+    """
+
+    def __init__(
+        self,
+        uri: str | Store,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        file_size: int = DEFAULT_FILE_SIZE,
+        max_files: int = DEFAULT_MAX_FILES,
+        key_spread: int = 0,
+        step: int | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if file_size <= 0 or max_files < 1 or key_spread < 0:
+            raise ConfigError("file_size and max_files must be positive, key_spread >= 0")
+        self.storage_options = dict(storage_options or {})
+        self.store = as_store(uri, self.storage_options)
+        self.file_size = file_size
+        self.max_files = max_files
+        self.key_spread = key_spread
+        self.step = step
+        self.user_metadata = dict(metadata or {})
+        self.is_coordinator = False
+        self.rank = 0
+        self.committed: Checkpoint | None = None
+        self._writer: CheckpointWriter | None = None
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        if checkpoint_id:
+            self.store = as_store(str(checkpoint_id), self.storage_options)
+        self.committed = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank") or 0)
+        if is_coordinator and self.store.exists(MANIFEST_NAME):
+            # Refuse before any rank writes: objects of a committed checkpoint
+            # must never be overwritten.
+            raise CommitConflictError(
+                f"a checkpoint is already committed at {self.uri}; DCP checkpoints are "
+                "immutable here. Save to a new URI (e.g. one per step) or delete it first."
+            )
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.uri)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # The coordinator claims the prefix before any rank writes into it: a second
+        # save to the same URI stops here instead of overwriting this one's files.
+        self._writer = CheckpointWriter(self.store, step=self.step, kind=DCP_KIND)
+        self._writer.claim()
+        # Each rank's files are named after its position, as stock DCP does.
+        return [dataclasses.replace(p, storage_data=f"__{i}_") for i, p in enumerate(plans)]
+
+    def release_claim(self) -> None:
+        """After a failed save: let a retry of it claim the prefix at once."""
+        if self._writer is not None and self.committed is None:
+            self._writer.abandon()
+
+    def _file_name(self, prefix: str, i: int) -> str:
+        name = f"{prefix}{i}{SUFFIX}"
+        if self.key_spread:
+            bucket = zlib.crc32(name.encode()) % self.key_spread
+            return f"{bucket:0{max(2, len(f'{self.key_spread - 1:x}'))}x}/{name}"
+        return name
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        prefix = plan.storage_data if isinstance(plan.storage_data, str) else f"__{self.rank}_"
+        buckets = _split_by_size(plan.items, self.file_size, self.max_files)
+        jobs = [(self._file_name(prefix, i), b) for i, b in enumerate(buckets) if b]
+        fut: Future[list[WriteResult]] = Future()
+        try:
+            per_file = self.store.map(lambda job: self._write_file(job[0], job[1], planner), jobs)
+        except BaseException as exc:  # noqa: BLE001 - handed to DCP through the future
+            fut.set_exception(exc)
+            return fut
+        fut.set_result([r for results in per_file for r in results])
+        return fut
+
+    def _write_file(self, name: str, items: Sequence[WriteItem],
+                    planner: SavePlanner) -> list[WriteResult]:
+        placed: list[tuple[WriteItem, int, int, str]] = []
+        with self.store.open_write(name) as out:
+            sink = _Sink(out)
+            for item in items:
+                data = planner.resolve_data(item)
+                start = sink.start_item()
+                if item.type == WriteItemType.BYTE_IO:
+                    sink.write(data.getbuffer())
+                else:
+                    torch.save(_cpu_compact(data), sink)
+                placed.append((item, start, sink.pos - start, sink.item_crc()))
+        info = out.info
+        assert info is not None and info.crc32c is not None
+        return [
+            WriteResult(index=item.index, size_in_bytes=length,
+                        storage_data=_ItemInfo(name, offset, length, None, crc, info.size,
+                                               info.crc32c))
+            for item, offset, length, crc in placed
+        ]
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator only: write ``.metadata``, then commit the manifest."""
+        storage: dict[MetadataIndex, _StorageInfo] = {}
+        files: dict[str, tuple[int, str]] = {}
+        items: dict[str, str] = {}
+        for result in (r for rank_results in results for r in rank_results):
+            sd = result.storage_data
+            storage[result.index] = _StorageInfo(sd.relative_path, sd.offset, sd.length)
+            files[sd.relative_path] = (sd.file_size, sd.file_crc32c)
+            items[f"{sd.relative_path}@{sd.offset}"] = sd.crc32c
+        metadata.storage_data = storage
+        if _DCP_VERSION is not None:
+            metadata.version = _DCP_VERSION
+        metadata.storage_meta = self.storage_meta()
+        writer = self._writer or CheckpointWriter(self.store, step=self.step, kind=DCP_KIND)
+        writer.metadata = {**self.user_metadata,
+                           "dcp": {"items": items, "key_spread": self.key_spread}}
+        for name, (size, crc) in sorted(files.items()):
+            writer.add_existing(name, size, crc)
+        writer.put(METADATA_NAME, pickle.dumps(metadata))
+        self.committed = writer.commit()
+        log.info("DCP checkpoint committed at %s: %d files, %d items", self.uri, len(files),
+                 len(items))
+
+
+class _Sink:
+    """Write-only stream that tracks position and a CRC32C per item."""
+
+    def __init__(self, out: Any) -> None:
+        self._out = out
+        self.pos = 0
+        self._crc = Crc32c()
+
+    def start_item(self) -> int:
+        self._crc = Crc32c()
+        return self.pos
+
+    def item_crc(self) -> str:
+        return self._crc.hexdigest()
+
+    def write(self, data: Any) -> int:
+        n = self._out.write(data)
+        self._crc.update(data)
+        self.pos += n
+        return n
+
+    def flush(self) -> None:
+        pass
+
+
+def _cpu_compact(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor that owns exactly its bytes (``torch.save`` writes whole storages)."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or not t.is_contiguous():
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def _item_bytes(item: WriteItem) -> int:
+    if item.tensor_data is None:
+        return 1024
+    n = 1
+    for s in item.tensor_data.size:
+        n *= s
+    return n * torch._utils._element_size(item.tensor_data.properties.dtype)
+
+
+def _split_by_size(items: Sequence[WriteItem], file_size: int,
+                   max_files: int) -> list[list[WriteItem]]:
+    """Spread items over files of about ``file_size`` bytes (largest first, to the emptiest)."""
+    total = sum(_item_bytes(i) for i in items)
+    n = max(1, min(max_files, len(items), -(-total // file_size)))
+    buckets: list[list[WriteItem]] = [[] for _ in range(n)]
+    sizes = [0] * n
+    for item in sorted(items, key=_item_bytes, reverse=True):
+        k = sizes.index(min(sizes))
+        buckets[k].append(item)
+        sizes[k] += _item_bytes(item)
+    return buckets
