@@ -4,7 +4,7 @@ Writes go to a temporary file in the target's directory and are renamed into
 place, so no reader ever sees a short object. Create-only uses ``link``
 (fails if the target exists); compare-and-swap holds an ``flock`` on the
 directory while it checks the version and renames. Files are fsynced before
-they become visible unless ``fsync=False``.
+they become visible unless the storage option ``fsync`` is false.
 
 Symbolic links never lead a store out of its root. The root itself may be a
 link (it is resolved on every use, like any path the user gives); below it,
@@ -45,8 +45,10 @@ from fsspec.implementations.local import LocalFileSystem
 from ..crc import Buffer
 from ..errors import OutsideRootError, StorageError
 from ..names import TMP_PREFIX
-from .base import RangeWriter, RawWriter, Store
+from .base import Store
+from .options import flag, refuse_options
 from .retry import storage_error
+from .writers import RangeWriter, RawWriter
 
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -59,11 +61,24 @@ class FileStore(Store):
     native_conditional_writes: ClassVar[bool] = True
     ranged_writes: ClassVar[bool] = True
 
-    def __init__(self, root: str, *, fsync: bool = True, **kwargs: Any) -> None:
-        super().__init__(LocalFileSystem(), os.path.abspath(root), protocol="file", **kwargs)
-        self.fsync = fsync
+    def _ready(self) -> None:
         # Children (Store.child) copy this: they stay inside the store they came from.
         self._jail = self.root
+
+    def _root_of(self, root: str) -> str:
+        return os.path.abspath(root)
+
+    @classmethod
+    def filesystem_options(cls) -> frozenset[str] | None:
+        return frozenset()  # the local filesystem takes none; fsync is the backend's own
+
+    def _read_options(self, scheme: str, options: dict[str, Any]) -> dict[str, Any]:
+        self.fsync = flag("fsync", options.pop("fsync")) if "fsync" in options else True
+        refuse_options(scheme, options, allowed=["fsync"])
+        return options
+
+    def _filesystem(self, options: dict[str, Any]) -> LocalFileSystem:
+        return LocalFileSystem()
 
     @property
     def uri(self) -> str:

@@ -16,7 +16,8 @@ from typing import Any, ClassVar
 import fsspec
 
 from ..crc import Buffer
-from .base import BufferedRawWriter, RawWriter, Store
+from .base import Store
+from .writers import BufferedRawWriter, RawWriter
 
 log = logging.getLogger("cloudckpt.storage")
 _warned: set[str] = set()
@@ -26,12 +27,14 @@ _LOCK = threading.Lock()
 class FsspecStore(Store):
     """Fallback over any fsspec filesystem, with emulated conditional writes."""
 
+    #: Any scheme: the ``protocol`` keyword names it (required), as open_store passes
+    #: the URI's scheme to every backend. Options are not checked
+    #: (``filesystem_options()`` is None): whatever the filesystem takes is passed on.
+    protocols: ClassVar[tuple[str, ...]] = ()
     native_conditional_writes: ClassVar[bool] = False
 
-    def __init__(self, protocol: str, root: str, **kwargs: Any) -> None:
-        options = dict(kwargs.pop("storage_options", None) or {})
-        fs = fsspec.filesystem(protocol, **options)
-        super().__init__(fs, root, protocol=protocol, storage_options=options, **kwargs)
+    def _filesystem(self, options: dict[str, Any]) -> fsspec.AbstractFileSystem:
+        return fsspec.filesystem(self.protocol, **options)
 
     def _warn(self) -> None:
         if self.protocol not in _warned:

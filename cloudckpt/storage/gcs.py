@@ -44,9 +44,13 @@ from gcsfs.retry import validate_response  # noqa: E402
 from ..crc import Buffer, crc32c_hex  # noqa: E402
 from ..errors import AccessDeniedError, StorageError  # noqa: E402
 from ..names import PART_SUFFIX  # noqa: E402
-from .base import ObjectInfo, RawWriter, Store, init_options, read_upto  # noqa: E402
+from .base import Store  # noqa: E402
+from .objects import ObjectInfo  # noqa: E402
+from .options import init_options  # noqa: E402
 from .parts import PartWriter  # noqa: E402
+from .ranges import read_upto  # noqa: E402
 from .retry import describe, mask_secrets  # noqa: E402
+from .writers import RawWriter  # noqa: E402
 
 log = logging.getLogger("cloudckpt")
 
@@ -57,8 +61,12 @@ class GCSStore(Store):
     protocols: ClassVar[tuple[str, ...]] = ("gs", "gcs")
     native_conditional_writes: ClassVar[bool] = True
 
-    def __init__(self, root: str, **kwargs: Any) -> None:
-        options = dict(kwargs.pop("storage_options", None) or {})
+    @classmethod
+    def filesystem_options(cls) -> frozenset[str] | None:
+        return init_options(_OneTryGCSFileSystem) - {"loop", "asynchronous"}
+
+    def _filesystem(self, options: dict[str, Any]) -> gcsfs.GCSFileSystem:
+        root = self.root
         searched = _searches_credentials(options)
         if searched and not _credentials_may_exist():
             raise _no_credentials(root)
@@ -78,11 +86,7 @@ class GCSStore(Store):
             raise error  # outside the except block: no __context__ to quote the token either
         if searched and getattr(getattr(fs, "credentials", None), "method", None) == "anon":
             raise _no_credentials(root)  # gcsfs found none and fell back to anonymous access
-        super().__init__(fs, root, protocol="gs", storage_options=options, **kwargs)
-
-    @classmethod
-    def filesystem_options(cls) -> frozenset[str] | None:
-        return init_options(_OneTryGCSFileSystem) - {"loop", "asynchronous"}
+        return fs
 
     def _split(self, path: str) -> tuple[str, str]:
         bucket, _, key = path.partition("/")

@@ -13,7 +13,9 @@ from typing import Any, ClassVar
 from fsspec.implementations.memory import MemoryFileSystem
 
 from ..crc import Buffer
-from .base import BufferedRawWriter, RawWriter, Store
+from .base import Store
+from .options import refuse_options
+from .writers import BufferedRawWriter, RawWriter
 
 _LOCK = threading.RLock()
 
@@ -24,8 +26,19 @@ class MemoryStore(Store):
     protocols: ClassVar[tuple[str, ...]] = ("memory",)
     native_conditional_writes: ClassVar[bool] = True
 
-    def __init__(self, root: str, **kwargs: Any) -> None:
-        super().__init__(MemoryFileSystem(), "/" + root.strip("/"), protocol="memory", **kwargs)
+    def _root_of(self, root: str) -> str:
+        return "/" + root.strip("/")
+
+    @classmethod
+    def filesystem_options(cls) -> frozenset[str] | None:
+        return frozenset()
+
+    def _read_options(self, scheme: str, options: dict[str, Any]) -> dict[str, Any]:
+        refuse_options(scheme, options)
+        return options
+
+    def _filesystem(self, options: dict[str, Any]) -> MemoryFileSystem:
+        return MemoryFileSystem()
 
     @property
     def uri(self) -> str:

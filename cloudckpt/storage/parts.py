@@ -16,8 +16,9 @@ from typing import Any
 
 from ..crc import Buffer
 from ..errors import StorageError
-from .base import RawWriter, Store
+from .base import Store
 from .retry import RetryPolicy
+from .writers import RawWriter
 
 #: Clean-up after an abort: one try each, so a dead endpoint does not hold the
 #: caller's error back for another retry deadline.

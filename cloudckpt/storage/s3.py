@@ -26,9 +26,13 @@ from fsspec.asyn import sync
 
 from ..crc import Buffer, Crc32c, crc32c_hex
 from ..errors import StorageError
-from .base import ObjectInfo, RawWriter, Store, init_options, read_upto
+from .base import Store
+from .objects import ObjectInfo
+from .options import init_options
 from .parts import _ONE_TRY, PartWriter
+from .ranges import read_upto
 from .retry import mask_secrets
+from .writers import RawWriter
 
 #: S3 refuses parts smaller than this (except the last).
 MIN_PART_SIZE = 5 * 1024 * 1024
@@ -80,20 +84,18 @@ class S3Store(Store):
     protocols: ClassVar[tuple[str, ...]] = ("s3", "s3a")
     native_conditional_writes: ClassVar[bool] = True
 
-    def __init__(self, root: str, *, max_concurrency: int = 16, **kwargs: Any) -> None:
-        options = dict(kwargs.pop("storage_options", None) or {})
+    @classmethod
+    def filesystem_options(cls) -> frozenset[str] | None:
+        return init_options(s3fs.S3FileSystem) - {"loop", "asynchronous"}
+
+    def _filesystem(self, options: dict[str, Any]) -> s3fs.S3FileSystem:
         _mask_credentials(options)
-        fs = s3fs.S3FileSystem(**_s3fs_options(options, max_concurrency))
+        fs = s3fs.S3FileSystem(**_s3fs_options(options, self.max_concurrency))
         fs.retries = 1  # one attempt per s3fs call: retries are ours (see module doc)
         # For servers without flexible checksums, botocore's own switch turns ours off too.
         config = options.get("config_kwargs") or {}
         self._send_checksums = config.get("request_checksum_calculation") != "when_required"
-        super().__init__(fs, root, protocol="s3", max_concurrency=max_concurrency,
-                         storage_options=options, **kwargs)
-
-    @classmethod
-    def filesystem_options(cls) -> frozenset[str] | None:
-        return init_options(s3fs.S3FileSystem) - {"loop", "asynchronous"}
+        return fs
 
     def _split(self, path: str) -> tuple[str, str]:
         bucket, _, key = path.partition("/")

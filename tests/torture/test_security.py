@@ -51,17 +51,17 @@ from cloudckpt import (
     RetryPolicy,
     StepInfo,
     cli,
-    composite,
     hf,
     list_checkpoints,
     open_checkpoint,
     open_store,
+    training,
 )
 from cloudckpt import dcp as cdcp
 from cloudckpt import state as state_module
-from cloudckpt.checkpoint import delete_checkpoint, latest_checkpoint
 from cloudckpt.convert import dcp_to_pt
 from cloudckpt.crc import crc32c_hex
+from cloudckpt.deletion import delete_checkpoint
 from cloudckpt.errors import (
     CloudCkptError,
     ConfigError,
@@ -70,6 +70,7 @@ from cloudckpt.errors import (
     StorageError,
 )
 from cloudckpt.integrations import areal, rlinf, roll
+from cloudckpt.listing import latest_checkpoint
 from cloudckpt.manifest import FileEntry, Manifest, read_manifest_bytes
 from cloudckpt.state import loads_state
 from cloudckpt.storage import Store
@@ -616,7 +617,7 @@ def test_manifest_read_is_bounded_when_the_store_reports_no_size(tmp_path, recor
         t.trials += 1
         root = tmp_path / cls.__name__
         _sparse(root / "huge" / MANIFEST_NAME, size)
-        store = cls(str(root), fsync=False)
+        store = cls(str(root), storage_options={"fsync": False})
         huge = store.child("huge")
         _bounded(t, f"read_manifest_bytes ({cls.__name__})",
                  partial(read_manifest_bytes, huge), size)
@@ -905,7 +906,7 @@ def _nothing_ran(t: Tally, markers: list[Path]) -> None:
 
 def test_pickled_code_never_runs_from_training_state(local, tmp_path, record,
                                                      monkeypatch) -> None:
-    """Planted code in the state part of training checkpoints (composite, manager, slot),
+    """Planted code in the state part of training checkpoints (training, manager, slot),
     in AReaL's recover info, RLinf's ``data/data.pt``, an HF export and a ROLL download,
     checksums right: loaders refuse it; commands that only copy or show never run it."""
     opts = local.options
@@ -924,19 +925,19 @@ def test_pickled_code_never_runs_from_training_state(local, tmp_path, record,
         StepInfo(), {"w": torch.ones(4)}, extra={"evil": plant("refused")}, rng=False),
         ConfigError)
     # ... an attacker who writes the bucket does not ask them: plant with the checks off.
-    monkeypatch.setattr(composite, "check_restorable", lambda *a, **k: None)
+    monkeypatch.setattr(training, "check_restorable", lambda *a, **k: None)
     monkeypatch.setattr(state_module, "check_restorable", lambda *a, **k: None)
 
-    # composite training checkpoints: shared and per-rank state
+    # training checkpoints: shared and per-rank state
     for part in ("shared", "per_rank"):
         t.trials += 1
         uri = local.uri(f"train-{part}")
         evil = {"evil": plant(f"composite-{part}")}
-        captured = composite.capture(shared=evil if part == "shared" else None,
+        captured = training.capture(shared=evil if part == "shared" else None,
                                      per_rank=evil if part == "per_rank" else None, rng=False)
-        composite.write(uri, {"w": torch.ones(4)}, captured, step=1, storage_options=opts)
-        t.expect(f"composite.read ({part})", partial(
-            composite.read, uri, {"w": torch.zeros(4)}, per_rank={"evil": None}, rng=False,
+        training.write(uri, {"w": torch.ones(4)}, captured, step=1, storage_options=opts)
+        t.expect(f"training.read ({part})", partial(
+            training.read, uri, {"w": torch.zeros(4)}, per_rank={"evil": None}, rng=False,
             storage_options=opts), CorruptCheckpointError)
     t.trials += 1
     direct = plant("loads-state")

@@ -1,0 +1,145 @@
+"""Parallel batches of requests: the thread pool a store and its children share.
+
+:class:`BatchMixin` is part of every :class:`~cloudckpt.storage.Store`. It runs
+``map``, ``put_many``, ``get_many``, ``get_ranges`` and ``iter_ranges`` on one
+pool of ``max_concurrency`` threads, created on first use and shared by the
+store's children; the pool is left out when a store is pickled and rebuilt on
+use. Nested batches (a batch started from a pool thread) run inline, so a
+batch never waits on the pool it occupies.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any
+
+from ..crc import Buffer
+from .objects import ObjectInfo, T
+
+_worker = threading.local()
+
+
+def _in_worker(fn: Callable[[Any], T], item: Any) -> T:
+    _worker.active = True
+    try:
+        return fn(item)
+    finally:
+        _worker.active = False
+
+
+class BatchMixin:
+    """Batches over the store's own ``put``, ``get`` and ``get_range``, with at most
+    ``max_concurrency`` requests in flight."""
+
+    max_concurrency: int
+    _pool_holder: dict[str, Any]
+    # put, get and get_range: the Store's own (see base.py)
+
+    def _reset_pool(self) -> None:
+        # One pool per root store, shared by its children (Store.child copies the holder).
+        self._pool_holder = {"pool": None, "lock": threading.Lock()}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Picklable (for process-based async saves): the pool is rebuilt on use.
+        state = dict(self.__dict__)
+        state["_pool_holder"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset_pool()
+
+    def map(self, fn: Callable[[Any], T], items: Sequence[Any]) -> list[T]:
+        """Run ``fn`` over ``items`` with at most ``max_concurrency`` in flight.
+
+        Results keep the order of ``items``. The first failure is raised after
+        the requests already in flight have finished (nothing keeps running
+        behind the caller's back).
+        """
+        if len(items) <= 1 or getattr(_worker, "active", False):
+            # Inline inside a pool thread: nested batches must not wait on the
+            # pool they occupy (that deadlocks once every worker waits).
+            return [fn(i) for i in items]
+        futures = [self._executor().submit(_in_worker, fn, i) for i in items]
+        results: list[T] = []
+        error: BaseException | None = None
+        for f in futures:
+            try:
+                results.append(f.result())
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                error = error or exc
+                for g in futures:
+                    g.cancel()
+        if error is not None:
+            raise error
+        return results
+
+    def put_many(self, items: Mapping[str, Buffer]) -> dict[str, ObjectInfo]:
+        """Write many objects in parallel; return their infos by key."""
+        infos = self.map(lambda kv: self.put(kv[0], kv[1]), list(items.items()))
+        return {i.key: i for i in infos}
+
+    def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
+        """Read many whole objects in parallel."""
+        keys = list(keys)
+        return dict(zip(keys, self.map(self.get, keys), strict=True))
+
+    def get_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
+        """Read many ``(key, start, end)`` ranges in parallel, in the given order."""
+        return self.map(lambda r: self.get_range(*r), list(ranges))
+
+    def _get_range_tuple(self, r: tuple[str, int, int]) -> bytes:
+        return self.get_range(*r)
+
+    def iter_ranges(self, ranges: Sequence[tuple[str, int, int]], *,
+                    max_bytes: int | None = None) -> Iterator[bytes]:
+        """Read ``(key, start, end)`` ranges in parallel; yield them in the given order,
+        each as soon as it has arrived, so the caller works on one while later ones
+        are fetched.
+
+        At most ``max_concurrency`` requests run at once, and at most ``max_bytes``
+        are requested or yielded but not yet consumed (one range alone may exceed
+        it). Closing the iterator early, or a failed read, cancels the requests not
+        started and waits for those running (nothing keeps running behind the
+        caller's back); the failure is raised in order.
+        """
+        ranges = list(ranges)
+        if getattr(_worker, "active", False):
+            # Inside a pool thread: one at a time, inline (see map()).
+            for key, start, end in ranges:
+                yield self.get_range(key, start, end)
+            return
+        pending: deque[tuple[Future[bytes], int]] = deque()
+        held = 0
+        nxt = 0
+        try:
+            while nxt < len(ranges) or pending:
+                while nxt < len(ranges):
+                    key, start, end = ranges[nxt]
+                    if pending and max_bytes is not None and held + (end - start) > max_bytes:
+                        break
+                    fut = self._executor().submit(_in_worker, self._get_range_tuple,
+                                                  (key, start, end))
+                    pending.append((fut, end - start))
+                    held += end - start
+                    nxt += 1
+                fut, size = pending.popleft()
+                data = fut.result()
+                yield data
+                held -= size  # consumed: the caller asked for the next one
+        finally:
+            for fut, _ in pending:
+                fut.cancel()
+            wait([fut for fut, _ in pending])
+
+    def _executor(self) -> ThreadPoolExecutor:
+        holder = self._pool_holder
+        with holder["lock"]:
+            if holder["pool"] is None:
+                holder["pool"] = ThreadPoolExecutor(
+                    self.max_concurrency, thread_name_prefix="cloudckpt-io"
+                )
+            return holder["pool"]

@@ -1,0 +1,111 @@
+"""Ranged reads streamed to a sink a piece at a time, resumed where they stopped.
+
+:class:`RangeReadMixin` gives every :class:`~cloudckpt.storage.Store` its
+``read_range_to``, on top of the backend's ``_iter_range`` (one S3 or GCS GET
+read as it arrives; ranged reads of a piece elsewhere). :func:`read_upto` reads
+the pieces of a streamed response body.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import CloudCkptError, ConfigError, StorageError
+from .retry import describe, is_transient, status_of
+
+log = logging.getLogger("cloudckpt.storage")
+
+
+class _SinkError(CloudCkptError):
+    """Carries a failure of a :meth:`Store.read_range_to` sink through the retry
+    loop untouched (it is the caller's, not the store's)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _Resume(_SinkError):
+    """A transient failure of a ranged read after progress: resumed where it
+    stopped, under a fresh retry budget."""
+
+
+class RangeReadMixin:
+    """``read_range_to`` over the store's ``path``, ``_iter_range``, ``_call`` and
+    ``key_uri`` (see base.py)."""
+
+    def read_range_to(self, key: str, start: int, end: int,
+                      sink: Callable[[int, bytes], Any], *, chunk: int = 8 << 20) -> None:
+        """Stream bytes ``[start, end)`` of ``key`` into ``sink(offset, data)``, in
+        order, in pieces of at most ``chunk`` bytes: memory holds one piece, however
+        long the range. A transient failure resumes at the first byte not yet given
+        to ``sink``; one that comes after progress gets a fresh retry budget (a long
+        range is not one short operation). ``EOFError`` if the object ends before
+        ``end``; an exception raised by ``sink`` stops the read and passes through
+        unchanged.
+        """
+        if start < 0 or end < start or chunk < 1:
+            raise ConfigError(f"invalid byte range [{start}, {end}) for {key}")
+        path = self.path(key)
+        pos = start
+
+        def attempt() -> None:
+            nonlocal pos
+            first = pos
+            pieces = self._iter_range(path, pos, end, min(chunk, end - pos))
+            try:
+                for data in pieces:
+                    if not data:
+                        continue
+                    if len(data) > end - pos:
+                        raise StorageError(f"{self.key_uri(key)}: the store sent more bytes "
+                                           f"than the range [{start}, {end}) asked for")
+                    try:
+                        sink(pos, data)
+                    except BaseException as exc:
+                        raise _SinkError(exc) from exc
+                    pos += len(data)
+            except _SinkError:
+                raise
+            except Exception as exc:
+                if status_of(exc) == 416:  # the object is shorter than the range
+                    raise EOFError(f"{self.key_uri(key)} ends before byte {end}") from exc
+                if pos > first and is_transient(exc):
+                    raise _Resume(exc) from exc
+                raise
+            finally:
+                close = getattr(pieces, "close", None)
+                if close is not None:
+                    close()
+            if pos < end:
+                raise EOFError(f"short read of {self.key_uri(key)} [{start}, {end}): the "
+                               f"object ends at byte {pos}")
+
+        failure: BaseException | None = None
+        while pos < end:
+            try:
+                self._call(attempt, "get_range", key)
+            except _Resume as exc:
+                log.warning("resuming get_range %s at byte %d of [%d, %d) after: %s",
+                            self.key_uri(key), pos, start, end, describe(exc.error))
+            except _SinkError as exc:
+                failure = exc.error
+                break
+        if failure is not None:
+            raise failure  # outside the handler: the sink's error, as it was raised
+
+
+async def read_upto(stream: Any, n: int) -> bytes:
+    """Up to ``n`` bytes of a response body (anything with ``async read(n)``, which
+    may return less), fewer only at its end: pieces of a streamed read."""
+    pieces: list[bytes] = []
+    got = 0
+    while got < n:
+        data = await stream.read(n - got)
+        if not data:
+            break
+        pieces.append(data)
+        got += len(data)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)

@@ -1,0 +1,145 @@
+"""Streamed writes: the caller's file-like writer and the backends' raw writers.
+
+:class:`ObjectWriter` is what :meth:`Store.open_write` returns: it counts size and
+CRC32C as data passes and hands the bytes to the backend's :class:`RawWriter`
+(a multipart upload, a temporary file, or :class:`BufferedRawWriter`). A
+:class:`RangeWriter` takes ranges at any offset (:meth:`Store.open_write_at`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+from ..crc import Buffer, Crc32c
+from .objects import ObjectInfo, nbytes
+
+if TYPE_CHECKING:
+    from .base import Store
+
+
+class RangeWriter(ABC):
+    """An object written as ranges at any offset, in any order, from several threads
+    (:meth:`Store.open_write_at`); it appears only on :meth:`commit`."""
+
+    @abstractmethod
+    def write_at(self, offset: int, data: Buffer) -> None: ...
+
+    @abstractmethod
+    def commit(self) -> None:
+        """Make the object durable and visible (the caller has checked its bytes)."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Discard everything written; safe to call more than once."""
+
+
+class RawWriter(ABC):
+    """A backend's streamed upload: parts in, one object out on ``commit``."""
+
+    @abstractmethod
+    def write(self, data: Buffer) -> None: ...
+
+    @abstractmethod
+    def commit(self, size: int, crc32c: str) -> None:
+        """Make the object durable and visible; ``size`` and ``crc32c`` (hex) are of
+        everything written, for backends that have the server check them."""
+
+    @abstractmethod
+    def abort(self) -> None: ...
+
+
+class CloseOnExit:
+    """As a context manager: ``close()`` when the block succeeds, ``abort()`` when it
+    raises, so a failed write never becomes a visible object."""
+
+    def close(self) -> Any:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class ObjectWriter(CloseOnExit):
+    """File-like streamed writer that counts size and CRC32C as data passes.
+
+    The object becomes visible only on a clean :meth:`close`; leaving the
+    ``with`` block by an exception discards it.
+    """
+
+    def __init__(self, store: Store, key: str) -> None:
+        self.store = store
+        self.key = key
+        self._raw = store._open_writer(store.path(key))
+        self._crc = Crc32c()
+        self.info: ObjectInfo | None = None
+        self.closed = False
+
+    def write(self, data: Buffer) -> int:
+        if self.closed:
+            raise ValueError(f"write to closed writer for {self.key}")
+        n = nbytes(data)
+        if n:
+            self._crc.update(data)
+            self._raw.write(data)
+        return n
+
+    def writable(self) -> bool:
+        return True
+
+    def flush(self) -> None:
+        """Nothing to do: parts go up as they fill, the object appears on close."""
+
+    def close(self) -> ObjectInfo:
+        """Finish the upload and return the object's info."""
+        if self.closed:
+            assert self.info is not None
+            return self.info
+        self.closed = True
+        try:
+            self._raw.commit(self._crc.size, self._crc.hexdigest())
+        except BaseException:
+            self._raw.abort()
+            raise
+        self.info = ObjectInfo(self.key, self._crc.size, self._crc.hexdigest())
+        return self.info
+
+    def abort(self) -> None:
+        """Discard everything written so far."""
+        if not self.closed:
+            self.closed = True
+            self._raw.abort()
+
+
+class BufferedRawWriter(RawWriter):
+    """Collect everything, then one retried ``put`` on commit.
+
+    Right for backends without a cheaper multipart path; memory use is the
+    object's size.
+    """
+
+    def __init__(self, store: Store, path: str) -> None:
+        self._store = store
+        self._path = path
+        self._buf = bytearray()
+
+    def write(self, data: Buffer) -> None:
+        self._buf += data
+
+    def commit(self, size: int, crc32c: str) -> None:
+        data = bytes(self._buf)
+        self._buf = bytearray()
+        self._store.retry.call(lambda: self._store._put_checked(self._path, data, crc32c),
+                               op="put", key=self._path)
+
+    def abort(self) -> None:
+        self._buf = bytearray()
