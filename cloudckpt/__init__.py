@@ -4,15 +4,8 @@ A checkpoint is a prefix of objects plus a manifest written last and
 create-only: it is either complete and verifiable, or invisible.
 """
 
-from .checkpoint import (
-    Checkpoint,
-    CheckpointInfo,
-    CheckpointWriter,
-    delete_checkpoint,
-    latest_checkpoint,
-    list_checkpoints,
-    open_checkpoint,
-)
+from .checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
+from .deletion import delete_checkpoint
 from .errors import (
     AccessDeniedError,
     BucketNotFoundError,
@@ -29,6 +22,7 @@ from .errors import (
     StorageError,
     WorldSizeError,
 )
+from .listing import CheckpointInfo, latest_checkpoint, list_checkpoints
 from .manifest import MANIFEST_NAME, Manifest
 from .storage import ObjectInfo, RetryPolicy, Store, open_store
 

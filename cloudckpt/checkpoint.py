@@ -1,4 +1,4 @@
-"""Immutable checkpoints: write objects, commit a manifest, open, verify, list.
+"""Immutable checkpoints: write objects, commit a manifest, open, verify.
 
 A checkpoint is every object under one prefix plus the manifest at
 ``<prefix>/cloudckpt-manifest.json``. The manifest is written last and
@@ -12,37 +12,25 @@ import logging
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
-from .claim import WriterClaim, mark_deleting, seize
+from .claim import WriterClaim
 from .crc import Buffer, crc32c_hex
 from .errors import (
     CheckpointNotFoundError,
     CommitConflictError,
     CorruptCheckpointError,
-    IncompleteCheckpointError,
-    ManifestError,
-    NotACheckpointError,
     StorageError,
 )
 from .manifest import (
-    CLAIM_NAME,
     MANIFEST_NAME,
     FileEntry,
     Manifest,
-    is_reserved,
     read_manifest_bytes,
     validate_path,
 )
 from .ownership import (
-    COMMITTED,
     EMPTY,
-    FOREIGN,
-    OURS,
-    ROOT,
-    Survey,
-    classify,
     missing_manifest_error,
     survey,
 )
@@ -53,13 +41,9 @@ log = logging.getLogger("cloudckpt")
 
 __all__ = [
     "Checkpoint",
-    "CheckpointInfo",
     "CheckpointWriter",
-    "delete_checkpoint",
-    "delete_tree",
-    "latest_checkpoint",
-    "list_checkpoints",
     "open_checkpoint",
+    "read_manifest",
 ]
 
 
@@ -454,197 +438,3 @@ def open_checkpoint(
     """Open the committed checkpoint at ``uri`` (its manifest is read and validated)."""
     store = as_store(uri, storage_options)
     return Checkpoint(store, read_manifest(store))
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """One entry of a listing: a committed checkpoint, or another prefix.
-
-    ``status`` is ``"committed"``, ``"uncommitted"`` (a save cloudckpt started and
-    did not commit), ``"unreadable"`` (a manifest that cannot be read; ``error``
-    says why), ``"root"`` (checkpoints lie below it) or ``"foreign"`` (objects
-    cloudckpt did not write). ``size`` and ``files`` count what is stored: the
-    manifest's objects when committed, everything under the prefix otherwise;
-    ``created`` is the commit time, or the newest object's time.
-    """
-
-    name: str
-    uri: str
-    committed: bool
-    step: int | None = None
-    created: float | None = None
-    size: int = 0
-    files: int = 0
-    error: str | None = None
-    status: str = "committed"
-
-
-def _sort_key(c: CheckpointInfo) -> tuple[int, float, str]:
-    return (c.step if c.step is not None else -1, c.created or 0.0, c.name)
-
-
-_STATUS = {OURS: "uncommitted", ROOT: "root", FOREIGN: "foreign"}
-
-
-def list_checkpoints(
-    root: str | Store,
-    storage_options: Mapping[str, Any] | None = None,
-    *,
-    include_uncommitted: bool = False,
-) -> list[CheckpointInfo]:
-    """The checkpoints directly below ``root``, oldest step first.
-
-    Only committed checkpoints by default; ``include_uncommitted`` adds every
-    other prefix there, flagged ``committed=False`` with its ``status``.
-    Raises :class:`BucketNotFoundError` when the bucket does not exist.
-    """
-    store = as_store(root, storage_options)
-    names = store.list_prefixes()
-    if not names:
-        store.check_bucket()
-
-    def probe(name: str, again: bool = True) -> CheckpointInfo | None:
-        sub = store.child(name)
-        try:
-            m = Manifest.from_json(read_manifest_bytes(sub), source=sub.key_uri(MANIFEST_NAME))
-        except FileNotFoundError:
-            if not include_uncommitted:
-                return None
-            found = survey(sub)
-            if found.kind == EMPTY:  # vanished meanwhile
-                return None
-            if found.kind == COMMITTED:  # committed between the read and the listing
-                return probe(name, again=False) if again else None
-            return CheckpointInfo(name, sub.uri, False, created=found.newest, size=found.size,
-                                  files=len(found.objects), status=_STATUS[found.kind])
-        except CorruptCheckpointError as exc:
-            return CheckpointInfo(name, sub.uri, False, error=str(exc), status="unreadable")
-        return CheckpointInfo(name, sub.uri, True, m.step, m.created, m.total_size,
-                              len(m.files))
-
-    infos = [i for i in store.map(probe, names) if i is not None]
-    if not include_uncommitted:
-        infos = [i for i in infos if i.committed]
-    return sorted(infos, key=_sort_key)
-
-
-def latest_checkpoint(
-    root: str | Store, storage_options: Mapping[str, Any] | None = None
-) -> Checkpoint | None:
-    """The committed checkpoint with the highest step below ``root``, or None."""
-    store = as_store(root, storage_options)
-    committed = list_checkpoints(store)
-    if not committed:
-        return None
-    return open_checkpoint(store.child(committed[-1].name))
-
-
-def delete_checkpoint(uri: str | Store, storage_options: Mapping[str, Any] | None = None,
-                      *, force: bool = False) -> int:
-    """Delete a checkpoint: manifest first (it vanishes at once), then the objects it
-    lists. Anything else under the prefix (another checkpoint or save further down,
-    objects cloudckpt did not write) stays, with a WARNING naming it.
-
-    ``force`` also deletes a save that cloudckpt started and never committed, and a
-    checkpoint whose manifest cannot be read (then everything under its prefix).
-    Nothing else is ever deleted: a root holding checkpoints or objects cloudckpt
-    did not write raise :class:`NotACheckpointError` (see
-    :mod:`cloudckpt.ownership`; :func:`delete_tree` deletes a root's checkpoints).
-    Returns the number of objects deleted, hidden bookkeeping objects included.
-    """
-    store = as_store(uri, storage_options)
-    try:
-        manifest = read_manifest(store)
-    except IncompleteCheckpointError:
-        if not force:
-            raise
-        return delete_unfinished(store, survey(store))
-    except ManifestError:
-        if not force:
-            raise
-        log.warning("deleting %s, whose manifest cannot be read, with all it holds", store.uri)
-        mark_deleting(store)
-        store.delete([MANIFEST_NAME])
-        n = store.delete_prefix("")
-        return n
-    # A claim marked "deleting" first: a delete cut short leaves objects that still
-    # prove to be cloudckpt's, for gc and rm --force.
-    mark_deleting(store)
-    store.delete([MANIFEST_NAME])  # invisible from here on
-    objects = [o.key for o in store.list(internal=True) if o.key != CLAIM_NAME]
-    found = classify(store.uri, [ObjectInfo(k, 0) for k in objects])
-    units = (*found.checkpoints, *found.saves)
-    mine = [k for k in objects if k in manifest.files
-            or (is_reserved(k) and not any(k.startswith(u + "/") for u in units))]
-    left = sorted(set(objects) - set(mine))
-    store.delete(mine)
-    store.delete([CLAIM_NAME])  # the mark goes last
-    if left:
-        log.warning("deleted checkpoint %s; left %d object(s) under it that it does not "
-                    "list (e.g. %s): cloudckpt deletes only what it wrote", store.uri,
-                    len(left), left[0])
-    return len(mine) + 1  # and the manifest
-
-
-def delete_unfinished(store: Store, found: Survey) -> int:
-    """Delete the unfinished save of cloudckpt's that ``found`` surveyed at ``store``.
-
-    Its claim is seized first, by compare-and-swap on what the survey saw
-    (:func:`cloudckpt.claim.seize`): a save that took the prefix over since keeps it
-    (:class:`CommitConflictError`, nothing deleted), and a writer that held it all
-    along can no longer commit into what is deleted. Returns the objects deleted.
-    """
-    if found.kind != OURS:
-        raise missing_manifest_error(found) if found.kind != COMMITTED else CommitConflictError(
-            f"{store.uri} was committed meanwhile; not deleting it as an unfinished save")
-    if not seize(store, found.objects):
-        raise CommitConflictError(
-            f"another save took {store.uri} over while it was to be deleted; nothing was "
-            "deleted")
-    keys = [o.key for o in store.list(internal=True) if o.key != CLAIM_NAME]
-    store.delete(keys)
-    if store.exists(MANIFEST_NAME):
-        # Its writer passed its last check just before the claim was seized and
-        # committed while the data went: hide the torn result rather than show it.
-        log.error("a save committed %s while it was deleted as unfinished; its data is "
-                  "gone, so its manifest is removed too", store.uri)
-        store.delete([MANIFEST_NAME])
-    store.delete([CLAIM_NAME])
-    return len(keys) + int(any(o.key == CLAIM_NAME for o in found.objects))
-
-
-def delete_tree(root: str | Store, storage_options: Mapping[str, Any] | None = None
-                ) -> tuple[list[str], int, Survey]:
-    """Delete every committed checkpoint below ``root`` (at any depth) and every
-    unfinished save cloudckpt left there; leave everything else.
-
-    Returns the URIs deleted, the number of objects deleted, and the survey taken
-    before (its ``foreign`` keys are what was left alone). A checkpoint whose
-    manifest cannot be read, or a save taken over meanwhile, is left with a WARNING.
-    """
-    store = as_store(root, storage_options)
-    found = survey(store)
-    if found.kind in (COMMITTED, OURS):
-        return [store.uri], delete_checkpoint(store, force=True), found
-    deleted: list[str] = []
-    count = 0
-    for prefix in found.checkpoints:
-        sub = store.child(prefix)
-        try:
-            count += delete_checkpoint(sub)
-        except (CorruptCheckpointError, NotACheckpointError) as exc:
-            log.warning("left %s: %s", sub.uri, exc)
-            continue
-        deleted.append(sub.uri)
-    for prefix in found.saves:
-        if any(prefix.startswith(c + "/") for c in found.checkpoints):
-            continue  # inside a checkpoint just deleted, which left it: still there
-        sub = store.child(prefix)
-        sub_found = survey(sub)
-        try:
-            count += delete_unfinished(sub, sub_found)
-        except (CommitConflictError, CheckpointNotFoundError) as exc:
-            log.warning("left %s: %s", sub.uri, exc)
-            continue
-        deleted.append(sub.uri)
-    return deleted, count, found

@@ -21,10 +21,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import dcp as cdcp
 from .checkpoint import open_checkpoint
-from .composite import KIND as TRAINING_KIND
-from .composite import MODEL_PART
 from .errors import ConfigError
 from .storage import Store, as_store, open_store, split_uri
+from .training import KIND as TRAINING_KIND
+from .training import MODEL_PART
 
 log = logging.getLogger("cloudckpt")
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .checkpoint import delete_checkpoint, delete_unfinished
+from .deletion import delete_checkpoint, delete_unfinished
 from .errors import CommitConflictError
 from .names import MANIFEST_NAME, SLOT_POINTER_NAME
 from .ownership import COMMITTED, OURS, ROOT, Survey, survey

@@ -2,7 +2,7 @@
 
 Policies are small objects of their own — :class:`SaveSchedule` (when),
 :mod:`cloudckpt.retention` (what to keep) — and the manager only wires them
-to the mechanisms (:mod:`cloudckpt.composite` training checkpoints, the
+to the mechanisms (:mod:`cloudckpt.training` checkpoints, the
 commit protocol, retries).
 """
 
@@ -15,10 +15,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from . import composite
 from . import coordination as coord
-from .checkpoint import Checkpoint, list_checkpoints, open_checkpoint
+from . import training
+from .checkpoint import Checkpoint, open_checkpoint
 from .errors import ConfigError, CorruptCheckpointError
+from .listing import list_checkpoints
 from .retention import apply_retention, select_for_deletion  # noqa: F401 - re-exported
 from .state import StepInfo
 from .storage import Store, as_store, open_store
@@ -145,7 +146,7 @@ class CheckpointManager:
         if not (due or force):
             return False
         self.wait()  # one save at a time; surfaces the previous one's error
-        captured = composite.capture_together(
+        captured = training.capture_together(
             step_info=step_info, shared={**dict(extra or {}), _SCHEDULE: self.schedule},
             per_rank=per_rank, rng=rng, group=self.group)
         name = self.options.name_format.format(step=step_info.global_step)
@@ -161,9 +162,9 @@ class CheckpointManager:
                                               step_info.global_step)
         return True
 
-    def _write(self, name: str, state_dict: Mapping[str, Any], captured: composite.Captured,
+    def _write(self, name: str, state_dict: Mapping[str, Any], captured: training.Captured,
                step: int) -> Checkpoint | None:
-        ckpt = composite.write(self.store.child(name), state_dict, captured, step=step,
+        ckpt = training.write(self.store.child(name), state_dict, captured, step=step,
                                group=self._io_group)
         # Retention never fails a committed save: it warns and the next save retries.
         coord.on_coordinator(lambda: apply_retention(
@@ -220,7 +221,7 @@ class CheckpointManager:
             restored, err = None, None
             try:
                 where = open_store(cand, self._storage_options) if uri else self.store.child(cand)
-                restored = composite.read(where, state_dict,
+                restored = training.read(where, state_dict,
                                           shared={**dict(extra or {}), _SCHEDULE: self.schedule},
                                           per_rank=per_rank, rng=rng, group=self.group)
             except CorruptCheckpointError as exc:

@@ -31,7 +31,7 @@ from .storage import ObjectInfo, Store
 EMPTY, OURS, ROOT, FOREIGN, COMMITTED = "empty", "ours", "root", "foreign", "committed"
 
 #: Where a save's own committed parts lie below its prefix: a training checkpoint's
-#: DCP part (cloudckpt.composite) and RLinf's actor/critic parts. A claimed prefix
+#: DCP part (cloudckpt.training) and RLinf's actor/critic parts. A claimed prefix
 #: with checkpoints anywhere else is a root, not a save.
 PART_DIRS = frozenset({"model", "actor", "critic"})
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from .checkpoint import CheckpointInfo, delete_checkpoint, list_checkpoints
+from .deletion import delete_checkpoint
 from .errors import CloudCkptError
+from .listing import CheckpointInfo, list_checkpoints
 from .storage import Store
 
 log = logging.getLogger("cloudckpt")

@@ -20,9 +20,9 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from . import composite
 from . import coordination as coord
-from .checkpoint import delete_checkpoint
+from . import training
+from .deletion import delete_checkpoint
 from .errors import CheckpointNotFoundError, CommitConflictError, CorruptCheckpointError
 from .names import SLOT_POINTER_NAME
 from .state import StepInfo
@@ -112,9 +112,9 @@ class RecoverSlot:
         generation, pointer, version = begun
         if step is None and step_info is not None:
             step = step_info.global_step
-        captured = composite.capture_together(step_info=step_info, shared=extra,
+        captured = training.capture_together(step_info=step_info, shared=extra,
                                               per_rank=per_rank, rng=rng, group=self.group)
-        composite.write(self.store.child(generation), state_dict, captured, step=step,
+        training.write(self.store.child(generation), state_dict, captured, step=step,
                         metadata={"slot": self.uri}, group=self.group)
         coord.on_coordinator(lambda: self._swap(generation, pointer, version, step, step_info),
                              self.group)
@@ -157,12 +157,12 @@ class RecoverSlot:
         extra: Mapping[str, Any] | None = None,
         per_rank: Mapping[str, Any] | None = None,
         rng: bool = True,
-    ) -> composite.Restored:
+    ) -> training.Restored:
         """Load the current generation into ``state_dict`` (in place) and the
         stateful objects given; return the step info and shared values."""
         pointer, _ = self._read_pointer()
         if pointer is None:
             raise CheckpointNotFoundError(
                 f"recover slot {self.uri} is empty: nothing was ever committed to it")
-        return composite.read(self.store.child(pointer["generation"]), state_dict, shared=extra,
+        return training.read(self.store.child(pointer["generation"]), state_dict, shared=extra,
                               per_rank=per_rank, rng=rng, group=self.group)

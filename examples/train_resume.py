@@ -160,9 +160,9 @@ def main() -> int:
 def _arm_mid_save_crash(at_step: int) -> None:
     """Kill the process after a checkpoint's DCP part is written but before its
     root manifest commits: the worst moment for a crash."""
-    from cloudckpt import composite
+    from cloudckpt import training
 
-    real = composite._commit
+    real = training._commit
 
     def commit_then_die(writer, captured, gathered):
         if writer.step == at_step:
@@ -170,7 +170,7 @@ def _arm_mid_save_crash(at_step: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return real(writer, captured, gathered)
 
-    composite._commit = commit_then_die
+    training._commit = commit_then_die
 
 
 if __name__ == "__main__":

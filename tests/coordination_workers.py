@@ -29,8 +29,8 @@ def fail_one_step(rank: int, world: int, endpoint: str, root: str, deadline: flo
     import torch.distributed as dist
 
     from cloudckpt import CheckpointManager, ManagerOptions, RecoverSlot, StepInfo
-    from cloudckpt.checkpoint import latest_checkpoint
     from cloudckpt.integrations import areal, rlinf
+    from cloudckpt.listing import latest_checkpoint
     from cloudckpt.testing import FaultPlan, FaultProxy
 
     direct = {"endpoint_url": endpoint, "key": "testing", "secret": "testing",

@@ -67,7 +67,7 @@ def torture(uri: str, value: float, stage: str) -> None:
             say(here)
             time.sleep(120)
 
-    real_write, real_drop = slot_mod.composite.write, slot_mod.delete_checkpoint
+    real_write, real_drop = slot_mod.training.write, slot_mod.delete_checkpoint
 
     def write(*a, **k):
         out = real_write(*a, **k)
@@ -95,7 +95,7 @@ def torture(uri: str, value: float, stage: str) -> None:
             return out
         return put
 
-    slot_mod.composite.write = write
+    slot_mod.training.write = write
     slot_mod.delete_checkpoint = drop
     cls.put_if_match = conditional(real_cas)
     cls.put_if_absent = conditional(real_create)

@@ -270,9 +270,9 @@ def test_torn_dump_areal_trusts_stale_info_cloudckpt_does_not(s3, tmp_path, monk
     def die(*args, **kwargs):
         raise Crash
 
-    from cloudckpt import composite, slot
+    from cloudckpt import slot, training
 
-    for target, name in ((slot.RecoverSlot, "_swap"), (composite, "_commit")):
+    for target, name in ((slot.RecoverSlot, "_swap"), (training, "_commit")):
         with monkeypatch.context() as m:
             m.setattr(target, name, die)
             with pytest.raises(Crash):

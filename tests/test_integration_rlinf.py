@@ -216,7 +216,7 @@ def test_two_ranks_sigkill_resume_explicit_uri_bit_exact_and_layout(s3, tmp_path
 
 def _copy(store, src: str, dst: str, *, skip=(), mutate=None) -> None:
     """A torn step as a crashed save leaves it: some objects, and the claim its
-    coordinator took before any rank wrote (see composite.claim_prefix)."""
+    coordinator took before any rank wrote (see training.claim_prefix)."""
     store.child(dst).put(CLAIM_NAME, json.dumps({"writer": "crashed", "host": "node-7",
                                                  "pid": 1, "since": 0}).encode())
     for obj in store.child(src).list():

@@ -19,8 +19,8 @@ from cloudckpt import (
     list_checkpoints,
     open_store,
 )
-from cloudckpt.composite import WorldSizeError
 from cloudckpt.testing import FaultPlan, FaultProxy
+from cloudckpt.training import WorldSizeError
 
 
 class Counter:
@@ -129,13 +129,13 @@ def test_async_save_errors_surface_on_wait(s3, moto_server):
 
 
 def test_async_save_error_surfaces_on_close(memory, monkeypatch):
-    import cloudckpt.composite as composite
+    import cloudckpt.training as training
 
     def boom(*a, **k):
         raise StorageError("injected upload failure")
 
     mgr = CheckpointManager(memory.root, ManagerOptions(every_steps=1, async_save=True))
-    monkeypatch.setattr(composite, "write", boom)
+    monkeypatch.setattr(training, "write", boom)
     mgr.save(StepInfo(), {"w": torch.ones(2)})
     with pytest.raises(StorageError, match="injected"):
         mgr.close()

@@ -32,9 +32,9 @@ from cloudckpt import (
     open_checkpoint,
     open_store,
 )
-from cloudckpt.checkpoint import delete_checkpoint
 from cloudckpt.claim import CLAIM_NAME
 from cloudckpt.cli import build_parser, main
+from cloudckpt.deletion import delete_checkpoint
 from cloudckpt.state import loads_state
 
 
@@ -596,7 +596,7 @@ def test_gc_leaves_a_save_written_to_since_it_was_found(local):
 
 
 def test_an_unfinished_save_is_deleted_only_with_its_claim_seized(local):
-    from cloudckpt.checkpoint import delete_unfinished
+    from cloudckpt.deletion import delete_unfinished
     from cloudckpt.errors import CommitConflictError
     from cloudckpt.ownership import survey
 
@@ -632,10 +632,10 @@ def test_a_bucket_probe_that_is_forbidden_is_not_an_error(s3, moto_server):
 
 
 def test_a_listing_racing_a_commit_shows_it_committed(local, monkeypatch):
-    from cloudckpt import checkpoint
+    from cloudckpt import listing
 
     commit(local, "step-1", 1)
-    real = checkpoint.read_manifest_bytes
+    real = listing.read_manifest_bytes
     calls = []
 
     def late(store, *a, **k):  # the first read misses the manifest that then lands
@@ -644,7 +644,7 @@ def test_a_listing_racing_a_commit_shows_it_committed(local, monkeypatch):
             raise FileNotFoundError(store.uri)
         return real(store, *a, **k)
 
-    monkeypatch.setattr(checkpoint, "read_manifest_bytes", late)
+    monkeypatch.setattr(listing, "read_manifest_bytes", late)
     infos = list_checkpoints(local.root, local.options, include_uncommitted=True)
     assert [(i.name, i.status) for i in infos] == [("step-1", "committed")]
 

@@ -8,19 +8,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import (
-    delete_checkpoint,
-    delete_tree,
-    latest_checkpoint,
-    list_checkpoints,
-    open_checkpoint,
-)
+from ..checkpoint import open_checkpoint
+from ..deletion import delete_checkpoint, delete_tree
 from ..errors import (
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
     NotACheckpointError,
 )
+from ..listing import latest_checkpoint, list_checkpoints
 from ..ownership import COMMITTED, EMPTY, OURS, ROOT, describe_root, incomplete, not_a_checkpoint
 from ..ownership import survey as survey_prefix
 from ..storage import open_store, parse_options

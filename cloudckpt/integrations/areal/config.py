@@ -7,7 +7,7 @@ import getpass
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from ...errors import ConfigError
 
@@ -47,9 +47,8 @@ def _from_dict(cls: type, data: Mapping[str, Any]) -> Any:
 
 
 @dataclass
-class SaverConfig:
-    """AReaL's ``saver:`` section. ``fileroot`` may be a bucket URI; ``user`` (not an
-    AReaL key) overrides the ``getpass.getuser()`` path part."""
+class _Section:
+    """What AReaL's ``saver:`` and ``recover:`` sections share: where, and how often."""
 
     experiment_name: str
     trial_name: str
@@ -57,41 +56,43 @@ class SaverConfig:
     freq_epochs: int | None = None
     freq_steps: int | None = None
     freq_secs: int | None = None
-    mode: str = "auto"
-    user: str | None = None
+    MODES: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         _validate_common(self)
-        if self.mode not in _SAVER_MODES:
-            raise ConfigError(f"SaverConfig.mode must be one of {list(_SAVER_MODES)}, "
-                              f"got {self.mode!r}")
+        mode = getattr(self, "mode", None)
+        if mode not in self.MODES:
+            raise ConfigError(f"{type(self).__name__}.mode must be one of "
+                              f"{list(self.MODES)}, got {mode!r}")
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> SaverConfig:
+    def from_dict(cls, data: Mapping[str, Any]) -> Any:
         """Build from a YAML/dict section; unknown keys and bad values raise ConfigError."""
         return _from_dict(cls, data)
 
 
 @dataclass
-class RecoverConfig:
+class SaverConfig(_Section):
+    """AReaL's ``saver:`` section. ``fileroot`` may be a bucket URI; ``user`` (not an
+    AReaL key) overrides the ``getpass.getuser()`` path part."""
+
+    mode: str = "auto"
+    user: str | None = None
+    MODES: ClassVar[tuple[str, ...]] = _SAVER_MODES
+
+
+@dataclass
+class RecoverConfig(_Section):
     """AReaL's ``recover:`` section. ``retries`` is how many times the launcher
     (:func:`run_with_retries`) relaunches a failed job."""
 
-    experiment_name: str
-    trial_name: str
-    fileroot: str = "/tmp/areal/"
-    freq_epochs: int | None = None
-    freq_steps: int | None = None
-    freq_secs: int | None = None
     mode: str = "disabled"
     retries: int = 3
     user: str | None = None
+    MODES: ClassVar[tuple[str, ...]] = _RECOVER_MODES
 
     def __post_init__(self) -> None:
-        _validate_common(self)
-        if self.mode not in _RECOVER_MODES:
-            raise ConfigError(f"RecoverConfig.mode must be one of {list(_RECOVER_MODES)}, "
-                              f"got {self.mode!r}")
+        super().__post_init__()
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) \
                 or self.retries < 0:
             raise ConfigError(f"RecoverConfig.retries must be an integer >= 0, "
@@ -101,13 +102,8 @@ class RecoverConfig:
     def enabled(self) -> bool:
         return self.mode in ("on", "auto")
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> RecoverConfig:
-        """Build from a YAML/dict section; unknown keys and bad values raise ConfigError."""
-        return _from_dict(cls, data)
 
-
-def _validate_common(cfg: SaverConfig | RecoverConfig) -> None:
+def _validate_common(cfg: _Section) -> None:
     name = type(cfg).__name__
     for key in ("experiment_name", "trial_name", "fileroot"):
         _check_str(name, key, getattr(cfg, key))

@@ -8,7 +8,8 @@ from typing import Any
 
 from ... import coordination as coord
 from ... import hf
-from ...checkpoint import Checkpoint, list_checkpoints, open_checkpoint
+from ...checkpoint import Checkpoint, open_checkpoint
+from ...listing import list_checkpoints
 from ...manifest import MANIFEST_NAME
 from ...storage import open_store
 from .config import EXPORT_RE, RecoverConfig, SaverConfig, export_name, save_root

@@ -11,11 +11,11 @@ from typing import Any
 
 from ... import coordination as coord
 from ...checkpoint import Checkpoint, CheckpointWriter
-from ...composite import claim_prefix
 from ...errors import CommitConflictError, ConfigError
 from ...manifest import MANIFEST_NAME
 from ...retention import apply_retention
 from ...storage import Store, open_store
+from ...training import claim_prefix
 from .config import RunnerConfig, should_save
 from .layout import (
     _STEP_RE,

@@ -7,8 +7,9 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from ...checkpoint import Checkpoint, list_checkpoints, open_checkpoint
+from ...checkpoint import Checkpoint, open_checkpoint
 from ...errors import CorruptCheckpointError
+from ...listing import list_checkpoints
 from ...storage import Store, as_store
 from .layout import _STEP_RE, KIND, parse_step
 

@@ -15,8 +15,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ...checkpoint import Checkpoint, CheckpointWriter, list_checkpoints, open_checkpoint
+from ...checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
 from ...errors import CommitConflictError, ConfigError, StorageError
+from ...listing import list_checkpoints
 from ...names import MANIFEST_NAME, ROLL_PARTS_DIR
 from ...retention import apply_retention
 from ...storage import Store, open_store
