@@ -21,6 +21,7 @@ demo: setup
 
 lint: setup
 	$(PY) -m ruff check .
+	$(VENV)/bin/lint-imports  # the layers in pyproject.toml: no upward imports
 
 test: lint
 	$(PY) -m pytest -q

@@ -48,11 +48,12 @@ import traceback
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from typing import Self
+    pass
+
+from ._lifecycle import StartStop
 
 logger = logging.getLogger(__name__)
 
@@ -478,7 +479,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._send_simple(status, xml.encode(), "application/xml")
 
 
-class FaultProxy:
+class FaultProxy(StartStop):
     """Reverse proxy on 127.0.0.1 that injects faults per a :class:`FaultPlan`.
 
     ``on_request(method, target)`` runs for every request after its body has
@@ -646,18 +647,6 @@ class FaultProxy:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     @property
     def port(self) -> int:

@@ -40,12 +40,13 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
 
 if TYPE_CHECKING:
-    from typing import Self
+    pass
+
+from ._lifecycle import StartStop
 
 logger = logging.getLogger(__name__)
 
@@ -311,7 +312,7 @@ class _Server(ThreadingHTTPServer):
                 pass
 
 
-class HubServer:
+class HubServer(StartStop):
     """In-memory Hugging Face Hub look-alike on ``127.0.0.1``, served from a background thread.
 
     Args:
@@ -390,18 +391,6 @@ class HubServer:
         server.drop_connections()
         if thread is not None:
             thread.join(timeout=5)
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     # -- assertions helpers ------------------------------------------------
     def files(

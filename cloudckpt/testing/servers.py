@@ -25,13 +25,14 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from types import TracebackType
 from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from typing import Self
+    pass
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+from ._lifecycle import StartStop
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class _ProcessServer:
+class _ProcessServer(StartStop):
     """Shared lifecycle for an HTTP server run as a child process.
 
     Child output goes to a temp file rather than a pipe, so a chatty server can
@@ -129,18 +130,6 @@ class _ProcessServer:
         if downtime > 0:
             time.sleep(downtime)
         self._spawn_and_wait(port)
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def __del__(self) -> None:
         # Best effort: never leak a server process past interpreter teardown.
