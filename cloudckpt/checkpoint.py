@@ -29,11 +29,7 @@ from .manifest import (
     read_manifest_bytes,
     validate_path,
 )
-from .ownership import (
-    EMPTY,
-    missing_manifest_error,
-    survey,
-)
+from .ownership import EMPTY, Survey, missing_manifest_error, survey
 from .storage import ObjectInfo, ObjectWriter, Store, as_store
 from .storage.base import CloseOnExit
 
@@ -112,10 +108,12 @@ class CheckpointWriter:
             self._claim.suspend()
             raise
 
-    def claim(self) -> None:
+    def claim(self) -> Survey | None:
         """Claim the prefix now, before other processes write objects into it (for a
-        coordinator that commits what several ranks write); writes claim it anyway."""
+        coordinator that commits what several ranks write); writes claim it anyway.
+        Returns what the prefix held when this writer claimed it."""
         self._claim.acquire()
+        return self._claim.found
 
     def abandon(self) -> None:
         """Give up a save that failed without committing: release the claim, so a

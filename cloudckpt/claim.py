@@ -38,7 +38,15 @@ from typing import Any
 
 from .errors import CommitConflictError, NotACheckpointError
 from .names import CLAIM_NAME
-from .ownership import COMMITTED, FOREIGN, ROOT, classify, not_a_checkpoint, survey
+from .ownership import (
+    COMMITTED,
+    FOREIGN,
+    ROOT,
+    Survey,
+    classify,
+    not_a_checkpoint,
+    survey,
+)
 from .storage import ObjectInfo, RetryPolicy, Store
 
 log = logging.getLogger("cloudckpt")
@@ -149,6 +157,7 @@ class WriterClaim:
         self.held = False
         self.used = False  # acquired at least once: this writer has written objects
         self.abandoned = False  # its claim object was marked abandoned
+        self.found: Survey | None = None  # the prefix as listed right after claiming
         self._lock = threading.Lock()
 
     def acquire(self) -> None:
@@ -182,22 +191,26 @@ class WriterClaim:
             self.abandoned = False
 
     def _check_prefix(self, fresh: bool) -> None:
-        """One listing after claiming: a manifest means a writer committed (and released
-        its claim) meanwhile; a fresh claim must not cover someone else's data."""
-        found = survey(self.store)
+        """One listing after claiming (kept as :attr:`found`): a manifest means a writer
+        committed (and released its claim) meanwhile; no claim covers checkpoints below
+        that are not its own parts, and a fresh claim no one else's data."""
+        found = self.found = survey(self.store)
         if found.kind == COMMITTED:
             self._drop(delete=True, verify=False)
             raise CommitConflictError(
                 f"a checkpoint was committed at {self.store.uri} while this save "
                 "started; checkpoints are immutable. Choose a new URI.")
-        if not fresh or self.foreign_ok:
+        if self.foreign_ok:
             return
-        mine = {CLAIM_NAME, *self.declared()}
-        rest = classify(self.store.uri, [o for o in found.objects if o.key not in mine])
-        if rest.kind in (ROOT, FOREIGN):
+        refused = found if found.kind == ROOT else None
+        if fresh and refused is None:
+            mine = {CLAIM_NAME, *self.declared()}
+            rest = classify(self.store.uri, [o for o in found.objects if o.key not in mine])
+            refused = rest if rest.kind in (ROOT, FOREIGN) else None
+        if refused is not None:
             self._drop(delete=True, verify=True)
             raise NotACheckpointError(
-                f"cannot save into {self.store.uri}: {not_a_checkpoint(rest)} Nothing was "
+                f"cannot save into {self.store.uri}: {not_a_checkpoint(refused)} Nothing was "
                 "written: save to a new URI.")
 
     def _replace(self, data: bytes) -> bool:

@@ -23,8 +23,16 @@ from .errors import (
     NotACheckpointError,
 )
 from .names import CLAIM_NAME, MANIFEST_NAME, is_reserved
-from .ownership import COMMITTED, OURS, Survey, classify, missing_manifest_error, survey
-from .storage import ObjectInfo, Store, as_store
+from .ownership import (
+    COMMITTED,
+    OURS,
+    Survey,
+    classify,
+    inside,
+    missing_manifest_error,
+    survey,
+)
+from .storage import Store, as_store
 
 log = logging.getLogger("cloudckpt")
 
@@ -55,18 +63,17 @@ def delete_checkpoint(uri: str | Store, storage_options: Mapping[str, Any] | Non
         log.warning("deleting %s, whose manifest cannot be read, with all it holds", store.uri)
         mark_deleting(store)
         store.delete([MANIFEST_NAME])
-        n = store.delete_prefix("")
-        return n
+        return store.delete_prefix("")
     # A claim marked "deleting" first: a delete cut short leaves objects that still
     # prove to be cloudckpt's, for gc and rm --force.
     mark_deleting(store)
     store.delete([MANIFEST_NAME])  # invisible from here on
-    objects = [o.key for o in store.list(internal=True) if o.key != CLAIM_NAME]
-    found = classify(store.uri, [ObjectInfo(k, 0) for k in objects])
+    listed = [o for o in store.list(internal=True) if o.key != CLAIM_NAME]
+    found = classify(store.uri, listed)
     units = (*found.checkpoints, *found.saves)
-    mine = [k for k in objects if k in manifest.files
-            or (is_reserved(k) and not any(k.startswith(u + "/") for u in units))]
-    left = sorted(set(objects) - set(mine))
+    mine = [o.key for o in listed if o.key in manifest.files
+            or (is_reserved(o.key) and not inside(o.key, units))]
+    left = sorted({o.key for o in listed} - set(mine))
     store.delete(mine)
     store.delete([CLAIM_NAME])  # the mark goes last
     if left:
@@ -114,8 +121,10 @@ def delete_tree(root: str | Store, storage_options: Mapping[str, Any] | None = N
     """
     store = as_store(root, storage_options)
     found = survey(store)
-    if found.kind in (COMMITTED, OURS):
+    if found.kind == COMMITTED:
         return [store.uri], delete_checkpoint(store, force=True), found
+    if found.kind == OURS:
+        return [store.uri], delete_unfinished(store, found), found
     deleted: list[str] = []
     count = 0
     for prefix in found.checkpoints:
@@ -127,7 +136,7 @@ def delete_tree(root: str | Store, storage_options: Mapping[str, Any] | None = N
             continue
         deleted.append(sub.uri)
     for prefix in found.saves:
-        if any(prefix.startswith(c + "/") for c in found.checkpoints):
+        if inside(prefix, found.checkpoints):
             continue  # inside a checkpoint just deleted, which left it: still there
         sub = store.child(prefix)
         sub_found = survey(sub)

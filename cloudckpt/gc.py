@@ -112,7 +112,7 @@ def collect(garbage: list[Garbage], storage_options: Mapping[str, Any] | None = 
     to since (younger than the grace period again), or that now holds objects
     cloudckpt did not write, is left alone; an unfinished save's claim is seized by
     compare-and-swap before anything goes, so a save that takes it over meanwhile
-    keeps it and never commits half-deleted (:func:`cloudckpt.checkpoint.delete_unfinished`).
+    keeps it and never commits half-deleted (:func:`cloudckpt.deletion.delete_unfinished`).
     """
     removed = 0
     for g in garbage:

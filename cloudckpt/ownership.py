@@ -21,7 +21,7 @@ copy); a root only checkpoint by checkpoint; foreign objects never.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .errors import CheckpointNotFoundError, IncompleteCheckpointError, NotACheckpointError
@@ -80,7 +80,7 @@ def classify(uri: str, objects: Sequence[ObjectInfo]) -> Survey:
     saves = _outermost(k[: -len(CLAIM_NAME) - 1] for k in keys
                        if k.endswith("/" + CLAIM_NAME))
     units = _outermost([*nested, *saves])
-    foreign = tuple(k for k in keys if not is_reserved(k) and not _inside(k, units))
+    foreign = tuple(k for k in keys if not is_reserved(k) and not inside(k, units))
     marked = CLAIM_NAME in keys or any(k.startswith(ROLL_PARTS_DIR + "/") for k in keys)
     if marked and all(p.split("/", 1)[0] in PART_DIRS for p in units):
         kind = OURS  # a save of cloudckpt's, its committed parts (model/, actor/...) its own
@@ -93,15 +93,16 @@ def classify(uri: str, objects: Sequence[ObjectInfo]) -> Survey:
     return Survey(uri, kind, objects, nested, foreign, saves)
 
 
-def _inside(key: str, prefixes: Sequence[str]) -> bool:
+def inside(key: str, prefixes: Iterable[str]) -> bool:
+    """Whether ``key`` lies below one of ``prefixes``."""
     return any(key.startswith(p + "/") for p in prefixes)
 
 
-def _outermost(prefixes: Sequence[str] | object) -> tuple[str, ...]:
-    found = sorted(set(prefixes))  # type: ignore[arg-type]
+def _outermost(prefixes: Iterable[str]) -> tuple[str, ...]:
+    found = sorted(set(prefixes))
     out: list[str] = []
     for p in found:
-        if not any(p.startswith(q + "/") for q in out):
+        if not inside(p, out):
             out.append(p)
     return tuple(out)
 

@@ -3,7 +3,7 @@
 One policy for every saver (the manager, RLinf's ``keep_last``, ROLL's
 ``max_ckpt_to_keep``): keep the newest ``keep_last`` committed checkpoints and
 every one whose number is a multiple of ``keep_every``. Applying it deletes
-only committed checkpoints (:func:`cloudckpt.checkpoint.delete_checkpoint`),
+only committed checkpoints (:func:`cloudckpt.deletion.delete_checkpoint`),
 and never fails the save that triggered it: a delete that fails is logged and
 the checkpoint stays for the next save to try again.
 """

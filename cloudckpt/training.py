@@ -24,13 +24,11 @@ from . import coordination as coord
 from . import dcp as cdcp
 from .checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
 from .errors import (
-    CommitConflictError,
     ConfigError,
     CorruptCheckpointError,
     WorldSizeError,
 )
 from .manifest import CLAIM_NAME
-from .ownership import COMMITTED, FOREIGN, ROOT, not_a_checkpoint, survey
 from .state import (
     Stateful,
     StepInfo,
@@ -177,15 +175,12 @@ def claim_prefix(store: Store, group: Any = None, **writer_options: Any
     """
 
     def prepare() -> CheckpointWriter:
-        found = survey(store)
-        if found.kind == COMMITTED:
-            raise CommitConflictError(f"a checkpoint is already committed at {store.uri}; "
-                                      "checkpoints are immutable, use a new URI")
-        if found.kind in (ROOT, FOREIGN):
-            raise not_a_checkpoint(found)
+        # The writer refuses a committed prefix, and its claim one that holds a root or
+        # objects cloudckpt did not write; what the claim listed are the leftovers.
         writer = CheckpointWriter(store, **writer_options)
         try:
-            writer.claim()
+            found = writer.claim()
+            assert found is not None
             leftovers = [o.key for o in found.objects if o.key != CLAIM_NAME]
             if leftovers:
                 log.warning("replacing the uncommitted leftovers of an earlier save at %s "

@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from .checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
 from .copying import Progress, Report, checksum_object
 from .copying import copy_objects as _copy_objects
-from .crc import crc32c_hex
 from .errors import CommitConflictError, CorruptCheckpointError, NotACheckpointError
-from .manifest import CLAIM_NAME, MANIFEST_NAME, Manifest
-from .ownership import COMMITTED, FOREIGN, OURS, ROOT, Survey, not_a_checkpoint, survey
-from .storage import Store, as_store, open_store
+from .manifest import CLAIM_NAME, MANIFEST_NAME, FileEntry, Manifest
+from .ownership import COMMITTED, FOREIGN, OURS, ROOT, not_a_checkpoint, survey
+from .storage import ObjectInfo, Store, as_store, open_store
 
 log = logging.getLogger("cloudckpt")
 
@@ -63,7 +62,7 @@ def copy_checkpoint(
     writer = CheckpointWriter(store, step=ckpt.step, metadata=ckpt.metadata,
                               kind=ckpt.manifest.kind)
     try:
-        kept = _resume(ckpt, writer, found, Report(progress)) if found.kind == OURS else set()
+        kept = _resume(ckpt, writer, Report(progress)) if found.kind == OURS else set()
         _copy_objects(ckpt, writer, [p for p in ckpt.files if p not in kept], progress)
         return commit_as(writer, ckpt.manifest)
     except BaseException:
@@ -89,8 +88,7 @@ def _already_there(ckpt: Checkpoint, store: Store, progress: Progress | None) ->
     return existing
 
 
-def _resume(ckpt: Checkpoint, writer: CheckpointWriter, found: Survey,
-            report: Report) -> set[str]:
+def _resume(ckpt: Checkpoint, writer: CheckpointWriter, report: Report) -> set[str]:
     """Take over what an interrupted copy (or save) left at the destination: claim it,
     keep and record each object whose size and CRC32C (read back) are the manifest's,
     delete the rest (other bytes, upload parts, temporary files). Returns what was kept.
@@ -98,10 +96,28 @@ def _resume(ckpt: Checkpoint, writer: CheckpointWriter, found: Survey,
     Raises :class:`CommitConflictError` if a copy still running holds the claim.
     """
     store = writer.store
-    writer.claim()  # an abandoned claim, or one of a process that is gone, is taken over
+    # An abandoned claim, or one of a process that is gone, is taken over; what the
+    # prefix held then is what this copy resumes from.
+    found = writer.claim()
+    assert found is not None
     entries = ckpt.manifest.files
-    sizes = {o.key: o.size for o in found.objects}
-    candidates = [k for k, n in sizes.items() if k in entries and n == entries[k].size]
+    kept = _matching(store, entries, found.objects)
+    for key in sorted(kept):
+        writer.add_existing(key, entries[key].size, entries[key].crc32c)
+        report(entries[key].size)
+    stale = [o.key for o in found.objects if o.key not in kept and o.key != CLAIM_NAME]
+    if stale:
+        store.delete(stale)
+    log.info("resuming the copy of %s into %s: %d of %d objects already there and checked, "
+             "%d leftovers removed", ckpt.uri, store.uri, len(kept), len(entries), len(stale))
+    return kept
+
+
+def _matching(store: Store, entries: Mapping[str, FileEntry],
+              objects: Iterable[ObjectInfo]) -> set[str]:
+    """The keys among ``objects`` whose bytes (read back, streamed, in parallel) have
+    the size and CRC32C ``entries`` lists for them."""
+    candidates = [o.key for o in objects if o.key in entries and o.size == entries[o.key].size]
 
     def check(key: str) -> tuple[str, bool]:
         try:
@@ -110,16 +126,7 @@ def _resume(ckpt: Checkpoint, writer: CheckpointWriter, found: Survey,
         except (FileNotFoundError, EOFError):
             return key, False
 
-    kept = {k for k, good in store.map(check, candidates) if good}
-    for key in sorted(kept):
-        writer.add_existing(key, entries[key].size, entries[key].crc32c)
-        report(entries[key].size)
-    stale = [k for k in sizes if k not in kept and k != CLAIM_NAME]
-    if stale:
-        store.delete(stale)
-    log.info("resuming the copy of %s into %s: %d of %d objects already there and checked, "
-             "%d leftovers removed", ckpt.uri, store.uri, len(kept), len(entries), len(stale))
-    return kept
+    return {k for k, good in store.map(check, candidates) if good}
 
 
 def commit_as(writer: CheckpointWriter, manifest: Manifest) -> Checkpoint:
@@ -141,13 +148,8 @@ def download(uri: str | Checkpoint, local_dir: str | os.PathLike,
     root = Path(local_dir)
     root.mkdir(parents=True, exist_ok=True)
     dest = open_store(str(root.resolve()))
-    todo = []
-    for path in ckpt.files:
-        entry, have = ckpt.manifest.files[path], dest.info(path)
-        if have is not None and have.size == entry.size and crc32c_hex(
-                dest.get(path)) == entry.crc32c:
-            continue
-        todo.append(path)
+    present = _matching(dest, ckpt.manifest.files, dest.list())
+    todo = [path for path in ckpt.files if path not in present]
     for path in todo:  # each read is itself parallel
         dest.put(path, ckpt.read(path))
     dest.put(MANIFEST_NAME, ckpt.manifest.to_json())

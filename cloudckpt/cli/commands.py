@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import open_checkpoint
-from ..deletion import delete_checkpoint, delete_tree
+from ..deletion import delete_checkpoint, delete_tree, delete_unfinished
 from ..errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -122,7 +122,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
     if found.kind == OURS:
         if not args.force:
             raise incomplete(found)
-        n = delete_checkpoint(store, force=True)
+        n = delete_unfinished(store, found)
         print(f"deleted the unfinished save at {store.uri} ({plural(n, 'object')})")
         return EXIT_OK
     if found.kind == EMPTY:
