@@ -12,16 +12,18 @@ and raises :class:`~cloudckpt.errors.CommitConflictError`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import coordination as coord
 from . import training
+from .checkpoint import Checkpoint, open_checkpoint
 from .deletion import delete_checkpoint
 from .errors import CheckpointNotFoundError, CommitConflictError, CorruptCheckpointError
 from .names import SLOT_POINTER_NAME
@@ -103,6 +105,23 @@ class RecoverSlot:
         shared state (stateful objects or plain data), ``per_rank`` each rank's
         own (e.g. its dataloader); RNG state is saved unless ``rng=False``.
         """
+        if step is None and step_info is not None:
+            step = step_info.global_step
+        captured = training.capture_together(step_info=step_info, shared=extra,
+                                              per_rank=per_rank, rng=rng, group=self.group)
+        return self.commit(
+            lambda gen: training.write(gen, state_dict, captured, step=step,
+                                       metadata={"slot": self.uri}, group=self.group),
+            step=step, step_info=step_info)
+
+    def commit(self, write: Callable[[Store], Any], *, step: int | None = None,
+               step_info: Any = None) -> str:
+        """Make a new generation current: ``write(generation_store)`` (called on every
+        rank) must commit a checkpoint there; then the pointer swaps. Returns its name.
+
+        The hook for writers other than :meth:`save`, e.g. files a framework's engine
+        wrote (:func:`cloudckpt.uploading.upload_dir`).
+        """
         def begin() -> tuple[str, dict[str, Any] | None, str | None]:
             pointer, version = self._read_pointer()
             return f"gen-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}", pointer, version
@@ -110,20 +129,23 @@ class RecoverSlot:
         begun = coord.on_coordinator(begin, self.group)
         assert begun is not None
         generation, pointer, version = begun
-        if step is None and step_info is not None:
-            step = step_info.global_step
-        captured = training.capture_together(step_info=step_info, shared=extra,
-                                              per_rank=per_rank, rng=rng, group=self.group)
-        training.write(self.store.child(generation), state_dict, captured, step=step,
-                        metadata={"slot": self.uri}, group=self.group)
+        write(self.store.child(generation))
         coord.on_coordinator(lambda: self._swap(generation, pointer, version, step, step_info),
                              self.group)
         return generation
 
+    def current(self) -> Checkpoint:
+        """The current generation, opened (its manifest read and checked)."""
+        pointer, _ = self._read_pointer()
+        if pointer is None:
+            raise CheckpointNotFoundError(
+                f"recover slot {self.uri} is empty: nothing was ever committed to it")
+        return open_checkpoint(self.store.child(pointer["generation"]))
+
     def _swap(self, generation: str, old: dict[str, Any] | None, version: str | None,
-              step: int | None, step_info: StepInfo | None) -> None:
+              step: int | None, step_info: Any) -> None:
         record = {"generation": generation, "step": step, "created": time.time(),
-                  "step_info": step_info.to_dict() if step_info else None}
+                  "step_info": _step_info_dict(step_info)}
         data = json.dumps(record, indent=1).encode()
         try:
             if version is None:
@@ -166,3 +188,14 @@ class RecoverSlot:
                 f"recover slot {self.uri} is empty: nothing was ever committed to it")
         return training.read(self.store.child(pointer["generation"]), state_dict, shared=extra,
                               per_rank=per_rank, rng=rng, group=self.group)
+
+
+def _step_info_dict(step_info: Any) -> dict[str, Any] | None:
+    """cloudckpt's StepInfo, or a framework's step-info dataclass (AReaL's)."""
+    if step_info is None:
+        return None
+    if isinstance(step_info, Mapping):
+        return dict(step_info)
+    if hasattr(step_info, "to_dict"):
+        return dict(step_info.to_dict())
+    return dataclasses.asdict(step_info)

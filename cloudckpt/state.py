@@ -45,8 +45,9 @@ class StepInfo:
     steps_per_epoch: int = 1
 
     def __post_init__(self) -> None:
-        if self.steps_per_epoch < 1:
-            raise ConfigError("StepInfo.steps_per_epoch must be >= 1")
+        # 0 is AReaL's: a dataset smaller than one batch (FinetuneSpec allows it).
+        if self.steps_per_epoch < 0:
+            raise ConfigError("StepInfo.steps_per_epoch must be >= 0")
 
     def next(self) -> StepInfo:
         """The step after this one (wrapping into the next epoch)."""

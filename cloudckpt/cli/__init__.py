@@ -118,9 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("dst", help="where the copy goes: a new URI, not a root holding checkpoints")
     sp.add_argument("--dst-option", action="append", metavar="KEY=VALUE",
                     help="storage option for DST (default: the -o options)")
-    sp = add("download", cmd_download, "download a committed checkpoint to a local directory; "
-             "rerunning an interrupted download resumes it")
-    sp.add_argument("uri", help="the checkpoint")
+    sp = add("download", cmd_download, "download a committed checkpoint, or a run directory "
+             "(every checkpoint below it, each recover slot as its current generation), to a "
+             "local directory; rerunning an interrupted download resumes it")
+    sp.add_argument("uri", help="the checkpoint or run directory")
     sp.add_argument("dir", help="a new or empty local directory")
     sp = add("adopt", cmd_adopt, "commit a DCP checkpoint written without cloudckpt, after "
              "checking every object its .metadata references")

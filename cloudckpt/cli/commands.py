@@ -17,10 +17,12 @@ from ..errors import (
     NotACheckpointError,
 )
 from ..listing import latest_checkpoint, list_checkpoints
+from ..names import MANIFEST_NAME
 from ..ownership import COMMITTED, EMPTY, OURS, ROOT, describe_root, incomplete, not_a_checkpoint
 from ..ownership import survey as survey_prefix
 from ..storage import open_store, parse_options
 from ..transfer import copy_checkpoint
+from ..trees import tree_units
 from .exits import EXIT_CORRUPT, EXIT_OK
 from .output import plural, plural_prefix, progress, size, when
 
@@ -109,7 +111,18 @@ def cmd_cp(args: argparse.Namespace) -> int:
 
 
 def cmd_download(args: argparse.Namespace) -> int:
-    return _copy(args, args.uri, args.dir, {}, "download")
+    store = open_store(args.uri, args.options)
+    if store.exists(MANIFEST_NAME):
+        return _copy(args, args.uri, args.dir, {}, "download")
+    # A root: every checkpoint below it, and each slot's current generation, at its path.
+    units = tree_units(store)
+    total = sum(c.total_size for _, c in units)
+    with progress(total, "download") as update:
+        for rel, ckpt in units:
+            out = copy_checkpoint(ckpt, str(Path(args.dir) / rel), progress=update)
+            print(f"download: {ckpt.uri} -> {out.uri} ({plural(len(out.files), 'object')}, "
+                  f"{size(out.total_size)})")
+    return EXIT_OK
 
 
 def cmd_rm(args: argparse.Namespace) -> int:

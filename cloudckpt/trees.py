@@ -1,0 +1,61 @@
+"""Download a run directory as its framework lays it out on local disk.
+
+A root (a run or trial directory) holds committed checkpoints and recover slots. On
+local disk a framework expects each checkpoint's files at its path, and a slot's
+current generation *at the slot's path* (that is the overwrite-in-place directory
+the framework knows). :func:`download_tree` writes exactly that; objects cloudckpt
+did not write are left out and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import Checkpoint, open_checkpoint
+from .names import SLOT_POINTER_NAME
+from .ownership import COMMITTED, ROOT, not_a_checkpoint, survey
+from .slot import GENERATION_RE, RecoverSlot
+from .storage import Store, as_store
+from .transfer import download
+
+log = logging.getLogger("cloudckpt")
+
+
+def tree_units(store: Store) -> list[tuple[str, Checkpoint]]:
+    """What a download of ``store``'s prefix brings down: (relative path, checkpoint)
+    for every slot's current generation and every committed checkpoint outside slots."""
+    found = survey(store)
+    if found.kind == COMMITTED:
+        return [("", open_checkpoint(store))]
+    if found.kind != ROOT:
+        raise not_a_checkpoint(found)
+    slots = sorted({o.key[: -len(SLOT_POINTER_NAME)].rstrip("/") for o in found.objects
+                    if o.key.rsplit("/", 1)[-1] == SLOT_POINTER_NAME})
+    units = [(s, RecoverSlot(store.child(s) if s else store).current()) for s in slots]
+    units += [(c, open_checkpoint(store.child(c))) for c in found.checkpoints
+              if not _generation(c, slots)]
+    if found.foreign:
+        log.info("%s: %d object(s) cloudckpt did not write are not downloaded (e.g. %s)",
+                 store.uri, len(found.foreign), found.foreign[0])
+    return units
+
+
+def _generation(prefix: str, slots: list[str]) -> bool:
+    parent, _, name = prefix.rpartition("/")
+    return parent in slots and GENERATION_RE.match(name) is not None
+
+
+def download_tree(uri: str | Store, local_dir: str | os.PathLike,
+                  storage_options: Mapping[str, Any] | None = None) -> list[str]:
+    """Download a checkpoint, or everything committed below a root, into ``local_dir``
+    (slots as their current generation, at the slot's path). Returns the relative
+    paths written. Files already there with the right size and CRC32C are kept."""
+    store = as_store(uri, storage_options)
+    units = tree_units(store)
+    for rel, ckpt in units:
+        download(ckpt, Path(local_dir) / rel if rel else Path(local_dir))
+    return [rel for rel, _ in units]
