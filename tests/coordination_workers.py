@@ -59,10 +59,12 @@ def fail_one_step(rank: int, world: int, endpoint: str, root: str, deadline: flo
                                           freq_steps=1, mode="on", user="u")
                 target = areal.RecoverHandler(cfg, 10, storage_options=opts)
                 model = torch.nn.Linear(4, 4)
-                target.dump(model, StepInfo(0, 0, 0, 10))
+                nothing = (None, None, None, None)  # saver, evaluator, stats, dataloader
+                target.dump(model, StepInfo(0, 0, 0, 10), *nothing)
 
-                def attempt(target: Any = target, model: Any = model) -> Any:
-                    return target.dump(model, StepInfo(0, 1, 1, 10))
+                def attempt(target: Any = target, model: Any = model,
+                            nothing: Any = nothing) -> Any:
+                    return target.dump(model, StepInfo(0, 1, 1, 10), *nothing)
             else:
                 keep = ManagerOptions(every_steps=1, keep_last=1,
                                       async_save=name == "async commit")
@@ -92,7 +94,7 @@ def fail_one_step(rank: int, world: int, endpoint: str, root: str, deadline: flo
                 latest_ok = bool(torch.equal(back[f"w-rank{rank}"], state[f"w-rank{rank}"]))
             elif name == "areal dump":
                 got = areal.RecoverHandler(cfg, 10, storage_options=direct).load(
-                    torch.nn.Linear(4, 4))
+                    torch.nn.Linear(4, 4), *nothing)
                 latest_ok = got is not None and got.last_step_info.global_step == 0
             elif name == "rlinf save":
                 latest_ok = latest_checkpoint(target.store, direct).step == 1

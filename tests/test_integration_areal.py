@@ -8,6 +8,7 @@ import getpass
 import importlib.util
 import json
 import logging
+import pickle
 import subprocess
 import sys
 from dataclasses import replace
@@ -23,7 +24,9 @@ from cloudckpt import StepInfo, open_store
 from cloudckpt.errors import CommitConflictError, ConfigError
 from cloudckpt.hf import load_state_dict as load_export
 from cloudckpt.integrations import areal
-from cloudckpt.state import loads_state
+
+INFO_FILES = ("saver_info.json", "evaluator_info.json", "stats_logger_info.json",
+              "checkpoint_info.json", "dataloader_info.pkl", "step_info.json")
 
 ROOT = Path(__file__).parent.parent
 SCRIPT = ROOT / "examples" / "areal" / "train.py"
@@ -122,16 +125,20 @@ def test_layout_and_recover_info_match_areal(s3, capsys):
                          "areal-cloudckpt-demo/t0")
     store = open_store(root, s3.options)
     keys = {o.key for o in store.list()}
-    slot_keys = {k for k in keys if k.startswith("default/recover_checkpoint/")}
-    assert keys - slot_keys == {
-        *(f"default/{e}/{f}" for e in ("epoch0epochstep5globalstep5",
-                                       "epoch1epochstep5globalstep11")
-          for f in ("config.json", "model.safetensors", "cloudckpt-manifest.json")),
-        *(f"recover_info/{f}" for f in areal.INFO_FILES)}
-    gens = {k.split("/")[2] for k in slot_keys if k.split("/")[2].startswith("gen-")}
-    assert len(gens) == 1 and "default/recover_checkpoint/slot-pointer.json" in slot_keys
+    gens = {k.split("/")[0] for k in keys if k.startswith("gen-")}
+    assert len(gens) == 1 and "slot-pointer.json" in keys
+    gen = gens.pop()
+    # AReaL's layout inside the one generation: the engine's DCP and recover_info/
+    assert {k.removeprefix(gen + "/") for k in keys if k.startswith(gen)} == {
+        "default/recover_checkpoint/.metadata", "default/recover_checkpoint/__0_0.distcp",
+        *(f"recover_info/{f}" for f in INFO_FILES), "recover_info/cloudckpt_rng_rank00000.bin",
+        "cloudckpt-manifest.json"}
+    assert {k for k in keys if not k.startswith(gen)} == {"slot-pointer.json", *(
+        f"default/{e}/{f}" for e in ("epoch0epochstep5globalstep5",
+                                     "epoch1epochstep5globalstep11")
+        for f in ("config.json", "model.safetensors", "cloudckpt-manifest.json"))}
 
-    info = {f: json.loads(store.get(f"recover_info/{f}")) for f in areal.INFO_FILES
+    info = {f: json.loads(store.get(f"{gen}/recover_info/{f}")) for f in INFO_FILES
             if f.endswith(".json")}
     assert info["step_info.json"] == {"epoch": 1, "epoch_step": 5, "global_step": 11,
                                       "steps_per_epoch": 6}
@@ -143,18 +150,16 @@ def test_layout_and_recover_info_match_areal(s3, capsys):
     assert info["checkpoint_info.json"]["step"]["steps"] == 12
     assert info["saver_info.json"]["epoch"]["steps"] == 2  # two epoch ends seen
 
-    raw = store.get("recover_info/dataloader_info.pkl")
-    assert not raw.startswith(b"\x80"), "must not be a pickle"
+    # AReaL's own format: a plain pickle of the (single process) dataloader state
+    raw = store.get(f"{gen}/recover_info/dataloader_info.pkl")
+    assert pickle.loads(raw) == {"epoch": 1, "pos": 6}
     recover_cfg = replace(recover_cfg, fileroot=s3.uri("experiments"), trial_name="t0")
     assert areal.read_dataloader_info(recover_cfg, storage_options=s3.options) == {
         "epoch": 1, "pos": 6}
-
-    # the slot generation carries the same recover info, committed with the weights
-    gen = store.child(f"default/recover_checkpoint/{gens.pop()}")
-    shared = loads_state(gen.get("state/shared.bin"))
-    assert shared["areal_recover_info"] == {
-        k.removesuffix(".json"): v for k, v in info.items()}
-    assert loads_state(gen.get("state/rank-00000.bin"))["dataloader"] == {"epoch": 1, "pos": 6}
+    # the DCP keys are AReaL's FSDP engine's
+    md = pickle.loads(store.get(f"{gen}/default/recover_checkpoint/.metadata"))
+    assert {k.split(".")[0] + "." + k.split(".")[1] for k in md.state_dict_metadata} >= {
+        "dcp.model", "dcp.optim"}
 
     # HF exports load; the newest committed one is found, a torn newer one is ignored
     export = load_export(f"{root}/default/epoch1epochstep5globalstep11", s3.options)
@@ -260,7 +265,8 @@ def test_torn_dump_areal_trusts_stale_info_cloudckpt_does_not(s3, tmp_path, monk
     model, optim = _tiny()
     handler = areal.RecoverHandler(recover_cfg, spe, storage_options=s3.options)
     _train(model, optim, 3)
-    assert handler.dump(areal.Engine(model, optim), StepInfo(0, 2, 2, spe))
+    nothing = (None, None, None, None)
+    handler.dump(areal.Engine(model, optim), StepInfo(0, 2, 2, spe), *nothing)
     w2, opt2 = _params(model), optim.state_dict()["state"][0]["exp_avg"].clone()
     _train(model, optim, 3)
 
@@ -270,47 +276,40 @@ def test_torn_dump_areal_trusts_stale_info_cloudckpt_does_not(s3, tmp_path, monk
     def die(*args, **kwargs):
         raise Crash
 
-    from cloudckpt import slot, training
+    from cloudckpt import slot, staging
 
-    for target, name in ((slot.RecoverSlot, "_swap"), (training, "_commit")):
+    for target, name in ((slot.RecoverSlot, "_swap"), (staging, "_commit")):
         with monkeypatch.context() as m:
             m.setattr(target, name, die)
             with pytest.raises(Crash):
-                handler.dump(areal.Engine(model, optim), StepInfo(0, 5, 5, spe))
+                handler.dump(areal.Engine(model, optim), StepInfo(0, 5, 5, spe), *nothing)
         fresh, fresh_optim = _tiny(seed=1)
         loader = areal.RecoverHandler(recover_cfg, spe, storage_options=s3.options)
-        got = loader.load(areal.Engine(fresh, fresh_optim))
+        got = loader.load(areal.Engine(fresh, fresh_optim), *nothing)
         assert got.last_step_info.global_step == 2
         assert got.last_step_info.next().global_step == 3
         assert _same(_params(fresh), w2)
         assert torch.equal(fresh_optim.state_dict()["state"][0]["exp_avg"], opt2)
-    info_store = open_store(areal.recover_info_uri(recover_cfg), s3.options)
-    assert json.loads(info_store.get("step_info.json"))["global_step"] == 2
 
     # the next dump succeeds over the leftovers and becomes what load returns
-    assert handler.dump(areal.Engine(model, optim), StepInfo(0, 5, 5, spe))
+    handler.dump(areal.Engine(model, optim), StepInfo(0, 5, 5, spe), *nothing)
+    assert handler.slot.info()["step"] == 5  # the crashed dumps' leftovers are gc's
     fresh, fresh_optim = _tiny(seed=1)
     got = areal.RecoverHandler(recover_cfg, spe, storage_options=s3.options).load(
-        areal.Engine(fresh, fresh_optim))
+        areal.Engine(fresh, fresh_optim), *nothing)
     assert got.last_step_info.global_step == 5 and _same(_params(fresh), _params(model))
-    # a crash after the swap, before the mirror is rewritten: the slot is the truth
-    info_store.put("step_info.json", json.dumps(StepInfo(0, 2, 2, spe).to_dict()).encode())
-    caplog.set_level(logging.WARNING, logger="cloudckpt")
-    fresh, fresh_optim = _tiny(seed=1)
-    got = areal.RecoverHandler(recover_cfg, spe, storage_options=s3.options).load(
-        areal.Engine(fresh, fresh_optim))
-    assert got.last_step_info.global_step == 5 and _same(_params(fresh), _params(model))
-    assert "is stale" in caplog.text
-
-    # deleting recover_info/ is the documented clean restart
-    info_store.delete_prefix("")
-    assert areal.RecoverHandler(recover_cfg, spe, storage_options=s3.options).load(
-        areal.Engine(*_tiny())) is None
-    assert "clean restart" in caplog.text
     # recover disabled: no dump, no load
     off = replace(recover_cfg, mode="disabled")
-    assert not areal.RecoverHandler(off, spe, storage_options=s3.options).dump(
-        areal.Engine(model, optim), StepInfo(0, 0, 0, spe))
+    disabled = areal.RecoverHandler(off, spe, storage_options=s3.options)
+    disabled.dump(areal.Engine(model, optim), StepInfo(0, 6, 6, spe), *nothing)
+    assert handler.slot.info()["step"] == 5
+    assert disabled.load(areal.Engine(*_tiny()), *nothing) is None
+    # an empty trial: a fresh start, with a warning
+    caplog.set_level(logging.WARNING, logger="cloudckpt")
+    empty = replace(recover_cfg, trial_name="never-saved")
+    assert areal.RecoverHandler(empty, spe, storage_options=s3.options).load(
+        areal.Engine(*_tiny()), *nothing) is None
+    assert "starting from scratch" in caplog.text
 
 
 def test_saver_reexport_after_a_restart(s3):
@@ -324,11 +323,14 @@ def test_saver_reexport_after_a_restart(s3):
     saver_cfg = replace(saver_cfg, freq_steps=1)
     model = torch.nn.Linear(4, 2)
     config = {"model_type": "linear-test"}
+    engine = areal.Engine(model, hf_config=config)
     first = areal.Saver(saver_cfg, 4, storage_options=s3.options)
-    uri = first.save(model, 0, 0, 0, config=config)
+    first.save(engine, 0, 0, 0)
+    uri = first.last_export
     kept = open_checkpoint(uri, s3.options).manifest.commit_id
     relaunched = areal.Saver(saver_cfg, 4, storage_options=s3.options)
-    assert relaunched.save(model, 0, 0, 0, config=config) == uri
+    relaunched.save(engine, 0, 0, 0)
+    assert relaunched.last_export == uri
     assert open_checkpoint(uri, s3.options).manifest.commit_id == kept
 
     torn = relaunched.export_uri(0, 1, 1)
@@ -336,5 +338,6 @@ def test_saver_reexport_after_a_restart(s3):
         {"writer": "dead", "host": "node-that-died", "pid": 7, "since": 0}).encode())
     with pytest.raises(CommitConflictError):  # a plain writer may not take it
         CheckpointWriter(torn, storage_options=s3.options).put("x", b"x")
-    assert relaunched.save(model, 0, 1, 1, config=config) == torn
+    relaunched.save(engine, 0, 1, 1)
+    assert relaunched.last_export == torn
     open_checkpoint(torn, s3.options).verify(deep=True)

@@ -107,7 +107,7 @@ def train(args: argparse.Namespace) -> int:
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=5, gamma=0.7)
     loader = SyntheticLoader(n=args.samples, batch=8, rank=0, world=1)
-    engine = Engine(model, optim, sched)
+    engine = Engine(model, optim, sched, hf_config=CONFIG)
     steps_per_epoch = len(loader)
     saver = Saver(saver_cfg, steps_per_epoch, storage_options=options)
     recover = RecoverHandler(recover_cfg, steps_per_epoch, storage_options=options)
@@ -137,9 +137,12 @@ def train(args: argparse.Namespace) -> int:
                 print(f"crashing at step {step.global_step}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
         evaluator.evaluate(lambda s=step: evaluated.append(s.global_step), step, steps_per_epoch)
-        if saver.save(engine, step.epoch, step.epoch_step, step.global_step, config=CONFIG):
+        exported = saver.last_export
+        saver.save(engine, step.epoch, step.epoch_step, step.global_step)
+        if saver.last_export != exported:
             print(f"exported step {step.global_step}", flush=True)
-        if recover.dump(engine, step, saver, evaluator, stats_logger, loader):
+        recover.dump(engine, step, saver, evaluator, stats_logger, loader)
+        if recover.last_step_info == step:
             print(f"dumped step {step.global_step}", flush=True)
         stats_logger.commit(step.global_step)
         step = step.next()

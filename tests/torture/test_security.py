@@ -962,19 +962,20 @@ def test_pickled_code_never_runs_from_training_state(local, tmp_path, record,
                                                                      rng=False)
     t.check("manager restore falls back to the step before",
             restored is not None and restored.global_step == 0, str(restored))
-    # AReaL: recover slot and the recover_info/dataloader_info.pkl mirror
+    # AReaL: recover_info/dataloader_info.pkl in the slot's generation (a pickle, as AReaL's)
     t.trials += 1
     cfg = areal.RecoverConfig(experiment_name="sec", trial_name="t",
                               fileroot=local.uri("areal"), freq_steps=1, mode="on", user="u")
     loader = _Loader(plant("areal"))
     model = torch.nn.Linear(2, 2)
-    assert areal.RecoverHandler(cfg, 2, storage_options=opts).dump(
-        model, StepInfo(steps_per_epoch=2), dataloader=loader)
+    handler = areal.RecoverHandler(cfg, 2, storage_options=opts)
+    handler.dump(model, StepInfo(steps_per_epoch=2), None, None, None, loader)
+    assert handler.slot.exists()
     t.expect("AReaL read_dataloader_info", partial(areal.read_dataloader_info, cfg,
                                                    storage_options=opts),
              CorruptCheckpointError)
     t.expect("AReaL recover load", partial(areal.RecoverHandler(cfg, 2, storage_options=opts)
-                                           .load, model, dataloader=loader),
+                                           .load, model, None, None, None, loader),
              CorruptCheckpointError)
     # RLinf data/data.pt
     t.trials += 1

@@ -1,28 +1,30 @@
-"""AReaL's ``Saver`` and ``RecoverHandler`` on cloudckpt: same keys, same layout, any URI.
+"""AReaL's ``Saver`` and ``RecoverHandler`` on cloudckpt: AReaL's calls, layout and
+files, on any URI.
 
-AReaL writes everything below ``{fileroot}/checkpoints/{user}/{experiment}/{trial}/``:
-Hugging Face exports ``{name}/epoch{E}epochstep{S}globalstep{G}/`` (the ``Saver``), a
-recover checkpoint ``{name}/recover_checkpoint/`` overwritten by every dump and the
-``recover_info/`` files describing it (the ``RecoverHandler``). Here ``fileroot`` may be
-a bucket URI (``s3://``, ``gs://``) or a local path, and the recover checkpoint is a
-:class:`~cloudckpt.slot.RecoverSlot`: each dump commits a new generation holding the
-weights, the optimizer, the RNG states, every rank's dataloader state *and* AReaL's
-recover info, then swaps the slot's pointer. Weights and recover info therefore can never
-disagree, and a crash mid-dump leaves the previous dump loadable. ``recover_info/`` is
-still written, after the swap, as a mirror in AReaL's file names for tools and people
-who look there; :meth:`RecoverHandler.load` reads the slot, and treats a missing
-``recover_info/`` as AReaL's documented "clean restart".
+A drop-in: AReaL's trainer builds ``Saver(config.saver, ft_spec)`` and
+``RecoverHandler(config.recover, ft_spec)`` and calls them as it always does; import
+these two classes from here instead of ``areal.utils.saver``/``areal.utils.recover``
+and ``fileroot`` may be a bucket URI (``s3://``, ``gs://``) or a local path. Both write
+through the engine's own ``save``/``load`` (into a local staging directory that is
+uploaded), so the bytes are exactly AReaL's:
 
-The package has one module per job: ``config`` (the ``saver:``/``recover:`` sections and
-the paths they name), ``yaml_loader`` (AReaL's experiment YAML), ``freq`` (when to save),
-``engines`` (what an engine contributes), ``saver`` (the ``Saver``), ``recover`` (the
-``RecoverHandler``) and ``relaunch`` (:func:`run_with_retries`).
+- exports ``{name}/epoch{E}epochstep{S}globalstep{G}/``, each committed with a manifest;
+- the recover state (``{name}/recover_checkpoint/`` and ``recover_info/``) as one
+  generation of a :class:`~cloudckpt.slot.RecoverSlot` at the trial directory, so a
+  crash mid-dump leaves the previous dump loadable.
+
+``cloudckpt download`` of the trial directory writes AReaL's layout on local disk (AReaL's
+own ``RecoverHandler`` resumes from it); ``python -m cloudckpt.integrations.areal import``
+brings a trial AReaL wrote on local disk into a bucket.
+
+One module per job: ``config`` (the sections and the paths they name), ``yaml_loader``,
+``freq`` (when to save), ``engines`` (AReaL's engine interface, and an adapter for a
+plain model), ``info`` (the ``recover_info/`` files), ``saver``, ``recover``,
+``importer`` and ``relaunch`` (:func:`run_with_retries`).
 """
 
-# EXPORT_RE, INFO_FILES and read_dataloader_info are public but, as before the split,
-# not in __all__ (hence the ``X as X`` re-exports).
-from .config import EXPORT_RE as EXPORT_RE
 from .config import (
+    EXPORT_RE,
     RecoverConfig,
     SaverConfig,
     export_name,
@@ -30,27 +32,32 @@ from .config import (
     recover_info_uri,
     save_root,
 )
-from .engines import Engine
+from .engines import Engine, ModuleEngine, SaveLoadMeta
 from .freq import FreqCtl
-from .recover import INFO_FILES as INFO_FILES
-from .recover import RecoverHandler, RecoverInfo
-from .recover import read_dataloader_info as read_dataloader_info
+from .importer import import_trial
+from .info import RecoverInfo
+from .recover import RecoverHandler, read_dataloader_info
 from .relaunch import run_with_retries
 from .saver import Saver, latest_export, list_exports
 from .yaml_loader import load_yaml
 
 __all__ = [
+    "EXPORT_RE",
     "Engine",
     "FreqCtl",
+    "ModuleEngine",
     "RecoverConfig",
     "RecoverHandler",
     "RecoverInfo",
+    "SaveLoadMeta",
     "Saver",
     "SaverConfig",
     "export_name",
+    "import_trial",
     "latest_export",
     "list_exports",
     "load_yaml",
+    "read_dataloader_info",
     "recover_checkpoint_uri",
     "recover_info_uri",
     "run_with_retries",

@@ -88,6 +88,8 @@ class RecoverConfig(_Section):
 
     mode: str = "disabled"
     retries: int = 3
+    no_save_optim: bool = False
+    no_load_optim: bool = False
     user: str | None = None
     MODES: ClassVar[tuple[str, ...]] = _RECOVER_MODES
 
@@ -97,6 +99,10 @@ class RecoverConfig(_Section):
                 or self.retries < 0:
             raise ConfigError(f"RecoverConfig.retries must be an integer >= 0, "
                               f"got {self.retries!r}")
+        for key in ("no_save_optim", "no_load_optim"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"RecoverConfig.{key} must be true or false, "
+                                  f"got {getattr(self, key)!r}")
 
     @property
     def enabled(self) -> bool:
@@ -119,9 +125,24 @@ def _validate_common(cfg: _Section) -> None:
 # --------------------------------------------------------------------------- paths
 
 
-def save_root(cfg: SaverConfig | RecoverConfig) -> str:
-    """``{fileroot}/checkpoints/{user}/{experiment}/{trial}``, as AReaL builds it."""
-    user = cfg.user or getpass.getuser()
+def recover_enabled(cfg: Any) -> bool:
+    """AReaL's rule: recover runs in modes ``on`` and ``auto``."""
+    return cfg.mode in ("on", "auto")
+
+
+def steps_per_epoch(ft_spec: Any) -> int:
+    """AReaL's ``FinetuneSpec`` (or anything with ``steps_per_epoch``), or an int."""
+    n = ft_spec if isinstance(ft_spec, int) else getattr(ft_spec, "steps_per_epoch", None)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ConfigError(f"need AReaL's FinetuneSpec or a number of steps per epoch >= 0, "
+                          f"got {ft_spec!r}")
+    return n
+
+
+def save_root(cfg: Any) -> str:
+    """``{fileroot}/checkpoints/{user}/{experiment}/{trial}``, as AReaL builds it, for
+    AReaL's config objects or this module's."""
+    user = getattr(cfg, "user", None) or getpass.getuser()
     return "/".join([cfg.fileroot.rstrip("/"), "checkpoints", user, cfg.experiment_name,
                      cfg.trial_name])
 
@@ -130,9 +151,9 @@ def export_name(epoch: int, epoch_step: int, global_step: int) -> str:
     return f"epoch{epoch}epochstep{epoch_step}globalstep{global_step}"
 
 
-def recover_checkpoint_uri(cfg: SaverConfig | RecoverConfig, name: str = "default") -> str:
+def recover_checkpoint_uri(cfg: Any, name: str = "default") -> str:
     return f"{save_root(cfg)}/{name}/recover_checkpoint"
 
 
-def recover_info_uri(cfg: SaverConfig | RecoverConfig) -> str:
+def recover_info_uri(cfg: Any) -> str:
     return f"{save_root(cfg)}/recover_info"

@@ -9,7 +9,7 @@ from typing import Any
 
 from ...errors import ConfigError
 from ...manager import SaveSchedule
-from .config import RecoverConfig, SaverConfig
+from .config import save_root, steps_per_epoch
 
 
 class FreqCtl:
@@ -87,16 +87,25 @@ class FreqCtl:
 
 
 class _Periodic:
-    """What Saver and RecoverHandler share: their config, where they write, and the
-    frequency control that decides when."""
+    """What Saver and RecoverHandler share: their config (AReaL's dataclass or this
+    package's), the ``FinetuneSpec``, where they write, and the frequency control that
+    decides when."""
 
-    def __init__(self, config: SaverConfig | RecoverConfig, steps_per_epoch: int,
+    def __init__(self, config: Any, ft_spec: Any,
                  storage_options: Mapping[str, Any] | None, process_group: Any) -> None:
-        if steps_per_epoch < 1:
-            raise ConfigError(f"steps_per_epoch must be >= 1, got {steps_per_epoch}")
         self.config = config
-        self.steps_per_epoch = steps_per_epoch
+        self.ft_spec = ft_spec
+        self.steps_per_epoch = steps_per_epoch(ft_spec)
         self.storage_options = dict(storage_options or {})
         self.group = process_group
         self.freq_ctl = FreqCtl(config.freq_epochs, config.freq_steps, config.freq_secs,
                                 process_group)
+
+    @property
+    def root(self) -> str:
+        """The trial's directory: ``{fileroot}/checkpoints/{user}/{experiment}/{trial}``."""
+        return save_root(self.config)
+
+    def epoch_ends(self, epoch_step: int) -> int:
+        """1 when ``epoch_step`` is the last of its epoch (AReaL's epoch count)."""
+        return int(epoch_step == self.steps_per_epoch - 1)

@@ -1,90 +1,147 @@
-"""AReaL's ``Saver``: committed Hugging Face exports, and listing them."""
+"""AReaL's ``Saver``: Hugging Face exports, each committed with a manifest."""
 
 from __future__ import annotations
 
+import getpass
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
 from ... import coordination as coord
-from ... import hf
 from ...checkpoint import Checkpoint, open_checkpoint
+from ...hf import KIND as HF_KIND
 from ...listing import list_checkpoints
 from ...manifest import MANIFEST_NAME
+from ...staging import staging_dir, upload_dir
 from ...storage import open_store
-from .config import EXPORT_RE, RecoverConfig, SaverConfig, export_name, save_root
-from .engines import _as_engine, _full_model_state, _is_sharded
+from .config import EXPORT_RE, export_name, save_root
+from .engines import as_engine, save_load_meta
 from .freq import _Periodic
 
 log = logging.getLogger("cloudckpt")
 
 
-class Saver(_Periodic):
-    """AReaL's ``Saver``: a Hugging Face export of the model when due, each to a new
-    ``{name}/epoch{E}epochstep{S}globalstep{G}/`` committed with a manifest (a crash
-    mid-export leaves an invisible prefix that :func:`latest_export` skips)."""
+def _dir(*parts: str) -> str:
+    """Join path parts as AReaL does; a local directory is created, as AReaL's are."""
+    path = "/".join([parts[0].rstrip("/"), *parts[1:]])
+    if "://" not in path:
+        path = os.path.join(*parts)
+        os.makedirs(path, exist_ok=True)
+    return path
 
-    def __init__(self, config: SaverConfig, steps_per_epoch: int, *,
+
+class Saver(_Periodic):
+    """AReaL's ``Saver(config, ft_spec)``: ``save`` exports the model through the
+    engine's own ``save`` when due, into ``{name}/epoch{E}epochstep{S}globalstep{G}/``
+    (a bucket URI or a local path), committed with a manifest, so a crash mid-export
+    leaves a prefix that no reader trusts.
+
+    ``config`` is AReaL's ``SaverConfig`` (or this package's); ``ft_spec`` AReaL's
+    ``FinetuneSpec`` (or the number of steps per epoch). The engine writes into a local
+    staging directory (``staging`` or ``$CLOUDCKPT_STAGING`` or the temp dir), which is
+    then uploaded and removed. Exports are synchronous, as AReaL's are for every engine
+    but Archon: ``is_async`` is False.
+    """
+
+    def __init__(self, config: Any, ft_spec: Any, *,
                  storage_options: Mapping[str, Any] | None = None,
-                 process_group: Any = None) -> None:
-        super().__init__(config, steps_per_epoch, storage_options, process_group)
+                 process_group: Any = None, staging: str | None = None) -> None:
+        super().__init__(config, ft_spec, storage_options, process_group)
+        self.staging = staging
+        self.last_export: str | None = None
         if config.mode == "async":
-            log.warning("saver mode 'async' applies to AReaL's Archon engine only; HF exports "
+            log.warning("saver mode 'async' applies to AReaL's Archon engine only; exports "
                         "here are synchronous (as AReaL does for other engines)")
+
+    # ------------------------------------------------------- AReaL's path helpers
+
+    @staticmethod
+    def get_save_root(experiment_name: str, trial_name: str, fileroot: str) -> str:
+        return _dir(f"{fileroot}/checkpoints/{getpass.getuser()}/{experiment_name}/"
+                    f"{trial_name}")
+
+    @staticmethod
+    def get_model_save_root(experiment_name: str, trial_name: str, fileroot: str,
+                            name: str = "default") -> str:
+        return _dir(Saver.get_save_root(experiment_name, trial_name, fileroot), name)
+
+    @staticmethod
+    def get_model_save_path(experiment_name: str, trial_name: str, fileroot: str,
+                            epoch: int, step: int, globalstep: int,
+                            name: str = "default") -> str:
+        return _dir(Saver.get_model_save_root(experiment_name, trial_name, fileroot, name),
+                    export_name(epoch, step, globalstep))
+
+    @staticmethod
+    def get_recover_checkpoint_path(experiment_name: str, trial_name: str, fileroot: str,
+                                    name: str = "default") -> str:
+        return _dir(Saver.get_model_save_root(experiment_name, trial_name, fileroot, name),
+                    "recover_checkpoint")
 
     def export_uri(self, epoch: int, epoch_step: int, global_step: int,
                    name: str = "default") -> str:
-        return f"{save_root(self.config)}/{name}/{export_name(epoch, epoch_step, global_step)}"
+        return f"{self.root}/{name}/{export_name(epoch, epoch_step, global_step)}"
 
-    def save(self, engine: Any, epoch: int, step: int, global_step: int, *,
-             name: str = "default", tokenizer: Any = None,
-             config: Mapping[str, Any] | Any | None = None) -> str | None:
-        """Export when due (AReaL's arguments: ``step`` is the step within the epoch).
-        Call on every rank; rank 0 writes. Returns the export URI when one was written."""
-        if not self.freq_ctl.check(epochs=int(step == self.steps_per_epoch - 1), steps=1):
-            return None
-        eng = _as_engine(engine)
+    # ------------------------------------------------------------------ saving
+
+    def save(self, engine: Any, epoch: int, step: int, global_step: int,
+             name: str = "default", tokenizer: Any = None, processor: Any = None,
+             base_model_path: str | None = None) -> None:
+        """Export when due (``step`` is the step within the epoch); call on every rank.
+        The URI written is kept in :attr:`last_export`."""
+        if not self.freq_ctl.check(epochs=self.epoch_ends(step), steps=1):
+            return
         uri = self.export_uri(epoch, step, global_step, name)
-        # A sharded (FSDP2) model is gathered on every rank; a plain one is exported
-        # as itself, so transformers' tied weights and generation config are honoured.
-        model: Any = _full_model_state(eng.model) if _is_sharded(eng.model) else eng.model
-        if config is None:
-            config = getattr(eng.model, "config", None)
-        def export() -> None:
-            if open_store(uri, self.storage_options).exists(MANIFEST_NAME):
-                # Exported before a crash that came before the next recover dump:
-                # the run resumed earlier and reached this step again.
-                log.info("%s was exported before a restart; keeping it", uri)
-            else:  # this job owns its exports: a crashed attempt's claim is ours
-                hf.export(model, uri, config=config, tokenizer=tokenizer,
-                          storage_options=self.storage_options, takeover=True,
-                          metadata={"step_info": {"epoch": epoch, "epoch_step": step,
-                                                  "global_step": global_step}})
+        done = coord.on_coordinator(
+            lambda: open_store(uri, self.storage_options).exists(MANIFEST_NAME), self.group)
+        if done:
+            # Exported before a crash that came before the next recover dump: the run
+            # resumed earlier and reached this step again.
+            log.info("%s was exported before a restart; keeping it", uri)
+        else:
+            eng = as_engine(engine)
+            with staging_dir(self.staging, self.group) as local:
+                eng.save(save_load_meta(path=str(local), weight_format="hf", with_optim=False,
+                                        tokenizer=tokenizer, processor=processor,
+                                        base_model_path=base_model_path))
+                # This job owns its export directories: a crashed attempt's claim is ours.
+                upload_dir(local, uri, group=self.group, storage_options=self.storage_options,
+                           kind=HF_KIND, step=global_step, takeover=True, metadata={
+                               "step_info": {"epoch": epoch, "epoch_step": step,
+                                             "global_step": global_step}})
+        self.last_export = uri
 
-        coord.on_coordinator(export, self.group)
-        return uri
+    @property
+    def is_async(self) -> bool:
+        return False
+
+    def maybe_wait_for_staging(self) -> None:
+        """Nothing to wait for: exports are synchronous."""
+
+    def finalize(self) -> None:
+        """Nothing pending at the end of training: every export has committed."""
 
     def state_dict(self) -> dict[str, Any]:
         return self.freq_ctl.state_dict()
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.freq_ctl.load_state_dict(state)
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self.freq_ctl.load_state_dict(state_dict)
 
 
-def list_exports(cfg: SaverConfig | RecoverConfig, name: str = "default", *,
+def list_exports(cfg: Any, name: str = "default", *,
                  storage_options: Mapping[str, Any] | None = None) -> list[Checkpoint]:
     """The committed exports of engine ``name``, oldest global step first. Torn
     exports (no manifest) are not listed."""
-    root = f"{save_root(cfg)}/{name}"
     found = []
-    for info in list_checkpoints(root, storage_options):
+    for info in list_checkpoints(f"{save_root(cfg)}/{name}", storage_options):
         m = EXPORT_RE.match(info.name)
         if m:
             found.append((int(m.group(3)), info.uri))
     return [open_checkpoint(uri, storage_options) for _, uri in sorted(found)]
 
 
-def latest_export(cfg: SaverConfig | RecoverConfig, name: str = "default", *,
+def latest_export(cfg: Any, name: str = "default", *,
                   storage_options: Mapping[str, Any] | None = None) -> Checkpoint | None:
     """The committed export with the highest global step, or None."""
     exports = list_exports(cfg, name, storage_options=storage_options)

@@ -1,0 +1,32 @@
+"""``python -m cloudckpt.integrations.areal import LOCAL_TRIAL URI [-o KEY=VALUE]...``"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from ...storage import parse_options
+from .importer import import_trial
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cloudckpt.integrations.areal",
+                                description="AReaL trials and cloudckpt")
+    sub = p.add_subparsers(dest="command", required=True)
+    sp = sub.add_parser("import", help="commit a trial AReaL wrote on local disk (its "
+                        "recover state and exports) into a bucket, resumable from there")
+    sp.add_argument("local_trial", help="{fileroot}/checkpoints/{user}/{experiment}/{trial}")
+    sp.add_argument("uri", help="the same trial's directory in the bucket")
+    sp.add_argument("-o", "--option", action="append", metavar="KEY=VALUE",
+                    help="storage option (e.g. endpoint_url=http://...)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for uri in import_trial(args.local_trial, args.uri,
+                            storage_options=parse_options(args.option)):
+        print(f"committed {uri}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

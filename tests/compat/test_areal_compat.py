@@ -1,0 +1,238 @@
+"""AReaL 1.0.4's own classes drive cloudckpt's Saver and RecoverHandler, and each side
+resumes what the other wrote, bit-exact (see areal_parts.py for the stand-ins)."""
+
+from __future__ import annotations
+
+import getpass
+import inspect
+import json
+import os
+import pickle
+from pathlib import Path
+
+import areal.utils.recover as areal_recover
+import areal.utils.saver as areal_saver
+import pytest
+import torch
+import torch.distributed as dist
+from areal.api.cli_args import RecoverConfig, SaverConfig
+from areal.api.io_struct import FinetuneSpec, StepInfo, WeightUpdateMeta
+from areal_parts import FT_SPEC, Trainer, assert_same_state, first_step
+
+from cloudckpt.cli import main as cloudckpt_cli
+from cloudckpt.errors import CorruptCheckpointError
+from cloudckpt.integrations import areal
+from cloudckpt.integrations.areal.__main__ import main as areal_cli
+from cloudckpt.integrations.areal.info import load_pickle
+
+STEPS, CUT = 8, 5  # train 8 steps; the interrupted run stops after step 4 (dumped at 3)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_gloo(tmp_path_factory):
+    """AReaL's engine code calls torch.distributed: a real one-rank gloo group."""
+    store = tmp_path_factory.mktemp("gloo") / "init"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def configs(fileroot: str, **recover: object) -> tuple[SaverConfig, RecoverConfig]:
+    return (SaverConfig(experiment_name="exp", trial_name="trial", fileroot=fileroot,
+                        freq_steps=3),
+            RecoverConfig(experiment_name="exp", trial_name="trial", fileroot=fileroot,
+                          mode="on", freq_steps=2, **recover))
+
+
+def trial_dir(fileroot: str) -> str:
+    return f"{fileroot.rstrip('/')}/checkpoints/{getpass.getuser()}/exp/trial"
+
+
+def cli_options(backend) -> list[str]:
+    return [f"{k}={v}" for k, v in backend.options.items() if k != "retry"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Trainer:
+    """An uninterrupted run, nothing saved."""
+    root = str(tmp_path_factory.mktemp("ref"))
+    saver_cfg, recover_cfg = configs(root)
+    saver_cfg.freq_steps, recover_cfg.mode = None, "disabled"
+    run = Trainer(areal.Saver, areal.RecoverHandler, saver_cfg, recover_cfg)
+    run.train(first_step(), STEPS)
+    return run
+
+
+def resume_and_finish(run: Trainer, reference: Trainer) -> object:
+    calls_before = len(run.calls)
+    info = run.recover(WeightUpdateMeta(type="disk", path="/unused"))
+    assert info is not None
+    assert info.last_step_info == StepInfo(epoch=0, epoch_step=3, global_step=3,
+                                           steps_per_epoch=FT_SPEC.steps_per_epoch)
+    # AReaL's weight push after recovery: version = last global step + 1, in this order.
+    v = 4
+    assert run.calls[calls_before:] == [("connect_engine", v), ("pause",),
+                                        ("update_weights", v), ("resume",),
+                                        ("engine.set_version", v),
+                                        ("inference.set_version", v)]
+    assert run.stats_logger.last_commit_step == 2  # committed before step 3's dump
+    run.train(info.last_step_info.next(), STEPS)
+    for got, want in zip(run.batches, reference.batches[v:], strict=True):
+        assert torch.equal(got, want)  # the dataloader resumed mid-epoch
+    assert_same_state(run.actor, reference.actor)
+    return info
+
+
+@pytest.mark.parametrize("where", ["s3", "gcs", "local"])
+def test_cloudckpt_trial_downloaded_resumes_under_areal(where, request, tmp_path, reference):
+    backend = request.getfixturevalue(where)
+    saver_cfg, recover_cfg = configs(backend.root)
+    first = Trainer(areal.Saver, areal.RecoverHandler, saver_cfg, recover_cfg,
+                    storage_options=backend.options)
+    first.train(first_step(), CUT)
+
+    local_root = str(tmp_path / "areal")
+    rc = cloudckpt_cli(["download", trial_dir(backend.root), trial_dir(local_root),
+                        *[a for o in cli_options(backend) for a in ("-o", o)]])
+    assert rc == 0
+    local = Path(trial_dir(local_root))
+    # AReaL's layout, file for file: recover state of step 3, exports of steps 2 and 5.
+    assert (local / "default/recover_checkpoint/.metadata").is_file()
+    assert json.loads((local / "recover_info/step_info.json").read_text())["global_step"] == 3
+    assert sorted(p.name for p in (local / "default").iterdir()) == [
+        "epoch0epochstep2globalstep2", "recover_checkpoint"]
+    assert not list(local.glob("gen-*"))
+    _, local_recover = configs(local_root)
+    assert areal_recover.check_if_recover(local_recover, 0)  # AReaL's launcher agrees
+
+    second = Trainer(areal_saver.Saver, areal_recover.RecoverHandler, *configs(local_root))
+    info = resume_and_finish(second, reference)
+    assert isinstance(info, areal_recover.RecoverInfo)
+
+
+def test_areal_trial_imported_resumes_under_cloudckpt(s3, tmp_path, reference):
+    local_root = str(tmp_path / "areal")
+    first = Trainer(areal_saver.Saver, areal_recover.RecoverHandler, *configs(local_root))
+    first.train(first_step(), CUT)
+
+    rc = areal_cli(["import", trial_dir(local_root), trial_dir(s3.root),
+                    *[a for o in cli_options(s3) for a in ("-o", o)]])
+    assert rc == 0
+    saver_cfg, recover_cfg = configs(s3.root)
+    exports = areal.list_exports(saver_cfg, storage_options=s3.options)
+    assert [Path(e.uri).name for e in exports] == ["epoch0epochstep2globalstep2"]
+    assert "model.safetensors" in exports[0].files and "tokenizer.json" in exports[0].files
+
+    second = Trainer(areal.Saver, areal.RecoverHandler, saver_cfg, recover_cfg,
+                     storage_options=s3.options)
+    info = resume_and_finish(second, reference)
+    assert isinstance(info, areal_recover.RecoverInfo)
+
+
+def test_export_is_what_areal_exports(s3, tmp_path):
+    """The same step exported by AReaL (local) and by cloudckpt (bucket), through the
+    same engine: the same files and the same bytes."""
+    import safetensors.torch
+
+    from cloudckpt import open_checkpoint
+
+    mine = Trainer(areal.Saver, areal.RecoverHandler, *configs(s3.root),
+                   storage_options=s3.options)
+    theirs = Trainer(areal_saver.Saver, areal_recover.RecoverHandler,
+                     *configs(str(tmp_path)))
+    mine.train(first_step(), 3)
+    theirs.train(first_step(), 3)
+    ckpt = open_checkpoint(mine.saver.last_export, s3.options)
+    local = Path(trial_dir(str(tmp_path))) / "default" / "epoch0epochstep2globalstep2"
+    assert sorted(ckpt.files) == sorted(p.name for p in local.iterdir())
+    for name in ckpt.files:
+        if name.endswith(".safetensors"):
+            got = safetensors.torch.load(ckpt.read(name))
+            want = safetensors.torch.load_file(str(local / name))
+            assert got.keys() == want.keys()
+            assert all(torch.equal(got[k], want[k]) for k in got)
+        elif name.endswith(".json") and name != "config.json":
+            assert json.loads(ckpt.read(name)) == json.loads((local / name).read_text())
+
+
+def _params(fn) -> list[tuple[str, object, object]]:
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+@pytest.mark.parametrize("cls, method", [
+    ("Saver", "__init__"), ("Saver", "save"), ("Saver", "get_save_root"),
+    ("Saver", "get_model_save_root"), ("Saver", "get_model_save_path"),
+    ("Saver", "get_recover_checkpoint_path"), ("Saver", "state_dict"),
+    ("Saver", "load_state_dict"), ("Saver", "maybe_wait_for_staging"), ("Saver", "finalize"),
+    ("RecoverHandler", "__init__"), ("RecoverHandler", "dump"), ("RecoverHandler", "load"),
+    ("RecoverHandler", "recover_info_path"),
+])
+def test_every_method_takes_areals_arguments(cls, method):
+    """AReaL's parameters, names, kinds and defaults, in AReaL's positions; ours may
+    only add keyword-only ones after them."""
+    theirs = _params(getattr(getattr(areal_saver if cls == "Saver" else areal_recover, cls),
+                             method))
+    ours = _params(getattr(getattr(areal, cls), method))
+    assert ours[:len(theirs)] == theirs
+    assert all(kind == inspect.Parameter.KEYWORD_ONLY for _, kind, _ in ours[len(theirs):])
+
+
+def test_areal_config_objects_and_spec(tmp_path):
+    saver_cfg, recover_cfg = configs(str(tmp_path), no_save_optim=True, no_load_optim=True)
+    empty = FinetuneSpec(total_train_epochs=1, dataset_size=1, train_batch_size=4)
+    assert empty.steps_per_epoch == 0  # a dataset smaller than a batch
+    saver = areal.Saver(saver_cfg, empty)
+    handler = areal.RecoverHandler(recover_cfg, empty)
+    assert handler.last_step_info == StepInfo(-1, -1, -1, 0)
+    assert type(handler.last_step_info) is StepInfo
+    assert saver.is_async is False
+    saver.maybe_wait_for_staging()
+    saver.finalize()
+    root = areal.Saver.get_model_save_root("exp", "trial", str(tmp_path))
+    assert root == areal_saver.Saver.get_model_save_root("exp", "trial", str(tmp_path))
+    assert os.path.isdir(root)  # a local path is created, as AReaL does
+    assert areal.RecoverHandler.recover_info_path("exp", "trial", "s3://b/r") == \
+        f"s3://b/r/checkpoints/{getpass.getuser()}/exp/trial/recover_info"
+    ours = areal.RecoverConfig.from_dict({"experiment_name": "e", "trial_name": "t",
+                                          "no_save_optim": True, "no_load_optim": False})
+    assert ours.no_save_optim is True
+
+
+def test_no_save_optim_writes_the_model_only(s3, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run = Trainer(areal.Saver, areal.RecoverHandler, *configs(s3.root, no_save_optim=True),
+                  storage_options=s3.options)
+    run.train(first_step(), 2)
+    assert cloudckpt_cli(["download", trial_dir(s3.root), str(tmp_path / "t"),
+                          *[a for o in cli_options(s3) for a in ("-o", o)]]) == 0
+    keys = FileSystemReader(str(tmp_path / "t/default/recover_checkpoint")).read_metadata()
+    names = set(keys.state_dict_metadata)
+    assert any(k.startswith("dcp.model.") for k in names)
+    assert not any(k.startswith("dcp.optim.") for k in names)  # AReaL's own keys
+
+
+def test_dataloader_pickle_allow_list(tmp_path):
+    """AReaL's own dataloader_info.pkl loads; a pickle that would run code does not."""
+    local_root = str(tmp_path / "areal")
+    run = Trainer(areal_saver.Saver, areal_recover.RecoverHandler, *configs(local_root))
+    run.train(first_step(), 2)
+    raw = (Path(trial_dir(local_root)) / "recover_info/dataloader_info.pkl").read_bytes()
+    (tmp_path / "x.pkl").write_bytes(raw)
+    with pytest.raises(Exception):  # noqa: B017 - why the allow-list: torch refuses it
+        torch.load(tmp_path / "x.pkl", weights_only=True)
+    got, want = load_pickle(raw, "areal"), pickle.loads(raw)
+    assert got[0].keys() == want[0].keys()
+    got_gen = got[0]["_sampler_iter_state"]["sampler_iter_state"]["generator"]
+    want_gen = want[0]["_sampler_iter_state"]["sampler_iter_state"]["generator"]
+    assert isinstance(got_gen, torch.Tensor) and torch.equal(got_gen, want_gen)
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    with pytest.raises(CorruptCheckpointError, match="posix.system|os.system|not allowed"):
+        load_pickle(pickle.dumps([{"x": Evil()}]), "evil.pkl")
+    assert not marker.exists()
