@@ -1,18 +1,21 @@
 """ROLL integration: uploaders registered into ROLL's registry dict and driven the
 way ROLL drives them, concurrent per-rank uploads from real processes, atomic
-visibility, pruning, async errors, and a SIGKILL + resume-from-bucket run that
-must match an uninterrupted one bit for bit."""
+visibility, pruning, one checkpoint's failure never touching the next, and a
+SIGKILL + resume-from-bucket run that must match an uninterrupted one bit for bit.
+(tests/compat/test_roll_compat.py drives the same through ROLL's own classes.)"""
 
 from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import re
 import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,7 @@ from cloudckpt import (
     MANIFEST_NAME,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    RetryPolicy,
     StorageError,
     list_checkpoints,
     open_checkpoint,
@@ -31,6 +35,7 @@ from cloudckpt import (
 from cloudckpt.errors import ConfigError
 from cloudckpt.integrations import roll
 from cloudckpt.integrations.roll import (
+    CKPT_RE,
     PARTS_DIR,
     GcsUploader,
     S3Uploader,
@@ -38,6 +43,7 @@ from cloudckpt.integrations.roll import (
     register,
     wrap_model_downloaders,
 )
+from cloudckpt.testing import FaultPlan, FaultProxy
 
 REPO = Path(__file__).parent.parent
 EXAMPLE = REPO / "examples" / "roll" / "train.py"
@@ -88,8 +94,17 @@ def stage_pipeline(root: Path, ckpt: str, step: int) -> Path:
 
 
 def config(s3, **extra) -> dict:
+    """An uploader config; ``download_dir`` from this module's ``s3`` fixture, when used."""
+    where = {"download_dir": str(s3.download_dir)} if hasattr(s3, "download_dir") else {}
     return {"type": "s3", "output_dir": s3.root, "async_upload": False, "keep_local_file": True,
-            "storage_options": s3.options, **extra}
+            "storage_options": s3.options, **where, **extra}
+
+
+@pytest.fixture
+def s3(s3, tmp_path):
+    """The S3 backend, plus where get_latest_ckpt may download to in this test."""
+    s3.download_dir = tmp_path / "latest"
+    return s3
 
 
 def commit_checkpoint(up, tmp: Path, step: int) -> None:
@@ -105,7 +120,7 @@ def test_driven_like_roll_layout_and_invisible_until_complete(s3, tmp_path):
     assert isinstance(up, S3Uploader)
     # get_latest_ckpt(checkpoint_config) in ROLL calls cls(**config) with `type` still in
     also = S3Uploader(**cfg)
-    assert also.get_latest_ckpt() is None
+    assert also.get_latest_ckpt() is None and also.latest_uri() is None
     with pytest.raises(ConfigError, match="gcs"):
         S3Uploader(**{**cfg, "type": "gcs"})
     with pytest.raises(ConfigError, match="gs://"):
@@ -113,12 +128,17 @@ def test_driven_like_roll_layout_and_invisible_until_complete(s3, tmp_path):
 
     actor = stage_actor(tmp_path, "checkpoint-4", 0, hf=True)
     up.upload(ckpt_id="checkpoint-4", local_state_path=str(actor))
-    assert up.get_latest_ckpt() is None and list_checkpoints(s3.root, s3.options) == []
+    assert up.latest_uri() is None and list_checkpoints(s3.root, s3.options) == []
     assert old_roll_latest(s3.root, s3.options) == s3.uri("checkpoint-4")  # old rule: torn!
     pipe = stage_pipeline(tmp_path, "checkpoint-4", 4)
     up.upload(ckpt_id="checkpoint-4", local_state_path=str(pipe))
 
-    assert also.get_latest_ckpt() == s3.uri("checkpoint-4")
+    assert also.latest_uri() == s3.uri("checkpoint-4")
+    # get_latest_ckpt: a local directory (what ROLL's download_model passes through)
+    latest = also.get_latest_ckpt()
+    assert latest == str(s3.download_dir / "checkpoint-4")
+    assert (Path(latest) / "dcp" / "__0_0.distcp").read_bytes() == (
+        actor / "dcp" / "__0_0.distcp").read_bytes()
     ckpt = open_checkpoint(s3.uri("checkpoint-4"), s3.options)
     ckpt.verify(deep=True)
     expected = {"config.json", "model.safetensors", "dcp/.metadata", "dcp/__0_0.distcp",
@@ -162,11 +182,11 @@ def test_concurrent_rank_processes_commit_once_complete(s3, tmp_path):
     (tmp_path / "go1").touch()
     finish(procs)
     up = S3Uploader(**cfg)
-    assert up.get_latest_ckpt() is None  # 4 of 5 parts: invisible
+    assert up.latest_uri() is None  # 4 of 5 parts: invisible
     info = list_checkpoints(s3.root, s3.options, include_uncommitted=True)
     assert [(i.name, i.committed) for i in info] == [("checkpoint-2", False)]
     up.upload("checkpoint-2", str(stage_pipeline(tmp_path, "checkpoint-2", 2)))
-    assert up.get_latest_ckpt() == s3.uri("checkpoint-2")
+    assert up.latest_uri() == s3.uri("checkpoint-2")
     ckpt = open_checkpoint(s3.uri("checkpoint-2"), s3.options)
     ckpt.verify(deep=True)
     assert {f"dcp/__{r}_0.distcp" for r in range(world)} <= set(ckpt.files)
@@ -191,7 +211,8 @@ def test_torn_latest_old_rule_differs_and_download_verifies(s3, tmp_path):
     # checkpoint-6: the actor part arrived, the pipeline crashed before its upload
     up.upload("checkpoint-6", str(stage_actor(tmp_path / "6", "checkpoint-6", 0, hf=True)))
     assert old_roll_latest(s3.root, s3.options) == s3.uri("checkpoint-6")
-    assert up.get_latest_ckpt() == s3.uri("checkpoint-3")
+    assert up.latest_uri() == s3.uri("checkpoint-3")
+    assert up.get_latest_ckpt() == str(s3.download_dir / "checkpoint-3")
     assert download_checkpoint(s3.root, tmp_path / "dl", s3.options).endswith("checkpoint-3")
     with pytest.raises(IncompleteCheckpointError, match="torn"):
         download_checkpoint(s3.uri("checkpoint-6"), tmp_path / "dl2", s3.options)
@@ -211,7 +232,7 @@ def test_stale_parts_of_a_crashed_attempt_are_not_committed(s3, tmp_path):
     (tmp_path / "a" / "extra" / "only-a1.bin").write_bytes(b"x")
     first.upload("checkpoint-5", str(tmp_path / "a" / "extra"), part_id="other")
     # "other" was an a1 part too, but a1 then crashed; attempt a2 redoes step 5
-    assert first.get_latest_ckpt() == s3.uri("checkpoint-5")  # a1 had 2 parts: committed
+    assert first.latest_uri() == s3.uri("checkpoint-5")  # a1 had 2 parts: committed
     first_ckpt = open_checkpoint(s3.uri("checkpoint-5"), s3.options)
     assert "only-a1.bin" in first_ckpt.files
 
@@ -219,7 +240,7 @@ def test_stale_parts_of_a_crashed_attempt_are_not_committed(s3, tmp_path):
     second.upload("checkpoint-7", str(stage_pipeline(tmp_path / "b", "checkpoint-7", 7)))
     old = roll_manager_uploader(config(s3, expected_uploads=2, attempt_id="a1"))
     old.upload("checkpoint-7", str(stage_actor(tmp_path / "old", "checkpoint-7", 0)))
-    assert second.get_latest_ckpt() == s3.uri("checkpoint-5")  # a1's part does not count
+    assert second.latest_uri() == s3.uri("checkpoint-5")  # a1's part does not count
     second.upload("checkpoint-7", str(stage_actor(tmp_path / "b", "checkpoint-7", 1)))
     ckpt = open_checkpoint(s3.uri("checkpoint-7"), s3.options)
     assert ckpt.metadata["attempt"] == "b2"
@@ -232,7 +253,7 @@ def test_stale_parts_of_a_crashed_attempt_are_not_committed(s3, tmp_path):
     anon_old.upload("checkpoint-9", str(stage_actor(tmp_path / "c", "checkpoint-9", 0)))
     anon_new = roll_manager_uploader(config(s3, expected_uploads=2))
     anon_new.upload("checkpoint-9", str(stage_pipeline(tmp_path / "c", "checkpoint-9", 9)))
-    assert anon_new.get_latest_ckpt() == s3.uri("checkpoint-7")
+    assert anon_new.latest_uri() == s3.uri("checkpoint-7")
 
 
 def test_max_ckpt_to_keep_prunes_the_bucket_but_not_young_torn(s3, tmp_path):
@@ -254,7 +275,7 @@ def test_max_ckpt_to_keep_prunes_the_bucket_but_not_young_torn(s3, tmp_path):
     assert names == ["checkpoint-10", "checkpoint-8"]
 
 
-def test_async_upload_survives_roll_deleting_local_and_surfaces_errors(s3, tmp_path):
+def test_async_upload_survives_roll_deleting_local(s3, tmp_path):
     up = roll_manager_uploader(config(s3, expected_uploads=2, async_upload=True,
                                       keep_local_file=False))
     actor = stage_actor(tmp_path, "checkpoint-2", 0, hf=True, size=400_000)
@@ -266,33 +287,61 @@ def test_async_upload_survives_roll_deleting_local_and_surfaces_errors(s3, tmp_p
     open_checkpoint(s3.uri("checkpoint-2"), s3.options).verify(deep=True)
     assert not list(tmp_path.rglob(".cloudckpt-staging-*"))  # staging cleaned up
 
-    bad = roll_manager_uploader({**config(s3, expected_uploads=1, async_upload=True,
-                                          keep_local_file=False),
-                                 "output_dir": "s3://no-such-bucket-cloudckpt/x"})
-    local = stage_pipeline(tmp_path / "bad", "checkpoint-3", 3)
-    bad.upload("checkpoint-3", str(local))  # returns at once
-    with pytest.raises(StorageError, match="background checkpoint upload failed"):
-        bad.wait()
-    assert (local / "pipeline" / "worker_state_pipeline.json").exists()  # not deleted
-    bad.upload("checkpoint-4", str(stage_pipeline(tmp_path / "bad", "checkpoint-4", 4)))
-    time.sleep(0.5)
-    while bad._pending and not bad._pending[-1].done():
-        time.sleep(0.05)
-    with pytest.raises(StorageError):  # the next call raises the earlier error
-        bad.upload("checkpoint-5", str(stage_pipeline(tmp_path / "bad", "checkpoint-5", 5)))
+
+@pytest.mark.parametrize("async_upload", [True, False])
+def test_a_failed_checkpoint_never_stops_the_next(s3, moto_server, tmp_path, caplog,
+                                                  async_upload):
+    """checkpoint-2's requests all get 503 until the retries give up; checkpoint-4,
+    uploaded right after by the same uploader, commits."""
+    with FaultProxy(moto_server.endpoint) as proxy:
+        via = replace(s3, options={**s3.options, "endpoint_url": proxy.endpoint,
+                                   "retry": RetryPolicy(initial_backoff=0.02, max_backoff=0.1,
+                                                        deadline=1.0)})
+        via.download_dir = s3.download_dir
+        proxy.set_plan(FaultPlan(error_rate=1.0, kinds=("slowdown",), match="checkpoint-2"))
+        up = roll_manager_uploader({**config(via, expected_uploads=1, keep_local_file=False),
+                                    "async_upload": async_upload})
+        bad = stage_pipeline(tmp_path, "checkpoint-2", 2)
+        with caplog.at_level(logging.ERROR, logger="cloudckpt.roll"):
+            if async_upload:
+                up.upload("checkpoint-2", str(bad))
+                shutil.rmtree(bad)  # as ROLL's manager does once upload returns
+            else:
+                with pytest.raises(StorageError):
+                    up.upload("checkpoint-2", str(bad))
+            while not [r for r in caplog.records if r.name == "cloudckpt.roll"]:
+                time.sleep(0.05)  # checkpoint-2 has failed for good before checkpoint-4
+            up.upload("checkpoint-4", str(stage_pipeline(tmp_path, "checkpoint-4", 4)))
+            if async_upload:
+                with pytest.raises(StorageError, match="checkpoint-2") as err:
+                    up.wait()
+                assert "checkpoint-4" not in str(err.value)
+        assert up.latest_uri() == s3.uri("checkpoint-4")
+    assert [c.name for c in list_checkpoints(s3.root, s3.options)] == ["checkpoint-4"]
+    assert proxy.faults["slowdown"] >= 3
+    errors = [r.getMessage() for r in caplog.records
+              if r.levelno == logging.ERROR and r.name == "cloudckpt.roll"]
+    assert len(errors) == 1 and "checkpoint-2 was NOT saved" in errors[0]
+    assert "Fix:" in errors[0] and "later checkpoints upload on their own" in errors[0]
+    assert not list(tmp_path.rglob(".cloudckpt-staging-*"))
+    # the files of the lost checkpoint are back where ROLL wrote them, as with a sync failure
+    assert (bad / "pipeline" / "worker_state_pipeline.json").exists()
+    assert not (tmp_path / "pipeline" / "checkpoint-4").exists()  # uploaded, so deleted
 
 
 def test_gcs_uploader_commits_and_finds_latest(gcs, tmp_path):
     up = roll_manager_uploader({"type": "gcs", "output_dir": gcs.root, "async_upload": True,
                                 "keep_local_file": True, "expected_uploads": 2,
-                                "storage_options": gcs.options})
+                                "storage_options": gcs.options,
+                                "download_dir": str(tmp_path / "latest")})
     assert isinstance(up, GcsUploader)
     up.upload("checkpoint-2", str(stage_actor(tmp_path, "checkpoint-2", 0, hf=True)))
     up.wait()
     assert up.get_latest_ckpt() is None
     up.upload("checkpoint-2", str(stage_pipeline(tmp_path, "checkpoint-2", 2)))
     up.wait()
-    assert up.get_latest_ckpt() == gcs.uri("checkpoint-2")
+    assert up.latest_uri() == gcs.uri("checkpoint-2")
+    assert up.get_latest_ckpt() == str(tmp_path / "latest" / "checkpoint-2")
     open_checkpoint(gcs.uri("checkpoint-2"), gcs.options).verify(deep=True)
 
 
@@ -305,11 +354,11 @@ def test_model_download_registry_resumes_from_bucket_uri(s3, tmp_path):
     register(uploaders, registry)
     wrap_model_downloaders(registry, s3.options)  # again: with options, not double-wrapped
     assert registry["MODELSCOPE"]("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
-    path = registry["MODELSCOPE"](up.get_latest_ckpt(), str(tmp_path / "resume"))
+    path = registry["MODELSCOPE"](up.latest_uri(), str(tmp_path / "resume"))
     assert calls == ["Qwen/Qwen2.5-0.5B"] and path.endswith("checkpoint-3")
     assert json.loads((Path(path) / "pipeline" / "worker_state_pipeline.json").read_text()
                       )["step"] == 3
-    assert set(uploaders) == {"s3", "gcs"} and roll.CKPT_RE.match("checkpoint-12")
+    assert set(uploaders) == {"s3", "gcs"} and roll.CKPT_RE is CKPT_RE
 
 
 # --------------------------------------------------------------- end to end
@@ -349,13 +398,14 @@ def test_sigkill_then_resume_from_bucket_is_bit_exact(s3, tmp_path):
     assert raw == json.dumps(state, indent=2, sort_keys=True)
     assert not list((tmp_path / "ref").rglob("*.distcp"))  # keep_local_file: false
 
-    # killed right after the async save of step 6 started: resume from "latest"
-    first = run(s3, s3.uri("a"), tmp_path / "a", "--set", "resume_from_checkpoint=latest",
+    # killed right after the async save of step 6 started (resume off: uploads stay
+    # async), then resumed with `resume_from_checkpoint: true` (uploads sync, as in ROLL)
+    first = run(s3, s3.uri("a"), tmp_path / "a", "--set", "resume_from_checkpoint=false",
                 kill_at=7)
-    second = run(s3, s3.uri("a"), tmp_path / "a", "--set", "resume_from_checkpoint=latest",
-                 "--out", str(tmp_path / "a.pt"))
+    second = run(s3, s3.uri("a"), tmp_path / "a", "--out", str(tmp_path / "a.pt"))
     m = re.search(r"resumed at step (\d+) from (\S+)", second)
     assert m and int(m.group(1)) in (4, 7), second
+    assert m.group(2).startswith(str(tmp_path / "a" / "resume" / "checkpoint-"))
     merged = {**losses(first), **losses(second)}
     assert merged == reference
     for part in (first, second):
@@ -364,10 +414,18 @@ def test_sigkill_then_resume_from_bucket_is_bit_exact(s3, tmp_path):
     assert params.keys() == ref_params.keys()
     assert all(torch.equal(params[k], ref_params[k]) for k in params)
 
-    # killed later; resume from an explicit s3:// checkpoint URI
+    # killed later; the documented `fetch` command downloads the latest committed
+    # checkpoint and its path is the resume value (a string keeps uploads async)
     run(s3, s3.uri("b"), tmp_path / "b", kill_at=10)
-    latest = S3Uploader(output_dir=s3.uri("b"), storage_options=s3.options).get_latest_ckpt()
-    assert latest is not None and latest.startswith("s3://")
+    opts = [f"-o{k}={json.dumps(v) if not isinstance(v, str) else v}"
+            for k, v in json.loads(s3.options_json()).items()]
+    fetched = subprocess.run([sys.executable, "-m", "cloudckpt.integrations.roll", *opts,
+                              "fetch", s3.uri("b"), str(tmp_path / "fetched")],
+                             capture_output=True, text=True, env={**os.environ, **s3.env},
+                             cwd=REPO, timeout=60)
+    assert fetched.returncode == 0, fetched.stderr
+    latest = fetched.stdout.strip()
+    assert Path(latest).is_dir() and CKPT_RE.match(Path(latest).name)
     third = run(s3, s3.uri("b"), tmp_path / "b", "--set", f"resume_from_checkpoint={latest}",
                 "--out", str(tmp_path / "b.pt"))
     assert f"from {latest}" in third

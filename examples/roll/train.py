@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from cloudckpt.integrations.roll import download_checkpoint, register
+from cloudckpt.integrations.roll import register
 from cloudckpt.state import get_rng_state, set_rng_state
 
 D_IN, HIDDEN, D_OUT = 16, 64, 4
@@ -59,7 +59,9 @@ def load_config(path: str, overrides: list[str]) -> dict:
 
     def resolve(v):
         if isinstance(v, str):
-            return re.sub(r"\$\{(\w+)\}", lambda m: str(cfg[m.group(1)]), v)
+            while (new := re.sub(r"\$\{(\w+)\}", lambda m: str(cfg[m.group(1)]), v)) != v:
+                v = new  # a reference may hold references (download_dir -> output_dir)
+            return v
         if isinstance(v, dict):
             return {k: resolve(x) for k, x in v.items()}
         return v
@@ -116,6 +118,24 @@ def make_uploader(checkpoint_config: dict):
     return uploader_registry[cfg.pop("type", "file_system")](**cfg)
 
 
+def resume_dir(resume, uploader, rank: int, world: int) -> Path | None:
+    """ROLL's resume rule (base_pipeline.py:64-72): ``true`` takes ``get_latest_ckpt()``
+    (here: the latest committed checkpoint, downloaded; rank 0 fetches it for this
+    node), a string is a local directory (``download_model`` sends anything else to
+    a model hub), anything false starts afresh."""
+    if resume is True:
+        path = broadcast(uploader.get_latest_ckpt() if rank == 0 else None, world)
+    elif isinstance(resume, str) and resume:
+        path = resume
+        if not Path(path).is_dir():
+            raise SystemExit(f"resume_from_checkpoint={path!r} is not a local directory; ROLL "
+                             "would send it to a model hub. Use `true`, or a directory from "
+                             "`python -m cloudckpt.integrations.roll fetch`.")
+    else:
+        return None
+    return Path(path) if path else None
+
+
 def broadcast(obj, world: int):
     if world == 1:
         return obj
@@ -133,6 +153,9 @@ def train(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     out = Path(cfg["output_dir"])
     ckpt_cfg = dict(cfg["checkpoint_config"])
+    resume = cfg.get("resume_from_checkpoint", False)
+    if resume is True:  # ROLL's BaseConfig does this too (base_config.py:308-310)
+        ckpt_cfg["async_upload"] = False
     ckpt_cfg.setdefault("expected_uploads", world + 1)
     ckpt_cfg.setdefault("max_ckpt_to_keep", cfg.get("max_ckpt_to_keep", 0))
     ckpt_cfg["attempt_id"] = broadcast(os.urandom(8).hex(), world)  # one id per launch
@@ -147,20 +170,8 @@ def train(args: argparse.Namespace) -> int:
     log_history: list[dict] = []
     start = 0
 
-    resume = cfg.get("resume_from_checkpoint", False)
-    uri = None
-    if resume in (True, "true", "latest"):
-        uri = broadcast(uploader.get_latest_ckpt() if rank == 0 else None, world)
-    elif resume:
-        uri = str(resume)
-    if uri:
-        local = out / "resume" / uri.rstrip("/").rsplit("/", 1)[-1]
-        if "://" not in uri:
-            local = Path(uri)
-        elif int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            download_checkpoint(uri, out / "resume", ckpt_cfg.get("storage_options"))
-        if world > 1:
-            dist.barrier()
+    local = resume_dir(resume, uploader, rank, world)
+    if local:
         msd, osd = get_state_dict(model, optim)
         state = {"model": msd, "optim": osd}
         dcp.load(state, storage_reader=dcp.FileSystemReader(str(local / "dcp")))
@@ -174,7 +185,7 @@ def train(args: argparse.Namespace) -> int:
         start = pipe["step"] + 1
         set_rng_state(mine["rng"])
         if rank == 0:
-            print(f"resumed at step {start} from {uri}", flush=True)
+            print(f"resumed at step {start} from {local}", flush=True)
 
     max_steps, save_steps = cfg["max_steps"], cfg["save_steps"]
     for gs in range(start, max_steps):

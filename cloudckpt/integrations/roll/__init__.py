@@ -22,23 +22,32 @@ committed (cloudckpt manifest, written create-only, listing every object)
 
 After the commit the markers (and objects only a crashed earlier attempt
 wrote) are removed, so the prefix holds exactly the manifest's objects.
-``get_latest_ckpt`` returns the highest committed ``checkpoint-N``; torn ones
-are invisible. See docs/integrations/roll.md.
+
+Each checkpoint's upload stands alone: one that fails for good is logged as an
+ERROR naming it and never stops a later one from committing (ROLL's manager
+swallows uploader exceptions, so nothing else would tell).
+
+``get_latest_ckpt`` downloads the highest committed ``checkpoint-N`` (torn ones
+are invisible) and returns its local directory: ROLL hands that value to
+``download_model``, which passes local directories through unchanged and sends
+anything else to a model hub. ``python -m cloudckpt.integrations.roll`` uploads
+a local checkpoint or fetches the latest one. See docs/integrations/roll.md.
 
 The package: ``staging`` (a worker's local files and part name), ``uploader`` (the
-uploaders and the commit) and ``registries`` (ROLL's registries, and downloading a
-committed checkpoint to resume from).
+uploaders and the commit), ``resume`` (the latest committed checkpoint, downloaded),
+``registries`` (ROLL's registries) and ``cli`` (the module command).
 """
 
-from .registries import download_checkpoint, register, wrap_model_downloaders
+from .cli import upload_checkpoint, uploader_for
+from .registries import register, wrap_model_downloaders
+from .resume import CKPT_RE, download_checkpoint
+from .uploader import DEFAULT_TORN_GRACE_SECONDS as DEFAULT_TORN_GRACE_SECONDS
 from .uploader import (
-    CKPT_RE,
     PARTS_DIR,
     GcsUploader,
     RollUploader,
     S3Uploader,
 )
-from .uploader import DEFAULT_TORN_GRACE_SECONDS as DEFAULT_TORN_GRACE_SECONDS
 
 __all__ = [
     "CKPT_RE",
@@ -48,5 +57,7 @@ __all__ = [
     "S3Uploader",
     "download_checkpoint",
     "register",
+    "upload_checkpoint",
+    "uploader_for",
     "wrap_model_downloaders",
 ]

@@ -77,3 +77,18 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     elif path.exists():
         path.unlink(missing_ok=True)
+
+
+def _restore(staging: Path, original: Path) -> Path:
+    """After a failed background upload: put the staged files back where ROLL wrote them
+    when ROLL has deleted its copy (as its synchronous path keeps a copy it could not
+    upload), else drop the snapshot. Either way no staging directory stays behind, and
+    ROLL's own ``max_ckpt_to_keep`` keeps governing the local copy."""
+    if not original.exists():
+        try:
+            os.replace(staging, original)
+            return original
+        except OSError:
+            pass
+    _remove(staging)
+    return original

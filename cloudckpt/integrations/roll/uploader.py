@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import socket
 import threading
 import time
@@ -17,23 +16,22 @@ from typing import Any, ClassVar
 
 from ...checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
 from ...errors import CommitConflictError, ConfigError, StorageError
-from ...listing import list_checkpoints
 from ...names import MANIFEST_NAME, ROLL_PARTS_DIR
 from ...retention import apply_retention
 from ...storage import Store, open_store
+from .resume import CKPT_RE, committed, default_download_dir, download_checkpoint
 from .staging import (
     _PART_RE,
     _attempt_from_env,
     _default_part_id,
     _local_files,
     _remove,
+    _restore,
     _snapshot,
 )
 
 log = logging.getLogger("cloudckpt.roll")
 
-#: ROLL's checkpoint directory names.
-CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 #: Where part markers live inside a checkpoint until it is committed.
 PARTS_DIR = ROLL_PARTS_DIR
 #: Torn checkpoints younger than this are never pruned (a save may be running).
@@ -48,8 +46,10 @@ class RollUploader:
 
     - ``output_dir``: ``s3://bucket/prefix`` or ``gs://bucket/prefix`` (no
       timestamp is appended, unlike ``file_system``);
-    - ``async_upload`` (True): upload on a background thread; an error is
-      logged at once and raised by the next ``upload``, ``commit`` or ``wait``;
+    - ``async_upload`` (True): upload on a background thread. Each checkpoint
+      stands alone: a failure is logged as an ERROR naming the checkpoint (ROLL's
+      manager would swallow an exception anyway) and raised by ``wait()`` or by
+      ``commit`` of that checkpoint, never by a later ``upload``;
     - ``keep_local_file`` (False): delete the local copy after a successful upload;
     - ``expected_uploads``: parts per checkpoint (pipeline + every uploading
       rank); when set, the last part to arrive commits; otherwise call ``commit``;
@@ -59,6 +59,8 @@ class RollUploader:
       ``CLOUDCKPT_ATTEMPT_ID``, else the Ray job id, else none: parts written
       before this uploader was created are then taken as a crashed attempt's);
     - ``part_id``: this process's part name (default: the worker directory name);
+    - ``download_dir``: where ``get_latest_ckpt`` downloads the latest committed
+      checkpoint (default: a directory per ``output_dir`` in cloudckpt's cache);
     - ``storage_options``: passed to the store (endpoint, credentials, retry).
     """
 
@@ -76,6 +78,7 @@ class RollUploader:
         torn_grace_seconds: float = DEFAULT_TORN_GRACE_SECONDS,
         attempt_id: str | None = None,
         part_id: str | None = None,
+        download_dir: str | os.PathLike[str] | None = None,
         storage_options: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
@@ -96,11 +99,12 @@ class RollUploader:
         self.attempt_id = str(attempt_id) if attempt_id else _attempt_from_env()
         self.part_id = part_id
         self.storage_options = dict(storage_options or {})
+        self.download_dir = Path(download_dir or default_download_dir(self.output_dir))
         self.store: Store = open_store(self.output_dir, self.storage_options)
         self._created = time.time()
         self._lock = threading.Lock()
         self._pending: list[Future[Any]] = []
-        self._error: BaseException | None = None
+        self._failed: dict[str, BaseException] = {}  # ckpt_id -> its first failure
         self._pool: ThreadPoolExecutor | None = None
         log.info("ROLL checkpoints go to %s (%s upload, expected_uploads=%s)", self.output_dir,
                  "async" if self.async_upload else "sync", self.expected_uploads)
@@ -118,14 +122,19 @@ class RollUploader:
 
     def upload(self, ckpt_id: str, local_state_path: str, **kwargs: Any) -> None:
         """Upload one worker's files of ``ckpt_id`` as one part (and commit when
-        it is the last expected part). Raises a previous async upload's error."""
-        self._raise_error()
+        it is the last expected part). Every call stands alone: an earlier
+        checkpoint's failure never stops this one. A synchronous failure is logged
+        and raised (ROLL's manager logs it and keeps the local copy)."""
         src = Path(local_state_path)
         part = _PART_RE.sub("_", str(kwargs.get("part_id") or self.part_id or
                                      _default_part_id(ckpt_id, str(src))))
         self._checkpoint_store(ckpt_id)  # validates the name now, not in the thread
         if not self.async_upload:
-            self._upload_part(ckpt_id, src, part, src)
+            try:
+                self._upload_part(ckpt_id, src, part, src)
+            except Exception as exc:
+                self._report_failure(ckpt_id, part, exc, src)
+                raise
             return
         staging = _snapshot(src)
         with self._lock:
@@ -135,8 +144,19 @@ class RollUploader:
             self._pending.append(fut)
 
     def get_latest_ckpt(self) -> str | None:
-        """URI of the highest committed ``checkpoint-N`` (torn ones are skipped), or None."""
-        best = _committed(self.store)
+        """Local directory holding the highest committed ``checkpoint-N`` (torn ones
+        are skipped), downloaded into ``download_dir`` with every file checked; None
+        when the bucket has none. Local, because ROLL hands this value to
+        ``download_model``, which returns a local directory unchanged and sends
+        anything else to a model hub."""
+        uri = self.latest_uri()
+        if uri is None:
+            return None
+        return download_checkpoint(uri, self.download_dir, self.storage_options)
+
+    def latest_uri(self) -> str | None:
+        """URI of the highest committed ``checkpoint-N`` in the bucket, or None."""
+        best = committed(self.store)
         if not best:
             return None
         return self.store.child(best[-1][1]).uri
@@ -146,8 +166,15 @@ class RollUploader:
     def commit(self, ckpt_id: str, expected_uploads: int | None = None,
                timeout: float = 600.0) -> str:
         """Commit ``ckpt_id`` from the parts present (waiting up to ``timeout``
-        seconds for ``expected_uploads`` of them, when given). Returns its URI."""
-        self.wait()
+        seconds for ``expected_uploads`` of them, when given). Returns its URI.
+        Raises if this process's upload of ``ckpt_id`` failed; other checkpoints'
+        failures do not matter here."""
+        self._drain()
+        with self._lock:
+            err = self._failed.pop(ckpt_id, None)
+        if err is not None:
+            raise StorageError(f"{self.store.child(ckpt_id).uri}: a part of this checkpoint "
+                               f"failed to upload, so it cannot be committed: {err}") from err
         deadline = time.monotonic() + timeout
         while True:
             ckpt = self._try_commit(ckpt_id, expected_uploads or 1)
@@ -159,34 +186,48 @@ class RollUploader:
             time.sleep(0.2)
 
     def wait(self) -> None:
-        """Wait for background uploads; raise the first error any of them hit."""
+        """Wait for background uploads; then raise one error naming every checkpoint
+        whose upload failed since the last ``wait`` (each was logged when it failed)."""
+        self._drain()
         with self._lock:
-            pending, self._pending = self._pending, []
-        for fut in pending:
-            fut.exception()
-        self._raise_error()
+            failed, self._failed = self._failed, {}
+        if failed:
+            names = ", ".join(sorted(failed, key=_checkpoint_sort_key))
+            first = next(iter(failed.values()))
+            raise StorageError(f"background upload of {names} to {self.output_dir} failed "
+                               f"(not committed; later checkpoints were not affected): "
+                               f"{first}") from first
 
     close = wait
 
     # ------------------------------------------------------------- internals
 
-    def _raise_error(self) -> None:
+    def _drain(self) -> None:
         with self._lock:
-            err, self._error = self._error, None
-        if err is not None:
-            raise StorageError(f"an earlier background checkpoint upload failed: {err}") from err
+            pending, self._pending = self._pending, []
+        for fut in pending:
+            fut.exception()
 
     def _background(self, ckpt_id: str, staging: Path, part: str, original: Path) -> None:
         try:
             self._upload_part(ckpt_id, staging, part, original)
         except BaseException as exc:
-            log.error("upload of %s (%s) to %s failed: %s; the local copy stays at %s",
-                      ckpt_id, part, self.output_dir, exc, staging)
             with self._lock:
-                if self._error is None:
-                    self._error = exc
+                self._failed.setdefault(ckpt_id, exc)
+            self._report_failure(ckpt_id, part, exc, _restore(staging, original))
             return
         _remove(staging)
+
+    def _report_failure(self, ckpt_id: str, part: str, exc: BaseException,
+                        local: Path) -> None:
+        """One ERROR line that says which checkpoint is lost, what still holds, and the fix."""
+        where = f"its files stay at {local}" if local.exists() else "no local copy is left"
+        log.error(
+            "%s was NOT saved to %s: uploading part %r failed for good: %s. The previous "
+            "committed checkpoint stays the latest, and later checkpoints upload on their "
+            "own. Fix: check the bucket, credentials and endpoint (storage_options), or "
+            "raise storage_options.retry.deadline if the store was throttling; %s.",
+            ckpt_id, self.output_dir, part, exc, where)
 
     def _checkpoint_store(self, ckpt_id: str) -> Store:
         if not isinstance(ckpt_id, str) or "/" in ckpt_id.strip("/") or not ckpt_id.strip("/"):
@@ -280,7 +321,11 @@ class RollUploader:
         else:
             log.info("committed %s: %d parts, %d objects", store.uri, len(parts), len(files))
         self._cleanup(store, ckpt)
-        self._prune()
+        try:
+            self._prune()
+        except StorageError as exc:  # the checkpoint is committed; pruning retries next time
+            log.warning("committed %s, but pruning %s failed: %s", store.uri, self.output_dir,
+                        exc)
         return ckpt
 
     def _cleanup(self, store: Store, ckpt: Checkpoint) -> None:
@@ -311,14 +356,9 @@ def _checkpoint_number(info: Any) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _committed(store: Store) -> list[tuple[int, str]]:
-    """``(N, name)`` of every committed ``checkpoint-N`` under ``store``, by N."""
-    out = []
-    for info in list_checkpoints(store):
-        m = CKPT_RE.match(info.name)
-        if m:
-            out.append((int(m.group(1)), info.name))
-    return sorted(out)
+def _checkpoint_sort_key(ckpt_id: str) -> tuple[int, str]:
+    m = CKPT_RE.match(ckpt_id)
+    return (int(m.group(1)) if m else -1, ckpt_id)
 
 
 class S3Uploader(RollUploader):
