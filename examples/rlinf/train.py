@@ -7,8 +7,10 @@ Two ranks (gloo, FSDP2-sharded actor):
     python -m torch.distributed.run --nproc_per_node 2 examples/rlinf/train.py ...
 
 It follows RLinf's runner: one actor update per global step (counted from 1),
-a checkpoint when RLinf's ``save_interval`` rule says so, and on start
-``runner.resume_dir`` (``auto``: the newest committed ``global_step_N``).
+``max_steps: -1`` meaning ``max_epochs * len(dataloader)`` steps, a checkpoint when
+RLinf's ``save_interval`` rule says so (the last step always), and on start
+``runner.resume_dir`` (``auto``: the newest committed ``global_step_N``). The
+checkpoint is RLinf's own format: RLinf's loader reads a downloaded step.
 Kill it at any moment and run it again: it continues bit-exactly. Per-step
 losses go to stdout as ``step N loss <float.hex()>``. Trailing ``key=value``
 arguments override the config, as with Hydra.
@@ -85,8 +87,11 @@ class SyntheticLoader:
         self.batch, self.seed = cfg["batch_size"], cfg["seed"]
         self.epoch, self.pos = 0, 0
 
+    def __len__(self) -> int:
+        return len(self.x) // self.batch
+
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.pos >= len(self.x) // self.batch:
+        if self.pos >= len(self):
             self.epoch, self.pos = self.epoch + 1, 0
         perm = torch.randperm(len(self.x), generator=torch.Generator().manual_seed(
             self.seed * 1000 + self.epoch))
@@ -147,9 +152,11 @@ def main() -> int:
                               weight_decay=cfg["actor"]["optim"]["weight_decay"])
     sched = torch.optim.lr_scheduler.StepLR(optim, **cfg["actor"]["lr_sched"])
     loader = SyntheticLoader(cfg["data"], mcfg["d_in"], mcfg["d_out"], rank, world)
+    # steps_per_epoch: with runner.max_steps -1, RLinf runs max_epochs * len(dataloader)
+    # steps and saves the last one; the checkpointer needs the length to know it.
     ckpt = rlinf.RLinfCheckpointer.from_config(
-        cfg, storage_options=json.loads(args.storage_options))
-    max_steps = ckpt.config.max_steps
+        cfg, steps_per_epoch=len(loader), storage_options=json.loads(args.storage_options))
+    max_steps = ckpt.max_steps
 
     global_step = 0
     resume = ckpt.resume_uri()

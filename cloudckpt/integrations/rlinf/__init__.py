@@ -4,7 +4,8 @@ RLinf's FSDP backend writes, per saved step::
 
     {output_dir}/{experiment_name}/checkpoints/global_step_{N}/
         actor/dcp_checkpoint/{.metadata, __{rank}_{i}.distcp}   DCP, keys fsdp_checkpoint.*
-        critic/dcp_checkpoint/...                                optional
+        actor/model_state_dict/full_weights.pt                   gathered model, rank 0
+        critic/...                                               optional, same shape
         data/data.pt                                             torch.save(dataloader state)
 
 This module writes the same layout to any cloudckpt URI (``s3://``, ``gs://``,
@@ -12,35 +13,40 @@ a path). Each DCP part is committed by its own manifest (all ranks write their
 shards in parallel), ``data/data.pt`` is written after them, and then one root
 manifest ``global_step_{N}/cloudckpt-manifest.json`` lists every object of every
 part with its CRC32C. Until that manifest exists the step is invisible: a crash
-at any point leaves the previous step as the latest, where RLinf's own rule
-("``actor/`` and ``data/data.pt`` exist") accepts a half-written shard or
-``data.pt``.
+at any point leaves the previous step as the latest, where RLinf's
+``resume_dir: auto`` takes the highest ``global_step_*`` directory that exists,
+half-written or not. The DCP keys and value types are RLinf's own, so RLinf's
+``Checkpoint`` loads a downloaded step, and a step RLinf wrote is adopted
+(``adoption``) and then resumes here.
 
 Our DCP writer names shard files ``__{rank}_{i}.distcp`` (``i`` > 0 when a
 rank's items are split over several files); ``.metadata`` records every name,
 so stock DCP readers load them as usual.
 
 The package has one module per job: ``layout`` (RLinf's names and paths), ``config``
-(``runner.*`` keys, the ``save_interval`` rule), ``fsdp`` (the actor's state dict),
-``checkpointer`` (:class:`RLinfCheckpointer`), ``resume`` (``runner.resume_dir``),
-``converter`` (RLinf's DCP -> ``torch.save`` tool) and ``command`` (``python -m
+(``runner.*`` keys, ``max_steps``, the ``save_interval`` rule), ``fsdp`` (the actor's
+state dict, RNG, full weights), ``checkpointer`` (:class:`RLinfCheckpointer`),
+``resume`` (``runner.resume_dir``), ``adoption`` (steps RLinf wrote), ``converter``
+(RLinf's DCP -> ``torch.save`` tool) and ``command`` (``python -m
 cloudckpt.integrations.rlinf``).
 """
 
 # Public names outside __all__ (as before the split) are re-exported as ``X as X``;
 # CheckpointWriter is the class RLinfCheckpointer commits with (examples/rlinf patches it).
 from ...checkpoint import CheckpointWriter as CheckpointWriter
+from .adoption import adopt_step, upload_step
 from .checkpointer import Resumed, RLinfCheckpointer
 from .checkpointer import read_data_state as read_data_state
 from .command import main
-from .config import RunnerConfig, should_save
+from .config import RunnerConfig, should_save, total_steps
 from .converter import convert
-from .fsdp import fsdp_state_dict, load_fsdp_state_dict
+from .fsdp import fsdp_state_dict, get_rng_state, load_fsdp_state_dict, set_rng_state
 from .layout import ACTOR as ACTOR
 from .layout import CHECKPOINTS as CHECKPOINTS
 from .layout import CRITIC as CRITIC
 from .layout import DATA_PATH as DATA_PATH
 from .layout import DCP_DIR as DCP_DIR
+from .layout import FULL_WEIGHTS as FULL_WEIGHTS
 from .layout import KEY_PREFIX, checkpoints_root, parse_step
 from .layout import KIND as KIND
 from .layout import ROOT_KEY as ROOT_KEY
@@ -54,12 +60,17 @@ __all__ = [
     "RLinfCheckpointer",
     "Resumed",
     "RunnerConfig",
+    "adopt_step",
     "checkpoints_root",
     "convert",
     "fsdp_state_dict",
+    "get_rng_state",
     "load_fsdp_state_dict",
     "main",
     "parse_step",
     "resolve_resume_dir",
+    "set_rng_state",
     "should_save",
+    "total_steps",
+    "upload_step",
 ]

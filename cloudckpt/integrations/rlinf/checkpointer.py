@@ -17,12 +17,14 @@ from ...retention import apply_retention
 from ...storage import Store, open_store
 from ...training import claim_prefix
 from .config import RunnerConfig, should_save
+from .fsdp import full_weights, model_part, numpy_rng_allowed, stateful_parts
 from .layout import (
     _STEP_RE,
     ACTOR,
     CRITIC,
     DATA_PATH,
     DCP_DIR,
+    FULL_WEIGHTS,
     KEY_PREFIX,
     KIND,
     ROOT_KEY,
@@ -51,27 +53,39 @@ class RLinfCheckpointer:
     """
 
     def __init__(self, output_dir: str, experiment_name: str, *, save_interval: int = -1,
-                 max_steps: int | None = None, resume_dir: str | None = None,
+                 max_steps: int | None = -1, max_epochs: int | None = None,
+                 steps_per_epoch: int | None = None, resume_dir: str | None = None,
                  time_limit_s: float | None = None, keep_last: int | None = None,
+                 save_full_model_weights: bool = True,
                  storage_options: Mapping[str, Any] | None = None,
                  process_group: Any = None) -> None:
         self.config = RunnerConfig(str(output_dir), str(experiment_name), int(save_interval),
-                                   resume_dir, max_steps)
+                                   resume_dir, -1 if max_steps is None else int(max_steps),
+                                   max_epochs)
+        #: The run's last step, resolved as RLinf's runner does (always saved).
+        self.max_steps = self.config.total_steps(steps_per_epoch)
         self.storage_options = dict(storage_options or {})
         self.store = open_store(self.config.root, self.storage_options)
         self.time_limit_s = time_limit_s
         self.keep_last = keep_last
+        self.save_full_model_weights = save_full_model_weights
         self.group = process_group
         self._started = time.monotonic()
         if keep_last is not None and keep_last < 1:
             raise ConfigError("keep_last must be >= 1 (or None to keep every checkpoint)")
 
     @classmethod
-    def from_config(cls, cfg: Any, **kwargs: Any) -> RLinfCheckpointer:
-        """From a Hydra/OmegaConf config or a plain dict with RLinf's ``runner`` keys."""
+    def from_config(cls, cfg: Any, *, steps_per_epoch: int | None = None,
+                    **kwargs: Any) -> RLinfCheckpointer:
+        """From a Hydra/OmegaConf config or a plain dict with RLinf's ``runner`` keys.
+
+        ``steps_per_epoch`` is ``len(train_dataloader)``: with ``runner.max_steps: -1``
+        RLinf's last step is ``steps_per_epoch * runner.max_epochs``, and it is saved.
+        """
         rc = RunnerConfig.from_config(cfg)
         return cls(rc.output_dir, rc.experiment_name, save_interval=rc.save_interval,
-                   max_steps=rc.max_steps, resume_dir=rc.resume_dir, **kwargs)
+                   max_steps=rc.max_steps, max_epochs=rc.max_epochs,
+                   steps_per_epoch=steps_per_epoch, resume_dir=rc.resume_dir, **kwargs)
 
     @property
     def root(self) -> str:
@@ -94,7 +108,12 @@ class RLinfCheckpointer:
         c = self.config
         if c.save_interval <= 0:
             return False
-        return should_save(step, c.save_interval, max_steps=c.max_steps,
+        if self.max_steps is None:
+            raise ConfigError(
+                "runner.max_steps is -1, so RLinf's last step is len(train_dataloader) * "
+                "runner.max_epochs, and it is always saved: pass steps_per_epoch="
+                "len(train_dataloader) (and runner.max_epochs) to RLinfCheckpointer")
+        return should_save(step, c.save_interval, max_steps=self.max_steps,
                            time_limit_hit=self.time_limit_hit())
 
     # -- save ---------------------------------------------------------------
@@ -102,13 +121,17 @@ class RLinfCheckpointer:
     def save(self, step: int, actor: Mapping[str, Any], *,
              critic: Mapping[str, Any] | None = None, data_state: Any = None,
              metadata: Mapping[str, Any] | None = None) -> Checkpoint | None:
-        """Write ``global_step_{step}``: the DCP parts on every rank, then ``data/data.pt``
-        and the root manifest on rank 0. Returns the committed checkpoint on rank 0.
+        """Write ``global_step_{step}``: the DCP parts on every rank, each part's
+        ``model_state_dict/full_weights.pt`` (unless ``save_full_model_weights=False``),
+        then ``data/data.pt`` and the root manifest on rank 0. Returns the committed
+        checkpoint on rank 0.
 
-        ``data_state`` is the driver's ``StatefulDataLoader.state_dict()`` (taken from
-        rank 0). Raises on every rank if any rank failed; nothing is committed then.
-        ``data_state`` that cloudckpt could not load back (not plain data or tensors)
-        raises :class:`ConfigError` before anything is written.
+        ``actor``/``critic`` are ``{"fsdp_checkpoint": ...}``: :func:`fsdp_state_dict`'s
+        dict, or RLinf's own ``Checkpoint`` object (a ``Stateful``), as RLinf passes
+        to ``dcp.save``. ``data_state`` is the driver's ``StatefulDataLoader.state_dict()``
+        (taken from rank 0). Raises on every rank if any rank failed; nothing is
+        committed then. ``data_state`` that cloudckpt could not load back (not plain
+        data or tensors) raises :class:`ConfigError` before anything is written.
         """
         from ... import state
 
@@ -121,10 +144,12 @@ class RLinfCheckpointer:
         coord.agree(refused, self.group)  # every rank stops, not only the one refused
         store = self.store.child(step_name(step))
         world = coord.world_size(self.group)
-        parts = [ACTOR] + ([CRITIC] if critic is not None else [])
+        states = {ACTOR: stateful_parts(actor)}
+        if critic is not None:
+            states[CRITIC] = stateful_parts(critic)
         try:
             writer = claim_prefix(store, self.group, step=step, kind=KIND, metadata={
-                **dict(metadata or {}), "world_size": world, "parts": parts,
+                **dict(metadata or {}), "world_size": world, "parts": list(states),
                 "layout": "rlinf-fsdp", "key_prefix": KEY_PREFIX})
         except CommitConflictError as exc:  # raised alike on every rank
             if "already committed" not in str(exc):
@@ -134,7 +159,7 @@ class RLinfCheckpointer:
                 f"the later steps first (cloudckpt rm {store.uri}) or resume with "
                 "resume_dir: auto") from None
         try:
-            committed = self._write_parts(store, writer, parts, actor, critic, data_state, step)
+            committed = self._write_parts(store, writer, states, data_state, step)
         except BaseException:
             if writer is not None:
                 writer.abandon()  # the claim stays, marked: the leftovers remain ours
@@ -143,21 +168,30 @@ class RLinfCheckpointer:
             coord.on_coordinator(self._prune, self.group)
         return committed
 
-    def _write_parts(self, store: Store, writer: CheckpointWriter | None, parts: list[str],
-                     actor: Mapping[str, Any], critic: Mapping[str, Any] | None,
-                     data_state: Any, step: int) -> Checkpoint | None:
+    def _write_parts(self, store: Store, writer: CheckpointWriter | None,
+                     states: Mapping[str, Mapping[str, Any]], data_state: Any,
+                     step: int) -> Checkpoint | None:
         import torch
 
         from ... import dcp as cdcp
 
-        for part, state in zip(parts, (actor, critic), strict=False):
-            cdcp.save(dict(state), store.child(f"{part}/{DCP_DIR}"), process_group=self.group,
-                      step=step)
+        extra: dict[str, bytes | None] = {}
+        for part, part_state in states.items():
+            cdcp.save(dict(part_state), store.child(f"{part}/{DCP_DIR}"),
+                      process_group=self.group, step=step)
+            model = model_part(part_state)
+            if self.save_full_model_weights and model is not None:
+                # After the DCP part, as RLinf (base.py); gathered on every rank.
+                extra[f"{part}/{FULL_WEIGHTS}"] = full_weights(
+                    model, rank=coord.rank(self.group))
 
         def commit() -> Checkpoint:
             assert writer is not None
-            for part in parts:
+            for part in states:
                 writer.add_part(f"{part}/{DCP_DIR}")
+            for path, data in extra.items():
+                assert data is not None
+                writer.put(path, data)
             if data_state is not None:
                 buf = io.BytesIO()
                 torch.save(data_state, buf)
@@ -180,31 +214,31 @@ class RLinfCheckpointer:
         """Load ``actor`` (and ``critic``) in place from ``global_step_N`` and return
         the step and ``data/data.pt``; call on every rank.
 
-        The step comes from the directory name, as in RLinf, and must match the
-        manifest's. RNG entries of another world size are dropped (with a warning):
-        model and optimizer reshard, per-rank RNG cannot.
+        ``actor`` is :func:`fsdp_state_dict`'s dict (apply it with
+        :func:`load_fsdp_state_dict`) or ``{"fsdp_checkpoint": <RLinf's Checkpoint>}``,
+        which DCP loads and applies itself. The step comes from the directory name,
+        as in RLinf, and must match the manifest's. Model and optimizer reshard to
+        any world size; the RNG state is one copy, restored on every rank (as RLinf).
+        ``rng=False`` leaves this process's generators alone.
         """
         from ... import dcp as cdcp
 
         ckpt = open_rlinf_checkpoint(uri, self.storage_options)
         step = _checked_step(ckpt)
-        saved_world = int(ckpt.metadata.get("world_size", 1))
-        world = coord.world_size(self.group)
-        for part, state in ((ACTOR, actor), (CRITIC, critic)):
-            if state is None:
+        for part, part_state in ((ACTOR, actor), (CRITIC, critic)):
+            if part_state is None:
                 continue
             if part not in ckpt.metadata.get("parts", []):
                 raise ConfigError(f"{ckpt.uri} has no {part}/ part; it has "
                                   f"{ckpt.metadata.get('parts')}")
-            inner = state.get(ROOT_KEY)
-            if isinstance(inner, dict) and "rng" in inner and (not rng or saved_world != world):
-                if rng:
-                    log.warning("%s was saved by %d ranks, this job has %d: not restoring "
-                                "per-rank RNG states", ckpt.uri, saved_world, world)
-                inner.pop("rng")
+            inner = part_state.get(ROOT_KEY)
+            if not rng and isinstance(inner, dict):
+                inner.pop("rng", None)
             # The part's own manifest must be the one the root manifest committed.
             ckpt.read(f"{part}/{DCP_DIR}/{MANIFEST_NAME}")
-            cdcp.load(state, ckpt.store.child(f"{part}/{DCP_DIR}"), process_group=self.group)
+            with numpy_rng_allowed():  # RLinf's rng.numpy holds an ndarray
+                cdcp.load(part_state, ckpt.store.child(f"{part}/{DCP_DIR}"),
+                          process_group=self.group)
         data = read_data_state(ckpt) if DATA_PATH in ckpt.manifest.files else None
         log.info("resumed from %s at global step %d", ckpt.uri, step)
         return Resumed(step, ckpt, data)

@@ -1,4 +1,5 @@
-"""``python -m cloudckpt.integrations.rlinf {convert,latest} ...``: the command line."""
+"""``python -m cloudckpt.integrations.rlinf {convert,latest,adopt,upload} ...``: the command
+line."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...errors import CloudCkptError
+from .adoption import adopt_step, upload_step
 from .converter import convert
 from .layout import checkpoints_root
 from .resume import resolve_resume_dir
@@ -24,7 +26,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m cloudckpt.integrations.rlinf {convert,latest} ...``"""
+    """``python -m cloudckpt.integrations.rlinf {convert,latest,adopt,upload} ...``"""
     p = argparse.ArgumentParser(prog="python -m cloudckpt.integrations.rlinf",
                                 description="RLinf checkpoints on object storage")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -36,12 +38,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     lt = sub.add_parser("latest", help="print the URI `resume_dir: auto` would resume from")
     lt.add_argument("--output_dir", "--output-dir", required=True)
     lt.add_argument("--experiment_name", "--experiment-name", required=True)
-    for sp in (c, lt):
+    ad = sub.add_parser("adopt", help="check and commit a global_step_N written by RLinf "
+                        "itself (in a bucket or on disk), so it resumes")
+    ad.add_argument("uri", help=".../checkpoints/global_step_N")
+    up = sub.add_parser("upload", help="put a global_step_N written by RLinf on local disk "
+                        "into a bucket, checked and committed")
+    up.add_argument("local_step", help="the local .../checkpoints/global_step_N")
+    up.add_argument("dst", help="the run's checkpoints URI (or the step's URI there)")
+    for sp in (c, lt, ad, up):
         sp.add_argument("--storage-options", default=None, help="storage options as JSON")
         sp.add_argument("-o", "--storage-option", action="append", metavar="KEY=VALUE")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
+        if args.cmd == "adopt":
+            ckpt = adopt_step(args.uri, _options(args))
+            print(f"adopted {ckpt.uri} ({len(ckpt.files)} objects)")
+            return 0
+        if args.cmd == "upload":
+            ckpt = upload_step(args.local_step, args.dst, storage_options=_options(args))
+            print(f"uploaded {ckpt.uri} ({len(ckpt.files)} objects)")
+            return 0
         if args.cmd == "convert":
             n = convert(args.dcp_path, args.output_path, storage_options=_options(args))
             print(f"wrote {n} tensors to {args.output_path}")

@@ -1,50 +1,177 @@
-"""The actor's FSDP state dict with RLinf's keys (``fsdp_checkpoint.*``), and applying
-one loaded back."""
+"""The actor's FSDP state with RLinf's keys and value types (``fsdp_checkpoint.*``),
+applying one loaded back, and the full weights RLinf writes beside it.
+
+RLinf's ``Checkpoint.state_dict()`` (``hybrid_engines/fsdp/strategy/checkpoint.py``)
+is ``{model, optimizers, lr_schedulers: [sd, ...], fsdp_version: "fsdp2", rng: {cpu,
+numpy, random[, cuda]}}``; anything else makes RLinf's own loader fail, so this
+module builds exactly that.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import io
+import random
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
-from ... import coordination as coord
-from .layout import ROOT_KEY
+from ...errors import ConfigError
+from .layout import FSDP_VERSIONS, ROOT_KEY
 
 
-def fsdp_state_dict(model: Any, optimizer: Any, lr_scheduler: Any = None, *,
-                    fsdp_version: int = 2, rank: int | None = None) -> dict[str, Any]:
-    """The actor's DCP state dict with RLinf's keys: ``fsdp_checkpoint.{model,
-    optimizers, lr_schedulers, fsdp_version, rng}``.
+def _options() -> Any:
+    """RLinf's options for the sharded state (``base.py``: not full, CPU offload)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    Model and optimizer come from ``get_state_dict`` (sharded DTensors under
-    FSDP2). RNG states are per rank (``rng.rank_{r}``), since DCP keeps one copy
-    of a key that every rank saves.
+    return StateDictOptions(full_state_dict=False, cpu_offload=True)
+
+
+def _schedulers(lr_schedulers: Any) -> list[Any]:
+    """RLinf accepts one scheduler or an iterable of them; None means none."""
+    from torch.optim.lr_scheduler import LRScheduler
+
+    if lr_schedulers is None:
+        return []
+    if isinstance(lr_schedulers, LRScheduler) or hasattr(lr_schedulers, "state_dict"):
+        return [lr_schedulers]
+    return list(lr_schedulers)
+
+
+def _version(fsdp_version: Any) -> str:
+    value = getattr(fsdp_version, "value", fsdp_version)  # RLinf's FSDPVersion enum too
+    if value not in FSDP_VERSIONS:
+        raise ConfigError(f"fsdp_version must be one of {FSDP_VERSIONS} (RLinf's "
+                          f"FSDPVersion values), got {fsdp_version!r}")
+    return str(value)
+
+
+def get_rng_state() -> dict[str, Any]:
+    """RLinf's RNG state: ``cpu`` (torch), ``numpy`` (``np.random.get_state()``),
+    ``random`` (``random.getstate()``) and, on a CUDA machine, ``cuda``."""
+    import numpy as np
+    import torch
+
+    state: dict[str, Any] = {"cpu": torch.get_rng_state(), "numpy": np.random.get_state(),
+                             "random": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore what :func:`get_rng_state` (or RLinf's) captured."""
+    import numpy as np
+    import torch
+
+    missing = [k for k in ("cpu", "numpy", "random") if k not in state]
+    if missing:
+        raise ConfigError(f"the RNG state lacks {missing}; RLinf stores cpu, numpy, random")
+    torch.set_rng_state(state["cpu"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["random"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def fsdp_state_dict(model: Any, optimizers: Any, lr_schedulers: Any = None, *,
+                    fsdp_version: Any = "fsdp2") -> dict[str, Any]:
+    """The actor's DCP state with RLinf's keys and types: ``{"fsdp_checkpoint":
+    {model, optimizers, lr_schedulers, fsdp_version, rng}}``.
+
+    Model and optimizer come from ``get_state_dict`` with RLinf's options (sharded
+    DTensors under FSDP2); ``lr_schedulers`` is a list of state dicts, one per
+    scheduler. Every rank saves ``rng`` under the same keys, so DCP keeps one
+    rank's copy and every rank gets it back, exactly as with RLinf.
     """
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from ...state import get_rng_state
-
-    msd, osd = get_state_dict(model, optimizer)
-    r = coord.rank() if rank is None else rank
+    msd, osd = get_state_dict(model, optimizers, options=_options())
     return {ROOT_KEY: {
         "model": msd, "optimizers": osd,
-        "lr_schedulers": lr_scheduler.state_dict() if lr_scheduler is not None else {},
-        "fsdp_version": int(fsdp_version),
-        "rng": {f"rank_{r}": get_rng_state()},
+        "lr_schedulers": [s.state_dict() for s in _schedulers(lr_schedulers)],
+        "fsdp_version": _version(fsdp_version),
+        "rng": get_rng_state(),
     }}
 
 
-def load_fsdp_state_dict(model: Any, optimizer: Any, lr_scheduler: Any,
-                         state: Mapping[str, Any], *, rng: bool = True) -> None:
-    """Apply a state dict loaded in place (see :meth:`RLinfCheckpointer.load`)."""
+def load_fsdp_state_dict(model: Any, optimizers: Any, lr_schedulers: Any,
+                         state: Mapping[str, Any], *, rng: bool = True,
+                         fsdp_version: Any = "fsdp2") -> None:
+    """Apply a state loaded in place (see :meth:`RLinfCheckpointer.load`), as RLinf's
+    ``Checkpoint.load_state_dict`` does: the FSDP version must match."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    from ...state import set_rng_state
-
     inner = state[ROOT_KEY]
-    set_state_dict(model, optimizer, model_state_dict=inner["model"],
-                   optim_state_dict=inner["optimizers"])
-    if lr_scheduler is not None:
-        lr_scheduler.load_state_dict(inner["lr_schedulers"])
-    if rng:
-        for value in inner.get("rng", {}).values():  # only this rank's entry
-            set_rng_state(value)
+    saved = inner.get("fsdp_version")
+    if saved != _version(fsdp_version):
+        raise ConfigError(f"FSDP version mismatch: the checkpoint has {saved!r}, this "
+                          f"job {_version(fsdp_version)!r} (RLinf refuses it too)")
+    set_state_dict(model, optimizers, model_state_dict=inner["model"],
+                   optim_state_dict=inner["optimizers"], options=_options())
+    for sched, sd in zip(_schedulers(lr_schedulers), inner.get("lr_schedulers", []),
+                         strict=False):
+        sched.load_state_dict(sd)
+    if rng and "rng" in inner:
+        set_rng_state(inner["rng"])
+
+
+def full_weights(model_state: Mapping[str, Any], *, rank: int) -> bytes | None:
+    """``model_state_dict/full_weights.pt`` as RLinf writes it (``get_model_state_dict``
+    with ``full_state_dict=True, cpu_offload=True``, saved by rank 0): the sharded
+    tensors gathered one at a time. Call on every rank; the bytes on rank 0."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    full: dict[str, Any] = {}
+    for key, value in model_state.items():
+        if isinstance(value, DTensor):
+            value = value.full_tensor()  # a collective: every rank, same order
+        elif not isinstance(value, torch.Tensor):
+            raise ConfigError(f"cannot gather model entry {key!r} ({type(value).__name__}) "
+                              "for full_weights.pt; pass save_full_model_weights=False")
+        if rank == 0:
+            full[key] = value.detach().cpu()
+    if rank != 0:
+        return None
+    buf = io.BytesIO()
+    torch.save(full, buf)
+    return buf.getvalue()
+
+
+def _numpy_globals() -> list[Any]:
+    import numpy as np
+
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
+    return [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+@contextmanager
+def numpy_rng_allowed() -> Iterator[None]:
+    """Let ``torch.load(weights_only=True)`` read RLinf's ``rng.numpy`` item: a tuple
+    holding a ``uint32`` ndarray. Only numpy's array reconstruction is allowed (no
+    other callable), so loading still executes no code from the checkpoint."""
+    import torch
+
+    with torch.serialization.safe_globals(_numpy_globals()):
+        yield
+
+
+def stateful_parts(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` with a top-level ``Stateful`` (e.g. RLinf's own ``Checkpoint``) replaced
+    by its ``state_dict()``, as ``dcp.save`` would, so it is taken once."""
+    return {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state.items()}
+
+
+def _is_stateful(value: Any) -> bool:
+    return not isinstance(value, Mapping) and callable(getattr(value, "state_dict", None)) \
+        and callable(getattr(value, "load_state_dict", None))
+
+
+def model_part(state: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The model entries of a part's state (``fsdp_checkpoint.model``), if any."""
+    inner = state.get(ROOT_KEY)
+    model = inner.get("model") if isinstance(inner, Mapping) else None
+    return model if isinstance(model, Mapping) else None

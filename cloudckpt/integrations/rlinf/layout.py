@@ -14,6 +14,11 @@ ACTOR = "actor"
 CRITIC = "critic"
 DCP_DIR = "dcp_checkpoint"
 DATA_PATH = "data/data.pt"
+#: RLinf's FSDP strategy also writes the gathered model of each part here (base.py,
+#: ``save_full_model_weights=True`` by default), on rank 0, with ``torch.save``.
+FULL_WEIGHTS = "model_state_dict/full_weights.pt"
+#: RLinf's ``FSDPVersion`` values, stored as ``fsdp_checkpoint.fsdp_version``.
+FSDP_VERSIONS = ("fsdp", "fsdp2")
 #: RLinf's DCP state dict is ``{"fsdp_checkpoint": {model, optimizers, lr_schedulers,
 #: fsdp_version, rng}}``; DCP flattens it, so model tensors are under this prefix.
 ROOT_KEY = "fsdp_checkpoint"
@@ -38,10 +43,15 @@ def step_name(step: int) -> str:
 
 
 def parse_step(uri: str) -> int:
-    """The step RLinf resumes at, from the directory name: ``.../global_step_150/`` -> 150."""
+    """The step RLinf resumes at, from the directory name: ``.../global_step_150/`` -> 150.
+
+    RLinf takes ``int(resume_dir.split("global_step_")[-1])``; the same names parse
+    here (plus a trailing slash), anything else is refused by name instead of a
+    bare ``ValueError``."""
     name = str(uri).rstrip("/").rpartition("/")[2]
     m = _STEP_RE.match(name)
     if not m:
         raise ConfigError(f"resume_dir {uri!r} does not end in {STEP_PREFIX}<N>; RLinf takes "
-                          "the resumed step from that name")
+                          "the resumed step from that name (use null for a fresh start, "
+                          "auto for the newest step)")
     return int(m.group(1))

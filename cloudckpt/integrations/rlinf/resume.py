@@ -8,22 +8,37 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...checkpoint import Checkpoint, open_checkpoint
-from ...errors import CorruptCheckpointError
+from ...errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+)
 from ...listing import list_checkpoints
+from ...ownership import FOREIGN, survey
 from ...storage import Store, as_store
-from .layout import _STEP_RE, KIND, parse_step
+from .layout import _STEP_RE, ACTOR, DCP_DIR, KIND, parse_step
 
 log = logging.getLogger("cloudckpt.rlinf")
 
-_NULLS = {"", "null", "none", "~"}
+ADOPT_HINT = "python -m cloudckpt.integrations.rlinf adopt"
 
 
 def open_rlinf_checkpoint(uri: str | Store,
                           storage_options: Mapping[str, Any] | None = None) -> Checkpoint:
-    """Open a committed ``global_step_N`` (a trailing slash is fine)."""
+    """Open a committed ``global_step_N`` (a trailing slash is fine). A step written
+    by RLinf itself (no manifest) is refused with the command that adopts it."""
     if isinstance(uri, str):
         uri = uri.rstrip("/") or uri
-    ckpt = open_checkpoint(uri, storage_options)
+    try:
+        ckpt = open_checkpoint(uri, storage_options)
+    except (CheckpointNotFoundError, IncompleteCheckpointError) as exc:
+        store = as_store(uri, storage_options)
+        if survey(store).kind == FOREIGN and store.exists(f"{ACTOR}/{DCP_DIR}/.metadata"):
+            raise IncompleteCheckpointError(
+                f"{store.uri} was written by RLinf itself (no cloudckpt manifest); check and "
+                f"commit it once with `{ADOPT_HINT} {store.uri}`, then resume") from exc
+        raise
     if ckpt.manifest.kind != KIND:
         raise CorruptCheckpointError(
             f"{ckpt.uri} is a {ckpt.manifest.kind!r} checkpoint, not an RLinf one")
@@ -43,17 +58,25 @@ def resolve_resume_dir(resume_dir: str | None, root: str | Store,
                        storage_options: Mapping[str, Any] | None = None) -> str | None:
     """``runner.resume_dir`` -> the URI of a committed ``global_step_N``, or None.
 
-    - null / empty: None (fresh start);
-    - ``auto``: the highest committed step under ``root`` (None if there is none);
-      uncommitted (torn) ``global_step_*`` prefixes are skipped with a WARNING;
-    - a URI or path: that checkpoint, which must be committed.
+    As RLinf's runner reads it: None (YAML ``null``) starts fresh; ``auto`` is the
+    highest step under ``root``, here the highest *committed* one (torn saves are
+    skipped with a WARNING; None if there is none); anything else names a step
+    directory ending in ``global_step_<N>`` (a trailing slash is fine), which must
+    be committed. Other strings ("Auto", "None", "") are refused, where RLinf would
+    fail on ``int()``.
     """
-    if resume_dir is None or str(resume_dir).strip().lower() in _NULLS:
+    if resume_dir is None:
         return None
+    text = str(resume_dir)
+    if text == "auto":
+        return _latest(as_store(root, storage_options))
+    if text.strip().lower() in ("auto", "null", "none", "~", ""):
+        raise ConfigError(
+            f"runner.resume_dir is the string {text!r}; RLinf knows only null (no quotes: a "
+            "fresh start), auto, or a path ending in global_step_<N>")
+    parse_step(text)  # the name, before any request
     store = as_store(root, storage_options)
-    if str(resume_dir).strip().lower() == "auto":
-        return _latest(store)
-    target = str(resume_dir).strip().rstrip("/")
+    target = text.rstrip("/")
     if target.startswith(store.uri + "/"):  # below the root: reuse its client and options
         ckpt = open_rlinf_checkpoint(store.child(target[len(store.uri) + 1:]))
     else:
@@ -65,15 +88,16 @@ def resolve_resume_dir(resume_dir: str | None, root: str | Store,
 def _latest(store: Store) -> str | None:
     infos = [i for i in list_checkpoints(store, include_uncommitted=True)
              if _STEP_RE.match(i.name)]
-    best: tuple[int, str] | None = None
     for info in sorted(infos, key=lambda i: parse_step(i.name), reverse=True):
-        if not info.committed:
-            log.warning("skipping %s: torn checkpoint (no cloudckpt manifest%s); a save "
-                        "that never finished", info.uri, f": {info.error}" if info.error else "")
-            continue
-        best = (parse_step(info.name), info.uri)
-        break
-    if best is None:
-        log.info("resume_dir=auto: no committed checkpoint under %s; starting fresh", store.uri)
-        return None
-    return best[1]
+        if info.committed:
+            return info.uri
+        if info.status == "foreign":
+            # RLinf would resume from it; skipping it would later collide with its name.
+            raise IncompleteCheckpointError(
+                f"resume_dir=auto: the newest step {info.uri} was written by RLinf itself "
+                f"(no cloudckpt manifest); commit it once with `{ADOPT_HINT} {info.uri}`, "
+                "or remove it")
+        log.warning("skipping %s: torn checkpoint (no cloudckpt manifest%s); a save "
+                    "that never finished", info.uri, f": {info.error}" if info.error else "")
+    log.info("resume_dir=auto: no committed checkpoint under %s; starting fresh", store.uri)
+    return None
