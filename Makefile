@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench torture install-check clean
+.PHONY: setup demo test lint compat bench torture install-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,18 @@ lint: setup
 	$(VENV)/bin/lint-imports  # the layers in pyproject.toml: no upward imports
 
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --ignore=tests/compat
+
+# The frameworks' own code driving cloudckpt: AReaL from PyPI (--no-deps, see
+# tests/compat/requirements.txt), ROLL's and RLinf's upstream code from ../shared/peers.
+AREAL_PIN ?= areal==1.0.4
+$(VENV)/.compat: $(VENV)/.installed tests/compat/requirements.txt
+	$(PY) -m pip install -q --no-deps "$(AREAL_PIN)"
+	$(PY) -m pip install -q -r tests/compat/requirements.txt
+	touch $@
+
+compat: $(VENV)/.compat
+	$(PY) -m pytest -q tests/compat
 
 # The reliability and security torture suite at full scale (about 10 minutes on
 # 2 cores); prints a summary table and writes it to torture-report.json.

@@ -1,0 +1,34 @@
+"""The compatibility suite: the frameworks' own classes drive cloudckpt.
+
+AReaL comes from PyPI (``make compat`` installs it); ROLL's and RLinf's upstream
+checkpoint code is read from ``../shared/peers/*/src``, put first on ``sys.path`` here.
+A missing piece fails the run with what to do; nothing is skipped.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+PEERS = Path(__file__).resolve().parents[3] / "shared" / "peers"
+
+
+def _require() -> None:
+    missing = [str(PEERS / f"{name}/src") for name in ("roll", "rlinf")
+               if not (PEERS / f"{name}/src").is_dir()]
+    if missing:
+        raise pytest.UsageError(f"the frameworks' code is missing: {missing} "
+                                "(expected ../shared/peers beside the project)")
+    if importlib.util.find_spec("areal") is None:
+        raise pytest.UsageError("AReaL is not installed: run `make compat`, which installs "
+                                "areal==1.0.4 and tests/compat/requirements.txt")
+
+
+_require()
+for _name in ("rlinf", "roll"):
+    _src = str(PEERS / _name / "src")
+    if _src not in sys.path:
+        sys.path.insert(0, _src)
