@@ -79,3 +79,35 @@ class OutsideRootError(StorageError, CorruptCheckpointError, PermissionError):
     such a link cannot be trusted, and listings, ``latest`` and resume skip it (or fall
     back) as they do any corrupt checkpoint instead of failing the whole root.
     """
+
+
+# ---------------------------------------------------------------- exit codes
+# What the command line (``cloudckpt``, and each integration's ``python -m`` command)
+# exits with: one code per kind of failure (docs/cli.md lists them).
+
+EXIT_OK, EXIT_CORRUPT, EXIT_USAGE, EXIT_NOT_FOUND = 0, 1, 2, 3
+EXIT_INCOMPLETE, EXIT_CONFLICT, EXIT_STORAGE = 4, 5, 6
+EXIT_ACCESS, EXIT_DISK_FULL, EXIT_INTERNAL = 7, 8, 70
+EXIT_INTERRUPTED, EXIT_PIPE = 130, 141
+
+#: Error class -> exit code; the first match wins, so subclasses come first.
+EXIT_CODES: list[tuple[type[BaseException], int]] = [
+    (DiskFullError, EXIT_DISK_FULL),
+    (AccessDeniedError, EXIT_ACCESS),
+    (BucketNotFoundError, EXIT_NOT_FOUND),
+    (CorruptCheckpointError, EXIT_CORRUPT),
+    (ConfigError, EXIT_USAGE),
+    (NotACheckpointError, EXIT_USAGE),
+    (CheckpointNotFoundError, EXIT_NOT_FOUND),
+    (IncompleteCheckpointError, EXIT_INCOMPLETE),
+    (CommitConflictError, EXIT_CONFLICT),
+    (StorageError, EXIT_STORAGE),
+]
+
+
+def exit_code(exc: BaseException) -> int:
+    """The command's exit code for ``exc`` (storage failures by default)."""
+    for cls, code in EXIT_CODES:
+        if isinstance(exc, cls):
+            return code
+    return EXIT_STORAGE

@@ -46,6 +46,7 @@ from .exits import (  # noqa: F401 - the exit codes are part of the command's in
     EXIT_PIPE,
     EXIT_STORAGE,
     EXIT_USAGE,
+    exit_code,
 )
 
 log = logging.getLogger("cloudckpt")
@@ -175,10 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _report(exc: CloudCkptError) -> int:
     print(f"cloudckpt: error: {exc}", file=sys.stderr)
-    for cls, code in EXIT_CODES:
-        if isinstance(exc, cls):
-            return code
-    return EXIT_STORAGE
+    return exit_code(exc)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,35 +1,21 @@
-"""The command's exit codes: one per kind of failure (docs/cli.md lists them)."""
+"""The command's exit codes: one per kind of failure (docs/cli.md lists them). They
+live in :mod:`cloudckpt.errors`, so the integrations' commands exit the same way."""
 
 from __future__ import annotations
 
-from ..errors import (
-    AccessDeniedError,
-    BucketNotFoundError,
-    CheckpointNotFoundError,
-    CommitConflictError,
-    ConfigError,
-    CorruptCheckpointError,
-    DiskFullError,
-    IncompleteCheckpointError,
-    NotACheckpointError,
-    StorageError,
+from ..errors import (  # noqa: F401 - re-exported: the command's interface
+    EXIT_ACCESS,
+    EXIT_CODES,
+    EXIT_CONFLICT,
+    EXIT_CORRUPT,
+    EXIT_DISK_FULL,
+    EXIT_INCOMPLETE,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_PIPE,
+    EXIT_STORAGE,
+    EXIT_USAGE,
+    exit_code,
 )
-
-EXIT_OK, EXIT_CORRUPT, EXIT_USAGE, EXIT_NOT_FOUND = 0, 1, 2, 3
-EXIT_INCOMPLETE, EXIT_CONFLICT, EXIT_STORAGE = 4, 5, 6
-EXIT_ACCESS, EXIT_DISK_FULL, EXIT_INTERNAL = 7, 8, 70
-EXIT_INTERRUPTED, EXIT_PIPE = 130, 141
-
-#: Error class -> exit code; the first match wins, so subclasses come first.
-EXIT_CODES: list[tuple[type[BaseException], int]] = [
-    (DiskFullError, EXIT_DISK_FULL),
-    (AccessDeniedError, EXIT_ACCESS),
-    (BucketNotFoundError, EXIT_NOT_FOUND),
-    (CorruptCheckpointError, EXIT_CORRUPT),
-    (ConfigError, EXIT_USAGE),
-    (NotACheckpointError, EXIT_USAGE),
-    (CheckpointNotFoundError, EXIT_NOT_FOUND),
-    (IncompleteCheckpointError, EXIT_INCOMPLETE),
-    (CommitConflictError, EXIT_CONFLICT),
-    (StorageError, EXIT_STORAGE),
-]

@@ -115,9 +115,9 @@ def test_areal_trial_imported_resumes_under_cloudckpt(s3, tmp_path, reference):
     first = Trainer(areal_saver.Saver, areal_recover.RecoverHandler, *configs(local_root))
     first.train(first_step(), CUT)
 
-    rc = areal_cli(["import", trial_dir(local_root), trial_dir(s3.root),
-                    *[a for o in cli_options(s3) for a in ("-o", o)]])
-    assert rc == 0
+    opts = [a for o in cli_options(s3) for a in ("-o", o)]
+    assert areal_cli(["import", str(tmp_path / "no-trial"), trial_dir(s3.root), *opts]) == 3
+    assert areal_cli(["import", trial_dir(local_root), trial_dir(s3.root), *opts]) == 0
     saver_cfg, recover_cfg = configs(s3.root)
     exports = areal.list_exports(saver_cfg, storage_options=s3.options)
     assert [Path(e.uri).name for e in exports] == ["epoch0epochstep2globalstep2"]

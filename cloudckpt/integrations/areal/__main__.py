@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from ...errors import CloudCkptError, exit_code
 from ...storage import parse_options
 from .importer import import_trial
 
@@ -22,9 +23,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="storage option (e.g. endpoint_url=http://...)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for uri in import_trial(args.local_trial, args.uri,
-                            storage_options=parse_options(args.option)):
-        print(f"committed {uri}")
+    try:
+        for uri in import_trial(args.local_trial, args.uri,
+                                storage_options=parse_options(args.option)):
+            print(f"committed {uri}")
+    except CloudCkptError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exit_code(exc)
     return 0
 
 

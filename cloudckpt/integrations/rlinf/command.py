@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ...errors import CloudCkptError
+from ...errors import CloudCkptError, exit_code
 from .adoption import adopt_step, upload_step
 from .converter import convert
 from .layout import checkpoints_root
@@ -73,4 +73,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except CloudCkptError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return exit_code(exc)

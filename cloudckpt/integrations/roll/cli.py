@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ...errors import CloudCkptError, ConfigError
+from ...errors import CloudCkptError, ConfigError, exit_code
 from ...storage import parse_options
 from .resume import CKPT_RE, download_checkpoint
 from .uploader import GcsUploader, RollUploader, S3Uploader
@@ -76,6 +76,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             out = download_checkpoint(args.src, args.dir, options)
     except CloudCkptError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return exit_code(exc)
     print(out)
     return 0
