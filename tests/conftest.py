@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
+from helpers import HUB_TOKEN  # noqa: E402
 
 from cloudckpt.storage import RetryPolicy  # noqa: E402
 from cloudckpt.testing import FakeGcsServer, MotoServer  # noqa: E402
@@ -97,20 +98,6 @@ def memory() -> Backend:
 def backend(request) -> Backend:
     """Every backend in turn, each over a real endpoint where one exists."""
     return request.getfixturevalue({"file": "local"}.get(request.param, request.param))
-
-
-HUB_TOKEN = "hf_cloudckpt_test_token_0123456789"
-
-
-def torn_save(uri: str, options: dict[str, Any], objects: dict[str, bytes]) -> None:
-    """What a save that failed before its commit leaves behind: its objects and its
-    writer's claim, marked abandoned. (Objects put there by other means are not
-    cloudckpt's, and no cloudckpt command treats them as a torn save.)"""
-    from cloudckpt import CheckpointWriter
-
-    w = CheckpointWriter(uri, storage_options=options)
-    w.put_many(objects)
-    w.abandon()
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import json
 import os
 
 import pytest
-from conftest import torn_save
+from helpers import torn_save
 
 from cloudckpt import (
     MANIFEST_NAME,

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import torn_save
+from helpers import torn_save
 
 from cloudckpt import CheckpointWriter, open_checkpoint, open_store
 from cloudckpt.cli import main

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HUB_TOKEN
 from dist_run import run_ranks
+from helpers import HUB_TOKEN
 
 from cloudckpt import CorruptCheckpointError, hf, open_checkpoint, open_store
 from cloudckpt.cli import main as cli

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from conftest import torn_save
+from helpers import torn_save
 
 from cloudckpt import (
     MANIFEST_NAME,

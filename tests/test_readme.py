@@ -27,7 +27,7 @@ import pytest
 import s3fs
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import HUB_TOKEN
+from helpers import HUB_TOKEN
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import cloudckpt

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from conftest import HUB_TOKEN, torn_save
+from helpers import HUB_TOKEN, torn_save
 
 from cloudckpt import (
     AccessDeniedError,
