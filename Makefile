@@ -51,6 +51,8 @@ bench: setup
 	$(PY) benchmarks/transfer_bench.py
 	$(PY) benchmarks/hf_bench.py
 	$(PY) benchmarks/hf_bench.py --max-shard-size 20MB
+	$(PY) -m pip install -q s3torchconnector  # a peer of the memory benchmark only
+	$(PY) benchmarks/memory_bench.py
 
 # A user's `pip install .` (no extras) and `pip install ".[hf]"`, each into a fresh
 # virtualenv with torch: fails when either resolves or installs for over 180 s,

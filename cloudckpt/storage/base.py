@@ -24,10 +24,17 @@ from ..errors import AccessDeniedError, BucketNotFoundError, CommitConflictError
 from .batch import BatchMixin
 from .keys import join_key, validate_key
 from .objects import ObjectInfo, T, chunks, mtime_of, nbytes
-from .options import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, init_options, refuse_own_options
+from .options import (
+    DEFAULT_CONCURRENCY,
+    DEFAULT_PART_SIZE,
+    DEFAULT_UPLOAD_WINDOW,
+    init_options,
+    refuse_own_options,
+)
 from .primitives import StorePrimitives
 from .ranges import RangeReadMixin, read_upto
 from .retry import RetryPolicy, status_of
+from .window import shared_window
 from .writers import BufferedRawWriter, CloseOnExit, ObjectWriter, RangeWriter, RawWriter
 
 # Names importable from here as before the split into modules.
@@ -62,8 +69,9 @@ class Store(BatchMixin, RangeReadMixin, StorePrimitives):
     ``protocol``, the URL scheme it is opened under (one of :attr:`protocols`;
     required only where a backend serves any scheme); ``storage_options``, for
     the filesystem and for the backend itself (``fsync`` on local disk), checked
-    by the backend; and cloudckpt's own ``retry``, ``max_concurrency`` and
-    ``part_size``.
+    by the backend; and cloudckpt's own ``retry``, ``max_concurrency``,
+    ``part_size`` and ``upload_window`` (the bytes streamed writes may hold at
+    once, shared by every store of the process with the same value).
     """
 
     def __init__(
@@ -75,6 +83,7 @@ class Store(BatchMixin, RangeReadMixin, StorePrimitives):
         retry: RetryPolicy | None = None,
         max_concurrency: int = DEFAULT_CONCURRENCY,
         part_size: int = DEFAULT_PART_SIZE,
+        upload_window: int = DEFAULT_UPLOAD_WINDOW,
     ) -> None:
         if max_concurrency < 1:
             raise ConfigError("max_concurrency must be >= 1")
@@ -83,6 +92,7 @@ class Store(BatchMixin, RangeReadMixin, StorePrimitives):
         self.retry = retry or RetryPolicy()
         self.max_concurrency = max_concurrency
         self.part_size = part_size
+        self.upload_window = shared_window(upload_window)
         options = dict(storage_options or {})
         refuse_own_options(type(self).__name__, options)
         self.storage_options = self._read_options(protocol or self.protocol, options)

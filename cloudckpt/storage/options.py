@@ -1,7 +1,8 @@
 """Storage options: parsed from the command line, split into cloudckpt's own and
 the filesystem's, and checked before anything is sent.
 
-:func:`own_options` takes ``retry``, ``max_concurrency`` and ``part_size`` out of
+:func:`own_options` takes ``retry``, ``max_concurrency``, ``part_size`` and
+``upload_window`` out of
 a user's storage options (the registry passes them to the backend as keyword
 arguments). Each backend checks the rest itself (:meth:`Store._read_options`):
 :func:`check_filesystem_options` against the names its filesystem takes, or
@@ -23,9 +24,12 @@ from .retry import RetryPolicy
 DEFAULT_CONCURRENCY = 16
 #: Default part size of streamed (multipart) writes.
 DEFAULT_PART_SIZE = 16 * 1024 * 1024
+#: Default upload window: the bytes every streamed write of the process may hold at
+#: once, in parts being filled and parts in flight (stores with one value share it).
+DEFAULT_UPLOAD_WINDOW = 8 * DEFAULT_PART_SIZE
 
 #: storage_options keys that configure cloudckpt itself rather than the filesystem.
-STORE_OPTIONS = ("retry", "max_concurrency", "part_size")
+STORE_OPTIONS = ("retry", "max_concurrency", "part_size", "upload_window")
 
 #: Filesystem options that must be mappings, and those that are switches.
 _MAPPINGS = ("client_kwargs", "config_kwargs", "s3_additional_kwargs", "session_kwargs")
@@ -51,7 +55,7 @@ def parse_options(pairs: Sequence[str] | None) -> dict[str, Any]:
 def own_options(options: dict[str, Any]) -> dict[str, Any]:
     """Pop and check the options that configure cloudckpt itself."""
     own: dict[str, Any] = {k: options.pop(k) for k in STORE_OPTIONS if k in options}
-    for key in ("max_concurrency", "part_size"):
+    for key in ("max_concurrency", "part_size", "upload_window"):
         if key in own:
             own[key] = positive_int(key, own[key])
     retry = own.get("retry")

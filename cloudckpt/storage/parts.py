@@ -1,15 +1,18 @@
 """Streamed uploads in parts: the buffering and parallelism every object store shares.
 
 A :class:`PartWriter` cuts the stream into parts, sends a few at once on a
-thread pool, each under the store's retry policy, and bounds memory to the
-parts in flight plus one being filled. An object under two parts goes up as a
-single request on commit: parts would gain at most one in flight for extra
+thread pool, each under the store's retry policy. The bytes it holds (the part
+being filled and the parts in flight) are taken from the store's upload window
+(:mod:`.window`), shared by every streamed write of the process, so many objects
+written at once cannot hold more than the window. An object under two parts goes
+up as a single request on commit: parts would gain at most one in flight for extra
 requests and server-side assembly. Backends say *how* a part is stored and
 how the parts become one object (S3 multipart upload, GCS compose).
 """
 
 from __future__ import annotations
 
+import threading
 from abc import abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -19,6 +22,9 @@ from ..errors import StorageError
 from .base import Store
 from .retry import RetryPolicy
 from .writers import RawWriter
+
+#: Window bytes each thread holds in the buffers of its open writers.
+_thread = threading.local()
 
 #: Clean-up after an abort: one try each, so a dead endpoint does not hold the
 #: caller's error back for another retry deadline.
@@ -43,6 +49,11 @@ class PartWriter(RawWriter):
         self._parts: list[Future[Any]] = []
         self._pool: ThreadPoolExecutor | None = None
         self._aborted = False
+        # Window bytes held for the buffer: two parts until the upload starts (it may
+        # still go up as one request), then one part at a time. A writer waits for
+        # the window only when it holds none of it, so writers never deadlock.
+        self._window = store.upload_window
+        self._held = 0
 
     # ------------------------------------------------------------------ hooks
 
@@ -82,9 +93,30 @@ class PartWriter(RawWriter):
 
         return self._store.retry.call(attempt, op=op, key=self._path)
 
+    def _reserve(self, n: int) -> None:
+        if self._held == 0:
+            # A thread that holds window bytes in another open writer must not wait:
+            # only this thread can let those go.
+            busy = getattr(_thread, "held", 0) > 0
+            self._held = self._window.acquire(n, wait=not busy)
+            _thread.held = getattr(_thread, "held", 0) + self._held
+
+    def _give_up(self, n: int) -> None:
+        """``n`` of the buffer's window bytes stop being this writer's (sent or freed)."""
+        self._held -= n
+        _thread.held = max(0, getattr(_thread, "held", 0) - n)
+
+    def _release_held(self) -> None:
+        held = self._held
+        self._give_up(held)
+        self._window.release(held)
+
     def write(self, data: Buffer) -> None:
         view = memoryview(data).cast("B")
+        if not len(view):
+            return
         if not self._started:
+            self._reserve(self._single_limit)
             if len(self._buf) + len(view) < self._single_limit:
                 self._buf += view  # may still go up as one request
                 return
@@ -99,6 +131,7 @@ class PartWriter(RawWriter):
                 del self._buf[:size]
                 self._send(part)
             elif self._buf:  # top up the part being filled
+                self._reserve(size)
                 take = min(size - len(self._buf), len(view) - pos)
                 self._buf += view[pos:pos + take]
                 pos += take
@@ -107,10 +140,14 @@ class PartWriter(RawWriter):
                 part, self._buf = bytes(self._buf), bytearray()
                 self._send(part)
             elif len(view) - pos >= size:  # whole parts straight from the caller's buffer
+                self._reserve(size)
                 self._send(bytes(view[pos:pos + size]))
                 pos += size
-            else:
+            elif pos < len(view):
+                self._reserve(size)
                 self._buf += view[pos:]
+                return
+            else:
                 return
 
     def _send(self, part: bytes) -> None:
@@ -129,17 +166,26 @@ class PartWriter(RawWriter):
         pending = [f for f in self._parts if not f.done()]
         if len(pending) >= self.IN_FLIGHT:
             pending[0].result()
-        self._parts.append(self._pool.submit(
-            self._retry, "upload part", lambda: self._upload(number, part)))
+        # The part's bytes leave the buffer's share of the window with it: released
+        # when it is stored (or fails, or is cancelled).
+        held = min(self._held, len(part))
+        self._give_up(held)
+        future = self._pool.submit(self._retry, "upload part", lambda: self._upload(number, part))
+        future.add_done_callback(lambda _f, n=held: self._window.release(n))
+        self._parts.append(future)
 
     def commit(self, size: int, crc32c: str) -> None:
         if not self._started:
             data, self._buf = self._buf, bytearray()
-            self._retry("put", lambda: self._single(data, size, crc32c))
+            try:
+                self._retry("put", lambda: self._single(data, size, crc32c))
+            finally:
+                self._release_held()
             return
         if self._buf:
             self._send(bytes(self._buf))
             self._buf = bytearray()
+        self._release_held()
         tokens = [f.result() for f in self._parts]
         self._retry("finish upload", lambda: self._finish(tokens, size, crc32c))
         self._shutdown()
@@ -147,6 +193,7 @@ class PartWriter(RawWriter):
 
     def abort(self) -> None:
         self._buf = bytearray()
+        self._release_held()
         self._aborted = True
         for f in self._parts:
             f.cancel()

@@ -1,0 +1,70 @@
+"""The upload window: a budget of bytes that streamed writes hold at once.
+
+Every part a streamed upload fills or has in flight is a copy of the caller's
+bytes; with many objects written in parallel those copies, not the state, set the
+host memory a save needs. One :class:`ByteWindow` per process (per configured size)
+bounds them all, so a save's extra memory is the window, whatever the state size.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+_windows: dict[int, ByteWindow] = {}
+_lock = threading.Lock()
+
+
+class ByteWindow:
+    """A counting budget of bytes. ``acquire`` blocks until the bytes are free; a
+    request larger than the whole window waits for an empty window instead, so it
+    still runs (alone)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self.peak = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int, *, wait: bool = True) -> int:
+        """Take ``n`` bytes, waiting for them unless ``wait`` is False (then the window
+        may run over); returns what to :meth:`release`."""
+        with self._cond:
+            while wait and self.used and self.used + n > self.capacity:
+                self._cond.wait()
+            self.used += n
+            self.peak = max(self.peak, self.used)
+        return n
+
+    def __reduce__(self) -> tuple[object, tuple[int]]:
+        # Unpickled in another process (a store sent to a worker): that process's window.
+        return shared_window, (self.capacity,)
+
+    def release(self, n: int) -> None:
+        if n <= 0:
+            return
+        with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+
+def shared_window(capacity: int) -> ByteWindow:
+    """The process's window of ``capacity`` bytes (stores with one value share it)."""
+    with _lock:
+        window = _windows.get(capacity)
+        if window is None:
+            window = _windows[capacity] = ByteWindow(capacity)
+        return window
+
+
+def _after_fork() -> None:
+    # A forked child inherits no upload threads: nothing of the parent's is in use,
+    # and a lock held by one of them at the fork would never be released.
+    global _lock
+    _lock = threading.Lock()
+    for window in _windows.values():
+        window.used = 0
+        window._cond = threading.Condition()
+
+
+os.register_at_fork(after_in_child=_after_fork)

@@ -1,0 +1,102 @@
+"""The upload window bounds the bytes streamed writes hold, over real S3 and GCS."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from cloudckpt import open_store
+from cloudckpt.storage.window import ByteWindow, shared_window
+
+PART = 256 * 1024  # fake-gcs-server takes parts this small
+
+
+@pytest.mark.parametrize("where", ["gcs", "s3"])
+def test_parallel_writes_stay_within_the_window(where, request, monkeypatch):
+    from cloudckpt.storage import gcs, s3
+
+    cls = gcs._ComposeWriter if where == "gcs" else s3._MultipartWriter
+    sending, most, lock = [0], [0], threading.Lock()
+    real = cls._upload
+
+    def counted(self, number, part):  # the part bytes held by requests in flight
+        with lock:
+            sending[0] += len(part)
+            most[0] = max(most[0], sending[0])
+        try:
+            return real(self, number, part)
+        finally:
+            with lock:
+                sending[0] -= len(part)
+
+    monkeypatch.setattr(cls, "_upload", counted)
+    backend = request.getfixturevalue(where)
+    part = PART if where == "gcs" else 5 * 1024 * 1024  # S3's smallest part
+    window = 4 * part + 1  # its own window: no other test shares it
+    store = open_store(backend.root, {**backend.options, "part_size": part,
+                                      "upload_window": window})
+    blobs = {f"obj-{i}": os.urandom(3 * part + 1000 * i) for i in range(6)}
+
+    def write(key: str) -> None:
+        data = memoryview(blobs[key])
+        with store.open_write(key) as out:
+            for start in range(0, len(data), 100_000):
+                out.write(data[start:start + 100_000])
+
+    store.map(write, list(blobs))
+    assert store.upload_window is shared_window(window)
+    assert 0 < store.upload_window.peak <= window
+    assert 0 < most[0] <= window  # 6 objects x 3+ parts would be 18 parts at once
+    assert store.upload_window.used == 0  # every byte given back
+    for key, data in blobs.items():
+        assert store.get(key) == data
+
+
+def test_one_thread_with_two_open_writers_does_not_wait_for_itself(gcs):
+    """A thread filling two objects at once (each holding window bytes) goes on: only
+    it could free what the window waits for."""
+    store = open_store(gcs.root, {**gcs.options, "part_size": PART,
+                                  "upload_window": 2 * PART + 7})
+    a, b = os.urandom(5 * PART), os.urandom(5 * PART)
+    done = threading.Event()
+
+    def both() -> None:
+        with store.open_write("a") as wa, store.open_write("b") as wb:
+            for i in range(0, 5 * PART, PART // 2):
+                wa.write(a[i:i + PART // 2])
+                wb.write(b[i:i + PART // 2])
+        done.set()
+
+    t = threading.Thread(target=both, daemon=True)
+    t.start()
+    t.join(120)
+    assert done.is_set(), "a thread waited for window bytes only it could release"
+    assert store.get("a") == a and store.get("b") == b
+    assert store.upload_window.used == 0
+
+
+def test_an_aborted_write_gives_its_bytes_back(gcs):
+    store = open_store(gcs.root, {**gcs.options, "part_size": PART,
+                                  "upload_window": 3 * PART + 11})
+    with pytest.raises(RuntimeError), store.open_write("torn") as out:
+        out.write(os.urandom(4 * PART))
+        raise RuntimeError("the caller fails mid-write")
+    assert store.upload_window.used == 0
+    assert not store.exists("torn")
+
+
+def test_window_waits_and_lets_an_oversized_request_run_alone():
+    w = ByteWindow(10)
+    assert w.acquire(6) == 6
+    got: list[int] = []
+    t = threading.Thread(target=lambda: got.append(w.acquire(8)))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive() and not got  # 6 + 8 > 10: waits
+    w.release(6)
+    t.join(5)
+    assert got == [8] and w.used == 8
+    w.release(8)
+    assert w.acquire(50) == 50 and w.used == 50  # larger than the window: alone
