@@ -259,9 +259,11 @@ class _OneTryGCSFileSystem(gcsfs.GCSFileSystem):
 
 
 class _ComposeWriter(PartWriter):
-    """Parts as hidden objects uploaded in parallel, composed into one and checked."""
+    """Parts as hidden objects uploaded in parallel, composed into one and checked.
+    A part's request body is built by concatenation: two more copies while sent."""
 
     MAX_PARTS = _MAX_COMPONENTS
+    COPIES = 3
 
     def __init__(self, store: GCSStore, path: str) -> None:
         super().__init__(store, path, max(store.part_size, 256 * 1024))

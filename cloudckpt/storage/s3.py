@@ -376,9 +376,12 @@ def _s3fs_options(options: dict[str, Any], max_concurrency: int) -> dict[str, An
 
 class _MultipartWriter(PartWriter):
     """An S3 multipart upload: parts of ``part_size`` (at least 5 MiB) in parallel.
+    aiohttp copies each part's body once more while sending it (COPIES = 2).
 
     A small object goes up as one PUT with its CRC32C, which S3 verifies.
     """
+
+    COPIES = 2
 
     def __init__(self, store: S3Store, path: str) -> None:
         super().__init__(store, path, max(store.part_size, MIN_PART_SIZE))
