@@ -277,7 +277,7 @@ class _ComposeWriter(PartWriter):
     def _part_name(self, tag: str) -> str:
         return f"{self._path}.{self._id}-{tag}{PART_SUFFIX}"
 
-    def _upload(self, number: int, part: bytes) -> str:
+    def _upload(self, number: int, part: memoryview) -> str:
         name = self._part_name(f"{number:04d}")
         self._gcs._put_checked(name, part, crc32c_hex(part))
         return name
@@ -305,7 +305,7 @@ class _ComposeWriter(PartWriter):
         self._gcs._compose(name, sources)
         return name
 
-    def _single(self, data: bytearray, size: int, crc32c: str) -> None:
+    def _single(self, data: memoryview, size: int, crc32c: str) -> None:
         self._gcs._put_checked(self._path, data, crc32c)
 
     def _cleanup(self, tokens: list[Any]) -> None:

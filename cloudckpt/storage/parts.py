@@ -12,6 +12,8 @@ how the parts become one object (S3 multipart upload, GCS compose).
 
 from __future__ import annotations
 
+import io
+import mmap
 import threading
 from abc import abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,6 +23,7 @@ from ..crc import Buffer
 from ..errors import StorageError
 from .base import Store
 from .retry import RetryPolicy
+from .window import ByteWindow
 from .writers import RawWriter
 
 #: Window bytes each thread holds in the buffers of its open writers.
@@ -29,6 +32,106 @@ _thread = threading.local()
 #: Clean-up after an abort: one try each, so a dead endpoint does not hold the
 #: caller's error back for another retry deadline.
 _ONE_TRY = RetryPolicy(max_attempts=1, deadline=10.0)
+
+
+def part_copy(data: Buffer, window: ByteWindow | None = None) -> memoryview:
+    """A copy of ``data`` in an anonymous mapping (the window's, when given: see
+    :meth:`ByteWindow.keep`). Not malloc: it would keep freed 16 MiB parts in its
+    arenas, and a save's memory would grow with the state."""
+    view = memoryview(data).cast("B")
+    if not len(view):
+        return memoryview(b"")
+    mapped = window.mapping(len(view)) if window is not None else mmap.mmap(-1, len(view))
+    mapped[:len(view)] = view
+    return memoryview(mapped)
+
+
+class PartBody(io.BytesIO):
+    """A part as a read-only in-memory file over its own bytes (no copy). A BytesIO,
+    so aiohttp streams it in chunks on its event loop (a bytes body it would copy
+    whole; another file it would read through a thread per chunk)."""
+
+    def __init__(self, part: Buffer) -> None:
+        super().__init__()
+        self._view = memoryview(part).cast("B")
+        self._pos = 0
+
+    def getbuffer(self) -> memoryview:  # type: ignore[override]
+        return self._view[:]
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def read(self, size: int | None = -1) -> bytes:
+        end = len(self._view) if size is None or size < 0 else min(len(self._view),
+                                                                   self._pos + size)
+        data = bytes(self._view[self._pos:end])
+        self._pos = max(self._pos, end)
+        return data
+
+    def readinto(self, buffer: Any) -> int:  # type: ignore[override]
+        n = max(0, min(len(buffer), len(self._view) - self._pos))
+        buffer[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+
+class _Fill:
+    """The bytes not sent yet, in one anonymous mapping of ``capacity`` bytes: pages
+    cost memory only once written, and all of it goes back to the system on close."""
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._map: mmap.mmap | None = None
+        self.n = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def append(self, data: memoryview) -> None:
+        if self._map is None:
+            self._map = mmap.mmap(-1, self._capacity)
+        self._map[self.n:self.n + len(data)] = data
+        self.n += len(data)
+
+    def copy(self, size: int | None = None) -> memoryview:
+        """A copy of the first ``size`` bytes (all by default), which then leave."""
+        size = self.n if size is None else size
+        assert self._map is not None
+        with memoryview(self._map) as whole:
+            part = part_copy(whole[:size])
+        self._map.move(0, size, self.n - size)
+        self.n -= size
+        self.drop_tail(self.n)  # an open writer holds only what it has not sent
+        return part
+
+    def drop_tail(self, keep: int) -> None:
+        """Give back the pages past ``keep`` bytes (written once, not needed again)."""
+        if self._map is not None and keep < self._capacity:
+            start = -(-keep // mmap.PAGESIZE) * mmap.PAGESIZE
+            if start < self._capacity:
+                self._map.madvise(mmap.MADV_DONTNEED, start, self._capacity - start)
+
+    def view(self) -> memoryview:
+        assert self._map is not None
+        return memoryview(self._map)[:self.n]
+
+    def close(self) -> None:
+        self.n = 0
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # an HTTP client still holds a view: unmapped with it
+                pass
+            self._map = None
 
 
 class PartWriter(RawWriter):
@@ -47,7 +150,7 @@ class PartWriter(RawWriter):
         self._path = path
         self._part_size = part_size
         self._single_limit = 2 * part_size
-        self._buf = bytearray()
+        self._buf = _Fill(self._single_limit)
         self._started = False
         self._parts: list[Future[Any]] = []
         self._pool: ThreadPoolExecutor | None = None
@@ -68,7 +171,7 @@ class PartWriter(RawWriter):
         return self._part_size
 
     @abstractmethod
-    def _upload(self, number: int, part: bytes) -> Any:
+    def _upload(self, number: int, part: memoryview) -> Any:
         """Store part ``number``; return what :meth:`_finish` needs of it (one attempt)."""
 
     @abstractmethod
@@ -76,7 +179,7 @@ class PartWriter(RawWriter):
         """Make one object of the parts; ``size``/``crc32c`` are of the whole (one attempt)."""
 
     @abstractmethod
-    def _single(self, data: bytearray, size: int, crc32c: str) -> None:
+    def _single(self, data: memoryview, size: int, crc32c: str) -> None:
         """Store a small object in one request (one attempt)."""
 
     def _abort_upload(self, store: Store) -> None:
@@ -122,7 +225,7 @@ class PartWriter(RawWriter):
         if not self._started:
             self._reserve(self._single_limit)
             if len(self._buf) + len(view) < self._single_limit:
-                self._buf += view  # may still go up as one request
+                self._buf.append(view)  # may still go up as one request
                 return
             self._started = True
             self._retry("start upload", self._start)
@@ -130,31 +233,27 @@ class PartWriter(RawWriter):
         while True:
             size = self.part_size_of(len(self._parts) + 1)
             if len(self._buf) >= size:  # held while it could still be a single request
-                with memoryview(self._buf) as held:
-                    part = bytes(held[:size])
-                del self._buf[:size]
-                self._send(part)
+                self._send(self._buf.copy(size))
             elif self._buf:  # top up the part being filled
                 self._reserve(size)
                 take = min(size - len(self._buf), len(view) - pos)
-                self._buf += view[pos:pos + take]
+                self._buf.append(view[pos:pos + take])
                 pos += take
                 if len(self._buf) < size:
                     return
-                part, self._buf = bytes(self._buf), bytearray()
-                self._send(part)
+                self._send(self._buf.copy())
             elif len(view) - pos >= size:  # whole parts straight from the caller's buffer
                 self._reserve(size)
-                self._send(bytes(view[pos:pos + size]))
+                self._send(part_copy(view[pos:pos + size], self._window))
                 pos += size
             elif pos < len(view):
                 self._reserve(size)
-                self._buf += view[pos:]
+                self._buf.append(view[pos:])
                 return
             else:
                 return
 
-    def _send(self, part: bytes) -> None:
+    def _send(self, part: memoryview) -> None:
         number = len(self._parts) + 1
         if self.MAX_PARTS is not None and number > self.MAX_PARTS:
             raise StorageError(
@@ -175,20 +274,28 @@ class PartWriter(RawWriter):
         held = min(self._held, len(part) * self.COPIES)
         self._give_up(held)
         future = self._pool.submit(self._retry, "upload part", lambda: self._upload(number, part))
-        future.add_done_callback(lambda _f, n=held: self._window.release(n))
+        exporter = part.obj if isinstance(part.obj, mmap.mmap) else None
+
+        def done(_f: Any, n: int = held) -> None:
+            self._window.release(n)
+            if exporter is not None:  # the request is over: the mapping can serve again
+                self._window.keep(exporter)
+
+        future.add_done_callback(done)
         self._parts.append(future)
 
     def commit(self, size: int, crc32c: str) -> None:
         if not self._started:
-            data, self._buf = self._buf, bytearray()
             try:
-                self._retry("put", lambda: self._single(data, size, crc32c))
+                with self._buf.view() if len(self._buf) else memoryview(b"") as data:
+                    self._retry("put", lambda: self._single(data, size, crc32c))
             finally:
+                self._buf.close()
                 self._release_held()
             return
         if self._buf:
-            self._send(bytes(self._buf))
-            self._buf = bytearray()
+            self._send(self._buf.copy())
+        self._buf.close()
         self._release_held()
         tokens = [f.result() for f in self._parts]
         self._retry("finish upload", lambda: self._finish(tokens, size, crc32c))
@@ -196,7 +303,7 @@ class PartWriter(RawWriter):
         self._cleanup(tokens)
 
     def abort(self) -> None:
-        self._buf = bytearray()
+        self._buf.close()
         self._release_held()
         self._aborted = True
         for f in self._parts:

@@ -29,7 +29,7 @@ from ..errors import StorageError
 from .base import Store
 from .objects import ObjectInfo
 from .options import init_options
-from .parts import _ONE_TRY, PartWriter
+from .parts import _ONE_TRY, PartBody, PartWriter
 from .ranges import read_upto
 from .retry import mask_secrets
 from .writers import RawWriter
@@ -106,7 +106,8 @@ class S3Store(Store):
         return sync(self.fs.loop, self.fs._call_s3, method, Bucket=bucket, Key=key, **kw)
 
     def _put(self, path: str, data: Buffer, **cond: str) -> str:
-        body = bytes(data) if isinstance(data, memoryview) else data
+        # botocore takes bytes, bytearray or a file; a view goes as a file (no copy).
+        body = PartBody(data) if isinstance(data, memoryview) else data
         return self._s3("put_object", path, Body=body, **cond)["ETag"]
 
     def _put_checked(self, path: str, data: Buffer, crc32c: str) -> str:
@@ -376,12 +377,10 @@ def _s3fs_options(options: dict[str, Any], max_concurrency: int) -> dict[str, An
 
 class _MultipartWriter(PartWriter):
     """An S3 multipart upload: parts of ``part_size`` (at least 5 MiB) in parallel.
-    aiohttp copies each part's body once more while sending it (COPIES = 2).
+    The part goes up as a file (:class:`PartBody`), which aiohttp reads in chunks.
 
     A small object goes up as one PUT with its CRC32C, which S3 verifies.
     """
-
-    COPIES = 2
 
     def __init__(self, store: S3Store, path: str) -> None:
         super().__init__(store, path, max(store.part_size, MIN_PART_SIZE))
@@ -391,9 +390,9 @@ class _MultipartWriter(PartWriter):
     def _start(self) -> None:
         self._upload_id = self._s3store._s3("create_multipart_upload", self._path)["UploadId"]
 
-    def _upload(self, number: int, part: bytes) -> dict[str, Any]:
+    def _upload(self, number: int, part: memoryview) -> dict[str, Any]:
         resp = self._s3store._s3("upload_part", self._path, UploadId=self._upload_id,
-                                 PartNumber=number, Body=part)
+                                 PartNumber=number, Body=PartBody(part))
         return {"PartNumber": number, "ETag": resp["ETag"]}
 
     def _finish(self, tokens: list[Any], size: int, crc32c: str) -> None:
@@ -420,8 +419,8 @@ class _MultipartWriter(PartWriter):
         return (head.get("ContentLength") == size
                 and head.get("ETag", "").strip('"') == f"{digest}-{len(tokens)}")
 
-    def _single(self, data: bytearray, size: int, crc32c: str) -> None:
-        self._s3store._put_checked(self._path, data, crc32c)  # botocore takes a bytearray
+    def _single(self, data: memoryview, size: int, crc32c: str) -> None:
+        self._s3store._put_checked(self._path, data, crc32c)
 
     def _abort_upload(self, store: Store) -> None:
         if self._upload_id is not None:

@@ -8,6 +8,7 @@ bounds them all, so a save's extra memory is the window, whatever the state size
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 
@@ -25,6 +26,10 @@ class ByteWindow:
         self.used = 0
         self.peak = 0
         self._cond = threading.Condition()
+        # Part mappings given back, kept for reuse (a fresh mapping costs a page fault
+        # per page) while what is used and kept fits the window; evicted as needed.
+        self._kept: dict[int, list[mmap.mmap]] = {}
+        self._kept_bytes = 0
 
     def acquire(self, n: int, *, wait: bool = True) -> int:
         """Take ``n`` bytes, waiting for them unless ``wait`` is False (then the window
@@ -34,7 +39,33 @@ class ByteWindow:
                 self._cond.wait()
             self.used += n
             self.peak = max(self.peak, self.used)
+            self._evict(self.capacity - self.used)
         return n
+
+    def mapping(self, size: int) -> mmap.mmap:
+        """An anonymous mapping of ``size`` bytes for a part: a kept one if there is."""
+        with self._cond:
+            kept = self._kept.get(size)
+            if kept:
+                self._kept_bytes -= size
+                return kept.pop()
+        return mmap.mmap(-1, size)
+
+    def keep(self, mapped: mmap.mmap) -> None:
+        """Take back a part's mapping: kept while it fits beside what is in use."""
+        with self._cond:
+            if self.used + self._kept_bytes + len(mapped) <= self.capacity:
+                self._kept.setdefault(len(mapped), []).append(mapped)
+                self._kept_bytes += len(mapped)
+                return
+        _close(mapped)
+
+    def _evict(self, room: int) -> None:
+        """Close kept mappings until at most ``room`` bytes are kept (lock held)."""
+        for size, kept in self._kept.items():
+            while kept and self._kept_bytes > max(0, room):
+                _close(kept.pop())
+                self._kept_bytes -= size
 
     def __reduce__(self) -> tuple[object, tuple[int]]:
         # Unpickled in another process (a store sent to a worker): that process's window.
@@ -46,6 +77,13 @@ class ByteWindow:
         with self._cond:
             self.used -= n
             self._cond.notify_all()
+
+
+def _close(mapped: mmap.mmap) -> None:
+    try:
+        mapped.close()
+    except BufferError:  # a view of it is still alive: unmapped when that goes
+        pass
 
 
 def shared_window(capacity: int) -> ByteWindow:
@@ -65,6 +103,7 @@ def _after_fork() -> None:
     for window in _windows.values():
         window.used = 0
         window._cond = threading.Condition()
+        window._kept, window._kept_bytes = {}, 0
 
 
 os.register_at_fork(after_in_child=_after_fork)
