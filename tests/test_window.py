@@ -101,3 +101,25 @@ def test_window_waits_and_lets_an_oversized_request_run_alone():
     assert got == [8] and w.used == 8
     w.release(8)
     assert w.acquire(50) == 50 and w.used == 50  # larger than the window: alone
+
+
+def test_part_body_reads_its_segments_as_one_file():
+    """The request body over several buffers: what botocore and aiohttp read of it is
+    the concatenation, from any position, again after a seek (a retried request)."""
+    import io
+
+    from cloudckpt.storage.parts import PartBody
+
+    segments = [b"head-", memoryview(bytearray(b"0123456789")), b"", b"-tail"]
+    whole = b"head-0123456789-tail"
+    body = PartBody(*segments)
+    assert len(body) == len(whole)
+    with body.getbuffer() as buf:
+        assert len(buf) == len(whole)
+    assert body.read(3) == whole[:3] and body.tell() == 3
+    assert body.read(9) == whole[3:12]
+    out = bytearray(6)
+    assert body.readinto(out) == 6 and bytes(out) == whole[12:18]
+    assert body.read() == whole[18:] and body.read(4) == b""
+    assert body.seek(0) == 0 and body.read() == whole
+    assert body.seek(-5, io.SEEK_END) == len(whole) - 5 and body.read() == b"-tail"

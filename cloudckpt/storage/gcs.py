@@ -47,7 +47,7 @@ from ..names import PART_SUFFIX  # noqa: E402
 from .base import Store  # noqa: E402
 from .objects import ObjectInfo  # noqa: E402
 from .options import init_options  # noqa: E402
-from .parts import PartWriter  # noqa: E402
+from .parts import PartBody, PartWriter  # noqa: E402
 from .ranges import read_upto  # noqa: E402
 from .retry import describe, mask_secrets  # noqa: E402
 from .writers import RawWriter  # noqa: E402
@@ -104,7 +104,8 @@ class GCSStore(Store):
             f"{json.dumps(meta)}\r\n--{boundary}\r\n"
             "Content-Type: application/octet-stream\r\n\r\n"
         ).encode()
-        body = head + bytes(data) + f"\r\n--{boundary}--\r\n".encode()
+        # A file over the three pieces: neither concatenated nor copied whole by aiohttp.
+        body = PartBody(head, data, f"\r\n--{boundary}--\r\n".encode())
         resp = sync(
             self.fs.loop,
             self.fs._call,
@@ -259,11 +260,9 @@ class _OneTryGCSFileSystem(gcsfs.GCSFileSystem):
 
 
 class _ComposeWriter(PartWriter):
-    """Parts as hidden objects uploaded in parallel, composed into one and checked.
-    A part's request body is built by concatenation: two more copies while sent."""
+    """Parts as hidden objects uploaded in parallel, composed into one and checked."""
 
     MAX_PARTS = _MAX_COMPONENTS
-    COPIES = 3
 
     def __init__(self, store: GCSStore, path: str) -> None:
         super().__init__(store, path, max(store.part_size, 256 * 1024))

@@ -16,6 +16,7 @@ import io
 import mmap
 import threading
 from abc import abstractmethod
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -46,42 +47,71 @@ def part_copy(data: Buffer, window: ByteWindow | None = None) -> memoryview:
     return memoryview(mapped)
 
 
-class PartBody(io.BytesIO):
-    """A part as a read-only in-memory file over its own bytes (no copy). A BytesIO,
-    so aiohttp streams it in chunks on its event loop (a bytes body it would copy
-    whole; another file it would read through a thread per chunk)."""
+class _Length:
+    """What aiohttp asks of ``getbuffer()``: a length, in a ``with`` block."""
 
-    def __init__(self, part: Buffer) -> None:
+    def __init__(self, n: int) -> None:
+        self._n = n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __enter__(self) -> _Length:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+class PartBody(io.BytesIO):
+    """A request body as a read-only in-memory file over the caller's buffers, one
+    after the other (no copy, no concatenation). A BytesIO, so aiohttp streams it in
+    chunks on its event loop (a bytes body it would copy whole; another file it would
+    read through a thread per chunk)."""
+
+    def __init__(self, *segments: Buffer) -> None:
         super().__init__()
-        self._view = memoryview(part).cast("B")
+        self._views = [memoryview(s).cast("B") for s in segments]
+        self._size = sum(len(v) for v in self._views)
         self._pos = 0
 
-    def getbuffer(self) -> memoryview:  # type: ignore[override]
-        return self._view[:]
+    def getbuffer(self) -> Any:  # type: ignore[override]
+        return _Length(self._size)
 
     def tell(self) -> int:
         return self._pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
         self._pos = max(0, base + offset)
         return self._pos
 
+    def _slices(self, end: int) -> Iterator[memoryview]:
+        """The bytes from the position to ``end``, segment by segment."""
+        start = 0
+        for view in self._views:
+            lo, hi = max(self._pos - start, 0), min(end - start, len(view))
+            if lo < hi:
+                yield view[lo:hi]
+            start += len(view)
+
     def read(self, size: int | None = -1) -> bytes:
-        end = len(self._view) if size is None or size < 0 else min(len(self._view),
-                                                                   self._pos + size)
-        data = bytes(self._view[self._pos:end])
+        end = self._size if size is None or size < 0 else min(self._size, self._pos + size)
+        data = b"".join(self._slices(end))
         self._pos = max(self._pos, end)
         return data
 
     def readinto(self, buffer: Any) -> int:  # type: ignore[override]
-        n = max(0, min(len(buffer), len(self._view) - self._pos))
-        buffer[:n] = self._view[self._pos:self._pos + n]
+        out = memoryview(buffer).cast("B")
+        n = 0
+        for piece in self._slices(min(self._size, self._pos + len(out))):
+            out[n:n + len(piece)] = piece
+            n += len(piece)
         self._pos += n
         return n
 
     def __len__(self) -> int:
-        return len(self._view)
+        return self._size
 
 
 class _Fill:
