@@ -29,8 +29,6 @@ from .transfer import download
 
 log = logging.getLogger("cloudckpt")
 
-_CHUNK = 8 << 20
-
 
 def _leaders(group: Any) -> list[int]:
     """Each rank's host leader: the lowest rank on the same host."""
@@ -62,11 +60,8 @@ def _files(root: Path, chosen: set[str] | None) -> list[str]:
 
 
 def _send(store: Store, root: Path, rel: str) -> tuple[str, int, str]:
-    with open(root / rel, "rb") as f, store.open_write(rel) as out:
-        while chunk := f.read(_CHUNK):
-            out.write(chunk)
-    info = out.info
-    assert info is not None and info.crc32c is not None
+    info = store.put_file(rel, root / rel)
+    assert info.crc32c is not None
     return rel, info.size, info.crc32c
 
 

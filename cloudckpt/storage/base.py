@@ -16,6 +16,7 @@ Every backend is constructed the same way::
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -334,6 +335,18 @@ class Store(BatchMixin, RangeReadMixin, StorePrimitives):
         """Stream a large object. The object appears only when the writer closes
         without error; on error it is discarded. Use as a context manager."""
         return ObjectWriter(self, key)
+
+    def put_file(self, key: str, path: str | os.PathLike[str]) -> ObjectInfo:
+        """Write a local file as an object: in one request when it fits in a part,
+        else streamed a part at a time (never the whole file in memory)."""
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size <= self.part_size:
+                return self.put(key, f.read())
+            with self.open_write(key) as out:
+                while chunk := f.read(self.part_size):
+                    out.write(chunk)
+        assert out.info is not None
+        return out.info
 
     def open_write_at(self, key: str, size: int) -> RangeWriter:
         """Write a ``size``-byte object as ranges, in any order and from several

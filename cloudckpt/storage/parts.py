@@ -171,9 +171,6 @@ class PartWriter(RawWriter):
     IN_FLIGHT = 8
     #: The most parts one object may have (None: no limit of ours).
     MAX_PARTS: int | None = None
-    #: Copies of a part in memory while it is sent (ours, plus the HTTP client's):
-    #: what a part costs the upload window.
-    COPIES = 1
 
     def __init__(self, store: Store, path: str, part_size: int) -> None:
         self._store = store
@@ -230,7 +227,6 @@ class PartWriter(RawWriter):
         return self._store.retry.call(attempt, op=op, key=self._path)
 
     def _reserve(self, n: int) -> None:
-        n *= self.COPIES
         if self._held == 0:
             # A thread that holds window bytes in another open writer must not wait:
             # only this thread can let those go.
@@ -301,7 +297,7 @@ class PartWriter(RawWriter):
             pending[0].result()
         # The part's bytes leave the buffer's share of the window with it: released
         # when it is stored (or fails, or is cancelled).
-        held = min(self._held, len(part) * self.COPIES)
+        held = min(self._held, len(part))
         self._give_up(held)
         future = self._pool.submit(self._retry, "upload part", lambda: self._upload(number, part))
         exporter = part.obj if isinstance(part.obj, mmap.mmap) else None

@@ -256,15 +256,8 @@ class RollUploader:
             _remove(original)
 
     def _put_file(self, store: Store, key: str, path: Path) -> tuple[str, int, str]:
-        size = path.stat().st_size
-        if size <= store.part_size:
-            info = store.put(key, path.read_bytes())
-        else:
-            with store.open_write(key) as w, open(path, "rb") as f:
-                while chunk := f.read(store.part_size):
-                    w.write(chunk)
-            info = w.info
-        assert info is not None and info.crc32c is not None
+        info = store.put_file(key, path)
+        assert info.crc32c is not None
         return key, info.size, info.crc32c
 
     def _current_parts(self, store: Store) -> dict[str, dict[str, Any]]:
