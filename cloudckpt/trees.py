@@ -1,26 +1,21 @@
-"""Download a run directory as its framework lays it out on local disk.
+"""What a download of a run directory brings down, laid out as its framework expects.
 
 A root (a run or trial directory) holds committed checkpoints and recover slots. On
 local disk a framework expects each checkpoint's files at its path, and a slot's
 current generation *at the slot's path* (that is the overwrite-in-place directory
-the framework knows). :func:`download_tree` writes exactly that; objects cloudckpt
-did not write are left out and counted.
+the framework knows). :func:`tree_units` says what goes where (``cloudckpt download``
+copies each); objects cloudckpt did not write are left out and counted.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Mapping
-from pathlib import Path
-from typing import Any
 
 from .checkpoint import Checkpoint, open_checkpoint
 from .names import SLOT_POINTER_NAME
 from .ownership import COMMITTED, ROOT, not_a_checkpoint, survey
 from .slot import GENERATION_RE, RecoverSlot
-from .storage import Store, as_store
-from .transfer import download
+from .storage import Store
 
 log = logging.getLogger("cloudckpt")
 
@@ -47,15 +42,3 @@ def tree_units(store: Store) -> list[tuple[str, Checkpoint]]:
 def _generation(prefix: str, slots: list[str]) -> bool:
     parent, _, name = prefix.rpartition("/")
     return parent in slots and GENERATION_RE.match(name) is not None
-
-
-def download_tree(uri: str | Store, local_dir: str | os.PathLike,
-                  storage_options: Mapping[str, Any] | None = None) -> list[str]:
-    """Download a checkpoint, or everything committed below a root, into ``local_dir``
-    (slots as their current generation, at the slot's path). Returns the relative
-    paths written. Files already there with the right size and CRC32C are kept."""
-    store = as_store(uri, storage_options)
-    units = tree_units(store)
-    for rel, ckpt in units:
-        download(ckpt, Path(local_dir) / rel if rel else Path(local_dir))
-    return [rel for rel, _ in units]

@@ -16,7 +16,23 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import __version__
-from ..errors import CloudCkptError
+from ..errors import (  # noqa: F401 - the exit codes are part of the command's interface
+    EXIT_ACCESS,
+    EXIT_CODES,
+    EXIT_CONFLICT,
+    EXIT_CORRUPT,
+    EXIT_DISK_FULL,
+    EXIT_INCOMPLETE,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_PIPE,
+    EXIT_STORAGE,
+    EXIT_USAGE,
+    CloudCkptError,
+    exit_code,
+)
 from ..storage import parse_options
 from .commands import (
     _INFO_FILES,
@@ -31,22 +47,6 @@ from .commands import (
     cmd_push,
     cmd_rm,
     cmd_verify,
-)
-from .exits import (  # noqa: F401 - the exit codes are part of the command's interface
-    EXIT_ACCESS,
-    EXIT_CODES,
-    EXIT_CONFLICT,
-    EXIT_CORRUPT,
-    EXIT_DISK_FULL,
-    EXIT_INCOMPLETE,
-    EXIT_INTERNAL,
-    EXIT_INTERRUPTED,
-    EXIT_NOT_FOUND,
-    EXIT_OK,
-    EXIT_PIPE,
-    EXIT_STORAGE,
-    EXIT_USAGE,
-    exit_code,
 )
 
 log = logging.getLogger("cloudckpt")

@@ -8,9 +8,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import open_checkpoint
+from ..checkpoint import Checkpoint, open_checkpoint
 from ..deletion import delete_checkpoint, delete_tree, delete_unfinished
 from ..errors import (
+    EXIT_CORRUPT,
+    EXIT_OK,
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
@@ -23,7 +25,6 @@ from ..ownership import survey as survey_prefix
 from ..storage import open_store, parse_options
 from ..transfer import copy_checkpoint
 from ..trees import tree_units
-from .exits import EXIT_CORRUPT, EXIT_OK
 from .output import plural, plural_prefix, progress, size, when
 
 _STATUS_LABEL = {"committed": "committed", "uncommitted": "uncommitted (no manifest)",
@@ -95,34 +96,30 @@ def cmd_latest(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _copy(args: argparse.Namespace, src_uri: str, dst: str, dst_options: dict[str, Any],
+def _copy(pairs: list[tuple[Checkpoint, str]], dst_options: dict[str, Any],
           label: str) -> int:
-    src = open_checkpoint(src_uri, args.options)
-    with progress(src.total_size, label) as update:
-        out = copy_checkpoint(src, dst, dst_options=dst_options, progress=update)
-    print(f"{label}: {src.uri} -> {out.uri} ({plural(len(out.files), 'object')}, "
-          f"{size(out.total_size)})")
+    """Copy each (checkpoint, destination), under one progress bar."""
+    with progress(sum(src.total_size for src, _ in pairs), label) as update:
+        for src, dst in pairs:
+            out = copy_checkpoint(src, dst, dst_options=dst_options, progress=update)
+            print(f"{label}: {src.uri} -> {out.uri} ({plural(len(out.files), 'object')}, "
+                  f"{size(out.total_size)})")
     return EXIT_OK
 
 
 def cmd_cp(args: argparse.Namespace) -> int:
-    return _copy(args, args.src, args.dst, parse_options(args.dst_option) or args.options,
-                 "copy")
+    return _copy([(open_checkpoint(args.src, args.options), args.dst)],
+                 parse_options(args.dst_option) or args.options, "copy")
 
 
 def cmd_download(args: argparse.Namespace) -> int:
     store = open_store(args.uri, args.options)
     if store.exists(MANIFEST_NAME):
-        return _copy(args, args.uri, args.dir, {}, "download")
-    # A root: every checkpoint below it, and each slot's current generation, at its path.
-    units = tree_units(store)
-    total = sum(c.total_size for _, c in units)
-    with progress(total, "download") as update:
-        for rel, ckpt in units:
-            out = copy_checkpoint(ckpt, str(Path(args.dir) / rel), progress=update)
-            print(f"download: {ckpt.uri} -> {out.uri} ({plural(len(out.files), 'object')}, "
-                  f"{size(out.total_size)})")
-    return EXIT_OK
+        units = [("", open_checkpoint(store))]
+    else:  # a root: every checkpoint below it, and each slot's current generation
+        units = tree_units(store)
+    return _copy([(ckpt, str(Path(args.dir) / rel) if rel else args.dir)
+                  for rel, ckpt in units], {}, "download")
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
