@@ -136,11 +136,14 @@ class RecoverSlot:
 
     def current(self) -> Checkpoint:
         """The current generation, opened (its manifest read and checked)."""
+        return open_checkpoint(self._current_store())
+
+    def _current_store(self) -> Store:
         pointer, _ = self._read_pointer()
         if pointer is None:
             raise CheckpointNotFoundError(
                 f"recover slot {self.uri} is empty: nothing was ever committed to it")
-        return open_checkpoint(self.store.child(pointer["generation"]))
+        return self.store.child(pointer["generation"])
 
     def _swap(self, generation: str, old: dict[str, Any] | None, version: str | None,
               step: int | None, step_info: Any) -> None:
@@ -182,20 +185,14 @@ class RecoverSlot:
     ) -> training.Restored:
         """Load the current generation into ``state_dict`` (in place) and the
         stateful objects given; return the step info and shared values."""
-        pointer, _ = self._read_pointer()
-        if pointer is None:
-            raise CheckpointNotFoundError(
-                f"recover slot {self.uri} is empty: nothing was ever committed to it")
-        return training.read(self.store.child(pointer["generation"]), state_dict, shared=extra,
+        return training.read(self._current_store(), state_dict, shared=extra,
                               per_rank=per_rank, rng=rng, group=self.group)
 
 
 def _step_info_dict(step_info: Any) -> dict[str, Any] | None:
-    """cloudckpt's StepInfo, or a framework's step-info dataclass (AReaL's)."""
+    """A step-info dataclass (cloudckpt's or AReaL's), or a mapping, as a dict."""
     if step_info is None:
         return None
     if isinstance(step_info, Mapping):
         return dict(step_info)
-    if hasattr(step_info, "to_dict"):
-        return dict(step_info.to_dict())
     return dataclasses.asdict(step_info)

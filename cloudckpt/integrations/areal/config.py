@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import getpass
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -106,7 +107,7 @@ class RecoverConfig(_Section):
 
     @property
     def enabled(self) -> bool:
-        return self.mode in ("on", "auto")
+        return recover_enabled(self)
 
 
 def _validate_common(cfg: _Section) -> None:
@@ -128,6 +129,12 @@ def _validate_common(cfg: _Section) -> None:
 def recover_enabled(cfg: Any) -> bool:
     """AReaL's rule: recover runs in modes ``on`` and ``auto``."""
     return cfg.mode in ("on", "auto")
+
+
+def areal_class(module: str, name: str, fallback: type) -> type:
+    """AReaL's class ``module.name`` when AReaL is in use (already imported; its
+    engines may check types), else ``fallback``, this package's same-shaped one."""
+    return getattr(sys.modules.get(module), name, fallback)
 
 
 def steps_per_epoch(ft_spec: Any) -> int:

@@ -10,7 +10,6 @@ Hugging Face folder for an export.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 from ... import coordination as coord
 from ... import hf
 from ...errors import ConfigError
+from .config import areal_class
 
 
 @dataclass
@@ -37,11 +37,8 @@ class SaveLoadMeta:
 
 
 def save_load_meta(**fields: Any) -> Any:
-    """AReaL's own ``SaveLoadMeta`` when AReaL is in use (its engines may check the
-    type), this module's otherwise."""
-    io_struct = sys.modules.get("areal.api.io_struct")
-    cls = getattr(io_struct, "SaveLoadMeta", SaveLoadMeta)
-    return cls(**fields)
+    """AReaL's own ``SaveLoadMeta`` when AReaL is in use, this module's otherwise."""
+    return areal_class("areal.api.io_struct", "SaveLoadMeta", SaveLoadMeta)(**fields)
 
 
 @dataclass

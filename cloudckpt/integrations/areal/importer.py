@@ -49,9 +49,8 @@ def import_trial(local_trial: str | os.PathLike, uri: str, *,
     step = json.loads(step_file.read_text())
     uris = []
     for export in sorted(trial.glob("*/epoch*")):
-        if export.is_dir() and EXPORT_RE.match(export.name):
-            m = EXPORT_RE.match(export.name)
-            assert m is not None
+        m = EXPORT_RE.match(export.name)
+        if export.is_dir() and m:
             dest = f"{uri.rstrip('/')}/{export.parent.name}/{export.name}"
             upload_dir(export, dest, storage_options=storage_options, kind=HF_KIND,
                        step=int(m.group(3)), takeover=True)

@@ -14,7 +14,6 @@ import dataclasses
 import io
 import json
 import pickle
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import torch
 
 from ...errors import CorruptCheckpointError, WorldSizeError
 from ...state import StepInfo
+from .config import areal_class
 
 JSON_FILES = ("saver_info", "evaluator_info", "stats_logger_info", "checkpoint_info")
 DATALOADER_FILE = "dataloader_info.pkl"
@@ -41,17 +41,12 @@ class RecoverInfo:
     checkpoint_info: dict
 
 
-def _areal(module: str, name: str, fallback: type) -> type:
-    """AReaL's class when AReaL is in use (already imported), else ours."""
-    return getattr(sys.modules.get(module), name, fallback)
-
-
 def step_info_type() -> type:
-    return _areal("areal.api.io_struct", "StepInfo", StepInfo)
+    return areal_class("areal.api.io_struct", "StepInfo", StepInfo)
 
 
 def recover_info_type() -> type:
-    return _areal("areal.utils.recover", "RecoverInfo", RecoverInfo)
+    return areal_class("areal.utils.recover", "RecoverInfo", RecoverInfo)
 
 
 def step_info_dict(step_info: Any) -> dict[str, int]:

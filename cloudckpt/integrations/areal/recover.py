@@ -21,7 +21,7 @@ from ...checkpoint import open_checkpoint
 from ...slot import RecoverSlot
 from ...staging import download_dir, staging_dir, upload_dir
 from ...state import dumps_state, get_rng_state, loads_state, set_rng_state
-from .config import save_root
+from .config import recover_enabled, save_root
 from .engines import engines_of, save_load_meta
 from .freq import _Periodic
 from .info import DATALOADER_FILE, load_pickle, read, step_info_type, write
@@ -69,7 +69,7 @@ class RecoverHandler(_Periodic):
 
     @property
     def enabled(self) -> bool:
-        return self.config.mode not in ("disabled", "off")
+        return recover_enabled(self.config)
 
     # -------------------------------------------------------------------- dump
 
