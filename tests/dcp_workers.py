@@ -9,6 +9,7 @@ import signal
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from helpers import shard_linears
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -24,14 +25,7 @@ def build(world: int | None):
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(),
                                 torch.nn.Linear(64, 12), torch.nn.ReLU(), torch.nn.Linear(12, 8))
     if world:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (world,))
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        shard_linears(model, world)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return model, optim
 

@@ -17,3 +17,18 @@ def torn_save(uri: str, options: dict[str, Any], objects: dict[str, bytes]) -> N
     w = CheckpointWriter(uri, storage_options=options)
     w.put_many(objects)
     w.abandon()
+
+
+def shard_linears(model: Any, world: int) -> Any:
+    """FSDP2 over a CPU mesh of ``world`` gloo ranks: each Linear layer of ``model``
+    (a Sequential), then the whole model. Returns ``model``."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model

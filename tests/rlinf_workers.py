@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import torch
+from helpers import shard_linears
 
 
 def save_fsdp_actor(rank: int, world: int, output_dir: str, options_json: str,
@@ -12,18 +13,12 @@ def save_fsdp_actor(rank: int, world: int, output_dir: str, options_json: str,
     """Each rank: an FSDP2-sharded actor, a few AdamW steps, one RLinf checkpoint at
     step 3; rank 0 also writes the full (unsharded) model state to ``full_path``."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from cloudckpt.integrations import rlinf
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard_linears(model, world)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=2)
     torch.manual_seed(1 + rank)

@@ -24,8 +24,7 @@ STEPS_BEFORE, STEPS_AFTER = 3, 2
 
 def build(world: int, seed: int) -> tuple[Any, Any, Any]:
     """An FSDP2-sharded actor, AdamW and a StepLR, as RLinf's FSDP actor has."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from helpers import shard_linears
 
     # Every generator seeded alike on every rank: RLinf saves the RNG under the same
     # keys on every rank, so DCP keeps one copy and every rank gets that one back.
@@ -35,11 +34,7 @@ def build(world: int, seed: int) -> tuple[Any, Any, Any]:
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2),
                                 torch.nn.Linear(32, 3))
     if world > 1:
-        mesh = init_device_mesh("cpu", (world,))
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        shard_linears(model, world)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5)
     return model, optim, sched
