@@ -1,15 +1,22 @@
 """Reading DCP checkpoints: :class:`CloudStorageReader`.
 
-Only committed checkpoints are read. Requested items are grouped by file,
-adjacent ones coalesced into one ranged GET and large ranges split, fetched
-concurrently within a read window; each item's bytes are checked against the
-CRC32C in the manifest before DCP's planner sees them.
+Only committed checkpoints are read, and every item's bytes are checked against
+the CRC32C in the manifest. A large tensor is read straight into the memory of
+the tensor it is loaded into: a small read of the item's head says where its
+bytes lie (:mod:`.records`), then part-sized ranged reads fill the destination,
+checksummed as they arrive. Items that need a conversion (another dtype, a
+non-contiguous or GPU destination, part of a saved tensor) pass through a
+buffer a few rows at a time; small items are fetched with their neighbours in
+one request. Buffers come from a read window, so a load's extra host memory is
+bounded whatever the state size.
 """
 
 from __future__ import annotations
 
+import functools
 import io
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,15 +27,20 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..checkpoint import Checkpoint, open_checkpoint
-from ..crc import crc32c_hex
+from ..crc import Crc32c, crc32c_hex
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError
 from ..state import safe_torch_load
 from ..storage import Store, as_store
+from ..storage.window import ByteWindow, shared_window
 from .base import _OnStore
 from .metadata import METADATA_NAME, load_metadata
+from .records import HEAD_BYTES, SavedTensor, try_locate
 
-#: Bytes a reader requests ahead of what it has consumed, at most (one range may exceed it).
-DEFAULT_READ_WINDOW = 256 * 1024 * 1024
+#: Bytes of buffers a load holds at once (fetched small items, rows being converted);
+#: tensors read straight into their destinations take none. One item may exceed it.
+DEFAULT_READ_WINDOW = 128 * 1024 * 1024
+#: Tensor items at least this large are read straight into their destinations.
+STREAM_MIN = 1024 * 1024
 #: Adjacent items closer than this are fetched with one ranged GET.
 COALESCE_GAP = 1024 * 1024
 
@@ -120,77 +132,222 @@ class CloudStorageReader(_OnStore, StorageReader):
     def _read(self, reqs: Sequence[ReadItem], planner: LoadPlanner) -> None:
         ckpt = self._ckpt()
         item_crcs: Mapping[str, str] = (ckpt.metadata.get("dcp") or {}).get("items") or {}
-        # Group requests by file; fetch each coalesced byte range once.
-        by_file: dict[str, list[tuple[_StorageInfo, ReadItem]]] = {}
-        for req in reqs:
-            info = self.storage_data[req.storage_index]
-            if getattr(info, "transform_descriptors", None):
-                raise CorruptCheckpointError(
-                    f"{self.uri}: item {req.storage_index.fqn} uses stream transforms "
-                    f"{info.transform_descriptors}, which cloudckpt does not read")
-            entry = ckpt.entry(info.relative_path)  # must be in the manifest
-            if info.offset + info.length > entry.size:
-                raise CorruptCheckpointError(
-                    f"{self.uri}: item {req.storage_index.fqn} lies past the end of "
-                    f"{info.relative_path}", {info.relative_path: "short"})
-            by_file.setdefault(info.relative_path, []).append((info, req))
-        groups = [g for path in sorted(by_file) for g in _coalesce(path, by_file[path])]
-        # Each group is fetched as ranges of about one part (a group of about one
-        # part size is one request), streamed: items are checked and delivered
-        # while later ranges are still being fetched, with at most read_window
-        # bytes fetched ahead.
-        chunk = max(self.store.part_size, 1 << 20)
-        pieces = [_split_range(start, end, chunk) for _, start, end, _ in groups]
-        ranges = [(path, s, e) for (path, _, _, _), bounds in zip(groups, pieces, strict=True)
-                  for s, e in bounds]
-        fetched = self.store.iter_ranges(ranges, max_bytes=self.read_window)
-        try:
-            for (path, start, _, members), bounds in zip(groups, pieces, strict=True):
-                parts = [next(fetched) for _ in bounds]
-                blob = memoryview(parts[0] if len(parts) == 1 else b"".join(parts))
-                del parts
-                for info, req in members:
-                    data = blob[info.offset - start : info.offset - start + info.length]
-                    self._check_item(path, info, req, data, item_crcs)
-                    self._deliver(req, data, planner)
-        finally:
-            fetched.close()
+        items = [self._item(req, planner, item_crcs) for req in reqs]
+        # Large tensors go straight into their destinations: their heads first (where
+        # the bytes lie), then their bodies as part-sized ranged reads. The rest, and
+        # large items of another layout, are fetched with their neighbours.
+        large = [i for i in items if i.target is not None and i.info.length >= STREAM_MIN]
+        window = shared_window(self.read_window)
+        self.store.map(self._locate, large)
+        streamed = [i for i in large if i.saved is not None]
+        whole = [i for i in items if i.saved is None]
+        tasks: list[Callable[[], None]] = [
+            functools.partial(self._fetch_group, path, start, end, members, window)
+            for path, start, end, members in _coalesce(whole, self.store.part_size)]
+        for item in streamed:
+            tasks += self._spans(item, window)
+        self.store.map(lambda task: task(), tasks)
+        for item in streamed:
+            item.verify(self.uri)
+        for item in items:  # in DCP's order, on DCP's thread
+            if item.target is not None:
+                planner.commit_tensor(item.req, item.target)
+            else:
+                assert item.raw is not None
+                _refuse_unsafe_pickle(item.raw, f"{self.uri} item {item.fqn}")
+                planner.load_bytes(item.req, io.BytesIO(item.raw))
 
-    def _check_item(self, path: str, info: _StorageInfo, req: ReadItem, data: memoryview,
-                    item_crcs: Mapping[str, str]) -> None:
+    def _item(self, req: ReadItem, planner: LoadPlanner,
+              item_crcs: Mapping[str, str]) -> _Item:
+        info = self.storage_data[req.storage_index]
+        path = info.relative_path
+        if getattr(info, "transform_descriptors", None):
+            raise CorruptCheckpointError(
+                f"{self.uri}: item {req.storage_index.fqn} uses stream transforms "
+                f"{info.transform_descriptors}, which cloudckpt does not read")
+        entry = self._ckpt().entry(path)  # must be in the manifest
+        if info.offset + info.length > entry.size:
+            raise CorruptCheckpointError(
+                f"{self.uri}: item {req.storage_index.fqn} lies past the end of {path}",
+                {path: "short"})
         expected = item_crcs.get(f"{path}@{info.offset}")
         if expected is None:
             raise CorruptCheckpointError(
                 f"{self.uri}: the manifest has no checksum for item {req.storage_index.fqn} "
                 f"in {path}; the checkpoint and its manifest disagree", {path: "no checksum"})
-        actual = crc32c_hex(data)
-        if actual != expected:
-            raise CorruptCheckpointError(
-                f"object {path!r} of {self.uri} is corrupt: item {req.storage_index.fqn} at "
-                f"offset {info.offset} has crc32c {actual}, manifest says {expected}. Fall back "
-                "to an earlier checkpoint.", {path: f"crc32c mismatch in {req.storage_index.fqn}"})
+        target = None
+        if req.type != LoadItemType.BYTE_IO:
+            target = planner.resolve_tensor(req).detach()
+            if tuple(target.size()) != tuple(req.lengths):
+                raise StateMismatchError(
+                    f"loading {self.uri}: {req.storage_index.fqn} has shape "
+                    f"{tuple(req.lengths)} in the checkpoint but {tuple(target.size())} in the "
+                    "state to load into; the model does not match the checkpoint")
+        return _Item(req, info, expected, target)
 
-    def _deliver(self, req: ReadItem, data: memoryview, planner: LoadPlanner) -> None:
-        if req.type == LoadItemType.BYTE_IO:
-            raw = bytes(data)
-            _refuse_unsafe_pickle(raw, f"{self.uri} item {req.storage_index.fqn}")
-            planner.load_bytes(req, io.BytesIO(raw))
-            return
-        tensor = safe_torch_load(_BufferReader(data), f"{self.uri} item {req.storage_index.fqn}")
-        if not isinstance(tensor, torch.Tensor):
-            raise CorruptCheckpointError(
-                f"{self.uri} item {req.storage_index.fqn} holds a {type(tensor).__name__}, "
-                "not a tensor", {req.storage_index.fqn: "not a tensor"})
-        for dim, (off, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
-            tensor = tensor.narrow(dim, off, length)
-        target = planner.resolve_tensor(req).detach()
-        if target.size() != tensor.size():
-            raise StateMismatchError(
-                f"loading {self.uri}: {req.storage_index.fqn} has shape "
-                f"{tuple(tensor.size())} in the checkpoint but {tuple(target.size())} in the "
-                "state to load into; the model does not match the checkpoint")
-        target.copy_(tensor)
-        planner.commit_tensor(req, target)
+    def _locate(self, item: _Item) -> None:
+        """Read an item's head and find its tensor's bytes (None: read it whole)."""
+        n = min(item.info.length, HEAD_BYTES)
+        head = self.store.get_range(item.path, item.info.offset, item.info.offset + n)
+        item.saved = try_locate(head, item.info.length)
+        if item.saved is not None:
+            item.head = head[:item.saved.data_start]
+
+    def _spans(self, item: _Item, window: ByteWindow) -> list[Callable[[], None]]:
+        """Ranged reads of the item's body (its tensor's bytes, then the zip's tail):
+        into the destination's own memory where it takes the bytes as they are, else a
+        whole number of rows at a time through a buffer, converted into place."""
+        saved, target, req = item.saved, item.target, item.req
+        assert saved is not None and target is not None
+        base = item.info.offset + saved.data_start
+        tail = bytearray(item.info.length - saved.data_start - saved.nbytes)
+        item.tail = tail
+        part = max(self.store.part_size, 1 << 20)
+        direct = (target.device.type == "cpu" and target.dtype == saved.dtype
+                  and target.is_contiguous() and tuple(req.lengths) == saved.shape
+                  and saved.nbytes > 0)
+        if direct:
+            dest = _bytes_of(target)
+            bounds = _split_range(0, saved.nbytes, part)
+            item.crcs = [None] * len(bounds)
+            return [functools.partial(self._read_direct, item, k, base + a,
+                                      [dest[a:b], *([tail] if b == saved.nbytes else [])])
+                    for k, (a, b) in enumerate(bounds)]
+        rows = saved.shape[0] if saved.shape else 1
+        row_bytes = saved.nbytes // rows if rows else 0
+        step = max(1, min(part, self.read_window) // row_bytes) if row_bytes else max(rows, 1)
+        spans = [(r, min(r + step, rows)) for r in range(0, rows, step)] or [(0, 0)]
+        item.crcs = [None] * len(spans)
+        return [functools.partial(self._read_rows, item, k, r0, r1, row_bytes, base, window,
+                                  k == len(spans) - 1)
+                for k, (r0, r1) in enumerate(spans)]
+
+    def _read_direct(self, item: _Item, k: int, start: int, outs: list[Any]) -> None:
+        item.crcs[k] = (self.store.read_range_into(item.path, start, outs),
+                        sum(memoryview(o).nbytes for o in outs))
+
+    def _read_rows(self, item: _Item, k: int, r0: int, r1: int, row_bytes: int, base: int,
+                   window: ByteWindow, last: bool) -> None:
+        saved, target = item.saved, item.target
+        assert saved is not None and target is not None and item.tail is not None
+        n = (r1 - r0) * row_bytes
+        held = window.acquire(n)
+        buf = window.mapping(n) if n else None
+        try:
+            outs = [*([buf] if buf is not None else []), *([item.tail] if last else [])]
+            crc = self.store.read_range_into(item.path, base + r0 * row_bytes, outs)
+            item.crcs[k] = (crc, n + (len(item.tail) if last else 0))
+            _place(_tensor_over(buf, 0, n, saved, r1 - r0), r0, item.req, target)
+        finally:
+            if buf is not None:
+                window.keep(buf)
+            window.release(held)
+
+    def _fetch_group(self, path: str, start: int, end: int, members: list[_Item],
+                     window: ByteWindow) -> None:
+        """Items close together in one file, fetched with one request into a window
+        buffer; each checked, then copied into its destination (or kept, for bytes)."""
+        n = end - start
+        held = window.acquire(n)
+        buf = window.mapping(n)
+        try:
+            self.store.read_range_into(path, start, [buf])
+            view = memoryview(buf)
+            for item in members:
+                data = view[item.info.offset - start:item.info.offset - start + item.info.length]
+                actual = crc32c_hex(data)
+                if actual != item.crc:
+                    raise item.corrupt(self.uri, actual)
+                if item.target is None:
+                    item.raw = bytes(data)
+                    continue
+                saved = try_locate(data, item.info.length)
+                if saved is None:  # another layout: torch.load it (weights only)
+                    src = safe_torch_load(_BufferReader(data), f"{self.uri} item {item.fqn}")
+                    if not isinstance(src, torch.Tensor):
+                        raise CorruptCheckpointError(
+                            f"{self.uri} item {item.fqn} holds a {type(src).__name__}, "
+                            "not a tensor", {item.fqn: "not a tensor"})
+                else:
+                    src = _tensor_over(buf, item.info.offset - start + saved.data_start,
+                                       saved.nbytes, saved, saved.shape[0] if saved.shape
+                                       else 1)
+                _place(src, 0, item.req, item.target)
+                del src
+            view.release()
+        finally:
+            window.keep(buf)
+            window.release(held)
+
+
+@dataclass(eq=False)
+class _Item:
+    """One requested item: where it is, its checksum, where it goes, what arrived."""
+
+    req: ReadItem
+    info: _StorageInfo
+    crc: str
+    target: torch.Tensor | None  # None: a bytes item
+    saved: SavedTensor | None = None
+    head: bytes = b""  # the item's bytes before its tensor's (streamed items)
+    tail: bytearray | None = None  # the item's bytes after its tensor's
+    crcs: list[tuple[int, int] | None] = field(default_factory=list)  # per span
+    raw: bytes | None = None  # a bytes item's bytes
+
+    @property
+    def path(self) -> str:
+        return self.info.relative_path
+
+    @property
+    def fqn(self) -> str:
+        return self.req.storage_index.fqn
+
+    def verify(self, uri: str) -> None:
+        """Check a streamed item's CRC32C from its head's and its spans' (in order)."""
+        crc = Crc32c()
+        crc.update(self.head)
+        for got in self.crcs:
+            assert got is not None
+            crc.append(*got)
+        if crc.hexdigest() != self.crc:
+            raise self.corrupt(uri, crc.hexdigest())
+
+    def corrupt(self, uri: str, actual: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"object {self.path!r} of {uri} is corrupt: item {self.fqn} at offset "
+            f"{self.info.offset} has crc32c {actual}, manifest says {self.crc}. Fall back to "
+            "an earlier checkpoint.", {self.path: f"crc32c mismatch in {self.fqn}"})
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The memory of a contiguous CPU tensor, as writable bytes (any dtype)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _tensor_over(buf: Any, offset: int, nbytes: int, saved: SavedTensor,
+                 rows: int) -> torch.Tensor:
+    """``rows`` rows of the saved tensor, over ``nbytes`` of ``buf`` from ``offset``."""
+    shape = (rows, *saved.shape[1:]) if saved.shape else ()
+    if nbytes == 0:
+        return torch.empty(shape, dtype=saved.dtype)
+    flat = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
+    return flat.view(saved.dtype).view(shape)
+
+
+def _place(src: torch.Tensor, first_row: int, req: ReadItem, target: torch.Tensor) -> None:
+    """Copy the part of ``req``'s region that lies in ``src`` (rows ``first_row``... of
+    the saved tensor) into ``target`` (the region's destination), converting dtype."""
+    if src.dim() == 0 or not req.lengths:
+        target.copy_(src.reshape(target.shape))
+        return
+    o0, l0 = req.storage_offsets[0], req.lengths[0]
+    a, b = max(first_row, o0), min(first_row + src.shape[0], o0 + l0)
+    if a >= b:
+        return
+    piece = src[a - first_row:b - first_row]
+    for dim in range(1, src.dim()):
+        piece = piece.narrow(dim, req.storage_offsets[dim], req.lengths[dim])
+    target[a - o0:b - o0].copy_(piece)
 
 
 class _BufferReader(io.RawIOBase):
@@ -237,15 +394,18 @@ def _refuse_unsafe_pickle(raw: bytes, what: str) -> None:
     safe_torch_load(io.BytesIO(raw), what)
 
 
-def _coalesce(path: str, members: list[tuple[_StorageInfo, ReadItem]]
-              ) -> list[tuple[str, int, int, list[tuple[_StorageInfo, ReadItem]]]]:
-    members = sorted(members, key=lambda m: m[0].offset)
-    groups: list[tuple[str, int, int, list[tuple[_StorageInfo, ReadItem]]]] = []
-    for info, req in members:
-        end = info.offset + info.length
-        if groups and info.offset - groups[-1][2] <= COALESCE_GAP:
-            p, s, e, ms = groups[-1]
-            groups[-1] = (p, s, max(e, end), [*ms, (info, req)])
-        else:
-            groups.append((path, info.offset, end, [(info, req)]))
+def _coalesce(items: Sequence[_Item], limit: int
+              ) -> list[tuple[str, int, int, list[_Item]]]:
+    """Items of one file closer than :data:`COALESCE_GAP` as one range of at most about
+    ``limit`` bytes (one item may be longer): ``(path, start, end, members)``."""
+    groups: list[tuple[str, int, int, list[_Item]]] = []
+    for item in sorted(items, key=lambda i: (i.path, i.info.offset)):
+        end = item.info.offset + item.info.length
+        if groups:
+            path, start, last, members = groups[-1]
+            if (path == item.path and item.info.offset - last <= COALESCE_GAP
+                    and end - start <= limit):
+                groups[-1] = (path, start, max(last, end), [*members, item])
+                continue
+        groups.append((item.path, item.info.offset, end, [item]))
     return groups

@@ -8,14 +8,20 @@ the pieces of a streamed response body.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..crc import Crc32c
 from ..errors import CloudCkptError, ConfigError, StorageError
 from .retry import describe, is_transient, status_of
 
 log = logging.getLogger("cloudckpt.storage")
+
+#: Bytes of a response body held at once while it is copied into a caller's buffer.
+READ_PIECE = 1 << 20
 
 
 class _SinkError(CloudCkptError):
@@ -95,6 +101,40 @@ class RangeReadMixin:
                 break
         if failure is not None:
             raise failure  # outside the handler: the sink's error, as it was raised
+
+    def read_range_into(self, key: str, start: int, outs: Sequence[Any]) -> int:
+        """Fill the writable buffers ``outs`` in turn with the bytes of ``key`` from
+        ``start`` on (one ranged read, resumed like :meth:`read_range_to`), with no
+        buffer of its own beyond a network piece; return the CRC32C value of the
+        bytes read, computed as they arrive. ``EOFError`` if the object is shorter.
+        """
+        views = [memoryview(o).cast("B") for o in outs]
+        total = sum(v.nbytes for v in views)
+        if total == 0:
+            return 0
+        readinto = getattr(self, "_readinto_range", None)
+        if readinto is not None:  # a local file: straight into the buffers
+            path = self.path(key)
+            self._call(lambda: readinto(path, start, views), "get_range", key)
+            crc = Crc32c()
+            for v in views:
+                crc.update(v)
+            return crc.value
+        crc = Crc32c()
+        bounds = list(itertools.accumulate((v.nbytes for v in views), initial=0))
+
+        def sink(offset: int, data: bytes) -> None:
+            crc.update(data)
+            pos, got = offset - start, memoryview(data)
+            i = bisect.bisect_right(bounds, pos) - 1
+            while got.nbytes:
+                at = pos - bounds[i]
+                n = min(got.nbytes, views[i].nbytes - at)
+                views[i][at:at + n] = got[:n]
+                got, pos, i = got[n:], pos + n, i + 1
+
+        self.read_range_to(key, start, start + total, sink, chunk=READ_PIECE)
+        return crc.value
 
 
 async def read_upto(stream: Any, n: int) -> bytes:
