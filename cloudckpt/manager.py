@@ -18,6 +18,7 @@ from typing import Any
 from . import coordination as coord
 from . import training
 from .checkpoint import Checkpoint, open_checkpoint
+from .dcp.budget import BudgetStager, StagedState
 from .errors import ConfigError, CorruptCheckpointError
 from .listing import list_checkpoints
 from .retention import apply_retention, select_for_deletion  # noqa: F401 - re-exported
@@ -35,7 +36,9 @@ class ManagerOptions:
 
     Save when any of ``every_steps``/``every_epochs``/``every_seconds`` fires;
     keep the newest ``keep_last`` checkpoints (None: all) plus every one whose
-    step is a multiple of ``keep_every``; ``async_save`` blocks only for staging.
+    step is a multiple of ``keep_every``; ``async_save`` blocks only for staging
+    at most ``staging_budget`` bytes of tensors in host memory (None: a quarter of
+    the host's memory per local rank) and for uploading what does not fit.
     """
 
     every_steps: int | None = None
@@ -44,10 +47,14 @@ class ManagerOptions:
     keep_last: int | None = None
     keep_every: int | None = None
     async_save: bool = False
+    staging_budget: int | None = None
     name_format: str = "step-{step}"
     strict: bool = False
 
     def __post_init__(self) -> None:
+        if self.staging_budget is not None and self.staging_budget < 0:
+            raise ConfigError(f"ManagerOptions.staging_budget must be >= 0 bytes or None, "
+                              f"got {self.staging_budget}")
         for name in ("every_steps", "every_epochs", "every_seconds", "keep_last", "keep_every"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -121,7 +128,7 @@ class CheckpointManager:
         # Background saves run collectives on a group of their own.
         self._io_group = coord.new_cpu_group() if self.options.async_save else process_group
         self._executor: ThreadPoolExecutor | None = None
-        self._stager: Any = None
+        self._stager: BudgetStager | None = None
         self._pending: Future[Checkpoint | None] | None = None
         self._closed = False
 
@@ -154,18 +161,20 @@ class CheckpointManager:
             self._write(name, state_dict, captured, step_info.global_step)
             return True
         if self._stager is None:
-            self._stager = _stager()
+            self._stager = BudgetStager(self.options.staging_budget)
         staged = self._stager.stage(dict(state_dict))
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="cloudckpt-save")
-        self._pending = self._executor.submit(self._write, name, staged, captured,
-                                              step_info.global_step)
+        self._pending = self._executor.submit(self._write, name, staged.state_dict, captured,
+                                              step_info.global_step, staged)
+        self._pending.add_done_callback(lambda _: staged.release())
+        staged.wait()  # the tensors that did not fit in the budget are written
         return True
 
     def _write(self, name: str, state_dict: Mapping[str, Any], captured: training.Captured,
-               step: int) -> Checkpoint | None:
+               step: int, staged: StagedState | None = None) -> Checkpoint | None:
         ckpt = training.write(self.store.child(name), state_dict, captured, step=step,
-                               group=self._io_group)
+                               group=self._io_group, staged=staged)
         # Retention never fails a committed save: it warns and the next save retries.
         coord.on_coordinator(lambda: apply_retention(
             self.store, self.options.keep_last, self.options.keep_every, keep=name),
@@ -247,14 +256,3 @@ class CheckpointManager:
                 log.warning("skipping %s: %s", c.uri,
                             c.error or "no manifest (a save that never committed)")
         return [c.name for c in reversed(listing) if c.committed]
-
-
-def _stager() -> Any:
-    """Stages state to host memory: pinned, with non-blocking copies, when CUDA is
-    present; the staging buffers are reused from one save to the next."""
-    import torch
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    cuda = torch.cuda.is_available()
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                        use_async_staging=False, use_non_blocking_copy=cuda))

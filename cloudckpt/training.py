@@ -23,6 +23,7 @@ from typing import Any
 from . import coordination as coord
 from . import dcp as cdcp
 from .checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
+from .dcp.budget import StagedState
 from .errors import (
     ConfigError,
     CorruptCheckpointError,
@@ -112,12 +113,15 @@ def write(
     metadata: Mapping[str, Any] | None = None,
     storage_options: Mapping[str, Any] | None = None,
     group: Any = None,
+    staged: StagedState | None = None,
 ) -> Checkpoint | None:
     """Write and commit one training checkpoint; call on every rank.
 
     ``app_state`` (model and optimizer state dicts, DTensors welcome) goes to
-    the DCP part. Returns the committed checkpoint on rank 0, None elsewhere.
-    Raises on every rank if any rank failed; then nothing is committed.
+    the DCP part; ``staged``, when ``app_state`` is one, has its live tensors
+    written first (see :mod:`cloudckpt.dcp.budget`). Returns the committed
+    checkpoint on rank 0, None elsewhere. Raises on every rank if any rank
+    failed; then nothing is committed.
     """
     store = as_store(uri, storage_options)
     world = coord.world_size(group)
@@ -125,7 +129,7 @@ def write(
         **dict(metadata or {}), "world_size": world, "parts": [MODEL_PART, "state"],
         "step_info": captured.shared.get(_STEP_INFO)})
     try:
-        return _write_parts(store, writer, app_state, captured, step, group)
+        return _write_parts(store, writer, app_state, captured, step, group, staged)
     except BaseException:
         if writer is not None:
             writer.abandon()  # the claim stays, marked: the leftovers remain provably ours
@@ -133,8 +137,10 @@ def write(
 
 
 def _write_parts(store: Store, writer: CheckpointWriter | None, app_state: Mapping[str, Any],
-                 captured: Captured, step: int | None, group: Any) -> Checkpoint | None:
-    cdcp.save(dict(app_state), store.child(MODEL_PART), process_group=group, step=step)
+                 captured: Captured, step: int | None, group: Any,
+                 staged: StagedState | None) -> Checkpoint | None:
+    cdcp.save(dict(app_state), store.child(MODEL_PART), process_group=group, step=step,
+              staged=staged)
 
     def mine() -> tuple[str, int, str]:  # this rank's state: every rank writes its own
         info = store.put(_rank_key(coord.rank(group)), dumps_state(captured.per_rank))

@@ -21,7 +21,10 @@ One module per job, each importing only those listed after it:
 - ``api``: ``save``/``load``/``async_save``, and DCP's ``CheckpointException``
   raised as cloudckpt's own errors;
 - ``writer``: ``CloudStorageWriter``, items split into files, uploaded, committed;
-- ``reader``: ``CloudStorageReader``, ranged reads coalesced, items checked;
+- ``budget``: ``BudgetStager``, async saves' host staging within a budget;
+- ``reader``: ``CloudStorageReader``, tensors read straight into their
+  destinations, small items coalesced, every item checked;
+- ``records``: where a tensor's bytes lie inside a ``torch.save`` record;
 - ``adoption``: ``adopt``, committing a DCP checkpoint written without cloudckpt;
 - ``base``: what the writer and the reader share;
 - ``metadata``: the format's names and the safe unpickling of ``.metadata``.
@@ -30,6 +33,7 @@ One module per job, each importing only those listed after it:
 # __all__, plus the constants other code has always found here (not in __all__).
 from .adoption import adopt
 from .api import async_save, load, save
+from .budget import BudgetStager, default_budget
 from .metadata import DCP_KIND as DCP_KIND
 from .metadata import METADATA_NAME as METADATA_NAME
 from .metadata import SUFFIX as SUFFIX
@@ -42,10 +46,12 @@ from .writer import DEFAULT_MAX_FILES as DEFAULT_MAX_FILES
 from .writer import CloudStorageWriter
 
 __all__ = [
+    "BudgetStager",
     "CloudStorageReader",
     "CloudStorageWriter",
     "adopt",
     "async_save",
+    "default_budget",
     "load",
     "load_metadata",
     "save",

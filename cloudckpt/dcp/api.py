@@ -9,18 +9,19 @@ translate DCP's own complaint (a state that does not match the checkpoint).
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future as ConcurrentFuture
 from contextlib import contextmanager
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from ..checkpoint import Checkpoint
-from ..errors import CloudCkptError, StateMismatchError, StorageError
+from ..errors import CloudCkptError, ConfigError, StateMismatchError, StorageError
 from ..state import refusal
 from ..storage import Store
+from .budget import BudgetStager
 from .reader import CloudStorageReader
 from .writer import CloudStorageWriter
 
@@ -160,38 +161,45 @@ def async_save(
     planner: SavePlanner | None = None,
     step: int | None = None,
     metadata: Mapping[str, Any] | None = None,
+    staging_budget: int | None = None,
+    stager: BudgetStager | None = None,
     **writer_options: Any,
 ) -> ConcurrentFuture:
     """Save with only staging on the caller's thread; the upload runs in the background.
 
-    Staging copies every tensor to host memory (pinned, with non-blocking
-    copies, when CUDA is available) before this returns; then DCP's save runs
-    on a background thread. ``result()`` on the returned future returns the
-    DCP metadata once the checkpoint is committed, or raises what went wrong.
-    Use a gloo process group (or ``cpu:gloo,cuda:nccl``) for the background
-    collectives.
+    Up to ``staging_budget`` bytes of tensors (default: a quarter of the host's
+    memory per local rank, see :func:`~cloudckpt.dcp.budget.default_budget`) are
+    copied to host memory, pinned when they come from a GPU. A larger state's
+    other tensors are uploaded first, straight from their memory, before this
+    returns; then the copies upload in the background. Pass the same ``stager``
+    (a :class:`~cloudckpt.dcp.budget.BudgetStager`, which then sets the budget)
+    to every save to reuse its host buffers. ``result()`` on the returned future
+    returns the committed checkpoint on the coordinator (None elsewhere), or
+    raises what went wrong. Use a gloo process group (or ``cpu:gloo,cuda:nccl``)
+    for the background collectives.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    cuda = torch.cuda.is_available()
-    stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                          use_async_staging=False, use_non_blocking_copy=cuda))
+    if stager is not None and staging_budget is not None:
+        raise ConfigError("pass staging_budget or a stager (which has its own budget), not both")
+    staged = (stager or BudgetStager(staging_budget)).stage(state_dict)
     writer = CloudStorageWriter(uri, storage_options=storage_options, step=step,
-                                metadata=metadata, **writer_options)
-    inner = dcp.async_save(state_dict, storage_writer=writer, planner=planner,
-                           process_group=process_group, async_stager=stager,
-                           no_dist=_no_dist())
+                                metadata=metadata, staged=staged, **writer_options)
     outer: ConcurrentFuture = ConcurrentFuture()
 
-    def done(f: Any) -> None:
-        stager.close()
+    def run() -> None:
         try:
-            outer.set_result(f.result())
+            with _unwrapped(f"saving {writer.uri}"):
+                dcp.save(staged.state_dict, storage_writer=writer, planner=planner,
+                         process_group=process_group, no_dist=_no_dist())
         except BaseException as exc:  # noqa: BLE001 - surfaced on result()
             writer.release_claim()
-            outer.set_exception(_ours(exc) or (_translate(exc, f"saving {writer.uri}")
-                                               if _failures(exc) else exc))
+            outer.set_exception(exc)
+        else:
+            outer.set_result(writer.committed)
+        finally:
+            staged.release()
 
-    inner.add_done_callback(done)
+    threading.Thread(target=run, name="cloudckpt-async-save", daemon=True).start()
+    staged.wait()  # the tensors that did not fit in the budget are written
     return outer

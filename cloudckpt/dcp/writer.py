@@ -28,6 +28,7 @@ from ..errors import CommitConflictError, ConfigError
 from ..manifest import MANIFEST_NAME
 from ..storage import Store, as_store
 from .base import _OnStore
+from .budget import StagedState
 from .metadata import DCP_KIND, METADATA_NAME, SUFFIX
 
 log = logging.getLogger("cloudckpt.dcp")
@@ -69,6 +70,10 @@ class CloudStorageWriter(_OnStore, StorageWriter):
     (``"0a/__3_0.distcp"``), so S3 can split a large world size's requests over
     partitions; the layout is recorded in ``.metadata`` and the manifest, so
     readers need no configuration. Picklable, for process-based async saves.
+
+    ``staged`` (from :class:`~cloudckpt.dcp.budget.BudgetStager`, for async saves)
+    makes the writer upload the tensors that were not staged first, in files of
+    their own, and release them (:meth:`StagedState.release`) before the rest.
     """
 
     def __init__(
@@ -81,6 +86,7 @@ class CloudStorageWriter(_OnStore, StorageWriter):
         key_spread: int = 0,
         step: int | None = None,
         metadata: Mapping[str, Any] | None = None,
+        staged: StagedState | None = None,
     ) -> None:
         super().__init__()
         if file_size <= 0 or max_files < 1 or key_spread < 0:
@@ -92,6 +98,7 @@ class CloudStorageWriter(_OnStore, StorageWriter):
         self.key_spread = key_spread
         self.step = step
         self.user_metadata = dict(metadata or {})
+        self.staged = staged
         self.is_coordinator = False
         self.rank = 0
         self.committed: Checkpoint | None = None
@@ -141,16 +148,37 @@ class CloudStorageWriter(_OnStore, StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data if isinstance(plan.storage_data, str) else f"__{self.rank}_"
-        buckets = _split_by_size(plan.items, self.file_size, self.max_files)
-        jobs = [(self._file_name(prefix, i), b) for i, b in enumerate(buckets) if b]
         fut: Future[list[WriteResult]] = Future()
         try:
-            per_file = self.store.map(lambda job: self._write_file(job[0], job[1], planner), jobs)
+            results: list[WriteResult] = []
+            files = 0  # numbered on across waves
+            for k, items in enumerate(self._waves(plan.items, planner)):
+                buckets = [b for b in _split_by_size(items, self.file_size, self.max_files) if b]
+                jobs = [(self._file_name(prefix, files + i), b) for i, b in enumerate(buckets)]
+                files += len(jobs)
+                per_file = self.store.map(lambda job: self._write_file(job[0], job[1], planner),
+                                          jobs)
+                results += [r for rs in per_file for r in rs]
+                if self.staged is not None and k == 0:
+                    self.staged.release()  # the live tensors are written: training may go on
         except BaseException as exc:  # noqa: BLE001 - handed to DCP through the future
             fut.set_exception(exc)
             return fut
-        fut.set_result([r for results in per_file for r in results])
+        finally:
+            if self.staged is not None:
+                self.staged.release()
+        fut.set_result(results)
         return fut
+
+    def _waves(self, items: Sequence[WriteItem], planner: SavePlanner) -> list[list[WriteItem]]:
+        """The items in the order they must go: with a staged state, the live tensors
+        (not copied to host memory) first, then the staged copies and other values."""
+        if self.staged is None or not self.staged.live_bytes:
+            return [list(items)]
+        live = {k for k, i in enumerate(items) if i.type != WriteItemType.BYTE_IO
+                and not self.staged.is_staged(planner.resolve_data(i))}
+        return [[i for k, i in enumerate(items) if k in live],
+                [i for k, i in enumerate(items) if k not in live]]
 
     def _write_file(self, name: str, items: Sequence[WriteItem],
                     planner: SavePlanner) -> list[WriteResult]:
