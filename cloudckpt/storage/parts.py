@@ -115,11 +115,14 @@ class PartBody(io.BytesIO):
 
 
 class _Fill:
-    """The bytes not sent yet, in one anonymous mapping of ``capacity`` bytes: pages
-    cost memory only once written, and all of it goes back to the system on close."""
+    """The bytes not sent yet, in one anonymous mapping of ``capacity`` bytes from the
+    window's kept ones (a fresh mapping costs a page fault per page written): pages
+    past what is held are given back, and the mapping goes back to the window on
+    close."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, window: ByteWindow) -> None:
         self._capacity = capacity
+        self._window = window
         self._map: mmap.mmap | None = None
         self.n = 0
 
@@ -128,7 +131,7 @@ class _Fill:
 
     def append(self, data: memoryview) -> None:
         if self._map is None:
-            self._map = mmap.mmap(-1, self._capacity)
+            self._map = self._window.mapping(self._capacity)
         self._map[self.n:self.n + len(data)] = data
         self.n += len(data)
 
@@ -157,10 +160,7 @@ class _Fill:
     def close(self) -> None:
         self.n = 0
         if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:  # an HTTP client still holds a view: unmapped with it
-                pass
+            self._window.keep(self._map)  # or unmapped, once no HTTP client holds a view
             self._map = None
 
 
@@ -177,7 +177,7 @@ class PartWriter(RawWriter):
         self._path = path
         self._part_size = part_size
         self._single_limit = 2 * part_size
-        self._buf = _Fill(self._single_limit)
+        self._buf = _Fill(self._single_limit, store.upload_window)
         self._started = False
         self._parts: list[Future[Any]] = []
         self._pool: ThreadPoolExecutor | None = None

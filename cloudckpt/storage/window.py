@@ -52,7 +52,11 @@ class ByteWindow:
         return mmap.mmap(-1, size)
 
     def keep(self, mapped: mmap.mmap) -> None:
-        """Take back a part's mapping: kept while it fits beside what is in use."""
+        """Take back a part's mapping: kept while it fits beside what is in use, and
+        only once nothing holds a view of it (an HTTP client may, for a while, after
+        a failed request); else unmapped when the last view goes."""
+        if _exported(mapped):
+            return
         with self._cond:
             if self.used + self._kept_bytes + len(mapped) <= self.capacity:
                 self._kept.setdefault(len(mapped), []).append(mapped)
@@ -77,6 +81,17 @@ class ByteWindow:
         with self._cond:
             self.used -= n
             self._cond.notify_all()
+
+
+def _exported(mapped: mmap.mmap) -> bool:
+    """Whether a view of ``mapped`` is alive (a resize to its own size refuses then)."""
+    try:
+        mapped.resize(len(mapped))
+    except BufferError:
+        return True
+    except (ValueError, OSError):  # closed, or no mremap here: not reusable
+        return True
+    return False
 
 
 def _close(mapped: mmap.mmap) -> None:
