@@ -1,4 +1,4 @@
-"""DCP save/load through cloudckpt versus torch's fsspec storage and plain s3fs.
+"""DCP save/load through cloudckpt versus torch's fsspec storage and plain s3fs or gcsfs.
 
 Measures, in one single-process run (no process group) against a local S3
 server (moto), on one state dict of ``--tensors`` float32 tensors totalling
@@ -27,13 +27,25 @@ the moto server is ours, the CPU seconds it spent are shown per S3 run: on a
 small machine the server is often the bottleneck, and what a side asks of it
 (one PUT per object, or multipart; whole-object or ranged GETs) is the cost.
 
+With ``--gcs`` the same save and load rounds (1 and 2: same rotation, best of
+``--repeat``, same checks) run against a fake-gcs-server started on 127.0.0.1
+instead, and only them: ``cloudckpt.dcp.save``/``load`` versus a plain gcsfs
+``fs.pipe({path: bytes})``/``fs.cat([paths])`` of the same bytes cut as ours'
+DCP files: one object per file, holding the raw bytes of that file's tensors
+(the file's size less torch.save's framing, about 1.5 kB a tensor; both layouts
+are printed), ``batch_size`` 16 as cloudckpt's default ``max_concurrency``.
+Torch's fsspec sides, local disk, async save and RSS are not run there. An
+emulator's speed is not GCS's: the ratios say what the client side costs, not
+what a bucket will do.
+
 Usage::
 
     python benchmarks/dcp_bench.py [--size-mib 256] [--tensors 16] [--repeat 3]
-                                   [--async-repeat 5] [--endpoint URL]
+                                   [--async-repeat 5] [--endpoint URL | --gcs]
 
 Without ``--endpoint`` a moto server is started on 127.0.0.1 for the run. The
-last line printed is a JSON summary of every figure and whether each target is met.
+last line printed is a JSON summary of every figure and whether each target is
+met; with ``--gcs``, under the key ``"gcs"``.
 """
 
 from __future__ import annotations
@@ -42,6 +54,7 @@ import argparse
 import gc
 import json
 import os
+import pickle
 import shutil
 import statistics
 import subprocess
@@ -50,6 +63,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import s3fs
@@ -60,7 +74,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
 import cloudckpt.dcp as cdcp
-from cloudckpt.testing import MotoServer
+from cloudckpt.testing import FakeGcsServer, MotoServer
 
 MB = 1_000_000
 MiB = 1024 * 1024
@@ -73,6 +87,8 @@ TARGETS = {
     "local_vs_filesystem": 1.0,
     "async_block_vs_clone": 2.0,  # an upper bound
 }
+#: With --gcs: ours / plain gcsfs throughput.
+GCS_TARGETS = {"save_vs_gcsfs": 0.9, "load_vs_gcsfs": 0.9}
 #: torch's FsspecWriter threads (one file each) and FileSystemWriter threads.
 TORCH_THREADS = 4
 #: Sides whose peak RSS during one S3 save is measured.
@@ -81,7 +97,8 @@ RSS_SIDES = ("ours", "fsspec", "s3fs")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description="cloudckpt DCP save/load versus torch FsspecWriter/Reader and plain s3fs."
+        description="cloudckpt DCP save/load versus torch FsspecWriter/Reader and plain s3fs "
+                    "(or, with --gcs, plain gcsfs)."
     )
     p.add_argument("--size-mib", type=float, default=256.0,
                    help="state dict size in MiB (default 256)")
@@ -91,6 +108,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="async_save/clone repetitions; best is kept (default 5)")
     p.add_argument("--endpoint", default=None,
                    help="S3 endpoint URL; default: start a moto server on 127.0.0.1")
+    p.add_argument("--gcs", action="store_true",
+                   help="save and load against a fake-gcs-server started on 127.0.0.1, "
+                        "versus plain gcsfs, instead of S3")
     p.add_argument("--bucket", default="cloudckpt-bench", help="bucket (created if missing)")
     p.add_argument("--key", default=os.environ.get("AWS_ACCESS_KEY_ID", MotoServer.ACCESS_KEY),
                    help="access key for --endpoint (default $AWS_ACCESS_KEY_ID or moto's)")
@@ -107,6 +127,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.size_mib <= 0 or args.tensors < 1 or args.repeat < 1 or args.async_repeat < 1:
         p.error("--size-mib, --tensors, --repeat and --async-repeat must be positive")
+    if args.gcs and (args.endpoint or args.rss_side or args.baseline_pool):
+        p.error("--gcs starts its own fake-gcs-server: no --endpoint or --baseline-pool")
     return args
 
 
@@ -196,23 +218,53 @@ def server_cpu() -> float:
 # ------------------------------------------------------------------- sides
 
 
+#: Wall seconds and server CPU seconds (None: not shown) of one timed run, given the rep.
+Timer = Callable[[int], tuple[float, float | None]]
+
+
 class Bench:
-    """The state dict, the clients and every side's save/load, on one endpoint."""
+    """The state dict, the clients and every side's save/load, on one endpoint.
+
+    S3 (moto) by default; with ``gcs_options`` (gcsfs storage options) GCS, where
+    the sides are ours and plain gcsfs only (no torch fsspec side).
+    """
 
     ROOT = "dcp-bench"
-    CONCURRENCY = 16  # ours: cloudckpt's default max_concurrency; s3fs pipe/cat batch_size
+    CONCURRENCY = 16  # ours: cloudckpt's default max_concurrency; s3fs/gcsfs pipe/cat batch_size
 
-    def __init__(self, args: argparse.Namespace, endpoint: str, *, raw: bool = True) -> None:
+    def __init__(self, args: argparse.Namespace, endpoint: str, *, raw: bool = True,
+                 gcs_options: dict[str, Any] | None = None) -> None:
         self.args = args
         self.endpoint = endpoint
-        ensure_bucket(endpoint, args.key, args.secret, args.bucket)
-        creds = {"endpoint_url": endpoint, "key": args.key, "secret": args.secret}
-        self.base_opts: dict[str, Any] = dict(creds)
-        if args.baseline_pool:
-            self.base_opts["config_kwargs"] = {"max_pool_connections": args.baseline_pool}
-        self.opts = dict(creds)  # ours: cloudckpt's defaults
-        # Plain s3fs, as a user would make it (its own instance, its defaults).
-        self.fs = s3fs.S3FileSystem(skip_instance_cache=True, **self.base_opts)
+        self.fs: Any
+        if gcs_options is None:
+            ensure_bucket(endpoint, args.key, args.secret, args.bucket)
+            creds = {"endpoint_url": endpoint, "key": args.key, "secret": args.secret}
+            self.base_opts: dict[str, Any] = dict(creds)
+            if args.baseline_pool:
+                self.base_opts["config_kwargs"] = {"max_pool_connections": args.baseline_pool}
+            self.opts = dict(creds)  # ours: cloudckpt's defaults
+            self.scheme, self.raw_side = "s3", "s3fs"
+            # Plain s3fs, as a user would make it (its own instance, its defaults).
+            self.fs = s3fs.S3FileSystem(skip_instance_cache=True, **self.base_opts)
+        else:
+            # Imported here: after cloudckpt.testing has set gcsfs's emulator default.
+            import gcsfs
+
+            self.base_opts = dict(gcs_options)
+            self.opts = dict(gcs_options)  # ours: cloudckpt's defaults
+            self.scheme, self.raw_side = "gs", "gcsfs"
+            # Plain gcsfs, as a user would make it (its own instance, its defaults).
+            self.fs = gcsfs.GCSFileSystem(skip_instance_cache=True, **self.base_opts)
+        self.save_fns: dict[str, Callable[[str], Any]] = {
+            "ours": self.save_ours, "fsspec": self.save_fsspec, self.raw_side: self.save_raw}
+        self.load_fns: dict[str, Callable[[str], Any]] = {
+            "ours": self.load_ours, "fsspec": self.load_fsspec, self.raw_side: self.load_raw}
+        # GCS: the plain client's objects are cut as ours' DCP files (group_raw_like).
+        self.match_files = gcs_options is not None
+        if self.match_files:
+            del self.save_fns["fsspec"], self.load_fns["fsspec"]
+        self.src: dict[str, str] = {}  # per side: what its timed loads read (write_sources)
         self.sd = make_state(args.tensors, int(args.size_mib * MiB))
         self.total = state_bytes(self.sd)
         self.names = list(self.sd)
@@ -221,8 +273,8 @@ class Bench:
         self.dst: dict[str, torch.Tensor] = {}  # preallocated load targets, on first load
         self._counter = iter(range(1_000_000))
 
-    def s3_uri(self, kind: str) -> str:
-        return f"s3://{self.args.bucket}/{self.ROOT}/{kind}-{next(self._counter):04d}"
+    def uri(self, kind: str) -> str:
+        return f"{self.scheme}://{self.args.bucket}/{self.ROOT}/{kind}-{next(self._counter):04d}"
 
     def rm(self, uri: str) -> None:
         path = uri.split("://", 1)[1]
@@ -249,7 +301,7 @@ class Bench:
                               **self.base_opts)
         return tdcp.save(self.sd, storage_writer=writer, no_dist=True)
 
-    def save_s3fs(self, uri: str) -> Any:
+    def save_raw(self, uri: str) -> Any:
         paths = self.raw_paths(uri)
         return self.fs.pipe({paths[n]: self.raw[n] for n in self.names},
                             batch_size=self.CONCURRENCY)
@@ -270,11 +322,57 @@ class Bench:
         tdcp.load(self.dst, storage_reader=FsspecReader(uri, **self.base_opts), no_dist=True)
         return self.dst
 
-    def load_s3fs(self, uri: str) -> dict[str, bytes]:
+    def load_raw(self, uri: str) -> dict[str, bytes]:
         paths = self.raw_paths(uri)
         got = self.fs.cat(list(paths.values()), batch_size=self.CONCURRENCY)
         return {n: got[paths[n]] for n in self.names}
 
+    # -- timed rounds ---------------------------------------------------------
+    def write_sources(self) -> None:
+        """Untimed: one save per side, which that side's timed loads then read; check
+        that ours and the plain client's load back what was saved."""
+        self.src = {side: self.uri(f"load-{side}") for side in self.save_fns}
+        for side, fn in self.save_fns.items():  # ours first
+            if side == self.raw_side and self.match_files:
+                self.group_raw_like(self.src["ours"])
+            fn(self.src[side])
+        self.clear_dst()
+        check_state("cloudckpt save -> cloudckpt load", self.load_ours(self.src["ours"]),
+                    self.sd)
+        raw = self.raw_side
+        check_raw(f"{raw} pipe -> {raw} cat", self.load_raw(self.src[raw]), self.raw)
+
+    def group_raw_like(self, uri: str) -> None:
+        """One baseline object per DCP file of ours at ``uri``: the raw bytes of the
+        tensors in that file, in its order (its size less torch.save's framing)."""
+        meta = pickle.loads(self.fs.cat_file(f"{uri.split('://', 1)[1]}/{cdcp.METADATA_NAME}"))
+        files: dict[str, list[tuple[int, str]]] = {}
+        for index, info in meta.storage_data.items():
+            files.setdefault(info.relative_path, []).append((info.offset, index.fqn))
+        self.raw = {name.replace("/", "_"): b"".join(self.raw[fqn] for _, fqn in sorted(items))
+                    for name, items in sorted(files.items())}
+        self.names = list(self.raw)
+
+    def time_save(self, side: str, rep: int) -> tuple[float, float]:
+        uri = self.uri(f"save-{side}")
+        secs, cpu, _ = timed(lambda: self.save_fns[side](uri))
+        self.rm(uri)
+        return secs, cpu
+
+    def time_load(self, side: str, rep: int) -> tuple[float, float]:
+        self.clear_dst()
+        secs, cpu, got = timed(lambda: self.load_fns[side](self.src[side]))
+        if side == self.raw_side:
+            check_raw(f"{side} cat (rep {rep})", got, self.raw)
+        else:
+            check_state(f"{side} load (rep {rep})", got, self.sd)
+        del got
+        return secs, cpu
+
+    def timers(self) -> dict[str, dict[str, Timer]]:
+        """The save and load phases of :func:`race`, every side of each."""
+        return {"save": {side: partial(self.time_save, side) for side in self.save_fns},
+                "load": {side: partial(self.time_load, side) for side in self.load_fns}}
 
 
 def rss_child(args: argparse.Namespace) -> int:
@@ -285,14 +383,14 @@ def rss_child(args: argparse.Namespace) -> int:
     """
     side = args.rss_side
     bench = Bench(args, args.endpoint, raw=side == "s3fs")
-    save = getattr(bench, f"save_{side}")
+    save = bench.save_fns[side]
     warm = argparse.Namespace(**{**vars(args), "size_mib": 1.0})
     small = Bench(warm, args.endpoint, raw=side == "s3fs")
     small.fs = bench.fs
-    uri = bench.s3_uri(f"rss-warmup-{side}")
-    getattr(small, f"save_{side}")(uri)
+    uri = bench.uri(f"rss-warmup-{side}")
+    small.save_fns[side](uri)
     bench.rm(uri)
-    uri = bench.s3_uri(f"rss-{side}")
+    uri = bench.uri(f"rss-{side}")
     with RssSampler() as sampler:
         save(uri)
     bench.rm(uri)
@@ -319,6 +417,59 @@ def measure_rss(args: argparse.Namespace, endpoint: str) -> dict[str, int]:
 # --------------------------------------------------------------------- run
 
 
+def rotated(sides: list[str], rep: int) -> list[str]:
+    k = rep % len(sides)
+    return sides[k:] + sides[:k]
+
+
+def race(phases: dict[str, dict[str, Timer]], repeat: int,
+         total: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Each repetition runs every side of every phase, rotating which goes first, and
+    prints a line per phase. Returns the best wall seconds per ``<phase>_<side>`` and
+    the server CPU seconds of that run (0.0 where a phase shows none)."""
+    best: dict[str, float] = {}
+    best_cpu: dict[str, float] = {}
+    print(f"\n{'rep':>3}  {'phase':<6} side: MB/s [server CPU s] (first listed ran first)",
+          flush=True)
+    for rep in range(repeat):
+        for phase, timers in phases.items():
+            cells = []
+            for side in rotated(list(timers), rep):
+                secs, cpu = timers[side](rep)
+                key = f"{phase}_{side}"
+                if secs < best.get(key, float("inf")):
+                    best[key], best_cpu[key] = secs, cpu or 0.0
+                shown = "" if cpu is None else f" [{cpu:4.2f}]"
+                cells.append(f"{side}: {total / secs / MB:7.1f}{shown}")
+            print(f"{rep:>3}  {phase:<6} " + "  ".join(f"{c:>22}" for c in cells), flush=True)
+    return best, best_cpu
+
+
+def mb_per_s(best: dict[str, float], total: int) -> dict[str, float]:
+    return {k: round(total / s / MB, 1) for k, s in best.items()
+            if k.startswith(("save_", "load_", "local_"))}
+
+
+def print_rows(rows: list[tuple[str, str, str, str, str]], mbps: dict[str, float],
+               ratios: dict[str, float], met: dict[str, bool],
+               targets: dict[str, float]) -> None:
+    """One line per ``(ratio key, what, ours key, baseline key, baseline name)``."""
+    for key, what, ours_k, base_k, base_name in rows:
+        verdict = "ok" if met[key] else "MISSED"
+        print(f"  {what:<10}: ours {mbps[ours_k]:7.1f} MB/s  {base_name} {mbps[base_k]:7.1f} "
+              f"MB/s  ratio {ratios[key]:5.2f}  target >= {targets[key]:g}x  [{verdict}]")
+
+
+def server_cpu_s(best_cpu: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in best_cpu.items() if k.startswith(("save_", "load_"))}
+
+
+def print_server_cpu(name: str, best_cpu: dict[str, float]) -> None:
+    if any(best_cpu.values()):
+        print(f"  server ({name}) CPU s in the best runs: " + ", ".join(
+            f"{k} {v:.2f}" for k, v in server_cpu_s(best_cpu).items()))
+
+
 def run(args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
     print(f"peak RSS: one S3 save per side, each in a fresh process ({', '.join(RSS_SIDES)}) "
           "...", flush=True)
@@ -327,12 +478,8 @@ def run(args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
     print(f"generating {args.tensors} float32 tensors, {args.size_mib:g} MiB in all ...",
           flush=True)
     b = Bench(args, endpoint)
-    sd, raw, total, fs, opts = b.sd, b.raw, b.total, b.fs, b.opts
-    conc = b.CONCURRENCY
-    s3_uri, rm, clear_dst = b.s3_uri, b.rm, b.clear_dst
-    save_ours, save_fsspec, save_s3fs = b.save_ours, b.save_fsspec, b.save_s3fs
-    load_ours, load_fsspec, load_s3fs = b.load_ours, b.load_fsspec, b.load_s3fs
-    save_local_ours, save_local_torch = b.save_local_ours, b.save_local_torch
+    sd, total, fs, opts = b.sd, b.total, b.fs, b.opts
+    rm, clear_dst, load_ours, load_fsspec = b.rm, b.clear_dst, b.load_ours, b.load_fsspec
     local_parent = tempfile.mkdtemp(prefix="cloudckpt-dcp-bench-", dir=args.local_dir)
     counter = iter(range(1_000_000))
 
@@ -341,29 +488,23 @@ def run(args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
 
     # -- untimed correctness round; also writes the load sources ------------
     print("verifying (untimed): each side's checkpoint loads back equal ...", flush=True)
-    src = {"ours": s3_uri("load-ours"), "fsspec": s3_uri("load-fsspec"),
-           "s3fs": s3_uri("load-s3fs")}
-    save_ours(src["ours"])
-    save_fsspec(src["fsspec"])
-    save_s3fs(src["s3fs"])
+    b.write_sources()
+    src = b.src
     clear_dst()
     dst = b.dst
-    check_state("cloudckpt save -> cloudckpt load", load_ours(src["ours"]), sd)
-    clear_dst()
     check_state("cloudckpt save -> FsspecReader", load_fsspec(src["ours"]), sd)
     clear_dst()
     check_state("FsspecWriter -> cloudckpt load (adopted copy)", _adopted_load(
-        src["fsspec"], s3_uri("adopt"), fs, opts, dst, rm), sd)
+        src["fsspec"], b.uri("adopt"), fs, opts, dst, rm), sd)
     clear_dst()
     check_state("FsspecWriter -> FsspecReader", load_fsspec(src["fsspec"]), sd)
-    check_raw("s3fs pipe -> s3fs cat", load_s3fs(src["s3fs"]), raw)
     path = local_dir("verify-ours")
-    save_local_ours(path)
+    b.save_local_ours(path)
     clear_dst()
     tdcp.load(dst, storage_reader=FileSystemReader(path), no_dist=True)
     check_state("cloudckpt local save -> FileSystemReader", dst, sd)
     shutil.rmtree(path)
-    uri = s3_uri("verify-async")
+    uri = b.uri("verify-async")
     cdcp.async_save(sd, uri, storage_options=opts).result()
     clear_dst()
     check_state("cloudckpt async_save -> cloudckpt load", load_ours(uri), sd)
@@ -374,53 +515,23 @@ def run(args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
           f"({total / MB:.0f} MB); endpoint {endpoint}; local dir {local_parent}\n"
           f"S3 connection pools: ours {ours_pool} (max_concurrency 16), s3fs/torch fsspec "
           f"{pool_size(fs)}; "
-          f"s3fs pipe/cat batch_size {conc}; FsspecWriter thread_count {TORCH_THREADS}, "
-          f"sync_files=False; local: ours fsync=True (default), FileSystemWriter "
-          f"sync_files=True (default), thread_count {TORCH_THREADS}", flush=True)
-
-    best: dict[str, float] = {}
-    best_cpu: dict[str, float] = {}  # server CPU seconds of the best run
-
-    def keep(key: str, secs: float, cpu: float = 0.0) -> None:
-        if secs < best.get(key, float("inf")):
-            best[key], best_cpu[key] = secs, cpu
-
-    def rotated(sides: list[str], rep: int) -> list[str]:
-        k = rep % len(sides)
-        return sides[k:] + sides[:k]
-
-    print(f"\n{'rep':>3}  {'phase':<6} side: MB/s [server CPU s] (first listed ran first)",
+          f"s3fs pipe/cat batch_size {b.CONCURRENCY}; FsspecWriter thread_count "
+          f"{TORCH_THREADS}, sync_files=False; local: ours fsync=True (default), "
+          f"FileSystemWriter sync_files=True (default), thread_count {TORCH_THREADS}",
           flush=True)
-    save_fns = {"ours": save_ours, "fsspec": save_fsspec, "s3fs": save_s3fs}
-    load_fns = {"ours": load_ours, "fsspec": load_fsspec, "s3fs": load_s3fs}
-    local_fns = {"ours": save_local_ours, "torch": save_local_torch}
-    for rep in range(args.repeat):
-        line: dict[str, list[str]] = {"save": [], "load": [], "local": []}
-        for side in rotated(list(save_fns), rep):
-            uri = s3_uri(f"save-{side}")
-            secs, cpu, _ = timed(lambda uri=uri, side=side: save_fns[side](uri))
-            rm(uri)
-            keep(f"save_{side}", secs, cpu)
-            line["save"].append(f"{side}: {total / secs / MB:7.1f} [{cpu:4.2f}]")
-        for side in rotated(list(load_fns), rep):
-            clear_dst()
-            secs, cpu, got = timed(lambda side=side: load_fns[side](src[side]))
-            if side == "s3fs":
-                check_raw(f"s3fs cat (rep {rep})", got, raw)
-            else:
-                check_state(f"{side} load (rep {rep})", got, sd)
-            del got
-            keep(f"load_{side}", secs, cpu)
-            line["load"].append(f"{side}: {total / secs / MB:7.1f} [{cpu:4.2f}]")
-        for side in rotated(list(local_fns), rep):
-            path = local_dir(f"local-{side}")
-            os.sync()
-            secs, _, _ = timed(lambda path=path, side=side: local_fns[side](path))
-            shutil.rmtree(path)
-            keep(f"local_{side}", secs)
-            line["local"].append(f"{side}: {total / secs / MB:7.1f}")
-        for phase, cells in line.items():
-            print(f"{rep:>3}  {phase:<6} " + "  ".join(f"{c:>22}" for c in cells), flush=True)
+
+    local_fns = {"ours": b.save_local_ours, "torch": b.save_local_torch}
+
+    def time_local(side: str, rep: int) -> tuple[float, None]:
+        path = local_dir(f"local-{side}")
+        os.sync()
+        secs, _, _ = timed(lambda: local_fns[side](path))
+        shutil.rmtree(path)
+        return secs, None
+
+    best, best_cpu = race({**b.timers(),
+                           "local": {side: partial(time_local, side) for side in local_fns}},
+                          args.repeat, total)
 
     # Async: cheap to block for, so more samples (the time of an allocation plus a
     # copy varies a lot with what the allocator has at hand).
@@ -434,7 +545,7 @@ def run(args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
                 samples["clone"].append(secs)
                 cells.append(f"clone {secs:6.3f}s")
                 continue
-            uri = s3_uri("async")
+            uri = b.uri("async")
             gc.collect()
             t0 = time.perf_counter()
             fut = cdcp.async_save(sd, uri, storage_options=opts)
@@ -454,8 +565,7 @@ def run(args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
         rm(uri)
     shutil.rmtree(local_parent, ignore_errors=True)
 
-    mbps = {k: round(total / s / MB, 1) for k, s in best.items()
-            if k.startswith(("save_", "load_", "local_"))}
+    mbps = mb_per_s(best, total)
     ratios = {
         "save_vs_fsspec": best["save_fsspec"] / best["save_ours"],
         "save_vs_s3fs": best["save_s3fs"] / best["save_ours"],
@@ -468,18 +578,14 @@ def run(args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
            for k, r in ratios.items()}
 
     print(f"\nbest of {args.repeat} (MB = 10^6 bytes):")
-    rows = [
+    print_rows([
         ("save_vs_fsspec", "S3 save", "save_ours", "save_fsspec", "FsspecWriter"),
         ("save_vs_s3fs", "S3 save", "save_ours", "save_s3fs", "s3fs pipe"),
         ("load_vs_fsspec", "S3 load", "load_ours", "load_fsspec", "FsspecReader"),
         ("load_vs_s3fs", "S3 load", "load_ours", "load_s3fs", "s3fs cat"),
         ("local_vs_filesystem", "local save", "local_ours", "local_torch",
          "FileSystemWriter (both fsync)"),
-    ]
-    for key, what, ours_k, base_k, base_name in rows:
-        verdict = "ok" if met[key] else "MISSED"
-        print(f"  {what:<10}: ours {mbps[ours_k]:7.1f} MB/s  {base_name} {mbps[base_k]:7.1f} "
-              f"MB/s  ratio {ratios[key]:5.2f}  target >= {TARGETS[key]:g}x  [{verdict}]")
+    ], mbps, ratios, met, TARGETS)
     key = "async_block_vs_clone"
     print(f"  async save: blocks {best['async_block']:.3f}s, clone {best['clone']:.3f}s  ratio "
           f"{ratios[key]:5.2f}  target <= {TARGETS[key]:g}x  [{'ok' if met[key] else 'MISSED'}]"
@@ -488,9 +594,7 @@ def run(args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
     print(f"  peak RSS above baseline during one S3 save: ours {rss['ours'] / MiB:.0f} MiB, "
           f"FsspecWriter {rss['fsspec'] / MiB:.0f} MiB, s3fs pipe {rss['s3fs'] / MiB:.0f} MiB "
           f"(of bytes already in memory); state {total / MiB:.0f} MiB")
-    if any(best_cpu.values()):
-        print("  server (moto) CPU s in the best runs: " + ", ".join(
-            f"{k} {v:.2f}" for k, v in best_cpu.items() if k.startswith(("save_", "load_"))))
+    print_server_cpu("moto", best_cpu)
 
     summary: dict[str, Any] = {f"{k}_MBps": v for k, v in mbps.items()}
     summary.update({k: round(r, 3) for k, r in ratios.items()})
@@ -500,8 +604,7 @@ def run(args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
         "async_total_s": round(best["async_total"], 3),
         "async_block_median_s": round(median["async_block"], 4),
         "clone_median_s": round(median["clone"], 4),
-        "server_cpu_s": {k: round(v, 2) for k, v in best_cpu.items()
-                         if k.startswith(("save_", "load_"))},
+        "server_cpu_s": {k: round(v, 2) for k, v in server_cpu_s(best_cpu).items()},
         "rss_peak_above_MiB": round(rss["ours"] / MiB, 1),
         "rss_peak_above_fsspec_MiB": round(rss["fsspec"] / MiB, 1),
         "rss_peak_above_s3fs_MiB": round(rss["s3fs"] / MiB, 1),
@@ -513,6 +616,58 @@ def run(args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
         "all_met": all(met.values()),
     })
     return summary
+
+
+def run_gcs(args: argparse.Namespace, endpoint: str,
+            storage_options: dict[str, Any]) -> dict[str, Any]:
+    """``--gcs``: the save and load rounds, ours versus plain gcsfs, on fake-gcs-server."""
+    print(f"generating {args.tensors} float32 tensors, {args.size_mib:g} MiB in all ...",
+          flush=True)
+    b = Bench(args, endpoint, gcs_options=storage_options)
+    total = b.total
+    print("verifying (untimed): each side's checkpoint loads back equal ...", flush=True)
+    b.write_sources()
+
+    # The objects each side reads and writes: the baseline's are ours' DCP files' tensors.
+    ours = sorted(size for name, size in b.fs.du(b.src["ours"].split("://", 1)[1],
+                                                 total=False).items()
+                  if name.endswith(".distcp"))
+    raw = sorted(len(v) for v in b.raw.values())
+    print(f"\nstate dict: {args.tensors} float32 tensors, {total / MiB:.0f} MiB "
+          f"({total / MB:.0f} MB); endpoint {endpoint} (fake-gcs-server)\n"
+          f"GCS: ours cloudckpt defaults (max_concurrency {b.CONCURRENCY}); gcsfs pipe/cat "
+          f"batch_size {b.CONCURRENCY}; objects: ours {len(ours)} DCP files of "
+          f"{ours[0]:,}-{ours[-1]:,} bytes, gcsfs {len(raw)} of {raw[0]:,}-{raw[-1]:,} bytes "
+          "(the tensors of each DCP file)", flush=True)
+
+    best, best_cpu = race(b.timers(), args.repeat, total)
+    for uri in b.src.values():
+        b.rm(uri)
+
+    mbps = mb_per_s(best, total)
+    ratios = {"save_vs_gcsfs": best["save_gcsfs"] / best["save_ours"],
+              "load_vs_gcsfs": best["load_gcsfs"] / best["load_ours"]}
+    met = {k: r >= GCS_TARGETS[k] for k, r in ratios.items()}
+    print(f"\nbest of {args.repeat} (MB = 10^6 bytes):")
+    print_rows([
+        ("save_vs_gcsfs", "GCS save", "save_ours", "save_gcsfs", "gcsfs pipe"),
+        ("load_vs_gcsfs", "GCS load", "load_ours", "load_gcsfs", "gcsfs cat"),
+    ], mbps, ratios, met, GCS_TARGETS)
+    print_server_cpu("fake-gcs-server", best_cpu)
+
+    gcs: dict[str, Any] = {f"{k}_MBps": v for k, v in mbps.items()}
+    gcs.update({k: round(r, 3) for k, r in ratios.items()})
+    gcs.update({
+        "server_cpu_s": {k: round(v, 2) for k, v in server_cpu_s(best_cpu).items()},
+        "objects": {"ours": len(ours), "gcsfs": len(raw)},
+        "state_MiB": round(total / MiB, 1),
+        "tensors": args.tensors,
+        "repeat": args.repeat,
+        "targets": GCS_TARGETS,
+        "met": met,
+        "all_met": all(met.values()),
+    })
+    return {"gcs": gcs}
 
 
 def _adopted_load(src: str, dest: str, fs: s3fs.S3FileSystem, opts: dict[str, Any],
@@ -533,15 +688,23 @@ def main(argv: list[str] | None = None) -> int:
         if not args.endpoint:
             raise SystemExit("--rss-side needs --endpoint")
         return rss_child(args)
-    server = None
+    server: MotoServer | FakeGcsServer | None = None
     endpoint = args.endpoint
-    if endpoint is None:
+    if args.gcs:
+        server = FakeGcsServer()
+        server.start()
+        endpoint = server.endpoint
+    elif endpoint is None:
         server = MotoServer()
         server.start()
         endpoint = server.endpoint
         args.key, args.secret = MotoServer.ACCESS_KEY, MotoServer.SECRET_KEY
     try:
-        summary = run(args, endpoint)
+        if isinstance(server, FakeGcsServer):
+            server.create_bucket(args.bucket)
+            summary = run_gcs(args, endpoint, server.storage_options())
+        else:
+            summary = run(args, endpoint)
     finally:
         if server is not None:
             server.stop()
