@@ -475,3 +475,23 @@ def test_load_buffers_stay_within_the_read_window(s3):
     dcp_load(half, storage_reader=reader, no_dist=True)
     assert all(torch.equal(half[k], v.to(torch.bfloat16)) for k, v in sd.items())
     assert 0 < shared_window(window).peak <= window
+
+
+# Storages of 512 KiB (fetched with neighbours), 4 MiB (one streamed request) and
+# 36 MiB (over two parts: located by a head read, then fetched whole).
+@pytest.mark.parametrize("n,rows", [(128, 40), (1024, 900), (9216, 9000)])
+def test_items_of_another_layout_load_through_torch_load(where, monkeypatch, n, rows):
+    """A record whose tensor is not a compact C-contiguous one (here: a view saved
+    with its whole storage, as other writers may) is read whole and torch.load'ed."""
+    import cloudckpt.dcp.writer as writer
+
+    monkeypatch.setattr(writer, "_cpu_compact", lambda t: t.detach())
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(n, 1024, generator=g)
+    sd = {"v": big[n - rows:]}
+    uri = save(sd, where, f"layout-{rows}")
+    files = [f for f in open_checkpoint(uri, where.options).files if f.endswith(".distcp")]
+    assert sum(open_checkpoint(uri, where.options).entry(f).size for f in files) > big.nbytes
+    dst = {"v": torch.zeros(rows, 1024)}
+    load(dst, where, uri)
+    assert torch.equal(dst["v"], sd["v"])

@@ -31,6 +31,7 @@ from ..crc import Crc32c, crc32c_hex
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError
 from ..state import safe_torch_load
 from ..storage import Store, as_store
+from ..storage.ranges import READ_PIECE
 from ..storage.window import ByteWindow, shared_window
 from .base import _OnStore
 from .metadata import METADATA_NAME, load_metadata
@@ -133,17 +134,23 @@ class CloudStorageReader(_OnStore, StorageReader):
         ckpt = self._ckpt()
         item_crcs: Mapping[str, str] = (ckpt.metadata.get("dcp") or {}).get("items") or {}
         items = [self._item(req, planner, item_crcs) for req in reqs]
-        # Large tensors go straight into their destinations: their heads first (where
-        # the bytes lie), then their bodies as part-sized ranged reads. The rest, and
-        # large items of another layout, are fetched with their neighbours.
-        large = [i for i in items if i.target is not None and i.info.length >= STREAM_MIN]
+        # Large tensors go straight into their destinations. One of up to two parts
+        # comes in one request whose first bytes say where the tensor lies; a larger
+        # one is located by a read of its head, then fetched as parallel spans. The
+        # rest, and split items of another layout, are fetched with their neighbours.
         window = shared_window(self.read_window)
-        self.store.map(self._locate, large)
-        streamed = [i for i in large if i.saved is not None]
-        whole = [i for i in items if i.saved is None]
+        split_above = 2 * self.store.part_size
+        large = [i for i in items if i.target is not None and i.info.length >= STREAM_MIN]
+        split = [i for i in large if i.info.length > split_above]
+        self.store.map(self._locate, split)
+        streamed = [i for i in split if i.saved is not None]
+        apart = {id(i) for i in large} - {id(i) for i in split if i.saved is None}
+        whole = [i for i in items if id(i) not in apart]
         tasks: list[Callable[[], None]] = [
             functools.partial(self._fetch_group, path, start, end, members, window)
             for path, start, end, members in _coalesce(whole, self.store.part_size)]
+        tasks += [functools.partial(self._stream, i, window)
+                  for i in large if i.info.length <= split_above]
         for item in streamed:
             tasks += self._spans(item, window)
         self.store.map(lambda task: task(), tasks)
@@ -197,16 +204,13 @@ class CloudStorageReader(_OnStore, StorageReader):
         """Ranged reads of the item's body (its tensor's bytes, then the zip's tail):
         into the destination's own memory where it takes the bytes as they are, else a
         whole number of rows at a time through a buffer, converted into place."""
-        saved, target, req = item.saved, item.target, item.req
+        saved, target = item.saved, item.target
         assert saved is not None and target is not None
         base = item.info.offset + saved.data_start
         tail = bytearray(item.info.length - saved.data_start - saved.nbytes)
         item.tail = tail
         part = max(self.store.part_size, 1 << 20)
-        direct = (target.device.type == "cpu" and target.dtype == saved.dtype
-                  and target.is_contiguous() and tuple(req.lengths) == saved.shape
-                  and saved.nbytes > 0)
-        if direct:
+        if _direct(item, saved):
             dest = _bytes_of(target)
             bounds = _split_range(0, saved.nbytes, part)
             item.crcs = [None] * len(bounds)
@@ -228,20 +232,25 @@ class CloudStorageReader(_OnStore, StorageReader):
 
     def _read_rows(self, item: _Item, k: int, r0: int, r1: int, row_bytes: int, base: int,
                    window: ByteWindow, last: bool) -> None:
-        saved, target = item.saved, item.target
-        assert saved is not None and target is not None and item.tail is not None
-        n = (r1 - r0) * row_bytes
-        held = window.acquire(n)
-        buf = window.mapping(n) if n else None
+        assert item.saved is not None and item.target is not None and item.tail is not None
+        rows = _Rows(item, window, r1 - r0, first_row=r0)
         try:
-            outs = [*([buf] if buf is not None else []), *([item.tail] if last else [])]
+            outs = [rows.buffer, *([item.tail] if last else [])]
             crc = self.store.read_range_into(item.path, base + r0 * row_bytes, outs)
-            item.crcs[k] = (crc, n + (len(item.tail) if last else 0))
-            _place(_tensor_over(buf, 0, n, saved, r1 - r0), r0, item.req, target)
+            item.crcs[k] = (crc, rows.size + (len(item.tail) if last else 0))
+            rows.filled(rows.size)
         finally:
-            if buf is not None:
-                window.keep(buf)
-            window.release(held)
+            rows.close()
+
+    def _stream(self, item: _Item, window: ByteWindow) -> None:
+        """One request for a whole item, its bytes put where they go as they arrive."""
+        sink = _Stream(item, window, max(1, min(self.store.part_size, self.read_window)))
+        try:
+            self.store.read_range_to(item.path, item.info.offset,
+                                     item.info.offset + item.info.length, sink, chunk=READ_PIECE)
+            sink.finish(self.uri)
+        finally:
+            sink.close()
 
     def _fetch_group(self, path: str, start: int, end: int, members: list[_Item],
                      window: ByteWindow) -> None:
@@ -261,19 +270,7 @@ class CloudStorageReader(_OnStore, StorageReader):
                 if item.target is None:
                     item.raw = bytes(data)
                     continue
-                saved = try_locate(data, item.info.length)
-                if saved is None:  # another layout: torch.load it (weights only)
-                    src = safe_torch_load(_BufferReader(data), f"{self.uri} item {item.fqn}")
-                    if not isinstance(src, torch.Tensor):
-                        raise CorruptCheckpointError(
-                            f"{self.uri} item {item.fqn} holds a {type(src).__name__}, "
-                            "not a tensor", {item.fqn: "not a tensor"})
-                else:
-                    src = _tensor_over(buf, item.info.offset - start + saved.data_start,
-                                       saved.nbytes, saved, saved.shape[0] if saved.shape
-                                       else 1)
-                _place(src, 0, item.req, item.target)
-                del src
+                _deliver(item, buf, item.info.offset - start, self.uri)
             view.release()
         finally:
             window.keep(buf)
@@ -317,6 +314,162 @@ class _Item:
             f"object {self.path!r} of {uri} is corrupt: item {self.fqn} at offset "
             f"{self.info.offset} has crc32c {actual}, manifest says {self.crc}. Fall back to "
             "an earlier checkpoint.", {self.path: f"crc32c mismatch in {self.fqn}"})
+
+
+def _deliver(item: _Item, buf: Any, at: int, uri: str) -> None:
+    """Copy a checked item whose bytes lie in ``buf`` from ``at`` into its destination:
+    from the bytes where its tensor is one plain record, else through ``torch.load``."""
+    assert item.target is not None
+    data = memoryview(buf)[at:at + item.info.length]
+    saved = try_locate(data, item.info.length)
+    if saved is None:  # another layout: torch.load it (weights only)
+        src = safe_torch_load(_BufferReader(data), f"{uri} item {item.fqn}")
+        if not isinstance(src, torch.Tensor):
+            raise CorruptCheckpointError(
+                f"{uri} item {item.fqn} holds a {type(src).__name__}, not a tensor",
+                {item.fqn: "not a tensor"})
+    else:
+        src = _tensor_over(buf, at + saved.data_start, saved.nbytes, saved,
+                           saved.shape[0] if saved.shape else 1)
+    data.release()
+    _place(src, 0, item.req, item.target)
+
+
+def _direct(item: _Item, saved: SavedTensor) -> bool:
+    """Whether the item's bytes can go straight into its destination's memory."""
+    target, req = item.target, item.req
+    return (target is not None and target.device.type == "cpu" and target.dtype == saved.dtype
+            and target.is_contiguous() and tuple(req.lengths) == saved.shape
+            and saved.nbytes > 0)
+
+
+class _Rows:
+    """A window buffer of whole rows of a saved tensor, placed (converted) into the
+    destination when full: rows ``first_row``... for up to ``rows`` rows."""
+
+    def __init__(self, item: _Item, window: ByteWindow, rows: int, *, first_row: int = 0
+                 ) -> None:
+        assert item.saved is not None
+        self.item, self.saved, self._window = item, item.saved, window
+        self.row_bytes = self.saved.nbytes // max(1, self.saved.shape[0] if self.saved.shape
+                                                  else 1)
+        self.rows, self.first_row, self.fill = rows, first_row, 0
+        self.size = rows * self.row_bytes
+        self._held = window.acquire(self.size)
+        self.buffer: Any = window.mapping(self.size) if self.size else bytearray()
+
+    def put(self, data: memoryview) -> None:
+        """Append the next bytes of the tensor (in order)."""
+        while data.nbytes:
+            n = min(self.size - self.fill, data.nbytes)
+            self.buffer[self.fill:self.fill + n] = data[:n]
+            data = data[n:]
+            self.filled(self.fill + n)
+
+    def filled(self, n: int) -> None:
+        """``n`` bytes of the buffer are in: place the rows once it is full."""
+        self.fill = n
+        if n == self.size:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.fill:
+            rows = self.fill // self.row_bytes
+            _place(_tensor_over(self.buffer, 0, self.fill, self.saved, rows), self.first_row,
+                   self.item.req, self.item.target)
+            self.first_row += rows
+            self.fill = 0
+
+    def close(self) -> None:
+        if self.size:
+            self._window.keep(self.buffer)
+        self._window.release(self._held)
+        self._held = 0
+
+
+class _Stream:
+    """Takes a whole item's bytes in order (one request): finds its tensor in the
+    first few KiB, then puts every byte where it goes, checksumming all of it."""
+
+    def __init__(self, item: _Item, window: ByteWindow, row_budget: int) -> None:
+        self.item, self._window, self._row_budget = item, window, row_budget
+        self.crc = Crc32c()
+        self._pending: list[tuple[int, memoryview]] | None = []
+        self._got = 0
+        self._saved: SavedTensor | None = None
+        self._dest: memoryview | None = None
+        self._rows: _Rows | None = None
+        self._whole: Any = None
+        self._held = 0
+
+    def __call__(self, offset: int, data: bytes) -> None:
+        view, rel = memoryview(data), offset - self.item.info.offset
+        self.crc.update(view)
+        if self._pending is None:
+            self._put(rel, view)
+            return
+        self._pending.append((rel, view))
+        self._got += view.nbytes
+        if self._got < min(HEAD_BYTES, self.item.info.length):
+            return
+        pieces, self._pending = self._pending, None
+        head = pieces[0][1] if len(pieces) == 1 else b"".join(v for _, v in pieces)
+        self._choose(try_locate(head, self.item.info.length))
+        for r, v in pieces:
+            self._put(r, v)
+
+    def _choose(self, saved: SavedTensor | None) -> None:
+        self._saved = self.item.saved = saved
+        if saved is None:  # another layout: the whole item, torch.load'ed once checked
+            self._held = self._window.acquire(self.item.info.length)
+            self._whole = self._window.mapping(self.item.info.length)
+        elif _direct(self.item, saved):
+            assert self.item.target is not None
+            self._dest = _bytes_of(self.item.target)
+        elif saved.nbytes:
+            rows = saved.shape[0] if saved.shape else 1
+            per = max(1, self._row_budget // max(1, saved.nbytes // rows))
+            self._rows = _Rows(self.item, self._window, min(per, rows))
+
+    def _put(self, rel: int, view: memoryview) -> None:
+        if self._whole is not None:
+            self._whole[rel:rel + view.nbytes] = view
+            return
+        saved = self._saved
+        assert saved is not None
+        a = max(rel, saved.data_start)
+        b = min(rel + view.nbytes, saved.data_start + saved.nbytes)
+        if a >= b:
+            return
+        piece, pos = view[a - rel:b - rel], a - saved.data_start
+        if self._dest is not None:
+            self._dest[pos:pos + piece.nbytes] = piece
+            return
+        assert self._rows is not None
+        self._rows.put(piece)  # in order: the rows follow one another
+
+    def finish(self, uri: str) -> None:
+        """Check the item's CRC32C; then place what is still buffered."""
+        if self._pending is not None:  # shorter than a head: nothing located yet
+            pieces, self._pending = self._pending, None
+            head = b"".join(v for _, v in pieces)
+            self._choose(try_locate(head, self.item.info.length))
+            for r, v in pieces:
+                self._put(r, v)
+        if self.crc.hexdigest() != self.item.crc:
+            raise self.item.corrupt(uri, self.crc.hexdigest())
+        if self._whole is not None:
+            _deliver(self.item, self._whole, 0, uri)
+        elif self._rows is not None:
+            self._rows.flush()
+
+    def close(self) -> None:
+        if self._rows is not None:
+            self._rows.close()
+        if self._whole is not None:
+            self._window.keep(self._whole)
+            self._window.release(self._held)
+            self._whole = None
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
