@@ -378,3 +378,22 @@ def test_a_ranged_read_passes_the_sinks_error_through(local) -> None:
         store.read_range_to("a.bin", 0, 1001, lambda o, d: None)
     with pytest.raises(FileNotFoundError):
         store.read_range_to("missing.bin", 0, 10, lambda o, d: None)
+
+
+@pytest.mark.parametrize("name", ["s3", "gcs", "local"])
+def test_a_ranged_read_into_buffers_scatters_and_checksums(request, name) -> None:
+    """``read_range_into`` fills the buffers in turn with the range's bytes and
+    returns their CRC32C; a range past the end is an EOFError."""
+    from cloudckpt.crc import crc32c_hex
+
+    backend = request.getfixturevalue(name)
+    data = os.urandom(3_000_000)
+    store = open_store(backend.root, backend.options)
+    store.put("scatter.bin", data)
+    bufs = [bytearray(1_000_001), memoryview(bytearray(7)), bytearray(1_999_000)]
+    crc = store.read_range_into("scatter.bin", 100, bufs)
+    n = sum(len(b) for b in bufs)
+    assert b"".join(bytes(b) for b in bufs) == data[100:100 + n]
+    assert f"{crc:08x}" == crc32c_hex(data[100:100 + n])
+    with pytest.raises(EOFError):
+        store.read_range_into("scatter.bin", 10, [bytearray(len(data))])
