@@ -50,8 +50,22 @@ def test_parallel_writes_stay_within_the_window(where, request, monkeypatch):
     assert 0 < store.upload_window.peak <= window
     assert 0 < most[0] <= window  # 6 objects x 3+ parts would be 18 parts at once
     assert store.upload_window.used == 0  # every byte given back
+    assert store.upload_window.kept <= window
     for key, data in blobs.items():
         assert store.get(key) == data
+
+
+def test_sent_parts_come_back_to_the_window_for_reuse(s3):
+    """A part's mapping serves again once its request succeeded (a fresh mapping costs
+    a page fault per page); kept mappings never exceed what the window leaves free."""
+    part = 5 * 1024 * 1024
+    window = 4 * part + 3  # a window of its own
+    store = open_store(s3.root, {**s3.options, "part_size": part, "upload_window": window})
+    data = os.urandom(3 * part)
+    with store.open_write("parts") as out:
+        out.write(data)  # three whole parts, each sent from a window mapping
+    assert store.get("parts") == data
+    assert part <= store.upload_window.kept <= window - store.upload_window.used
 
 
 def test_one_thread_with_two_open_writers_does_not_wait_for_itself(gcs):

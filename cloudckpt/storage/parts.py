@@ -24,7 +24,7 @@ from ..crc import Buffer
 from ..errors import StorageError
 from .base import Store
 from .retry import RetryPolicy
-from .window import ByteWindow
+from .window import ByteWindow, exported
 from .writers import RawWriter
 
 #: Window bytes each thread holds in the buffers of its open writers.
@@ -160,7 +160,8 @@ class _Fill:
     def close(self) -> None:
         self.n = 0
         if self._map is not None:
-            self._window.keep(self._map)  # or unmapped, once no HTTP client holds a view
+            if not exported(self._map):  # else unmapped once no HTTP client holds a view
+                self._window.keep(self._map)
             self._map = None
 
 
@@ -302,10 +303,10 @@ class PartWriter(RawWriter):
         future = self._pool.submit(self._retry, "upload part", lambda: self._upload(number, part))
         exporter = part.obj if isinstance(part.obj, mmap.mmap) else None
 
-        def done(_f: Any, n: int = held) -> None:
+        def done(f: Future[Any], n: int = held) -> None:
             self._window.release(n)
-            if exporter is not None:  # the request is over: the mapping can serve again
-                self._window.keep(exporter)
+            if exporter is not None and not f.cancelled() and f.exception() is None:
+                self._window.keep(exporter)  # sent: the mapping can serve again
 
         future.add_done_callback(done)
         self._parts.append(future)

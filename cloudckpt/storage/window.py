@@ -42,6 +42,11 @@ class ByteWindow:
             self._evict(self.capacity - self.used)
         return n
 
+    @property
+    def kept(self) -> int:
+        """Bytes of mappings kept for reuse (never more than the window leaves free)."""
+        return self._kept_bytes
+
     def mapping(self, size: int) -> mmap.mmap:
         """An anonymous mapping of ``size`` bytes for a part: a kept one if there is."""
         with self._cond:
@@ -52,11 +57,8 @@ class ByteWindow:
         return mmap.mmap(-1, size)
 
     def keep(self, mapped: mmap.mmap) -> None:
-        """Take back a part's mapping: kept while it fits beside what is in use, and
-        only once nothing holds a view of it (an HTTP client may, for a while, after
-        a failed request); else unmapped when the last view goes."""
-        if _exported(mapped):
-            return
+        """Take back a part's mapping: kept while it fits beside what is in use. Only
+        for mappings nothing will write or send from any more (see :func:`exported`)."""
         with self._cond:
             if self.used + self._kept_bytes + len(mapped) <= self.capacity:
                 self._kept.setdefault(len(mapped), []).append(mapped)
@@ -83,8 +85,9 @@ class ByteWindow:
             self._cond.notify_all()
 
 
-def _exported(mapped: mmap.mmap) -> bool:
-    """Whether a view of ``mapped`` is alive (a resize to its own size refuses then)."""
+def exported(mapped: mmap.mmap) -> bool:
+    """Whether a view of ``mapped`` is alive (a resize to its own size refuses then):
+    after a failed request, an HTTP client may still hold one for a while."""
     try:
         mapped.resize(len(mapped))
     except BufferError:
