@@ -300,10 +300,16 @@ class PartWriter(RawWriter):
         # when it is stored (or fails, or is cancelled).
         held = min(self._held, len(part))
         self._give_up(held)
-        future = self._pool.submit(self._retry, "upload part", lambda: self._upload(number, part))
         exporter = part.obj if isinstance(part.obj, mmap.mmap) else None
+        # The request holds the part's only view, dropped once it is over: a mapping
+        # with a view left could not be unmapped when the window evicts it.
+        holder = [part]
+        del part
+        future = self._pool.submit(self._retry, "upload part",
+                                   lambda: self._upload(number, holder[0]))
 
         def done(f: Future[Any], n: int = held) -> None:
+            holder.clear()
             self._window.release(n)
             if exporter is not None and not f.cancelled() and f.exception() is None:
                 self._window.keep(exporter)  # sent: the mapping can serve again
