@@ -203,11 +203,8 @@ class GCSStore(Store):
             if resp.status != 206 and (start > 0 or (resp.content_length or 0) > end - start):
                 raise StorageError(f"gs://{path}: the server ignored the byte range "
                                    f"[{start}, {end})")
-            while True:
-                data = sync(fs.loop, read_upto, resp.content, chunk)
-                if not data:
-                    return
-                yield data
+            while pieces := sync(fs.loop, read_upto, resp.content, chunk):
+                yield from pieces
         finally:
             sync(fs.loop, _release, resp)
 

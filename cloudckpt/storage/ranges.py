@@ -21,7 +21,7 @@ from .retry import describe, is_transient, status_of
 log = logging.getLogger("cloudckpt.storage")
 
 #: Bytes of a response body held at once while it is copied into a caller's buffer.
-READ_PIECE = 1 << 20
+READ_PIECE = 2 << 20
 
 
 class _SinkError(CloudCkptError):
@@ -137,9 +137,10 @@ class RangeReadMixin:
         return crc.value
 
 
-async def read_upto(stream: Any, n: int) -> bytes:
+async def read_upto(stream: Any, n: int) -> list[bytes]:
     """Up to ``n`` bytes of a response body (anything with ``async read(n)``, which
-    may return less), fewer only at its end: pieces of a streamed read."""
+    may return less), fewer only at its end, as the pieces the client handed over:
+    one call per piece of a streamed read, and no copy to join them."""
     pieces: list[bytes] = []
     got = 0
     while got < n:
@@ -148,4 +149,4 @@ async def read_upto(stream: Any, n: int) -> bytes:
             break
         pieces.append(data)
         got += len(data)
-    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+    return pieces

@@ -204,11 +204,8 @@ class S3Store(Store):
             if int(resp.get("ContentLength") or 0) > end - start:
                 raise StorageError(f"s3://{path}: the server ignored the byte range "
                                    f"[{start}, {end}) and sent {resp.get('ContentLength')} bytes")
-            while True:
-                data = sync(self.fs.loop, read_upto, body, chunk)
-                if not data:
-                    return
-                yield data
+            while pieces := sync(self.fs.loop, read_upto, body, chunk):
+                yield from pieces
         finally:
             sync(self.fs.loop, _close_body, body)
 
