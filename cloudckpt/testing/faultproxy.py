@@ -30,10 +30,24 @@ Fault kinds (:data:`FAULT_KINDS`):
 :meth:`FaultProxy.restart` and :meth:`FaultProxy.outage` simulate the server
 going away: every open connection is cut, nothing listens for a while
 (connection refused), then the proxy listens again on the same port.
+
+Header-level behaviours (:class:`FaultPlan` ``strip_*``/``refuse_*``) make the
+upstream look like a store with fewer features, deterministically (no
+``error_rate``): ``strip_headers``/``strip_query`` remove request headers /
+query parameters before forwarding (moto then behaves like an S3-compatible
+store that ignores ``If-None-Match``; fake-gcs-server like one that ignores
+``ifGenerationMatch``), and ``refuse_headers``/``refuse_query`` answer a request
+that carries one of them with ``refuse_status`` (501 NotImplemented by default)
+without forwarding it, as some S3-compatible stores do.
+
+Every request is logged (:attr:`FaultProxy.request_log`, a list of
+:class:`RequestRecord`), so tests can count what a client really sent
+(:meth:`FaultProxy.count_requests`, :attr:`FaultProxy.requests_by_method`).
 """
 
 from __future__ import annotations
 
+import collections
 import http.client
 import http.server
 import json
@@ -48,7 +62,8 @@ import traceback
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
+from xml.sax.saxutils import escape as xml_escape
 
 if TYPE_CHECKING:
     pass
@@ -97,6 +112,16 @@ _ERRORS: dict[int, tuple[str, str]] = {
     500: ("InternalError", "We encountered an internal error. Please try again."),
     503: ("SlowDown", "Please reduce your request rate."),
 }
+# status -> (S3 error code, GCS reason) for requests refused under refuse_headers/_query.
+_REFUSALS: dict[int, tuple[str, str]] = {
+    400: ("InvalidArgument", "invalid"),
+    403: ("AccessDenied", "forbidden"),
+    405: ("MethodNotAllowed", "methodNotAllowed"),
+    412: ("PreconditionFailed", "conditionNotMet"),
+    501: ("NotImplemented", "notImplemented"),
+}
+# Removing these would break the framing of the forwarded request.
+_UNSTRIPPABLE = frozenset({"host", "content-length", "transfer-encoding"})
 _KIND_STATUS = {"slowdown": 503, "throttle": 429, "internal": 500}
 _COPY_CHUNK = 64 * 1024
 _HOLD_TIMEOUT_S = 30.0
@@ -117,6 +142,34 @@ class FaultPlan:
     throttling storm), within ``max_faults``; ``error_rate=1.0`` with
     ``max_faults=N`` is a single burst of N. ``truncate`` on a response with an
     empty body degenerates to "send headers, then close".
+
+    Header-level behaviours (each optional, scoped by ``match``/``exclude``/
+    ``methods`` like everything else, applied to every matching request: not
+    random, not bounded by ``max_faults``, not counted in ``faults``):
+
+    - ``strip_headers``: request headers removed before forwarding (names
+      case-insensitive), e.g. ``("If-None-Match", "If-Match")``. The body and
+      its framing are forwarded unchanged; ``Host``, ``Content-Length`` and
+      ``Transfer-Encoding`` cannot be stripped. A SigV4 signature that covered
+      a stripped header no longer verifies (moto does not check signatures).
+    - ``strip_query``: query parameters removed from the request target before
+      forwarding (names case-sensitive, as S3 and GCS treat them), e.g.
+      ``("ifGenerationMatch", "ifMetagenerationMatch")``; the other parameters
+      are kept byte for byte.
+    - ``refuse_headers`` / ``refuse_query``: a request carrying any of these
+      headers (case-insensitive) / query parameters (case-sensitive) is
+      answered by the proxy with ``refuse_status`` and is not forwarded. Its
+      body is read in full first, so the connection stays usable. The error
+      body is S3 XML (``NotImplemented`` for 501, ``InvalidArgument`` for 400,
+      ``PreconditionFailed`` for 412, ...) naming the header in a ``<Header>``
+      or ``<ArgumentName>`` element, or GCS JSON
+      (``{"error": {"code": N, "message": ...}}``) when the path starts with a
+      GCS JSON-API prefix (``/storage/v1/``, ``/upload/storage/v1/``, ...) --
+      the same rule that picks the dialect of injected faults.
+
+    Faults that do not forward (``slowdown``, ``reset``, ``permanent_status``,
+    ...) take precedence over a refusal; ``truncate``/``reset_download`` cut
+    the refusal's response as they would the upstream's.
     """
 
     error_rate: float = 0.0
@@ -129,6 +182,11 @@ class FaultPlan:
     burst: int = 1
     methods: tuple[str, ...] | None = None
     exclude: str | None = None
+    strip_headers: tuple[str, ...] = ()
+    strip_query: tuple[str, ...] = ()
+    refuse_headers: tuple[str, ...] = ()
+    refuse_query: tuple[str, ...] = ()
+    refuse_status: int = 501
 
     def __post_init__(self) -> None:
         unknown = set(self.kinds) - set(FAULT_KINDS)
@@ -142,6 +200,16 @@ class FaultPlan:
             raise ValueError("burst must be >= 1")
         if self.methods is not None:
             self.methods = tuple(m.upper() for m in self.methods)
+        # A lone string is one name, not a sequence of one-letter names.
+        self.strip_headers = tuple(h.lower() for h in _names(self.strip_headers))
+        self.refuse_headers = tuple(h.lower() for h in _names(self.refuse_headers))
+        self.strip_query = _names(self.strip_query)
+        self.refuse_query = _names(self.refuse_query)
+        framing = _UNSTRIPPABLE.intersection(self.strip_headers)
+        if framing:
+            raise ValueError(f"cannot strip {sorted(framing)}: the request would be malformed")
+        if not 400 <= self.refuse_status <= 599:
+            raise ValueError("refuse_status must be an HTTP error status (400-599)")
 
     def applies_to(self, method: str, target: str) -> bool:
         """Whether this plan's faults and latency apply to a request."""
@@ -150,6 +218,75 @@ class FaultPlan:
         if self.exclude is not None and self.exclude in target:
             return False
         return self.methods is None or method.upper() in self.methods
+
+    def _refusal(self, headers: Any, target: str) -> tuple[str, bool] | None:
+        """(name as the client spelled it, is a query parameter) of the first
+        refused header or query parameter the request carries, or None."""
+        if self.refuse_headers:
+            for name in headers.keys():
+                if name.lower() in self.refuse_headers:
+                    return str(name), False
+        if self.refuse_query:
+            for name, _ in _query_items(target):
+                if name in self.refuse_query:
+                    return name, True
+        return None
+
+
+class RequestRecord(NamedTuple):
+    """One request as the proxy received it (see :attr:`FaultProxy.request_log`)."""
+
+    method: str
+    #: Path and query exactly as the client sent them (before ``strip_query``).
+    target: str
+    #: The client's headers, names lower-cased (repeats joined with ", ").
+    headers: dict[str, str]
+    #: Injected fault kind ("slowdown", ..., "permanent"), or "" for none.
+    fault: str
+    #: The header/query name the request was refused for, or None.
+    refused: str | None
+    #: Header and query names removed before forwarding (as the client spelled them).
+    stripped: tuple[str, ...]
+
+
+def _names(value: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def _query_items(target: str) -> list[tuple[str, str]]:
+    """(decoded name, raw piece) for each parameter of the target's query."""
+    _, sep, query = target.partition("?")
+    if not sep or not query:
+        return []
+    return [
+        (urllib.parse.unquote_plus(piece.partition("=")[0]), piece)
+        for piece in query.split("&")
+        if piece
+    ]
+
+
+def _strip_query(target: str, names: tuple[str, ...]) -> tuple[str, list[str]]:
+    """``target`` without the parameters in ``names``; (new target, names removed)."""
+    items = _query_items(target)
+    removed = [name for name, _ in items if name in names]
+    if not removed:
+        return target, []
+    path = target.partition("?")[0]
+    kept = [piece for name, piece in items if name not in names]
+    return (f"{path}?{'&'.join(kept)}" if kept else path), removed
+
+
+class _Decision(NamedTuple):
+    kind: str  # fault kind, "" for none
+    action: int | str | None  # None: forward; else a fault kind or a status
+    latency: float
+    #: (name, is a query parameter): answer with ``refuse_status``, don't forward.
+    refused: tuple[str, bool] | None = None
+    refuse_status: int = 501
+    #: Lower-cased header names not to forward.
+    drop_headers: frozenset[str] = frozenset()
+    #: The target to forward (``strip_query`` applied); None: as received.
+    target: str | None = None
 
 
 class _Server(http.server.ThreadingHTTPServer):
@@ -235,7 +372,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     # -- request handling --------------------------------------------------
     def _handle(self) -> None:
         proxy = self.server.proxy
-        kind, action, latency = proxy._decide(self.command, self.path)
+        decision = proxy._decide(self.command, self.path, self.headers)
+        kind, action, latency = decision.kind, decision.action, decision.latency
         if action == "reset_upload":
             try:
                 self._read_some_body()
@@ -264,12 +402,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
             return
         try:
-            if action is None:
-                self._forward(body, chunked)
+            if action is None or action in ("truncate", "reset_download"):
+                cut = None if action is None else str(action)
+                if decision.refused is not None:
+                    name, is_query = decision.refused
+                    self._send_refusal(decision.refuse_status, name, is_query, cut)
+                else:
+                    self._forward(body, chunked, cut=cut, decision=decision)
             elif action == "reset":
                 self._reset()
-            elif action in ("truncate", "reset_download"):
-                self._forward(body, chunked, cut=str(action))
             else:
                 self._send_error_response(int(action))
         except OSError as exc:
@@ -329,10 +470,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._upstream.close()
             self._upstream = None
 
-    def _send_upstream(self, body: bytes | None, chunked: bool) -> http.client.HTTPResponse:
+    def _send_upstream(
+        self, body: bytes | None, chunked: bool, decision: _Decision | None = None
+    ) -> http.client.HTTPResponse:
         """Send the request upstream, retrying once if a pooled conn was stale."""
         proxy = self.server.proxy
-        target = proxy._upstream_prefix + self.path
+        drop = _HOP_BY_HOP
+        path = self.path
+        if decision is not None:
+            drop = drop | decision.drop_headers
+            if decision.target is not None:
+                path = decision.target
+        target = proxy._upstream_prefix + path
         for attempt in (0, 1):
             fresh = self._upstream is None
             if fresh:
@@ -344,7 +493,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             try:
                 conn.putrequest(self.command, target, skip_host=True, skip_accept_encoding=True)
                 for name, value in self.headers.items():
-                    if name.lower() not in _HOP_BY_HOP:
+                    if name.lower() not in drop:
                         conn.putheader(name, value)
                 if chunked:
                     conn.putheader("Transfer-Encoding", "chunked")
@@ -359,8 +508,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 logger.debug("fault proxy: stale upstream conn (%s); retrying", exc)
         raise AssertionError("unreachable")
 
-    def _forward(self, body: bytes | None, chunked: bool, cut: str | None = None) -> None:
-        """Forward the request and relay the response.
+    def _forward(
+        self,
+        body: bytes | None,
+        chunked: bool,
+        cut: str | None = None,
+        decision: _Decision | None = None,
+    ) -> None:
+        """Forward the request (``decision``'s stripping applied) and relay the response.
 
         ``cut="truncate"`` sends half of the response body then closes cleanly;
         ``cut="reset_download"`` sends half of it then RSTs (and nothing at all
@@ -368,7 +523,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         """
         reset = cut == "reset_download"
         try:
-            resp = self._send_upstream(body, chunked)
+            resp = self._send_upstream(body, chunked, decision)
         except (OSError, http.client.HTTPException) as exc:
             logger.warning("fault proxy: upstream failed: %s", exc)
             self._drop_upstream()
@@ -400,19 +555,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if length is None or cut is not None:
             data = resp.read()
             self._finish_upstream(resp)
-            if reset and not data:
-                self._reset()
-                return
-            headers = [(k, v) for k, v in headers if k.lower() != "content-length"]
-            headers.append(("Content-Length", str(len(data))))
-            self._start_response(resp.status, resp.reason, headers)
-            if cut is not None:
-                self.wfile.write(data[: len(data) // 2])
-                if reset:
-                    self._reset()
-                self.close_connection = True
-            else:
-                self.wfile.write(data)
+            self._send_buffered(resp.status, resp.reason, headers, data, cut)
             return
 
         self._start_response(resp.status, resp.reason, headers)
@@ -443,6 +586,65 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return value
 
     # -- responses ---------------------------------------------------------
+    def _send_buffered(
+        self,
+        status: int,
+        reason: str,
+        headers: list[tuple[str, str]],
+        data: bytes,
+        cut: str | None,
+    ) -> None:
+        """Send a response whose body is in memory, whole or cut (see _forward)."""
+        reset = cut == "reset_download"
+        if reset and not data:
+            self._reset()
+            return
+        headers = [(k, v) for k, v in headers if k.lower() != "content-length"]
+        headers.append(("Content-Length", str(len(data))))
+        self._start_response(status, reason, headers)
+        if cut is not None:
+            self.wfile.write(data[: len(data) // 2])
+            if reset:
+                self._reset()
+            self.close_connection = True
+        else:
+            self.wfile.write(data)
+
+    def _send_refusal(self, status: int, name: str, is_query: bool, cut: str | None) -> None:
+        """Answer for a store that does not support header/parameter ``name``."""
+        what = "query parameter" if is_query else "header"
+        code, reason = _REFUSALS.get(status) or (
+            _ERRORS.get(status, (f"Error{status}", ""))[0],
+            "invalid",
+        )
+        if status == 501:
+            message = f"A {what} you provided implies functionality that is not implemented"
+        else:
+            message = f"Unsupported {what} '{name}' received for this API call."
+        if self.path.startswith(_GCS_PREFIXES):
+            if status == 501:
+                message = f"{message} ({name})"
+            location = "parameter" if is_query else "header"
+            error = {"reason": reason, "message": message, "location": name,
+                     "locationType": location}  # fmt: skip
+            doc = {"error": {"code": status, "message": message, "errors": [error]}}
+            body, ctype = json.dumps(doc).encode(), "application/json"
+        else:
+            tag = "Header" if status == 501 and not is_query else "ArgumentName"
+            xml = (
+                '<?xml version="1.0" encoding="UTF-8"?>\n'
+                f"<Error><Code>{code}</Code><Message>{xml_escape(message)}</Message>"
+                f"<{tag}>{xml_escape(name)}</{tag}><RequestId>FAULTPROXY</RequestId></Error>"
+            )
+            body, ctype = xml.encode(), "application/xml"
+        if self.command == "HEAD" or cut is None:
+            if cut == "reset_download":  # bodyless: the client hears nothing
+                self._reset()
+                return
+            self._send_simple(status, body, ctype)
+            return
+        self._send_buffered(status, "", [("Content-Type", ctype)], body, cut)
+
     def _start_response(self, status: int, reason: str, headers: list[tuple[str, str]]) -> None:
         self.send_response_only(status, reason or None)
         for name, value in headers:
@@ -492,6 +694,11 @@ class FaultProxy(StartStop):
 
     :meth:`restart` and :meth:`outage` make the endpoint go away and come back
     on the same port, as a restarted server would (the upstream keeps its state).
+
+    Every request received is appended to :attr:`request_log` (the most recent
+    ``log_limit`` are kept; ``None`` keeps all) when its headers have been
+    read, before its body; :meth:`count_requests` and
+    :attr:`requests_by_method` summarise it.
     """
 
     def __init__(
@@ -502,6 +709,7 @@ class FaultProxy(StartStop):
         on_request: Callable[[str, str], None] | None = None,
         hold: str | None = None,
         hold_action: str = "forward",
+        log_limit: int | None = 100_000,
     ) -> None:
         parsed = urllib.parse.urlsplit(upstream)
         if parsed.scheme != "http" or not parsed.hostname:
@@ -526,6 +734,8 @@ class FaultProxy(StartStop):
         self._burst_action: int | str | None = None
         self._requests = 0
         self._faults: dict[str, int] = {}
+        self._by_method: dict[str, int] = {}
+        self._log: collections.deque[RequestRecord] = collections.deque(maxlen=log_limit)
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         self._port: int | None = None
@@ -693,38 +903,109 @@ class FaultProxy(StartStop):
         with self._lock:
             return dict(self._faults)
 
+    @property
+    def requests_by_method(self) -> dict[str, int]:
+        """Requests received by HTTP method (``{"PUT": 3, "GET": 5}``); a copy."""
+        with self._lock:
+            return dict(self._by_method)
+
+    @property
+    def request_log(self) -> list[RequestRecord]:
+        """The requests received, oldest first (see :class:`RequestRecord`); a copy."""
+        with self._lock:
+            return list(self._log)
+
+    def count_requests(
+        self,
+        contains: str | None = None,
+        *,
+        method: str | None = None,
+        header: str | None = None,
+    ) -> int:
+        """Logged requests whose target (as sent) contains ``contains``, made
+        with ``method``, carrying header ``header`` (case-insensitive); each
+        criterion is optional."""
+        method = method.upper() if method is not None else None
+        header = header.lower() if header is not None else None
+        return sum(
+            (contains is None or contains in r.target)
+            and (method is None or r.method == method)
+            and (header is None or header in r.headers)
+            for r in self.request_log
+        )
+
     def reset_counters(self) -> None:
-        """Zero ``requests`` and ``faults`` (the plan's fault budget is kept)."""
+        """Zero ``requests``, ``requests_by_method`` and ``faults`` and clear
+        ``request_log`` (the plan's fault budget is kept)."""
         with self._lock:
             self._requests = 0
             self._faults = {}
+            self._by_method = {}
+            self._log.clear()
 
     # -- called from handler threads ---------------------------------------
-    def _decide(self, method: str, target: str) -> tuple[str, int | str | None, float]:
-        """Return (kind, action, latency): action None = forward, else a kind/status."""
+    def _decide(self, method: str, target: str, headers: Any) -> _Decision:
+        """What to do with a request (and log it): fault, refusal, stripping.
+
+        ``headers`` is the client's header mapping (an ``email.message.Message``).
+        """
+        hdrs: dict[str, str] = {}
+        for name, value in headers.items():
+            key = name.lower()
+            hdrs[key] = f"{hdrs[key]}, {value}" if key in hdrs else value
         with self._lock:
             self._requests += 1
+            self._by_method[method] = self._by_method.get(method, 0) + 1
             plan = self._plan
-            if not plan.applies_to(method, target):
-                return "", None, 0.0
-            if plan.max_faults is not None and self._plan_faults >= plan.max_faults:
-                return "", None, plan.latency_s
-            action: int | str | None = None
-            kind = ""
-            if plan.permanent_status is not None:
-                action, kind = plan.permanent_status, "permanent"
-            elif self._burst_left > 0:
-                self._burst_left -= 1
-                action, kind = self._burst_action, self._burst_kind
-            elif plan.error_rate > 0 and self._rng.random() < plan.error_rate:
-                kind = self._rng.choice(plan.kinds)
-                action = _KIND_STATUS.get(kind, kind)
-                self._burst_left = plan.burst - 1
-                self._burst_kind, self._burst_action = kind, action
-            if action is not None:
-                self._plan_faults += 1
-                self._faults[kind] = self._faults.get(kind, 0) + 1
-            return kind, action, plan.latency_s
+            kind, action, latency = self._draw(plan, method, target)
+            refused = None
+            drop: frozenset[str] = frozenset()
+            forward_target = None
+            stripped: list[str] = []
+            if action in (None, "truncate", "reset_download") and plan.applies_to(method, target):
+                refused = plan._refusal(headers, target)
+                if refused is None:
+                    if plan.strip_headers:
+                        stripped = [n for n in headers.keys() if n.lower() in plan.strip_headers]
+                        drop = frozenset(n.lower() for n in stripped)
+                    if plan.strip_query:
+                        new_target, removed = _strip_query(target, plan.strip_query)
+                        if removed:
+                            forward_target = new_target
+                            stripped.extend(removed)
+            refused_name = refused[0] if refused else None
+            self._log.append(
+                RequestRecord(method, target, hdrs, kind, refused_name, tuple(stripped))
+            )
+            return _Decision(
+                kind, action, latency, refused, plan.refuse_status, drop, forward_target
+            )
+
+    def _draw(
+        self, plan: FaultPlan, method: str, target: str
+    ) -> tuple[str, int | str | None, float]:
+        """(kind, action, latency) under ``plan``: action None = forward, else a kind/status.
+        Called with the lock held."""
+        if not plan.applies_to(method, target):
+            return "", None, 0.0
+        if plan.max_faults is not None and self._plan_faults >= plan.max_faults:
+            return "", None, plan.latency_s
+        action: int | str | None = None
+        kind = ""
+        if plan.permanent_status is not None:
+            action, kind = plan.permanent_status, "permanent"
+        elif self._burst_left > 0:
+            self._burst_left -= 1
+            action, kind = self._burst_action, self._burst_kind
+        elif plan.error_rate > 0 and self._rng.random() < plan.error_rate:
+            kind = self._rng.choice(plan.kinds)
+            action = _KIND_STATUS.get(kind, kind)
+            self._burst_left = plan.burst - 1
+            self._burst_kind, self._burst_action = kind, action
+        if action is not None:
+            self._plan_faults += 1
+            self._faults[kind] = self._faults.get(kind, 0) + 1
+        return kind, action, plan.latency_s
 
     def _undo(self, kind: str) -> None:
         """Uncount a fault that could not be delivered (the client left first)."""
