@@ -22,6 +22,7 @@ from typing import Any
 
 from ..crc import Buffer, crc32c_hex
 from ..errors import AccessDeniedError, BucketNotFoundError, CommitConflictError, ConfigError
+from . import conditional
 from .batch import BatchMixin
 from .keys import join_key, validate_key
 from .objects import ObjectInfo, T, chunks, mtime_of, nbytes
@@ -85,6 +86,7 @@ class Store(BatchMixin, RangeReadMixin, StorePrimitives):
         max_concurrency: int = DEFAULT_CONCURRENCY,
         part_size: int = DEFAULT_PART_SIZE,
         upload_window: int = DEFAULT_UPLOAD_WINDOW,
+        conditional_writes: str = conditional.DEFAULT_MODE,
     ) -> None:
         if max_concurrency < 1:
             raise ConfigError("max_concurrency must be >= 1")
@@ -94,6 +96,7 @@ class Store(BatchMixin, RangeReadMixin, StorePrimitives):
         self.max_concurrency = max_concurrency
         self.part_size = part_size
         self.upload_window = shared_window(upload_window)
+        self.conditional_writes = conditional.check_mode(conditional_writes)
         options = dict(storage_options or {})
         refuse_own_options(type(self).__name__, options)
         self.storage_options = self._read_options(protocol or self.protocol, options)
@@ -282,16 +285,43 @@ class Store(BatchMixin, RangeReadMixin, StorePrimitives):
         """Create ``key`` only if it does not exist (S3 ``If-None-Match: *``,
         GCS ``ifGenerationMatch=0``, local ``link``). Raises CommitConflictError."""
         path = self.path(key)
-        return self._conditional(key, data, lambda: self._put_if_absent(path, data),
-                                 "create-only put", "it exists already")
+
+        def put() -> str:
+            if self._enforced():
+                return self._put_if_absent(path, data)
+            return conditional.emulated_write(self, path, data, lambda v: v is None)
+
+        return self._conditional(key, data, put, "create-only put", "it exists already")
 
     def put_if_match(self, key: str, data: Buffer, version: str) -> ObjectInfo:
         """Replace ``key`` only if its version token is still ``version`` (compare-and-swap)."""
         if not version:
             raise ConfigError("put_if_match needs the version token returned by a read or write")
         path = self.path(key)
-        return self._conditional(key, data, lambda: self._put_if_match(path, data, version),
-                                 "compare-and-swap put", f"its version is no longer {version}")
+
+        def put() -> str:
+            if self._enforced():
+                return self._put_if_match(path, data, version)
+            return conditional.emulated_write(self, path, data, lambda v: v == version)
+
+        return self._conditional(key, data, put, "compare-and-swap put",
+                                 f"its version is no longer {version}")
+
+    def _enforced(self) -> bool:
+        """Whether the server enforces conditional writes here (backends that emulate
+        them in ``_put_if_absent`` themselves say so with native_conditional_writes)."""
+        return not self.native_conditional_writes or conditional.supports(self)
+
+    def bucket_uri(self) -> str:
+        """The URI of the store's bucket (its root's first component), for messages."""
+        if self.protocol in ("file", ""):
+            return self.root
+        return f"{self.protocol}://{self.root.split('/', 1)[0]}"
+
+    def _probe_key(self) -> tuple[str, ...]:
+        """What one probe result is cached under: the backend, its options, the bucket."""
+        return (type(self).__name__, repr(sorted(self.storage_options.items())),
+                self.root.split("/", 1)[0])
 
     def _conditional(self, key: str, data: Buffer, fn: Callable[[], str], what: str,
                      why: str) -> ObjectInfo:

@@ -44,6 +44,7 @@ from gcsfs.retry import validate_response  # noqa: E402
 from ..crc import Buffer, crc32c_hex  # noqa: E402
 from ..errors import AccessDeniedError, StorageError  # noqa: E402
 from ..names import PART_SUFFIX  # noqa: E402
+from . import conditional  # noqa: E402
 from .base import Store  # noqa: E402
 from .objects import ObjectInfo  # noqa: E402
 from .options import init_options  # noqa: E402
@@ -140,6 +141,9 @@ class GCSStore(Store):
             return self._upload(path, data, ifGenerationMatch=version)
         except FileNotFoundError:
             raise FileExistsError(path) from None
+
+    def _probe_conditionals(self) -> str:
+        return conditional.probe(self, "1")
 
     def _get_versioned(self, path: str) -> tuple[bytes, str]:
         bucket, key = self._split(path)

@@ -1,8 +1,8 @@
 """Storage options: parsed from the command line, split into cloudckpt's own and
 the filesystem's, and checked before anything is sent.
 
-:func:`own_options` takes ``retry``, ``max_concurrency``, ``part_size`` and
-``upload_window`` out of
+:func:`own_options` takes ``retry``, ``max_concurrency``, ``part_size``,
+``upload_window`` and ``conditional_writes`` out of
 a user's storage options (the registry passes them to the backend as keyword
 arguments). Each backend checks the rest itself (:meth:`Store._read_options`):
 :func:`check_filesystem_options` against the names its filesystem takes, or
@@ -29,7 +29,7 @@ DEFAULT_PART_SIZE = 16 * 1024 * 1024
 DEFAULT_UPLOAD_WINDOW = 8 * DEFAULT_PART_SIZE
 
 #: storage_options keys that configure cloudckpt itself rather than the filesystem.
-STORE_OPTIONS = ("retry", "max_concurrency", "part_size", "upload_window")
+STORE_OPTIONS = ("retry", "max_concurrency", "part_size", "upload_window", "conditional_writes")
 
 #: Filesystem options that must be mappings, and those that are switches.
 _MAPPINGS = ("client_kwargs", "config_kwargs", "s3_additional_kwargs", "session_kwargs")

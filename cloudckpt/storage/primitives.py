@@ -160,6 +160,13 @@ class StorePrimitives(ABC):
         # Writer claims, temporary files and upload parts: bookkeeping, on every backend.
         return is_hidden(path)
 
+    def _probe_conditionals(self) -> str:
+        """Try create-only and compare-and-swap writes on a probe object (one attempt;
+        the store's retry policy wraps it) and say whether the server enforced them:
+        :data:`~.conditional.NATIVE`, ``IGNORED`` or ``REFUSED``. Here: stores whose
+        conditional writes cannot fail to be enforced (local, memory)."""
+        return "native"
+
     def _iter_range(self, path: str, start: int, end: int, chunk: int) -> Iterator[bytes]:
         """Bytes ``[start, end)`` of ``path`` in pieces of at most ``chunk`` bytes (one
         attempt). This default sends one ranged read per piece; backends that can

@@ -26,13 +26,19 @@ from fsspec.asyn import sync
 
 from ..crc import Buffer, Crc32c, crc32c_hex
 from ..errors import StorageError
+from . import conditional
 from .base import Store
 from .objects import ObjectInfo
 from .options import init_options
 from .parts import _ONE_TRY, PartBody, PartWriter
 from .ranges import read_upto
-from .retry import mask_secrets
+from .retry import mask_secrets, status_of
 from .writers import RawWriter
+
+log = logging.getLogger("cloudckpt.storage")
+
+#: Stores (probe keys) that answered 400 to the CRC32C header: sent without it.
+_CHECKSUM_REFUSED: set[tuple[str, ...]] = set()
 
 #: S3 refuses parts smaller than this (except the last).
 MIN_PART_SIZE = 5 * 1024 * 1024
@@ -114,9 +120,22 @@ class S3Store(Store):
         # Send the CRC32C we already have: S3 verifies it against the bytes it
         # received (and keeps it), and botocore then skips hashing the body
         # again for its default CRC32 -- a full pass over the data saved.
-        if not self._send_checksums:
+        key = self._probe_key()
+        if not self._send_checksums or key in _CHECKSUM_REFUSED:
             return self._put(path, data)
-        return self._put(path, data, ChecksumCRC32C=_b64_crc(crc32c))
+        try:
+            return self._put(path, data, ChecksumCRC32C=_b64_crc(crc32c))
+        except OSError as exc:
+            code = _code(exc) or ""
+            if status_of(exc) != 400 or "Digest" in code or "Mismatch" in code:
+                raise  # a checksum that did not match is never retried without it
+            version = self._put(path, data)  # the store refuses the header, not the bytes
+        if key not in _CHECKSUM_REFUSED:
+            _CHECKSUM_REFUSED.add(key)
+            log.warning("%s refuses the x-amz-checksum-crc32c header (HTTP 400: %s); writes "
+                        "there go without it, and the CRC32C is kept in the manifest only "
+                        "(checked on every read)", self.bucket_uri(), code or "no code")
+        return version
 
     def _get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         if start is None and end is None:
@@ -143,6 +162,9 @@ class S3Store(Store):
             if code in ("PreconditionFailed", "ConditionalRequestConflict", "412"):
                 raise FileExistsError(path) from exc
             raise
+
+    def _probe_conditionals(self) -> str:
+        return conditional.probe(self, '"00000000000000000000000000000000"')
 
     def _get_versioned(self, path: str) -> tuple[bytes, str]:
         async def read() -> tuple[bytes, str]:

@@ -1,0 +1,146 @@
+"""Whether a store honours conditional writes: probed once per bucket and process.
+
+Every guarantee against racing writers rests on the server refusing a create-only
+write of an existing key (S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``) and
+a compare-and-swap against a stale version. Many S3-compatible stores ignore the
+headers (answering 200 and overwriting) or refuse them (501, 400). Before the first
+conditional write to a bucket, :func:`supports` asks the backend to try both on a
+probe object (a few requests, once per bucket and process). A store that fails is
+used in the emulated mode (check, write, then read back after a settling delay),
+with one ERROR per bucket, or refused (``conditional_writes="require"``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ..crc import Buffer
+from ..errors import CommitConflictError, ConfigError
+from ..names import TMP_PREFIX
+from .retry import status_of
+
+if TYPE_CHECKING:
+    from .base import Store
+
+log = logging.getLogger("cloudckpt.storage")
+
+#: What ``conditional_writes`` may be: refuse a store that does not honour them,
+#: probe it (the default), or trust it without a probe.
+MODES = ("require", "probe", "assume")
+DEFAULT_MODE = "probe"
+#: Probe results.
+NATIVE, IGNORED, REFUSED = "native", "ignored", "refused"
+#: Emulated writes read back this long after writing: longer than any racing
+#: writer may take from its check to the end of its write (see EMULATION_BOUND_S).
+EMULATION_SETTLE_S = 1.0
+#: An emulated write whose check-to-write took longer than this cannot tell whether
+#: a racer read back its own bytes before ours landed; it reports a conflict.
+EMULATION_BOUND_S = EMULATION_SETTLE_S / 2
+
+_results: dict[tuple[str, ...], str] = {}
+_lock = threading.Lock()
+
+
+def check_mode(value: object) -> str:
+    if value not in MODES:
+        raise ConfigError(f"storage option conditional_writes must be one of {MODES}, "
+                          f"got {value!r}")
+    return str(value)
+
+
+def supports(store: Store) -> bool:
+    """Whether ``store``'s server enforces conditional writes: probed on first use
+    per bucket and process (``probe``/``require``), or trusted (``assume``).
+    ``require`` on a store that does not: :class:`ConfigError` naming the bucket."""
+    if store.conditional_writes == "assume":
+        return True
+    key = store._probe_key()
+    with _lock:
+        result = _results.get(key)
+    if result is None:
+        result = store._call(store._probe_conditionals, "probe conditional writes", "")
+        with _lock:
+            first = key not in _results
+            _results[key] = result
+        if first and result != NATIVE and store.conditional_writes != "require":
+            log.error(
+                "%s %s conditional writes (If-None-Match/If-Match); cloudckpt emulates them "
+                "there (check, write, read back after %.1fs): safe for one writer per "
+                "checkpoint, not proof against writers racing on one key. Use a store that "
+                "honours them, or set conditional_writes='require' to refuse this one.",
+                store.bucket_uri(), "ignores" if result == IGNORED else "refuses",
+                EMULATION_SETTLE_S)
+    if result != NATIVE and store.conditional_writes == "require":
+        raise ConfigError(
+            f"{store.bucket_uri()} {'ignores' if result == IGNORED else 'refuses'} "
+            "conditional writes (If-None-Match/If-Match), and conditional_writes='require' "
+            "refuses such a store: nothing was written. Use a store that honours them, or "
+            "conditional_writes='probe' to use it in the emulated mode.")
+    return result == NATIVE
+
+
+def probe(store: Store, stale_version: str) -> str:
+    """The probe every conditional backend runs (at most four requests): create a
+    probe object create-only, try again create-only (must be refused), try a
+    compare-and-swap against ``stale_version`` (must be refused), delete it. A
+    refusal with HTTP 501 or 400 (the header not implemented) means :data:`REFUSED`."""
+    path = store.path(f"{TMP_PREFIX}probe-{uuid.uuid4().hex[:16]}")
+    attempts = [lambda: store._put_if_absent(path, b"cloudckpt probe 2"),
+                lambda: store._put_if_match(path, b"cloudckpt probe 3", stale_version)]
+    try:
+        try:
+            store._put_if_absent(path, b"cloudckpt probe 1")
+        except FileExistsError:
+            pass  # a stale probe of ours from a crash: the next two tell as well
+        for attempt in attempts:
+            try:
+                attempt()
+            except FileExistsError:
+                continue  # refused, as it must be
+            return IGNORED
+        return NATIVE
+    except OSError as exc:
+        if status_of(exc) in (400, 501):
+            log.debug("conditional write refused on %s: %s", store.bucket_uri(), exc)
+            return REFUSED
+        raise
+    finally:
+        try:
+            store._delete([path])
+        except Exception as exc:  # noqa: BLE001 - a hidden leftover gc removes
+            log.warning("could not delete the probe object %s: %s", path, exc)
+
+
+def forget() -> None:
+    """Drop every cached probe result (tests)."""
+    with _lock:
+        _results.clear()
+
+
+def emulated_write(store: Store, path: str, data: Buffer,
+                   current_ok: Callable[[str | None], bool]) -> str:
+    """A conditional write on a store that does not enforce them: check the current
+    version with ``current_ok`` (None: absent), write, wait, read back. Raises
+    ``FileExistsError`` when the check fails, the read-back shows another writer's
+    bytes, or the write took too long to be sure."""
+    start = time.monotonic()
+    head = store._head(path)
+    if not current_ok(None if head is None else store._version_of(head)):
+        raise FileExistsError(path)
+    store._put(path, data)
+    took = time.monotonic() - start
+    time.sleep(EMULATION_SETTLE_S)
+    current, version = store._get_versioned(path)
+    if bytes(current) != bytes(data):
+        raise FileExistsError(path)  # a racer's write landed after ours: it won
+    if took > EMULATION_BOUND_S:  # a racer may have read back its own bytes before ours
+        raise CommitConflictError(
+            f"the emulated conditional write of {path} took {took:.1f}s from check to write "
+            f"(more than {EMULATION_BOUND_S:.1f}s): another writer may have committed first "
+            "and been overwritten. Check the checkpoint (cloudckpt verify) before relying on it.")
+    return version
