@@ -144,6 +144,29 @@ def test_a_store_answering_501_to_the_headers_still_commits(s3, proxy, caplog):
     assert torch.equal(got["w"], torch.arange(10.0))
 
 
+def test_a_store_with_its_own_create_only_header(s3, proxy, caplog):
+    """As Alibaba OSS: 501 to If-None-Match/If-Match, create-only through its own
+    header (the proxy turns it into If-None-Match for moto, which then enforces it)."""
+    proxy.set_plan(FaultPlan(refuse_headers=CONDITIONAL, refuse_status=501, rewrite_headers=(
+        ("x-oss-forbid-overwrite", "If-None-Match", "*"),)))
+    opts = through(s3, proxy, create_only_header="x-oss-forbid-overwrite: true")
+    with caplog.at_level(logging.ERROR, logger="cloudckpt.storage"):
+        store = open_store(s3.uri("oss"), opts)
+        info = store.put_if_absent("k", b"1")
+        with pytest.raises(CommitConflictError):
+            store.put_if_absent("k", b"2")  # refused by the server, through its header
+        store.put_if_match("k", b"3", info.version)  # compare-and-swap: emulated
+        with pytest.raises(CommitConflictError):
+            store.put_if_match("k", b"4", info.version)
+    assert store.get("k") == b"3"
+    assert proxy.count_requests(header="x-oss-forbid-overwrite") >= 3  # probe and puts
+    assert proxy.count_requests(header="if-none-match") == 0
+    [error] = errors_about(caplog, "s3://")
+    assert "enforces create-only writes but not compare-and-swap" in error
+    with pytest.raises(ConfigError, match="create_only_header"):
+        open_store(s3.uri("x"), {**s3.options, "create_only_header": "no colon"})
+
+
 def test_a_store_refusing_the_checksum_header_keeps_crc32c_in_the_manifest(
         s3, proxy, caplog):
     proxy.set_plan(FaultPlan(refuse_headers=("x-amz-checksum-crc32c",), refuse_status=400))

@@ -287,7 +287,7 @@ class Store(BatchMixin, RangeReadMixin, StorePrimitives):
         path = self.path(key)
 
         def put() -> str:
-            if self._enforced():
+            if self._enforced(swap=False):
                 return self._put_if_absent(path, data)
             return conditional.emulated_write(self, path, data, lambda v: v is None)
 
@@ -300,17 +300,18 @@ class Store(BatchMixin, RangeReadMixin, StorePrimitives):
         path = self.path(key)
 
         def put() -> str:
-            if self._enforced():
+            if self._enforced(swap=True):
                 return self._put_if_match(path, data, version)
             return conditional.emulated_write(self, path, data, lambda v: v == version)
 
         return self._conditional(key, data, put, "compare-and-swap put",
                                  f"its version is no longer {version}")
 
-    def _enforced(self) -> bool:
-        """Whether the server enforces conditional writes here (backends that emulate
-        them in ``_put_if_absent`` themselves say so with native_conditional_writes)."""
-        return not self.native_conditional_writes or conditional.supports(self)
+    def _enforced(self, *, swap: bool) -> bool:
+        """Whether the server enforces create-only writes (``swap``: compare-and-swap)
+        here; backends that emulate them in ``_put_if_absent`` themselves say so with
+        ``native_conditional_writes = False``."""
+        return not self.native_conditional_writes or conditional.supports(self, swap=swap)
 
     def bucket_uri(self) -> str:
         """The URI of the store's bucket (its root's first component), for messages."""
@@ -321,7 +322,7 @@ class Store(BatchMixin, RangeReadMixin, StorePrimitives):
     def _probe_key(self) -> tuple[str, ...]:
         """What one probe result is cached under: the backend, its options, the bucket."""
         return (type(self).__name__, repr(sorted(self.storage_options.items())),
-                self.root.split("/", 1)[0])
+                repr(getattr(self, "create_only_header", None)), self.root.split("/", 1)[0])
 
     def _conditional(self, key: str, data: Buffer, fn: Callable[[], str], what: str,
                      why: str) -> ObjectInfo:

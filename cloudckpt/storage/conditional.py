@@ -33,8 +33,9 @@ log = logging.getLogger("cloudckpt.storage")
 #: probe it (the default), or trust it without a probe.
 MODES = ("require", "probe", "assume")
 DEFAULT_MODE = "probe"
-#: Probe results.
-NATIVE, IGNORED, REFUSED = "native", "ignored", "refused"
+#: Probe results: both enforced; create-only enforced, compare-and-swap not; neither
+#: (the headers let through, or refused with 501/400).
+NATIVE, CREATE_ONLY, IGNORED, REFUSED = "native", "create-only", "ignored", "refused"
 #: Emulated writes read back this long after writing: longer than any racing
 #: writer may take from its check to the end of its write (see EMULATION_BOUND_S).
 EMULATION_SETTLE_S = 1.0
@@ -53,10 +54,11 @@ def check_mode(value: object) -> str:
     return str(value)
 
 
-def supports(store: Store) -> bool:
-    """Whether ``store``'s server enforces conditional writes: probed on first use
-    per bucket and process (``probe``/``require``), or trusted (``assume``).
-    ``require`` on a store that does not: :class:`ConfigError` naming the bucket."""
+def supports(store: Store, *, swap: bool) -> bool:
+    """Whether ``store``'s server enforces create-only writes (or, with ``swap``,
+    compare-and-swap): probed on first use per bucket and process (``probe``,
+    ``require``), or trusted (``assume``). ``require`` on a store that does not
+    enforce both: :class:`ConfigError` naming the bucket."""
     if store.conditional_writes == "assume":
         return True
     key = store._probe_key()
@@ -69,19 +71,25 @@ def supports(store: Store) -> bool:
             _results[key] = result
         if first and result != NATIVE and store.conditional_writes != "require":
             log.error(
-                "%s %s conditional writes (If-None-Match/If-Match); cloudckpt emulates them "
-                "there (check, write, read back after %.1fs): safe for one writer per "
-                "checkpoint, not proof against writers racing on one key. Use a store that "
-                "honours them, or set conditional_writes='require' to refuse this one.",
-                store.bucket_uri(), "ignores" if result == IGNORED else "refuses",
+                "%s %s; cloudckpt emulates %s there (check, write, read back after %.1fs): "
+                "safe for one writer per checkpoint, not proof against writers racing on one "
+                "key. Use a store that honours them, or set conditional_writes='require' to "
+                "refuse this one.", store.bucket_uri(), _what(result),
+                "compare-and-swap" if result == CREATE_ONLY else "conditional writes",
                 EMULATION_SETTLE_S)
     if result != NATIVE and store.conditional_writes == "require":
         raise ConfigError(
-            f"{store.bucket_uri()} {'ignores' if result == IGNORED else 'refuses'} "
-            "conditional writes (If-None-Match/If-Match), and conditional_writes='require' "
-            "refuses such a store: nothing was written. Use a store that honours them, or "
+            f"{store.bucket_uri()} {_what(result)}, and conditional_writes='require' refuses "
+            "such a store: nothing was written. Use a store that honours them, or "
             "conditional_writes='probe' to use it in the emulated mode.")
-    return result == NATIVE
+    return result == NATIVE or (result == CREATE_ONLY and not swap)
+
+
+def _what(result: str) -> str:
+    if result == CREATE_ONLY:
+        return "enforces create-only writes but not compare-and-swap (If-Match)"
+    verb = "ignores" if result == IGNORED else "refuses"
+    return f"{verb} conditional writes (If-None-Match/If-Match)"
 
 
 def probe(store: Store, stale_version: str) -> str:
@@ -90,25 +98,28 @@ def probe(store: Store, stale_version: str) -> str:
     compare-and-swap against ``stale_version`` (must be refused), delete it. A
     refusal with HTTP 501 or 400 (the header not implemented) means :data:`REFUSED`."""
     path = store.path(f"{TMP_PREFIX}probe-{uuid.uuid4().hex[:16]}")
-    attempts = [lambda: store._put_if_absent(path, b"cloudckpt probe 2"),
-                lambda: store._put_if_match(path, b"cloudckpt probe 3", stale_version)]
-    try:
+
+    def enforced(write: Callable[[], object]) -> bool | None:
+        """True: refused as it must be; False: let through; None: header refused."""
         try:
-            store._put_if_absent(path, b"cloudckpt probe 1")
+            write()
         except FileExistsError:
-            pass  # a stale probe of ours from a crash: the next two tell as well
-        for attempt in attempts:
-            try:
-                attempt()
-            except FileExistsError:
-                continue  # refused, as it must be
-            return IGNORED
-        return NATIVE
-    except OSError as exc:
-        if status_of(exc) in (400, 501):
-            log.debug("conditional write refused on %s: %s", store.bucket_uri(), exc)
-            return REFUSED
-        raise
+            return True
+        except OSError as exc:
+            if status_of(exc) in (400, 501):
+                log.debug("conditional write refused on %s: %s", store.bucket_uri(), exc)
+                return None
+            raise
+        return False
+
+    try:
+        if enforced(lambda: store._put_if_absent(path, b"cloudckpt probe 1")) is None:
+            return REFUSED  # (True: a stale probe of ours from a crash; the next tells)
+        create_only = enforced(lambda: store._put_if_absent(path, b"cloudckpt probe 2"))
+        if not create_only:
+            return IGNORED if create_only is False else REFUSED
+        swap = enforced(lambda: store._put_if_match(path, b"cloudckpt probe 3", stale_version))
+        return NATIVE if swap else CREATE_ONLY
     finally:
         try:
             store._delete([path])

@@ -18,14 +18,14 @@ import hashlib
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import s3fs
 from fsspec.asyn import sync
 
 from ..crc import Buffer, Crc32c, crc32c_hex
-from ..errors import StorageError
+from ..errors import ConfigError, StorageError
 from . import conditional
 from .base import Store
 from .objects import ObjectInfo
@@ -94,6 +94,12 @@ class S3Store(Store):
     def filesystem_options(cls) -> frozenset[str] | None:
         return init_options(s3fs.S3FileSystem) - {"loop", "asynchronous"}
 
+    def _read_options(self, scheme: str, options: dict[str, Any]) -> dict[str, Any]:
+        # The store's own create-only header (e.g. Alibaba OSS's
+        # "x-oss-forbid-overwrite: true"), sent instead of If-None-Match: *.
+        self.create_only_header = _header(options.pop("create_only_header", None))
+        return super()._read_options(scheme, options)
+
     def _filesystem(self, options: dict[str, Any]) -> s3fs.S3FileSystem:
         _mask_credentials(options)
         fs = s3fs.S3FileSystem(**_s3fs_options(options, self.max_concurrency))
@@ -145,7 +151,23 @@ class S3Store(Store):
         return super()._get(path, start, end)
 
     def _put_if_absent(self, path: str, data: Buffer) -> str:
+        if self.create_only_header is not None:
+            self._own_create_only_header()
         return self._conditional_put(path, data, IfNoneMatch="*")
+
+    def _own_create_only_header(self) -> None:
+        """Have the client send the configured header instead of ``If-None-Match: *``
+        (a botocore hook on the client s3fs uses, registered once per client)."""
+        client = sync(self.fs.loop, self.fs.set_session)
+        name, value = self.create_only_header or ("", "")
+
+        def swap(request: Any, **_: Any) -> None:
+            if request.headers.get("If-None-Match") == "*":
+                del request.headers["If-None-Match"]
+                request.headers[name] = value
+
+        client.meta.events.register("before-sign.s3.PutObject", swap,
+                                    unique_id=f"cloudckpt-create-only-{name}")
 
     def _put_if_match(self, path: str, data: Buffer, version: str) -> str:
         return self._conditional_put(path, data, IfMatch=version)
@@ -159,7 +181,10 @@ class S3Store(Store):
             raise
         except OSError as exc:
             code = _code(exc)
-            if code in ("PreconditionFailed", "ConditionalRequestConflict", "412"):
+            # 412 from S3's own headers; 409 from stores' own create-only headers
+            # (OSS "FileAlreadyExists", IBM COS "ObjectAlreadyExists").
+            if code in ("PreconditionFailed", "ConditionalRequestConflict", "412",
+                        "FileAlreadyExists", "ObjectAlreadyExists", "409"):
                 raise FileExistsError(path) from exc
             raise
 
@@ -380,6 +405,25 @@ def _code(exc: BaseException) -> str | None:
 def _b64_crc(crc_hex: str) -> str:
     """8 hex digits -> the base64 of the 4 big-endian bytes S3 headers carry."""
     return base64.b64encode(bytes.fromhex(crc_hex)).decode("ascii")
+
+
+def _header(value: Any) -> tuple[str, str] | None:
+    """``create_only_header``: ``"Name: value"`` or a mapping of one header."""
+    if value is None:
+        return None
+    if isinstance(value, str) and ":" in value:
+        name, _, val = value.partition(":")
+        pair = (name.strip(), val.strip())
+    elif isinstance(value, Mapping) and len(value) == 1:
+        ((name, val),) = value.items()
+        pair = (str(name).strip(), str(val).strip())
+    else:
+        pair = ("", "")
+    if not pair[0] or not pair[1]:
+        raise ConfigError(f"storage option create_only_header must look like "
+                          f"'x-oss-forbid-overwrite: true' (or a one-entry mapping), "
+                          f"got {value!r}")
+    return pair
 
 
 def _s3fs_options(options: dict[str, Any], max_concurrency: int) -> dict[str, Any]:

@@ -184,6 +184,10 @@ class FaultPlan:
     exclude: str | None = None
     strip_headers: tuple[str, ...] = ()
     strip_query: tuple[str, ...] = ()
+    #: ``(header, forwarded_as, value)``: a request carrying ``header`` is forwarded
+    #: with ``forwarded_as: value`` instead (e.g. a store's own create-only header
+    #: turned into ``If-None-Match: *``, so moto enforces what that store would).
+    rewrite_headers: tuple[tuple[str, str, str], ...] = ()
     refuse_headers: tuple[str, ...] = ()
     refuse_query: tuple[str, ...] = ()
     refuse_status: int = 501
@@ -287,6 +291,8 @@ class _Decision(NamedTuple):
     drop_headers: frozenset[str] = frozenset()
     #: The target to forward (``strip_query`` applied); None: as received.
     target: str | None = None
+    #: Headers added to the forwarded request (``rewrite_headers``).
+    add_headers: tuple[tuple[str, str], ...] = ()
 
 
 class _Server(http.server.ThreadingHTTPServer):
@@ -495,6 +501,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 for name, value in self.headers.items():
                     if name.lower() not in drop:
                         conn.putheader(name, value)
+                for name, value in decision.add_headers if decision is not None else ():
+                    conn.putheader(name, value)
                 if chunked:
                     conn.putheader("Transfer-Encoding", "chunked")
                 conn.endheaders(body if body else None, encode_chunked=chunked)
@@ -962,6 +970,7 @@ class FaultProxy(StartStop):
             drop: frozenset[str] = frozenset()
             forward_target = None
             stripped: list[str] = []
+            added: list[tuple[str, str]] = []
             if action in (None, "truncate", "reset_download") and plan.applies_to(method, target):
                 refused = plan._refusal(headers, target)
                 if refused is None:
@@ -973,12 +982,19 @@ class FaultProxy(StartStop):
                         if removed:
                             forward_target = new_target
                             stripped.extend(removed)
+                    present = {n.lower() for n in headers.keys()}
+                    for src, dst, value in plan.rewrite_headers:
+                        if src.lower() in present:
+                            drop = drop | {src.lower(), dst.lower()}
+                            added.append((dst, value))
+                            stripped.append(src)
             refused_name = refused[0] if refused else None
             self._log.append(
                 RequestRecord(method, target, hdrs, kind, refused_name, tuple(stripped))
             )
             return _Decision(
-                kind, action, latency, refused, plan.refuse_status, drop, forward_target
+                kind, action, latency, refused, plan.refuse_status, drop, forward_target,
+                tuple(added),
             )
 
     def _draw(
