@@ -38,7 +38,7 @@ DEFAULT_MODE = "probe"
 NATIVE, CREATE_ONLY, IGNORED, REFUSED = "native", "create-only", "ignored", "refused"
 #: Emulated writes read back this long after writing: longer than any racing
 #: writer may take from its check to the end of its write (see EMULATION_BOUND_S).
-EMULATION_SETTLE_S = 1.0
+EMULATION_SETTLE_S = 2.0
 #: An emulated write whose check-to-write took longer than this cannot tell whether
 #: a racer read back its own bytes before ours landed; it reports a conflict.
 EMULATION_BOUND_S = EMULATION_SETTLE_S / 2
@@ -97,7 +97,8 @@ def probe(store: Store, stale_version: str) -> str:
     probe object create-only, try again create-only (must be refused), try a
     compare-and-swap against ``stale_version`` (must be refused), delete it. A
     refusal with HTTP 501 or 400 (the header not implemented) means :data:`REFUSED`."""
-    path = store.path(f"{TMP_PREFIX}probe-{uuid.uuid4().hex[:16]}")
+    key = f"{TMP_PREFIX}probe-{uuid.uuid4().hex[:16]}"
+    path = store.path(key)
 
     def enforced(write: Callable[[], object]) -> bool | None:
         """True: refused as it must be; False: let through; None: header refused."""
@@ -122,9 +123,9 @@ def probe(store: Store, stale_version: str) -> str:
         return NATIVE if swap else CREATE_ONLY
     finally:
         try:
-            store._delete([path])
+            store._call(lambda: store._delete([path]), "delete", key)
         except Exception as exc:  # noqa: BLE001 - a hidden leftover gc removes
-            log.warning("could not delete the probe object %s: %s", path, exc)
+            log.warning("could not delete the probe object %s: %s", store.key_uri(key), exc)
 
 
 def forget() -> None:
