@@ -201,3 +201,19 @@ def test_gcs_store_ignoring_if_generation_match_is_detected(gcs, gcs_server, cap
                 store.put_if_absent("k", b"2")
         assert store.get("k") == b"1"
         assert len(errors_about(caplog, "gs://")) == 1
+
+
+def test_gcs_store_refusing_if_generation_match_still_commits(gcs, gcs_server, caplog):
+    with FaultProxy(gcs_server.endpoint) as proxy:
+        proxy.set_plan(FaultPlan(refuse_query=("ifGenerationMatch",), refuse_status=501))
+        opts = {**gcs.options, "endpoint_url": proxy.endpoint}
+        uri = gcs.uri("refusing")
+        with caplog.at_level(logging.ERROR, logger="cloudckpt.storage"):
+            ckpt = cdcp.save({"w": torch.arange(6.0)}, uri, storage_options=opts)
+            with pytest.raises(CommitConflictError):
+                cdcp.save({"w": torch.zeros(6)}, uri, storage_options=opts)
+        assert ckpt is not None
+        ckpt.verify(deep=True)
+        [error] = errors_about(caplog, "gs://")
+        assert "refuses conditional writes" in error
+        assert proxy.count_requests("ifGenerationMatch") >= 1  # tried once, at the probe

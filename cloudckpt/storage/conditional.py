@@ -106,7 +106,7 @@ def probe(store: Store, stale_version: str) -> str:
             write()
         except FileExistsError:
             return True
-        except OSError as exc:
+        except Exception as exc:  # botocore's, gcsfs's HttpError (not an OSError)
             if status_of(exc) in (400, 501):
                 log.debug("conditional write refused on %s: %s", store.bucket_uri(), exc)
                 return None
