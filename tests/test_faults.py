@@ -29,6 +29,9 @@ def proxied(s3, moto_server):
 
 def test_transient_faults_are_absorbed(proxied, s3, caplog):
     via, proxy = proxied
+    # The bucket's conditional-write probe first, fault-free (it runs once per bucket
+    # and process): the seeded faults then fall on the checkpoint's own requests.
+    open_store(via.uri("probe-first"), via.options).put_if_absent("k", b"k")
     proxy.set_plan(FaultPlan(error_rate=0.2, kinds=("slowdown", "reset"), seed=7))
     objs = {f"obj-{i:02d}.bin": os.urandom(4096 + i) for i in range(50)}
     uri = via.uri("step-1")
