@@ -285,9 +285,10 @@ class Store(BatchMixin, RangeReadMixin, StorePrimitives):
         """Create ``key`` only if it does not exist (S3 ``If-None-Match: *``,
         GCS ``ifGenerationMatch=0``, local ``link``). Raises CommitConflictError."""
         path = self.path(key)
+        enforced = self._enforced(swap=False)  # probed outside the write's retries
 
         def put() -> str:
-            if self._enforced(swap=False):
+            if enforced:
                 return self._put_if_absent(path, data)
             return conditional.emulated_write(self, path, data, lambda v: v is None)
 
@@ -298,9 +299,10 @@ class Store(BatchMixin, RangeReadMixin, StorePrimitives):
         if not version:
             raise ConfigError("put_if_match needs the version token returned by a read or write")
         path = self.path(key)
+        enforced = self._enforced(swap=True)
 
         def put() -> str:
-            if self._enforced(swap=True):
+            if enforced:
                 return self._put_if_match(path, data, version)
             return conditional.emulated_write(self, path, data, lambda v: v == version)
 

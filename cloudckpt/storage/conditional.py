@@ -65,7 +65,7 @@ def supports(store: Store, *, swap: bool) -> bool:
     with _lock:
         result = _results.get(key)
     if result is None:
-        result = store._call(store._probe_conditionals, "probe conditional writes", "")
+        result = store._write(store._probe_conditionals, "probe conditional writes", "")
         with _lock:
             first = key not in _results
             _results[key] = result
@@ -124,6 +124,8 @@ def probe(store: Store, stale_version: str) -> str:
     finally:
         try:
             store._call(lambda: store._delete([path]), "delete", key)
+        except FileNotFoundError:
+            pass  # no bucket: nothing was written
         except Exception as exc:  # noqa: BLE001 - a hidden leftover gc removes
             log.warning("could not delete the probe object %s: %s", store.key_uri(key), exc)
 
