@@ -209,34 +209,35 @@ class CloudStorageReader(_OnStore, StorageReader):
         base = item.info.offset + saved.data_start
         tail = bytearray(item.info.length - saved.data_start - saved.nbytes)
         item.tail = tail
-        part = max(self.store.part_size, 1 << 20)
         if _direct(item, saved):
             dest = _bytes_of(target)
-            bounds = _split_range(0, saved.nbytes, part)
+            bounds = _split_range(0, saved.nbytes, max(self.store.part_size, 1 << 20))
             item.crcs = [None] * len(bounds)
             return [functools.partial(self._read_direct, item, k, base + a,
                                       [dest[a:b], *([tail] if b == saved.nbytes else [])])
                     for k, (a, b) in enumerate(bounds)]
-        rows = saved.shape[0] if saved.shape else 1
-        row_bytes = saved.nbytes // rows if rows else 0
-        step = max(1, min(part, self.read_window) // row_bytes) if row_bytes else max(rows, 1)
-        spans = [(r, min(r + step, rows)) for r in range(0, rows, step)] or [(0, 0)]
+        step = saved.rows_within(self._row_budget())
+        spans = [(r, min(r + step, saved.rows)) for r in range(0, saved.rows, step)] or [(0, 0)]
         item.crcs = [None] * len(spans)
-        return [functools.partial(self._read_rows, item, k, r0, r1, row_bytes, base, window,
+        return [functools.partial(self._read_rows, item, k, r0, r1, base, window,
                                   k == len(spans) - 1)
                 for k, (r0, r1) in enumerate(spans)]
+
+    def _row_budget(self) -> int:
+        """Bytes of rows converted at once: about a part, within the read window."""
+        return max(1, min(max(self.store.part_size, 1 << 20), self.read_window))
 
     def _read_direct(self, item: _Item, k: int, start: int, outs: list[Any]) -> None:
         item.crcs[k] = (self.store.read_range_into(item.path, start, outs),
                         sum(memoryview(o).nbytes for o in outs))
 
-    def _read_rows(self, item: _Item, k: int, r0: int, r1: int, row_bytes: int, base: int,
+    def _read_rows(self, item: _Item, k: int, r0: int, r1: int, base: int,
                    window: ByteWindow, last: bool) -> None:
         assert item.saved is not None and item.target is not None and item.tail is not None
         rows = _Rows(item, window, r1 - r0, first_row=r0)
         try:
             outs = [rows.buffer, *([item.tail] if last else [])]
-            crc = self.store.read_range_into(item.path, base + r0 * row_bytes, outs)
+            crc = self.store.read_range_into(item.path, base + r0 * rows.row_bytes, outs)
             item.crcs[k] = (crc, rows.size + (len(item.tail) if last else 0))
             rows.filled(rows.size)
         finally:
@@ -244,7 +245,7 @@ class CloudStorageReader(_OnStore, StorageReader):
 
     def _stream(self, item: _Item, window: ByteWindow) -> None:
         """One request for a whole item, its bytes put where they go as they arrive."""
-        sink = _Stream(item, window, max(1, min(self.store.part_size, self.read_window)))
+        sink = _Stream(item, window, self._row_budget())
         try:
             self.store.read_range_to(item.path, item.info.offset,
                                      item.info.offset + item.info.length, sink, chunk=READ_PIECE)
@@ -329,8 +330,7 @@ def _deliver(item: _Item, buf: Any, at: int, uri: str) -> None:
                 f"{uri} item {item.fqn} holds a {type(src).__name__}, not a tensor",
                 {item.fqn: "not a tensor"})
     else:
-        src = _tensor_over(buf, at + saved.data_start, saved.nbytes, saved,
-                           saved.shape[0] if saved.shape else 1)
+        src = _tensor_over(buf, at + saved.data_start, saved.nbytes, saved, saved.rows)
     data.release()
     _place(src, 0, item.req, item.target)
 
@@ -351,8 +351,7 @@ class _Rows:
                  ) -> None:
         assert item.saved is not None
         self.item, self.saved, self._window = item, item.saved, window
-        self.row_bytes = self.saved.nbytes // max(1, self.saved.shape[0] if self.saved.shape
-                                                  else 1)
+        self.row_bytes = self.saved.row_bytes
         self.rows, self.first_row, self.fill = rows, first_row, 0
         self.size = rows * self.row_bytes
         self._held = window.acquire(self.size)
@@ -410,8 +409,12 @@ class _Stream:
             return
         self._pending.append((rel, view))
         self._got += view.nbytes
-        if self._got < min(HEAD_BYTES, self.item.info.length):
-            return
+        if self._got >= min(HEAD_BYTES, self.item.info.length):
+            self._locate_pending()
+
+    def _locate_pending(self) -> None:
+        """Find the tensor in the bytes held back so far, then put them where they go."""
+        assert self._pending is not None
         pieces, self._pending = self._pending, None
         head = pieces[0][1] if len(pieces) == 1 else b"".join(v for _, v in pieces)
         self._choose(try_locate(head, self.item.info.length))
@@ -427,9 +430,8 @@ class _Stream:
             assert self.item.target is not None
             self._dest = _bytes_of(self.item.target)
         elif saved.nbytes:
-            rows = saved.shape[0] if saved.shape else 1
-            per = max(1, self._row_budget // max(1, saved.nbytes // rows))
-            self._rows = _Rows(self.item, self._window, min(per, rows))
+            rows = min(saved.rows_within(self._row_budget), saved.rows)
+            self._rows = _Rows(self.item, self._window, rows)
 
     def _put(self, rel: int, view: memoryview) -> None:
         if self._whole is not None:
@@ -451,11 +453,7 @@ class _Stream:
     def finish(self, uri: str) -> None:
         """Check the item's CRC32C; then place what is still buffered."""
         if self._pending is not None:  # shorter than a head: nothing located yet
-            pieces, self._pending = self._pending, None
-            head = b"".join(v for _, v in pieces)
-            self._choose(try_locate(head, self.item.info.length))
-            for r, v in pieces:
-                self._put(r, v)
+            self._locate_pending()
         if self.crc.hexdigest() != self.item.crc:
             raise self.item.corrupt(uri, self.crc.hexdigest())
         if self._whole is not None:

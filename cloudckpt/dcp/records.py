@@ -51,6 +51,19 @@ class SavedTensor:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
+    @property
+    def rows(self) -> int:
+        """Rows along the first dimension (a 0-d tensor is one row)."""
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def row_bytes(self) -> int:
+        return self.nbytes // max(1, self.rows)
+
+    def rows_within(self, budget: int) -> int:
+        """How many whole rows fit in ``budget`` bytes (at least one)."""
+        return max(1, budget // self.row_bytes) if self.row_bytes else max(self.rows, 1)
+
 
 class _Unsupported(Exception):
     """Something :func:`locate` does not handle; the caller falls back to ``torch.load``."""
@@ -117,7 +130,7 @@ class _Describe(pickle.Unpickler):
         return _Storage(str(key), kind.dtype, int(numel))
 
 
-def _records(head: memoryview) -> dict[str, tuple[int, int]]:
+def _records(head: bytes) -> dict[str, tuple[int, int]]:
     """Name -> (header offset, data offset) of the zip's local headers found in
     ``head``, walking from the first (torch.save writes sizes only after the data,
     so each next header is found by its name in the directory-less stream)."""
@@ -131,9 +144,9 @@ def _records(head: memoryview) -> dict[str, tuple[int, int]]:
         name_end = pos + _LOCAL_HEADER.size + name_len
         if name_end > len(head):
             break
-        name = bytes(head[pos + _LOCAL_HEADER.size:name_end]).decode("utf-8", "replace")
+        name = head[pos + _LOCAL_HEADER.size:name_end].decode("utf-8", "replace")
         out[name] = (pos, name_end + extra_len)
-        nxt = bytes(head).find(b"PK\x03\x04", name_end + extra_len)
+        nxt = head.find(b"PK\x03\x04", name_end + extra_len)
         if nxt < 0:
             break
         pos = nxt
@@ -147,14 +160,19 @@ def locate(head: memoryview | bytes, item_length: int) -> SavedTensor:
     C-contiguous, little-endian tensor that owns exactly its storage (what
     cloudckpt's writer and DCP's default planner write).
     """
-    head = memoryview(head).cast("B") if isinstance(head, memoryview) else memoryview(head)
+    # One copy of at most HEAD_BYTES, whatever the caller holds (a whole item, a
+    # network piece): the pickle and the records before the data lie within it.
+    view = memoryview(head)
+    head = bytes((view.cast("B") if view.format != "B" else view)[:HEAD_BYTES])
     records = _records(head)
     first = next(iter(records), "")
     if not first.endswith("data.pkl"):
         raise _Unsupported("no data.pkl record first")
     prefix = first[: -len("data.pkl")]
     pkl_at = records[first][1]
-    described = _Describe(io.BytesIO(bytes(head[pkl_at:]))).load()
+    stream = io.BytesIO(head)
+    stream.seek(pkl_at)
+    described = _Describe(stream).load()
     if not isinstance(described, _Tensor):
         raise _Unsupported(f"a {type(described).__name__}, not a tensor")
     order = records.get(f"{prefix}byteorder")
@@ -166,6 +184,8 @@ def locate(head: memoryview | bytes, item_length: int) -> SavedTensor:
     t = described
     storage_bytes = t.storage.numel * (t.storage.dtype.itemsize if t.storage.dtype else 1)
     found = SavedTensor(data[1], t.dtype, t.shape)
+    if found.data_start > len(head):  # a head read stops at HEAD_BYTES
+        raise _Unsupported("the tensor's bytes start past the head")
     if (t.offset != 0 or t.stride != _contiguous_strides(t.shape)
             or storage_bytes != found.nbytes or found.data_start + found.nbytes > item_length):
         raise _Unsupported("not a compact C-contiguous tensor")
