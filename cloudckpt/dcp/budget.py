@@ -54,8 +54,7 @@ class StagedState:
 
     def is_staged(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` (an item of the state, or a view of one) is a host copy."""
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        return local.untyped_storage().data_ptr() in self.staged_storages
+        return _local(tensor).untyped_storage().data_ptr() in self.staged_storages
 
     def release(self) -> None:
         """The live tensors are no longer needed: written, or the save has failed."""
@@ -118,11 +117,10 @@ class BudgetStager:
         if not chosen:
             return {}
         layout = {fqn: _layout_of(t) for fqn, t in chosen.items()}
+        gpu = any(_local(t).is_cuda for t in chosen.values())
         if layout != self._layout:
-            gpu = any(_local(t).is_cuda for t in chosen.values())
             self._buffers = _create_cpu_state_dict(chosen, pin_memory=gpu)
             self._layout = layout
-        gpu = any(_local(t).is_cuda for t in chosen.values())
         _copy_state_dict(chosen, self._buffers, non_blocking=gpu)
         if gpu:
             torch.cuda.synchronize()

@@ -324,7 +324,7 @@ class Store(BatchMixin, RangeReadMixin, StorePrimitives):
     def _probe_key(self) -> tuple[str, ...]:
         """What one probe result is cached under: the backend, its options, the bucket."""
         return (type(self).__name__, repr(sorted(self.storage_options.items())),
-                repr(getattr(self, "create_only_header", None)), self.root.split("/", 1)[0])
+                self.root.split("/", 1)[0])
 
     def _conditional(self, key: str, data: Buffer, fn: Callable[[], str], what: str,
                      why: str) -> ObjectInfo:
