@@ -32,3 +32,19 @@ def shard_linears(model: Any, world: int) -> Any:
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def boto3_s3(endpoint: str, **retries: Any) -> Any:
+    """A plain boto3 S3 client for a test server (moto's test credentials);
+    ``retries`` are botocore's (e.g. ``max_attempts=0``: one request per call)."""
+    import boto3
+    import botocore.config
+
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        config=botocore.config.Config(retries=retries or None),
+    )

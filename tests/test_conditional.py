@@ -44,6 +44,16 @@ def errors_about(caplog, bucket: str) -> list[str]:
             and r.levelno == logging.ERROR and bucket in r.getMessage()]
 
 
+def save_twice(uri: str, opts: dict, caplog) -> None:
+    """A save that commits (verified), then a second save of the URI that must lose."""
+    with caplog.at_level(logging.ERROR, logger="cloudckpt.storage"):
+        ckpt = cdcp.save({"w": torch.arange(10.0)}, uri, storage_options=opts)
+        with pytest.raises(CommitConflictError):
+            cdcp.save({"w": torch.zeros(10)}, uri, storage_options=opts)
+    assert ckpt is not None
+    ckpt.verify(deep=True)
+
+
 def test_a_conditional_store_passes_the_probe_in_a_few_requests_once(s3, proxy):
     opts = through(s3, proxy)
     store = open_store(s3.uri("a"), opts)
@@ -131,12 +141,7 @@ def test_a_store_answering_501_to_the_headers_still_commits(s3, proxy, caplog):
     proxy.set_plan(FaultPlan(refuse_headers=CONDITIONAL, refuse_status=501))
     opts = through(s3, proxy)
     uri = s3.uri("oss")
-    with caplog.at_level(logging.ERROR, logger="cloudckpt.storage"):
-        ckpt = cdcp.save({"w": torch.arange(10.0)}, uri, storage_options=opts)
-        with pytest.raises(CommitConflictError):
-            cdcp.save({"w": torch.zeros(10)}, uri, storage_options=opts)
-    assert ckpt is not None
-    ckpt.verify(deep=True)
+    save_twice(uri, opts, caplog)
     assert len(errors_about(caplog, "s3://")) == 1
     assert "refuses conditional writes" in errors_about(caplog, "s3://")[0]
     got = {"w": torch.zeros(10)}
@@ -207,13 +212,7 @@ def test_gcs_store_refusing_if_generation_match_still_commits(gcs, gcs_server, c
     with FaultProxy(gcs_server.endpoint) as proxy:
         proxy.set_plan(FaultPlan(refuse_query=("ifGenerationMatch",), refuse_status=501))
         opts = {**gcs.options, "endpoint_url": proxy.endpoint}
-        uri = gcs.uri("refusing")
-        with caplog.at_level(logging.ERROR, logger="cloudckpt.storage"):
-            ckpt = cdcp.save({"w": torch.arange(6.0)}, uri, storage_options=opts)
-            with pytest.raises(CommitConflictError):
-                cdcp.save({"w": torch.zeros(6)}, uri, storage_options=opts)
-        assert ckpt is not None
-        ckpt.verify(deep=True)
+        save_twice(gcs.uri("refusing"), opts, caplog)
         [error] = errors_about(caplog, "gs://")
         assert "refuses conditional writes" in error
         assert proxy.count_requests("ifGenerationMatch") >= 1  # tried once, at the probe

@@ -14,28 +14,15 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-import boto3
-import botocore.config
 import botocore.exceptions
 import google_crc32c
 import pytest
+from helpers import boto3_s3
 
 from cloudckpt.testing import FaultPlan, FaultProxy
 from cloudckpt.testing.faultproxy import RequestRecord, _strip_query
 
 # -- helpers -------------------------------------------------------------------
-
-
-def _client(endpoint: str) -> Any:
-    """boto3 without retries: each call is exactly one request."""
-    return boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        region_name="us-east-1",
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        config=botocore.config.Config(retries={"max_attempts": 0}),
-    )
 
 
 def _bucket(backend: Any) -> str:
@@ -102,7 +89,8 @@ def _gcs_read(port: int, bucket: str, name: str) -> tuple[int, bytes]:
 def s3_proxy(s3: Any, moto_server: Any) -> Iterator[tuple[FaultProxy, Any, Any, str]]:
     """(proxy, client through it, client straight to moto, bucket)."""
     with FaultProxy(moto_server.endpoint) as proxy:
-        yield proxy, _client(proxy.endpoint), _client(moto_server.endpoint), _bucket(s3)
+        yield (proxy, boto3_s3(proxy.endpoint, max_attempts=0),
+               boto3_s3(moto_server.endpoint, max_attempts=0), _bucket(s3))
 
 
 @pytest.fixture

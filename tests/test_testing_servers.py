@@ -15,16 +15,14 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 # gcsfs reads this at import time; without it every call stalls ~60 s.
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 
-import boto3
-import botocore.config
 import botocore.exceptions
 import pytest
 import s3fs
+from helpers import boto3_s3
 
 from cloudckpt.testing import FakeGcsServer, FaultPlan, FaultProxy, MotoServer
 
@@ -57,19 +55,8 @@ def proxy(s3: MotoServer) -> Iterator[FaultProxy]:
         yield p
 
 
-def _boto3(endpoint: str, **retries: Any) -> Any:
-    return boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        region_name="us-east-1",
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        config=botocore.config.Config(retries=retries or None),
-    )
-
-
 def _keys(server: MotoServer) -> set[str]:
-    client = _boto3(server.endpoint)
+    client = boto3_s3(server.endpoint)
     resp = client.list_objects_v2(Bucket=BUCKET)
     return {o["Key"] for o in resp.get("Contents", [])}
 
@@ -95,7 +82,7 @@ def test_moto_server_with_s3fs(s3: MotoServer, tmp_path: Path) -> None:
 
 def test_moto_small_multipart_parts(s3: MotoServer) -> None:
     """part_min_size reaches the child: 256 KiB parts are accepted."""
-    client = _boto3(s3.endpoint)
+    client = boto3_s3(s3.endpoint)
     mpu = client.create_multipart_upload(Bucket=BUCKET, Key="mp")
     parts = []
     for n in (1, 2):
@@ -134,7 +121,7 @@ def test_fault_proxy_injects_slowdown_and_reset(s3: MotoServer, proxy: FaultProx
     proxy.set_plan(FaultPlan(error_rate=0.5, kinds=("slowdown", "reset"), seed=7))
     # botocore's "max_attempts" counts *retries* (max_attempts=1 means two
     # attempts); total_max_attempts=1 disables retries so every fault surfaces.
-    client = _boto3(proxy.endpoint, total_max_attempts=1, mode="standard")
+    client = boto3_s3(proxy.endpoint, total_max_attempts=1, mode="standard")
     ok, slowdowns, conn_errors = set(), 0, 0
     for i in range(40):
         try:
@@ -167,9 +154,9 @@ def test_fault_proxy_roundtrips_3mib_via_s3fs(proxy: FaultProxy) -> None:
 
 
 def test_fault_proxy_permanent_access_denied(s3: MotoServer, proxy: FaultProxy) -> None:
-    _boto3(s3.endpoint).put_object(Bucket=BUCKET, Key="k", Body=b"v")
+    boto3_s3(s3.endpoint).put_object(Bucket=BUCKET, Key="k", Body=b"v")
     proxy.set_plan(FaultPlan(permanent_status=403))
-    client = _boto3(proxy.endpoint)
+    client = boto3_s3(proxy.endpoint)
     for _ in range(3):
         with pytest.raises(botocore.exceptions.ClientError) as info:
             client.get_object(Bucket=BUCKET, Key="k")
@@ -184,7 +171,7 @@ def test_fault_proxy_permanent_access_denied(s3: MotoServer, proxy: FaultProxy) 
 
 def test_fault_proxy_truncate_is_retried_by_s3fs(s3: MotoServer, proxy: FaultProxy) -> None:
     data = os.urandom(200_000)
-    _boto3(s3.endpoint).put_object(Bucket=BUCKET, Key="t", Body=data)
+    boto3_s3(s3.endpoint).put_object(Bucket=BUCKET, Key="t", Body=data)
     proxy.set_plan(FaultPlan(error_rate=1.0, kinds=("truncate",), match="/t", max_faults=1))
     fs = s3fs.S3FileSystem(endpoint_url=proxy.endpoint, key="testing", secret="testing",
                            skip_instance_cache=True)  # fmt: skip
@@ -196,7 +183,7 @@ def test_fault_proxy_raw_http_semantics(s3: MotoServer, proxy: FaultProxy) -> No
     """Chunked + Expect bodies are forwarded; reset is an RST; truncate is short."""
     # moto answers anonymous reads with 403, so reads use presigned URLs
     # (query-string SigV4 made for the proxy's host, passed through as-is).
-    signer = _boto3(proxy.endpoint)
+    signer = boto3_s3(proxy.endpoint)
 
     def presigned(method: str) -> str:
         url = signer.generate_presigned_url(
