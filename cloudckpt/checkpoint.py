@@ -179,12 +179,12 @@ class CheckpointWriter:
     def add_part(self, prefix: str) -> Checkpoint:
         """Record the committed checkpoint at ``prefix`` (below this one) as a part:
         its objects and its own manifest, so this manifest covers all of them."""
-        part = open_checkpoint(self.store.child(prefix))
-        for path, entry in part.manifest.files.items():
+        sub = self.store.child(prefix)
+        manifest, raw = _manifest_and_bytes(sub)  # one read: the manifest and its checksum
+        for path, entry in manifest.files.items():
             self.add_existing(f"{prefix}/{path}", entry.size, entry.crc32c)
-        raw = part.store.get(MANIFEST_NAME)
         self.add_existing(f"{prefix}/{MANIFEST_NAME}", len(raw), crc32c_hex(raw))
-        return part
+        return Checkpoint(sub, manifest)
 
     @property
     def entries(self) -> dict[str, FileEntry]:
@@ -420,6 +420,10 @@ def read_manifest(store: Store) -> Manifest:
     objects cloudckpt did not write, :class:`CheckpointNotFoundError` when nothing
     is there (:class:`BucketNotFoundError` when not even the bucket is).
     """
+    return _manifest_and_bytes(store)[0]
+
+
+def _manifest_and_bytes(store: Store) -> tuple[Manifest, bytes]:
     try:
         data = read_manifest_bytes(store)  # bounded: never more than MAX_MANIFEST_BYTES
     except FileNotFoundError:
@@ -427,7 +431,7 @@ def read_manifest(store: Store) -> Manifest:
         if found.kind == EMPTY:
             store.check_bucket()
         raise missing_manifest_error(found) from None
-    return Manifest.from_json(data, source=store.key_uri(MANIFEST_NAME))
+    return Manifest.from_json(data, source=store.key_uri(MANIFEST_NAME)), data
 
 
 def open_checkpoint(

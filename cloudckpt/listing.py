@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .checkpoint import Checkpoint, open_checkpoint
@@ -34,6 +34,18 @@ class CheckpointInfo:
     files: int = 0
     error: str | None = None
     status: str = "committed"
+    #: The manifest the listing read (committed ones): open it without reading again.
+    manifest: Manifest | None = field(default=None, repr=False, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The entry as plain data (for JSON), without the manifest."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "manifest"}
+
+    def open(self, root: Store) -> Checkpoint:
+        """The committed checkpoint this entry names below ``root``, from the manifest
+        the listing read (read again only if it has none)."""
+        sub = root.child(self.name)
+        return Checkpoint(sub, self.manifest) if self.manifest else open_checkpoint(sub)
 
 
 def _sort_key(c: CheckpointInfo) -> tuple[int, float, str]:
@@ -77,7 +89,7 @@ def list_checkpoints(
         except CorruptCheckpointError as exc:
             return CheckpointInfo(name, sub.uri, False, error=str(exc), status="unreadable")
         return CheckpointInfo(name, sub.uri, True, m.step, m.created, m.total_size,
-                              len(m.files))
+                              len(m.files), manifest=m)
 
     infos = [i for i in store.map(probe, names) if i is not None]
     if not include_uncommitted:
@@ -91,6 +103,4 @@ def latest_checkpoint(
     """The committed checkpoint with the highest step below ``root``, or None."""
     store = as_store(root, storage_options)
     committed = list_checkpoints(store)
-    if not committed:
-        return None
-    return open_checkpoint(store.child(committed[-1].name))
+    return committed[-1].open(store) if committed else None

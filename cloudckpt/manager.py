@@ -15,9 +15,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from torch.distributed.checkpoint.planner import LoadPlanner
+
 from . import coordination as coord
 from . import training
-from .checkpoint import Checkpoint, open_checkpoint
+from .checkpoint import Checkpoint
 from .dcp.budget import BudgetStager, StagedState
 from .errors import ConfigError, CorruptCheckpointError
 from .listing import list_checkpoints
@@ -211,28 +213,35 @@ class CheckpointManager:
     def latest(self) -> Checkpoint | None:
         """The newest committed checkpoint below the root (not checked further)."""
         committed = list_checkpoints(self.store)
-        return open_checkpoint(self.store.child(committed[-1].name)) if committed else None
+        return committed[-1].open(self.store) if committed else None
 
     def restore(self, state_dict: Mapping[str, Any], *, uri: str | None = None,
                 extra: Mapping[str, Any] | None = None,
-                per_rank: Mapping[str, Any] | None = None, rng: bool = True) -> StepInfo | None:
+                per_rank: Mapping[str, Any] | None = None, rng: bool = True,
+                planner: LoadPlanner | None = None) -> StepInfo | None:
         """Load the newest good checkpoint (or ``uri``) in place; return its StepInfo.
+
+        ``planner`` is DCP's load planner for the model and optimizer state
+        (default: DCP's ``DefaultLoadPlanner``).
 
         Returns None when there is nothing to resume from. Torn checkpoints
         (no manifest) are skipped with a WARNING; a corrupt one falls back to
         the previous with a WARNING, or raises with ``strict``.
         """
+        listed: dict[str, Checkpoint] = {}  # rank 0: the manifests its listing read
         if uri is not None:
             candidates = [uri]
         else:  # one listing, on rank 0; its result or its error on every rank
-            candidates = coord.on_coordinator(self._candidates, self.group)
+            candidates = coord.on_coordinator(lambda: self._candidates(listed), self.group)
         for i, cand in enumerate(candidates or []):
             restored, err = None, None
             try:
-                where = open_store(cand, self._storage_options) if uri else self.store.child(cand)
+                where: Store | Checkpoint = (open_store(cand, self._storage_options) if uri
+                                             else listed.get(cand) or self.store.child(cand))
                 restored = training.read(where, state_dict,
                                           shared={**dict(extra or {}), _SCHEDULE: self.schedule},
-                                          per_rank=per_rank, rng=rng, group=self.group)
+                                          per_rank=per_rank, rng=rng, group=self.group,
+                                          planner=planner)
             except CorruptCheckpointError as exc:
                 err = exc
             try:
@@ -249,10 +258,11 @@ class CheckpointManager:
             return restored.step_info
         return None
 
-    def _candidates(self) -> list[str]:
+    def _candidates(self, listed: dict[str, Checkpoint]) -> list[str]:
         listing = list_checkpoints(self.store, include_uncommitted=True)
         for c in listing:
             if c.status in ("uncommitted", "unreadable"):
                 log.warning("skipping %s: %s", c.uri,
                             c.error or "no manifest (a save that never committed)")
+        listed.update({c.name: c.open(self.store) for c in listing if c.committed})
         return [c.name for c in reversed(listing) if c.committed]

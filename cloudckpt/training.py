@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch.distributed.checkpoint.planner import LoadPlanner
+
 from . import coordination as coord
 from . import dcp as cdcp
 from .checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
@@ -218,16 +220,28 @@ def read(
     rng: bool = True,
     storage_options: Mapping[str, Any] | None = None,
     group: Any = None,
+    planner: LoadPlanner | None = None,
 ) -> Restored:
     """Load a training checkpoint: ``app_state`` in place (DCP, any world size),
-    stateful ``shared``/``per_rank`` objects via ``load_state_dict``, and RNG."""
-    ckpt = uri if isinstance(uri, Checkpoint) else open_checkpoint(uri, storage_options)
-    if ckpt.manifest.kind != KIND:
-        raise CorruptCheckpointError(
-            f"{ckpt.uri} is a {ckpt.manifest.kind!r} checkpoint, not a training checkpoint")
+    stateful ``shared``/``per_rank`` objects via ``load_state_dict``, and RNG.
+
+    Call on every rank of ``group``. Rank 0 alone reads the manifests, DCP's
+    ``.metadata`` and the shared state, and shares them; every rank reads its own
+    per-rank state and its shards. ``planner`` is DCP's load planner.
+    """
+
+    def opened() -> tuple[Checkpoint, dict[str, Any]]:
+        ckpt = uri if isinstance(uri, Checkpoint) else open_checkpoint(uri, storage_options)
+        if ckpt.manifest.kind != KIND:
+            raise CorruptCheckpointError(
+                f"{ckpt.uri} is a {ckpt.manifest.kind!r} checkpoint, not a training checkpoint")
+        return ckpt, loads_state(ckpt.read(SHARED), source=f"{ckpt.uri}/{SHARED}")
+
+    found = coord.on_coordinator(opened, group)
+    assert found is not None
+    ckpt, saved_shared = found
     if app_state:
-        cdcp.load(app_state, ckpt.store.child(MODEL_PART), process_group=group)
-    saved_shared = loads_state(ckpt.read(SHARED), source=f"{ckpt.uri}/{SHARED}")
+        cdcp.load(app_state, ckpt.store.child(MODEL_PART), process_group=group, planner=planner)
     _restore_into(shared or {}, saved_shared, ckpt.uri)
     if per_rank or rng:
         saved_world = int(ckpt.metadata.get("world_size", 1))

@@ -35,7 +35,7 @@ _STATUS_LABEL = {"committed": "committed", "uncommitted": "uncommitted (no manif
 def cmd_ls(args: argparse.Namespace) -> int:
     infos = list_checkpoints(args.root, args.options, include_uncommitted=True)
     if args.json:
-        print(json.dumps([i.__dict__ for i in infos], indent=1))
+        print(json.dumps([i.to_dict() for i in infos], indent=1))
         return EXIT_OK
     if not infos:
         print(f"no checkpoints under {args.root}")

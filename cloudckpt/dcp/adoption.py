@@ -12,7 +12,7 @@ from ..crc import crc32c_hex
 from ..errors import CommitConflictError, CorruptCheckpointError
 from ..ownership import COMMITTED, EMPTY, ROOT, survey
 from ..storage import Store, as_store
-from .metadata import DCP_KIND, METADATA_NAME, load_metadata
+from .metadata import DCP_KIND, METADATA_NAME, load_metadata, pack_item_crcs
 
 
 def adopt(uri: str | Store, storage_options: Mapping[str, Any] | None = None, *,
@@ -61,17 +61,18 @@ def adopt(uri: str | Store, storage_options: Mapping[str, Any] | None = None, *,
 
 def _adopt(store: Store, writer: CheckpointWriter, needed: dict[str, list[_StorageInfo]],
            raw_md: bytes) -> Checkpoint:
-    items: dict[str, str] = {}
+    items: list[tuple[str, int, str]] = []
 
-    def checksum(path: str) -> tuple[str, int, str, dict[str, str]]:
+    def checksum(path: str) -> tuple[str, int, str, list[tuple[str, int, str]]]:
         data = store.get(path)
-        crcs = {f"{path}@{i.offset}": crc32c_hex(memoryview(data)[i.offset:i.offset + i.length])
-                for i in needed[path]}
+        crcs = [(path, i.offset, crc32c_hex(memoryview(data)[i.offset:i.offset + i.length]))
+                for i in needed[path]]
         return path, len(data), crc32c_hex(data), crcs
 
     for path, size, crc, crcs in store.map(checksum, sorted(needed)):
         writer.add_existing(path, size, crc)
-        items.update(crcs)
+        items += crcs
     writer.add_existing(METADATA_NAME, len(raw_md), crc32c_hex(raw_md))
-    writer.metadata["dcp"] = {"items": items, "key_spread": 0, "adopted": True}
+    writer.metadata["dcp"] = {"item_crcs": pack_item_crcs(items), "key_spread": 0,
+                              "adopted": True}
     return writer.commit()

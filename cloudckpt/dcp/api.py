@@ -17,6 +17,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
+from .. import coordination as coord
 from ..checkpoint import Checkpoint
 from ..errors import CloudCkptError, ConfigError, StateMismatchError, StorageError
 from ..state import refusal
@@ -137,13 +138,18 @@ def load(
 ) -> None:
     """``dcp.load`` in place from the committed DCP checkpoint at ``uri``.
 
-    The manifest is read first, so a missing, torn or unadopted checkpoint raises
-    :class:`CheckpointNotFoundError`/:class:`IncompleteCheckpointError` at once.
+    Rank 0 reads the manifest and ``.metadata`` first and shares them, so a
+    missing, torn or unadopted checkpoint raises
+    :class:`CheckpointNotFoundError`/:class:`IncompleteCheckpointError` on every
+    rank at once, and the bucket sees one read of each per job, not per rank.
     """
     import torch.distributed.checkpoint as dcp
 
     reader = CloudStorageReader(uri, storage_options=storage_options)
-    reader.read_metadata()  # manifest and metadata problems surface as our own errors
+    found = coord.on_coordinator(lambda: (reader.read_metadata(), reader.checkpoint),
+                                 process_group)
+    assert found is not None
+    reader.prime(*found)
     with _unwrapped(f"loading {reader.uri}"):
         dcp.load(state_dict, storage_reader=reader, planner=planner,
                  process_group=process_group, no_dist=_no_dist())

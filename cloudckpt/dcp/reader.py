@@ -34,7 +34,7 @@ from ..storage import Store, as_store
 from ..storage.ranges import READ_PIECE
 from ..storage.window import ByteWindow, shared_window
 from .base import _OnStore
-from .metadata import METADATA_NAME, load_metadata
+from .metadata import METADATA_NAME, ItemCrcs, load_metadata
 from .records import HEAD_BYTES, SavedTensor, try_locate
 
 #: Bytes of buffers a load holds at once (fetched small items, rows being converted);
@@ -108,6 +108,12 @@ class CloudStorageReader(_OnStore, StorageReader):
             self._metadata = md
         return self._metadata
 
+    def prime(self, metadata: Metadata, checkpoint: Checkpoint | None) -> None:
+        """Use the ``.metadata`` and manifest another rank read (and shared) instead of
+        reading them again: at a large world size, one read per job, not per rank."""
+        self._metadata = metadata
+        self.checkpoint = checkpoint or self.checkpoint
+
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
         if metadata.storage_data is None:
@@ -132,7 +138,7 @@ class CloudStorageReader(_OnStore, StorageReader):
 
     def _read(self, reqs: Sequence[ReadItem], planner: LoadPlanner) -> None:
         ckpt = self._ckpt()
-        item_crcs: Mapping[str, str] = (ckpt.metadata.get("dcp") or {}).get("items") or {}
+        item_crcs = ItemCrcs(ckpt.metadata.get("dcp"))
         items = [self._item(req, planner, item_crcs) for req in reqs]
         # Large tensors go straight into their destinations. One of up to two parts
         # comes in one request whose first bytes say where the tensor lies; a larger
@@ -165,7 +171,7 @@ class CloudStorageReader(_OnStore, StorageReader):
                 planner.load_bytes(item.req, io.BytesIO(item.raw))
 
     def _item(self, req: ReadItem, planner: LoadPlanner,
-              item_crcs: Mapping[str, str]) -> _Item:
+              item_crcs: ItemCrcs) -> _Item:
         info = self.storage_data[req.storage_index]
         path = info.relative_path
         if getattr(info, "transform_descriptors", None):
@@ -177,7 +183,7 @@ class CloudStorageReader(_OnStore, StorageReader):
             raise CorruptCheckpointError(
                 f"{self.uri}: item {req.storage_index.fqn} lies past the end of {path}",
                 {path: "short"})
-        expected = item_crcs.get(f"{path}@{info.offset}")
+        expected = item_crcs.get(path, info.offset)
         if expected is None:
             raise CorruptCheckpointError(
                 f"{self.uri}: the manifest has no checksum for item {req.storage_index.fqn} "

@@ -29,7 +29,7 @@ from ..manifest import MANIFEST_NAME
 from ..storage import Store, as_store
 from .base import _OnStore
 from .budget import StagedState
-from .metadata import DCP_KIND, METADATA_NAME, SUFFIX
+from .metadata import DCP_KIND, METADATA_NAME, SUFFIX, pack_item_crcs
 
 log = logging.getLogger("cloudckpt.dcp")
 
@@ -39,6 +39,28 @@ log = logging.getLogger("cloudckpt.dcp")
 DEFAULT_FILE_SIZE = 16 * 1024 * 1024
 #: Most files one rank writes (and uploads at once): the store's default concurrency.
 DEFAULT_MAX_FILES = 16
+#: With ``key_spread=None``, one sub-prefix per this many ranks (see :func:`auto_spread`).
+RANKS_PER_PREFIX = 16
+
+
+def auto_spread(world_size: int) -> int:
+    """Sub-prefixes for a save by ``world_size`` ranks: none up to
+    :data:`RANKS_PER_PREFIX` ranks, else the power of two that puts at most that many
+    ranks on each. A rank uploading at 1 GB/s sends about 120 requests a second
+    (16 MiB parts, and a create and a complete per file), so a prefix then takes
+    about 1,900 a second, within S3's 3,500 PUT/POST per prefix (docs/scale.md)."""
+    if world_size <= RANKS_PER_PREFIX:
+        return 0
+    return 1 << (-(-world_size // RANKS_PER_PREFIX) - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class _RankFiles:
+    """What the coordinator tells each rank about its files: their name prefix and
+    how many sub-prefixes they are spread over."""
+
+    prefix: str
+    key_spread: int
 
 try:  # the version string stock FileSystemWriter writes
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION as _DCP_VERSION
@@ -68,8 +90,10 @@ class CloudStorageWriter(_OnStore, StorageWriter):
 
     ``key_spread`` > 0 puts each file under one of that many sub-prefixes
     (``"0a/__3_0.distcp"``), so S3 can split a large world size's requests over
-    partitions; the layout is recorded in ``.metadata`` and the manifest, so
-    readers need no configuration. Picklable, for process-based async saves.
+    partitions; None (the default) chooses by world size (:func:`auto_spread`:
+    none up to 16 ranks, 64 sub-prefixes at 1,024), 0 never spreads. The layout
+    is recorded in ``.metadata`` and the manifest, so readers need no listing or
+    configuration. Picklable, for process-based async saves.
 
     ``staged`` (from :class:`~cloudckpt.dcp.budget.BudgetStager`, for async saves)
     makes the writer upload the tensors that were not staged first, in files of
@@ -83,14 +107,15 @@ class CloudStorageWriter(_OnStore, StorageWriter):
         storage_options: Mapping[str, Any] | None = None,
         file_size: int = DEFAULT_FILE_SIZE,
         max_files: int = DEFAULT_MAX_FILES,
-        key_spread: int = 0,
+        key_spread: int | None = None,
         step: int | None = None,
         metadata: Mapping[str, Any] | None = None,
         staged: StagedState | None = None,
     ) -> None:
         super().__init__()
-        if file_size <= 0 or max_files < 1 or key_spread < 0:
-            raise ConfigError("file_size and max_files must be positive, key_spread >= 0")
+        if file_size <= 0 or max_files < 1 or (key_spread is not None and key_spread < 0):
+            raise ConfigError("file_size and max_files must be positive, key_spread >= 0 "
+                              "(or None: chosen by world size)")
         self.storage_options = dict(storage_options or {})
         self.store = as_store(uri, self.storage_options)
         self.file_size = file_size
@@ -101,6 +126,7 @@ class CloudStorageWriter(_OnStore, StorageWriter):
         self.staged = staged
         self.is_coordinator = False
         self.rank = 0
+        self._spread = key_spread or 0  # the coordinator's choice, once it has planned
         self.committed: Checkpoint | None = None
         self._writer: CheckpointWriter | None = None
 
@@ -132,30 +158,35 @@ class CloudStorageWriter(_OnStore, StorageWriter):
         self._writer = CheckpointWriter(self.store, step=self.step, kind=DCP_KIND)
         self._writer.claim()
         # Each rank's files are named after its position, as stock DCP does.
-        return [dataclasses.replace(p, storage_data=f"__{i}_") for i, p in enumerate(plans)]
+        self._spread = auto_spread(len(plans)) if self.key_spread is None else self.key_spread
+        return [dataclasses.replace(p, storage_data=_RankFiles(f"__{i}_", self._spread))
+                for i, p in enumerate(plans)]
 
     def release_claim(self) -> None:
         """After a failed save: let a retry of it claim the prefix at once."""
         if self._writer is not None and self.committed is None:
             self._writer.abandon()
 
-    def _file_name(self, prefix: str, i: int) -> str:
-        name = f"{prefix}{i}{SUFFIX}"
-        if self.key_spread:
-            bucket = zlib.crc32(name.encode()) % self.key_spread
-            return f"{bucket:0{max(2, len(f'{self.key_spread - 1:x}'))}x}/{name}"
+    @staticmethod
+    def _file_name(files: _RankFiles, i: int) -> str:
+        name = f"{files.prefix}{i}{SUFFIX}"
+        if files.key_spread:
+            bucket = zlib.crc32(name.encode()) % files.key_spread
+            return f"{bucket:0{max(2, len(f'{files.key_spread - 1:x}'))}x}/{name}"
         return name
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        prefix = plan.storage_data if isinstance(plan.storage_data, str) else f"__{self.rank}_"
+        files = plan.storage_data
+        if not isinstance(files, _RankFiles):  # planned elsewhere: name after this rank
+            files = _RankFiles(f"__{self.rank}_", self.key_spread or 0)
         fut: Future[list[WriteResult]] = Future()
         try:
             results: list[WriteResult] = []
-            files = 0  # numbered on across waves
+            written = 0  # files are numbered on across waves
             for k, items in enumerate(self._waves(plan.items, planner)):
                 buckets = [b for b in _split_by_size(items, self.file_size, self.max_files) if b]
-                jobs = [(self._file_name(prefix, files + i), b) for i, b in enumerate(buckets)]
-                files += len(jobs)
+                jobs = [(self._file_name(files, written + i), b) for i, b in enumerate(buckets)]
+                written += len(jobs)
                 per_file = self.store.map(lambda job: self._write_file(job[0], job[1], planner),
                                           jobs)
                 results += [r for rs in per_file for r in rs]
@@ -206,19 +237,20 @@ class CloudStorageWriter(_OnStore, StorageWriter):
         """Coordinator only: write ``.metadata``, then commit the manifest."""
         storage: dict[MetadataIndex, _StorageInfo] = {}
         files: dict[str, tuple[int, str]] = {}
-        items: dict[str, str] = {}
+        items: list[tuple[str, int, str]] = []
         for result in (r for rank_results in results for r in rank_results):
             sd = result.storage_data
             storage[result.index] = _StorageInfo(sd.relative_path, sd.offset, sd.length)
             files[sd.relative_path] = (sd.file_size, sd.file_crc32c)
-            items[f"{sd.relative_path}@{sd.offset}"] = sd.crc32c
+            items.append((sd.relative_path, sd.offset, sd.crc32c))
         metadata.storage_data = storage
         if _DCP_VERSION is not None:
             metadata.version = _DCP_VERSION
         metadata.storage_meta = self.storage_meta()
         writer = self._writer or CheckpointWriter(self.store, step=self.step, kind=DCP_KIND)
         writer.metadata = {**self.user_metadata,
-                           "dcp": {"items": items, "key_spread": self.key_spread}}
+                           "dcp": {"item_crcs": pack_item_crcs(items),
+                                   "key_spread": self._spread}}
         for name, (size, crc) in sorted(files.items()):
             writer.add_existing(name, size, crc)
         writer.put(METADATA_NAME, pickle.dumps(metadata))
