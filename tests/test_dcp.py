@@ -269,3 +269,45 @@ def test_torch_async_save_with_our_writer(local):
     fut.result(timeout=120)
     open_checkpoint(uri, local.options).verify(deep=True)
     assert_state_equal(load_single(uri, local.options), sample_state())
+
+
+def test_item_checksums_are_packed_and_older_manifests_still_load(s3):
+    """Each file's item CRC32Cs are one packed string in the manifest; a manifest of
+    the older "file@offset" form loads alike, and a wrong or mangled CRC is refused."""
+    import base64
+    import struct
+
+    uri = s3.uri("step-1")
+    save_local_single(sample_state(), uri, s3.options)
+    store = open_store(uri, s3.options)
+    manifest = json.loads(store.get(MANIFEST_NAME))
+    packed = manifest["metadata"]["dcp"]["item_crcs"]
+    assert "items" not in manifest["metadata"]["dcp"]
+    md = cloud_dcp.CloudStorageReader(uri, storage_options=s3.options).read_metadata()
+    for path, blob in packed.items():
+        raw = base64.b64decode(blob)
+        offsets = sorted(off for off, _ in struct.iter_unpack("<Q4s", raw))
+        assert len(raw) == 12 * len(offsets)
+        assert offsets == sorted(i.offset for i in md.storage_data.values()
+                                 if i.relative_path == path)
+
+    def recommit(dcp_meta: dict) -> None:
+        manifest["metadata"]["dcp"] = dcp_meta
+        store.delete([MANIFEST_NAME])
+        store.put(MANIFEST_NAME, json.dumps(manifest).encode())
+
+    legacy = {f"{path}@{off}": crc.hex() for path, blob in packed.items()
+              for off, crc in struct.iter_unpack("<Q4s", base64.b64decode(blob))}
+    recommit({"items": legacy, "key_spread": 0})
+    assert_state_equal(load_single(uri, s3.options), sample_state())
+
+    wrong = dict(legacy)
+    key = next(iter(wrong))
+    wrong[key] = "00000000" if wrong[key] != "00000000" else "11111111"
+    recommit({"items": wrong, "key_spread": 0})
+    with pytest.raises(CorruptCheckpointError):
+        load_single(uri, s3.options)
+
+    recommit({"item_crcs": {p: "not base64!" for p in packed}, "key_spread": 0})
+    with pytest.raises(CorruptCheckpointError, match="item checksums .* malformed"):
+        load_single(uri, s3.options)

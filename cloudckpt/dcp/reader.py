@@ -13,8 +13,10 @@ bounded whatever the state size.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +46,8 @@ DEFAULT_READ_WINDOW = 128 * 1024 * 1024
 STREAM_MIN = 1024 * 1024
 #: Adjacent items closer than this are fetched with one ranged GET.
 COALESCE_GAP = 1024 * 1024
+#: Items at most this large that several ranks read are read once, by the coordinator.
+SHARED_ITEM_MAX = 64 * 1024
 
 
 def _open_dcp(store: Store) -> Checkpoint:
@@ -124,34 +128,59 @@ class CloudStorageReader(_OnStore, StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        """Coordinator: small items that several ranks read (replicated state such as
+        Adam's step counts and hyper-parameters) are read here, once, checked, and
+        sent to the ranks with their plans. Otherwise every rank would ask the bucket
+        for the same few bytes at the same moment: 1,024 GETs on one key."""
+        readers = Counter(req.storage_index for plan in plans for req in plan.items)
+        shared = [i for i, n in readers.items()
+                  if n > 1 and self.storage_data[i].length <= SHARED_ITEM_MAX]
+        if not shared:
+            return plans
+        item_crcs = ItemCrcs(self._ckpt().metadata.get("dcp"))
+        items = [_Item(_raw_request(i), *self._entry(i, item_crcs), None) for i in shared]
+        window = shared_window(self.read_window)
+        self.store.map(lambda group: self._fetch_group(*group, window),
+                       _coalesce(items, self.store.part_size))
+        raw = {item.req.storage_index: item.raw for item in items}
+        return [dataclasses.replace(plan, storage_data=_Prefetched(
+            {req.storage_index: raw[req.storage_index] for req in plan.items
+             if req.storage_index in raw})) for plan in plans]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         fut: Future[None] = Future()
         try:
-            self._read(plan.items, planner)
+            given = plan.storage_data.items if isinstance(plan.storage_data, _Prefetched) else {}
+            self._read(plan.items, planner, given)
         except BaseException as exc:  # noqa: BLE001 - handed to DCP through the future
             fut.set_exception(exc)
             return fut
         fut.set_result(None)
         return fut
 
-    def _read(self, reqs: Sequence[ReadItem], planner: LoadPlanner) -> None:
+    def _read(self, reqs: Sequence[ReadItem], planner: LoadPlanner,
+              given: Mapping[MetadataIndex, bytes]) -> None:
         ckpt = self._ckpt()
         item_crcs = ItemCrcs(ckpt.metadata.get("dcp"))
         items = [self._item(req, planner, item_crcs) for req in reqs]
+        for item in items:  # read (and checked) by the coordinator
+            if item.req.storage_index in given:
+                item.raw = given[item.req.storage_index]
+                if item.target is not None:
+                    _deliver(item, item.raw, 0, self.uri)
         # Large tensors go straight into their destinations. One of up to two parts
         # comes in one request whose first bytes say where the tensor lies; a larger
         # one is located by a read of its head, then fetched as parallel spans. The
         # rest, and split items of another layout, are fetched with their neighbours.
         window = shared_window(self.read_window)
         split_above = 2 * self.store.part_size
-        large = [i for i in items if i.target is not None and i.info.length >= STREAM_MIN]
+        large = [i for i in items if i.target is not None and i.info.length >= STREAM_MIN
+                 and i.raw is None]
         split = [i for i in large if i.info.length > split_above]
         self.store.map(self._locate, split)
         streamed = [i for i in split if i.saved is not None]
         apart = {id(i) for i in large} - {id(i) for i in split if i.saved is None}
-        whole = [i for i in items if id(i) not in apart]
+        whole = [i for i in items if id(i) not in apart and i.raw is None]
         tasks: list[Callable[[], None]] = [
             functools.partial(self._fetch_group, path, start, end, members, window)
             for path, start, end, members in _coalesce(whole, self.store.part_size)]
@@ -170,24 +199,28 @@ class CloudStorageReader(_OnStore, StorageReader):
                 _refuse_unsafe_pickle(item.raw, f"{self.uri} item {item.fqn}")
                 planner.load_bytes(item.req, io.BytesIO(item.raw))
 
-    def _item(self, req: ReadItem, planner: LoadPlanner,
-              item_crcs: ItemCrcs) -> _Item:
-        info = self.storage_data[req.storage_index]
+    def _entry(self, index: MetadataIndex, item_crcs: ItemCrcs) -> tuple[_StorageInfo, str]:
+        """Where an item lies and its CRC32C, checked against the manifest."""
+        info = self.storage_data[index]
         path = info.relative_path
         if getattr(info, "transform_descriptors", None):
             raise CorruptCheckpointError(
-                f"{self.uri}: item {req.storage_index.fqn} uses stream transforms "
+                f"{self.uri}: item {index.fqn} uses stream transforms "
                 f"{info.transform_descriptors}, which cloudckpt does not read")
         entry = self._ckpt().entry(path)  # must be in the manifest
         if info.offset + info.length > entry.size:
             raise CorruptCheckpointError(
-                f"{self.uri}: item {req.storage_index.fqn} lies past the end of {path}",
-                {path: "short"})
+                f"{self.uri}: item {index.fqn} lies past the end of {path}", {path: "short"})
         expected = item_crcs.get(path, info.offset)
         if expected is None:
             raise CorruptCheckpointError(
-                f"{self.uri}: the manifest has no checksum for item {req.storage_index.fqn} "
+                f"{self.uri}: the manifest has no checksum for item {index.fqn} "
                 f"in {path}; the checkpoint and its manifest disagree", {path: "no checksum"})
+        return info, expected
+
+    def _item(self, req: ReadItem, planner: LoadPlanner,
+              item_crcs: ItemCrcs) -> _Item:
+        info, expected = self._entry(req.storage_index, item_crcs)
         target = None
         if req.type != LoadItemType.BYTE_IO:
             target = planner.resolve_tensor(req).detach()
@@ -566,3 +599,16 @@ def _coalesce(items: Sequence[_Item], limit: int
                 continue
         groups.append((item.path, item.info.offset, end, [item]))
     return groups
+
+
+@dataclass(frozen=True)
+class _Prefetched:
+    """A rank's plan data: the checked bytes of the shared small items it reads."""
+
+    items: dict[MetadataIndex, bytes]
+
+
+def _raw_request(index: MetadataIndex) -> ReadItem:
+    """A request for an item's stored bytes as they are (read whole, kept raw)."""
+    return ReadItem(LoadItemType.BYTE_IO, index, torch.Size(), index, torch.Size(),
+                    torch.Size())

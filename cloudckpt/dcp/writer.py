@@ -40,15 +40,16 @@ DEFAULT_FILE_SIZE = 16 * 1024 * 1024
 #: Most files one rank writes (and uploads at once): the store's default concurrency.
 DEFAULT_MAX_FILES = 16
 #: With ``key_spread=None``, one sub-prefix per this many ranks (see :func:`auto_spread`).
-RANKS_PER_PREFIX = 16
+RANKS_PER_PREFIX = 8
 
 
 def auto_spread(world_size: int) -> int:
     """Sub-prefixes for a save by ``world_size`` ranks: none up to
     :data:`RANKS_PER_PREFIX` ranks, else the power of two that puts at most that many
-    ranks on each. A rank uploading at 1 GB/s sends about 120 requests a second
-    (16 MiB parts, and a create and a complete per file), so a prefix then takes
-    about 1,900 a second, within S3's 3,500 PUT/POST per prefix (docs/scale.md)."""
+    ranks on each. A rank moving 1 GB/s sends up to about 300 requests a second
+    (a GET per item of a few MB on resume; a PUT per 16 MiB part, and a create and
+    a complete per file, on save), so a prefix takes at most about 2,400 a second,
+    within S3's 3,500 PUT/POST and 5,500 GET per prefix (docs/scale.md)."""
     if world_size <= RANKS_PER_PREFIX:
         return 0
     return 1 << (-(-world_size // RANKS_PER_PREFIX) - 1).bit_length()
@@ -91,7 +92,7 @@ class CloudStorageWriter(_OnStore, StorageWriter):
     ``key_spread`` > 0 puts each file under one of that many sub-prefixes
     (``"0a/__3_0.distcp"``), so S3 can split a large world size's requests over
     partitions; None (the default) chooses by world size (:func:`auto_spread`:
-    none up to 16 ranks, 64 sub-prefixes at 1,024), 0 never spreads. The layout
+    none up to 8 ranks, 128 sub-prefixes at 1,024), 0 never spreads. The layout
     is recorded in ``.metadata`` and the manifest, so readers need no listing or
     configuration. Picklable, for process-based async saves.
 
