@@ -10,6 +10,7 @@ batch never waits on the pool it occupies.
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -63,7 +64,10 @@ class BatchMixin:
             # Inline inside a pool thread: nested batches must not wait on the
             # pool they occupy (that deadlocks once every worker waits).
             return [fn(i) for i in items]
-        futures = [self._executor().submit(_in_worker, fn, i) for i in items]
+        # Each task runs in a copy of the caller's context (its context variables:
+        # who asked, for logging and request accounting).
+        futures = [self._executor().submit(contextvars.copy_context().run, _in_worker, fn, i)
+                   for i in items]
         results: list[T] = []
         error: BaseException | None = None
         for f in futures:
@@ -121,7 +125,8 @@ class BatchMixin:
                     key, start, end = ranges[nxt]
                     if pending and max_bytes is not None and held + (end - start) > max_bytes:
                         break
-                    fut = self._executor().submit(_in_worker, self._get_range_tuple,
+                    fut = self._executor().submit(contextvars.copy_context().run, _in_worker,
+                                                  self._get_range_tuple,
                                                   (key, start, end))
                     pending.append((fut, end - start))
                     held += end - start

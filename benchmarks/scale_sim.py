@@ -1,0 +1,759 @@
+"""What a save and a resume at 8 to 1,024 ranks ask of the bucket, simulated and bounded.
+
+N ranks run as threads of this process over an in-process process group
+(:mod:`cloudckpt.testing.threadranks`), against ``count://``, a store that
+records every request as the S3 request it stands for, with its key, rank and
+time (:mod:`cloudckpt.testing.counting`). Each rank holds its FSDP shard
+(``Shard(0)``, ``torch.chunk`` rows) of a Llama-2-70B-shaped model and its Adam
+moments, all float32: 723 parameters, 69 billion values, 828 GB in all, and
+2,169 items per rank (plus Adam's step counts and hyper-parameters, which DCP
+writes once). Per N, three phases, each on every rank:
+
+1. ``save``: a :class:`~cloudckpt.CheckpointManager` save at step 100. Its model
+   part is a ``cloudckpt.dcp.save`` (the same call a user makes), then every
+   rank writes its state file and the coordinator commits the root manifest;
+2. ``save + retention``: the save at step 200; ``keep_last=1`` deletes step 100;
+3. ``resume``: a fresh manager's ``restore`` finds step 200 and loads it.
+
+Everything above the bytes is cloudckpt's and DCP's own code: planning, the
+collectives, claims, commits, manifests, ``.metadata``, listing, retention,
+restore. The bytes are not: each shard is a one-element placeholder, so a data
+object is a few kilobytes. Its size at full scale is taken from the
+checkpoint's own ``.metadata`` (the chunk each item holds), and the requests
+an object of that size takes are those of the S3 store's upload policy (one
+PUT up to a part; else create, a PUT per part, complete) and of the reader's
+read policy (:func:`reader_gets`). Two shortcuts keep 1,024 ranks within
+minutes on two cores: ``torch.save`` of the shared placeholder is memoised (the
+same bytes), and the resume plans each rank's reads of the chunks it holds by
+offset (:class:`ShardLoadPlanner`; DCP's default planner compares every local
+chunk with every saved one, O(N) per tensor per rank: hours for 1,024 threads
+here). ``tests/test_scale.py`` checks that both planners plan the same reads.
+
+The per-prefix rate model: every rank uploads (or downloads) at ``--bandwidth``
+bytes/s, its files in parallel, all ranks starting together; a request counts
+in the second it is sent. S3's documented limits per prefix are 3,500
+PUT/COPY/POST/DELETE and 5,500 GET/HEAD requests per second.
+
+Usage::
+
+    python benchmarks/scale_sim.py [--ranks 8 64 256 1024] [--bandwidth 1e9] [--json]
+
+Prints a Markdown table (the one in docs/scale.md) and checks the bounds of
+docs/scale.md for every N (:func:`check_bounds`); exits 1 if any is broken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import multiprocessing
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    create_default_local_load_plan,
+)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+
+from cloudckpt import CheckpointManager, ManagerOptions, StepInfo
+from cloudckpt.dcp.metadata import METADATA_NAME, load_metadata
+from cloudckpt.dcp.reader import SHARED_ITEM_MAX, STREAM_MIN
+from cloudckpt.dcp.records import HEAD_BYTES
+from cloudckpt.dcp.writer import CloudStorageWriter
+from cloudckpt.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
+from cloudckpt.storage import Store, open_store
+from cloudckpt.storage.options import DEFAULT_PART_SIZE
+from cloudckpt.testing.counting import Request, recorder
+from cloudckpt.testing.threadranks import ThreadWorld
+
+BUCKET = "scale-sim"
+#: S3's documented request rates per prefix (per second).
+S3_WRITE_LIMIT = 3500
+S3_READ_LIMIT = 5500
+WRITE_KINDS = ("PUT", "POST", "DELETE", "COPY")
+READ_KINDS = ("GET", "HEAD")
+
+# ------------------------------------------------------------------ the model
+
+#: Llama-2-70B: hidden 8192, MLP 28672, 80 layers, 64 heads with 8 KV heads, vocab 32000.
+HIDDEN, MLP, LAYERS, KV, VOCAB = 8192, 28672, 80, 1024, 32000
+
+
+#: How the parameters reach DCP: ``flat``, FSDP1's (``use_orig_params=False``) one
+#: FlatParameter per decoder layer plus one for the root, Adam state per flat
+#: parameter (81 tensors); ``per-param``, FSDP2's one DTensor per parameter (723).
+LAYOUTS = ("flat", "per-param")
+
+
+def param_shapes(layout: str = "flat", world: int = 1) -> dict[str, tuple[int, ...]]:
+    """The tensors one rank's model state holds a ``Shard(0)`` of, by FQN."""
+    per_param = _llama_70b()
+    if layout == "per-param":
+        return per_param
+    if layout != "flat":
+        raise ValueError(f"layout is one of {LAYOUTS}, not {layout!r}")
+    units: dict[str, int] = defaultdict(int)
+    for fqn, shape in per_param.items():
+        parts = fqn.split(".")
+        unit = ".".join(parts[:3]) + "." if fqn.startswith("model.layers.") else ""
+        units[unit + "_flat_param"] += math.prod(shape)
+    # FSDP pads a flat parameter to a multiple of the world size.
+    return {fqn: (-(-n // world) * world,) for fqn, n in units.items()}
+
+
+def _llama_70b() -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB, HIDDEN)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (HIDDEN, HIDDEN),
+            p + "self_attn.k_proj.weight": (KV, HIDDEN),
+            p + "self_attn.v_proj.weight": (KV, HIDDEN),
+            p + "self_attn.o_proj.weight": (HIDDEN, HIDDEN),
+            p + "mlp.gate_proj.weight": (MLP, HIDDEN),
+            p + "mlp.up_proj.weight": (MLP, HIDDEN),
+            p + "mlp.down_proj.weight": (HIDDEN, MLP),
+            p + "input_layernorm.weight": (HIDDEN,),
+            p + "post_attention_layernorm.weight": (HIDDEN,),
+        })
+    shapes["model.norm.weight"] = (HIDDEN,)
+    shapes["lm_head.weight"] = (VOCAB, HIDDEN)
+    return shapes
+
+
+_PLACEHOLDERS: dict[int, torch.Tensor] = {}
+
+
+def placeholder(ndim: int) -> torch.Tensor:
+    """The one-element tensor every shard of ``ndim`` dimensions stands on."""
+    if ndim not in _PLACEHOLDERS:
+        _PLACEHOLDERS[ndim] = torch.zeros((1,) * ndim)
+    return _PLACEHOLDERS[ndim]
+
+
+class SimShard(torch.Tensor):
+    """This rank's ``Shard(0)`` of a float32 tensor, as FSDP2 hands it to DCP (the
+    chunk it covers), standing on a one-element placeholder instead of its bytes.
+    DCP finds shards through these hooks, as it finds a DTensor's."""
+
+    offsets: torch.Size
+    sizes: torch.Size
+    full: torch.Size
+
+    @staticmethod
+    def __new__(cls, shape: tuple[int, ...], rank: int, world: int) -> SimShard:
+        # Sized as the whole tensor (as a DTensor is), holding no bytes.
+        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32)
+        rows = -(-shape[0] // world)  # torch.chunk: ceil rows per rank, the last ones short
+        start = min(rank * rows, shape[0])
+        t.offsets = torch.Size((start,) + (0,) * (len(shape) - 1))
+        t.sizes = torch.Size((min(rows, shape[0] - start),) + shape[1:])
+        t.full = torch.Size(shape)
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        raise NotImplementedError(f"{func} on a simulated shard: it holds no bytes")
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        return [WriteItem(
+            index=MetadataIndex(fqn, self.offsets), type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=self.offsets, sizes=self.sizes),
+                properties=TensorProperties(dtype=torch.float32), size=self.full))]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=self.offsets, sizes=self.sizes)]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        return placeholder(len(self.sizes))
+
+
+_STEP = torch.tensor(1000.0)  # Adam's step count: a replicated 0-d tensor per parameter
+
+
+def rank_state(rank: int, world: int, layout: str = "flat") -> dict[str, Any]:
+    """Model and Adam state of one rank, as DCP gets them from FSDP (see :data:`LAYOUTS`)."""
+    shapes = param_shapes(layout, world)
+    model = {fqn: SimShard(s, rank, world) for fqn, s in shapes.items()
+             if -(-s[0] // world) * rank < s[0]}
+    optim_state = {fqn: {"step": _STEP, "exp_avg": SimShard(shapes[fqn], rank, world),
+                         "exp_avg_sq": SimShard(shapes[fqn], rank, world)} for fqn in model}
+    groups = [{"lr": 1e-5, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
+               "params": list(shapes)}]
+    return {"model": model, "optim": {"state": optim_state, "param_groups": groups}}
+
+
+@contextlib.contextmanager
+def memoised_placeholder_saves() -> Iterator[None]:
+    """``torch.save`` of a placeholder writes the bytes it wrote the first time (the
+    same bytes: same tensor, same pickle); anything else is saved as usual."""
+    real_save = torch.save
+    cache: dict[tuple[int, int], bytes] = {}
+    ptrs = {t.data_ptr() for t in (*_PLACEHOLDERS.values(), _STEP)}
+
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(obj, torch.Tensor) and obj.data_ptr() in ptrs and not args and not kwargs:
+            key = (obj.data_ptr(), obj.dim())
+            if key not in cache:
+                buf = io.BytesIO()
+                real_save(obj, buf)
+                cache[key] = buf.getvalue()
+            f.write(cache[key])
+            return
+        real_save(obj, f, *args, **kwargs)
+
+    for n in range(1, 3):
+        placeholder(n)
+    ptrs = {t.data_ptr() for t in (*_PLACEHOLDERS.values(), _STEP)}
+    torch.save = save
+    try:
+        yield
+    finally:
+        torch.save = real_save
+
+
+# -------------------------------------------------------------- the resume plan
+
+
+class ShardLoadPlanner(DefaultLoadPlanner):
+    """Plans each rank's reads of exactly the chunks it holds, looked up by offset
+    (what DCP's planner finds when the sharding is unchanged, without comparing
+    every chunk with every other), then reads them into placeholders."""
+
+    _index_cache: dict[int, dict[tuple[str, tuple[int, ...]], int]] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, plans: dict[int, list[ReadItem]] | None = None) -> None:
+        super().__init__()
+        self.full_plans = plans  # rank -> the full-size read items, for the model
+
+    def _chunk_index(self) -> dict[tuple[str, tuple[int, ...]], int]:
+        md = self.metadata
+        with self._lock:
+            if id(md) not in self._index_cache:
+                self._index_cache.clear()
+                self._index_cache[id(md)] = {
+                    (fqn, tuple(c.offsets)): i
+                    for fqn, tmd in md.state_dict_metadata.items()
+                    for i, c in enumerate(getattr(tmd, "chunks", ()))}
+            return self._index_cache[id(md)]
+
+    def create_local_plan(self) -> LoadPlan:
+        index = self._chunk_index()
+        sims = {k: v for k, v in self.state_dict.items() if isinstance(v, SimShard)}
+        rest = {k: v for k, v in self.state_dict.items() if k not in sims}
+        items: list[ReadItem] = []
+        for fqn, shard in sims.items():
+            k = index[(fqn, tuple(shard.offsets))]
+            zeros = torch.Size((0,) * len(shard.sizes))
+            items.append(ReadItem(
+                type=LoadItemType.TENSOR,
+                dest_index=MetadataIndex(fqn, shard.offsets, 0), dest_offsets=zeros,
+                storage_index=MetadataIndex(fqn, shard.offsets, k), storage_offsets=zeros,
+                lengths=shard.sizes))
+        plan = create_default_local_load_plan(rest, self.metadata, False)
+        return LoadPlan(items + plan.items, plan.storage_data, plan.planner_data)
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        plan = super().finish_plan(central_plan)
+        if self.full_plans is not None:
+            from cloudckpt.testing.threadranks import current_rank
+
+            self.full_plans[current_rank() or 0] = list(plan.items)
+        return LoadPlan([_as_placeholder(i) if isinstance(self._obj(i), SimShard) else i
+                         for i in plan.items], plan.storage_data, plan.planner_data)
+
+    def _obj(self, item: ReadItem) -> Any:
+        return self.state_dict.get(item.dest_index.fqn)
+
+
+def _as_placeholder(item: ReadItem) -> ReadItem:
+    one = torch.Size((1,) * len(item.lengths))
+    zeros = torch.Size((0,) * len(item.lengths))
+    return ReadItem(item.type, item.dest_index, zeros, item.storage_index, zeros, one)
+
+
+def flat_state(rank: int, world: int) -> dict[str, Any]:
+    """The rank's state flattened as DCP flattens it (``optim.state.<fqn>.exp_avg``)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(rank_state(rank, world))
+    return flat
+
+
+# ------------------------------------------------------------- request model
+
+
+def s3_writes(size: int, part: int) -> list[tuple[str, float]]:
+    """The requests one object of ``size`` bytes takes through the S3 store, each
+    with the share of the object sent before it: one PUT up to a part, else a
+    multipart upload (POST create, a PUT per ``part`` bytes, POST complete)."""
+    if size <= part:
+        return [("PUT", 0.0)]
+    n = -(-size // part)
+    return [("POST", 0.0)] + [("PUT", i / n) for i in range(n)] + [("POST", 1.0)]
+
+
+def reader_gets(items: list[tuple[str, int, bool]], part: int) -> list[tuple[str, int]]:
+    """The GETs the DCP reader sends for ``items`` (file, full size, is a tensor), in
+    file order: a tensor of at least STREAM_MIN in one GET up to two parts, else a
+    head read and a GET per part; smaller items coalesced into GETs of up to a part."""
+    gets: list[tuple[str, int]] = []
+    small: dict[str, int] = defaultdict(int)
+    for path, size, tensor in items:
+        if tensor and size >= STREAM_MIN:
+            if size <= 2 * part:
+                gets.append((path, size))
+            else:
+                gets.append((path, HEAD_BYTES))
+                gets += [(path, min(part, size - s)) for s in range(0, size, part)]
+        else:
+            small[path] += size
+    for path, total in small.items():
+        gets += [(path, min(part, total - s)) for s in range(0, total, part)]
+    return gets
+
+
+def prefix_of(key: str) -> str:
+    """What S3 partitions on: the key up to its last ``/``."""
+    return key.rsplit("/", 1)[0] + "/" if "/" in key else "/"
+
+
+def peak_per_prefix(sends: list[tuple[str, str, float]], kinds: tuple[str, ...]
+                    ) -> tuple[int, str]:
+    """The most requests of ``kinds`` sent to one prefix within one second."""
+    buckets: Counter[tuple[str, int]] = Counter(
+        (prefix_of(key), int(t)) for kind, key, t in sends if kind in kinds)
+    if not buckets:
+        return 0, ""
+    (prefix, _), n = buckets.most_common(1)[0]
+    return n, prefix
+
+
+def upload_sends(objects: dict[int, list[tuple[str, int]]], bandwidth: float,
+                 part: int) -> list[tuple[str, str, float]]:
+    """When each request of each rank's uploads is sent: a rank sends its objects in
+    parallel, each at an equal share of ``bandwidth``, all ranks from time 0."""
+    sends = []
+    for objs in objects.values():
+        share = bandwidth / max(1, len(objs))
+        for key, size in objs:
+            sends += [(kind, key, frac * size / share) for kind, frac in s3_writes(size, part)]
+    return sends
+
+
+def download_sends(gets: dict[int, list[tuple[str, int]]], bandwidth: float
+                   ) -> list[tuple[str, str, float]]:
+    """When each GET is sent: a rank's GETs back to back at ``bandwidth``."""
+    sends = []
+    for reqs in gets.values():
+        t = 0.0
+        for key, size in reqs:
+            sends.append(("GET", key, t))
+            t += size / bandwidth
+    return sends
+
+
+# ------------------------------------------------------------------- running
+
+
+@dataclass
+class Phase:
+    """The requests one phase sent, and the full-size data requests it stands for."""
+
+    name: str
+    requests: list[Request]
+    data_keys: set[str] = field(default_factory=set)
+    data: dict[int, list[tuple[str, int]]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def by_rank(self, *, data: bool = False) -> dict[int | None, Counter[str]]:
+        """Per rank, its requests by kind: the data objects' (recorded at placeholder
+        size) when ``data``, else every other."""
+        out: dict[int | None, Counter[str]] = defaultdict(Counter)
+        for r in self.requests:
+            if (r.key in self.data_keys) == data:
+                out[r.rank][r.kind] += 1
+        return out
+
+
+@contextlib.contextmanager
+def coordinator_cpu(into: dict[str, float]) -> Iterator[None]:
+    """Thread CPU seconds rank 0 spends planning (DCP's global plan and cloudckpt's)
+    and committing (``finish``: .metadata, manifest), summed into ``into``."""
+    from cloudckpt.testing.threadranks import current_rank
+
+    targets = [(DefaultSavePlanner, "create_global_plan", "plan"),
+               (CloudStorageWriter, "prepare_global_plan", "plan"),
+               (CloudStorageWriter, "finish", "commit")]
+    saved = []
+    for cls, name, label in targets:
+        fn = getattr(cls, name)
+        saved.append((cls, name, fn))
+
+        def timed(self: Any, *a: Any, _fn: Callable[..., Any] = fn, _label: str = label,
+                  **k: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return _fn(self, *a, **k)
+            finally:
+                if current_rank() == 0:
+                    into[_label] = into.get(_label, 0.0) + time.thread_time() - start
+
+        setattr(cls, name, timed)
+    try:
+        yield
+    finally:
+        for cls, name, fn in saved:
+            setattr(cls, name, fn)
+
+
+def _run(world: ThreadWorld, name: str, fn: Callable[[int], Any]) -> Phase:
+    rec = recorder(BUCKET)
+    rec.take()
+    start = time.monotonic()
+    world.run(fn)
+    return Phase(name, rec.take(), seconds=time.monotonic() - start)
+
+
+def _quietly_read(store: Store, key: str) -> bytes:
+    data = store.get(key)
+    recorder(BUCKET).take()  # the simulation's own reads are not the job's
+    return data
+
+
+def written_files(store: Store, md: Metadata) -> dict[int, list[tuple[str, int]]]:
+    """Per rank, the data files of the DCP checkpoint at ``store`` (``md`` its
+    .metadata) with the size each would have at full scale: the bytes of the chunks
+    its items hold."""
+    full: dict[str, int] = defaultdict(int)
+    for index, info in md.storage_data.items():
+        tmd = md.state_dict_metadata[index.fqn]
+        chunks = getattr(tmd, "chunks", None)
+        if chunks is None:  # bytes: as written
+            full[info.relative_path] += info.length
+            continue
+        chunk = chunks[index.index] if index.index is not None else next(
+            c for c in chunks if c.offsets == index.offset)
+        full[info.relative_path] += math.prod(chunk.sizes) * 4
+    per_rank: dict[int, list[tuple[str, int]]] = defaultdict(list)
+    prefix = key_of(store, "")
+    for path, size in full.items():
+        rank = int(path.rsplit("/", 1)[-1].split("_")[2])
+        per_rank[rank].append((prefix + path, size))
+    return per_rank
+
+
+@dataclass
+class Result:
+    """What one simulated job asked of the bucket."""
+
+    ranks: int
+    phases: dict[str, Phase]
+    sizes: dict[str, int]
+    objects: dict[str, int]
+    cpu: dict[str, float]
+    peaks: dict[str, tuple[int, str]]
+    key_spread: int
+    items: int
+    prefixes: dict[str, str]
+    layout: str = "flat"
+
+
+def simulate(ranks: int, *, bandwidth: float = 1e9, layout: str = "flat") -> Result:
+    """A job of ``ranks`` ranks: two manager saves (the second's retention deletes the
+    first) and a resume; returns what each phase asked of the bucket."""
+    store = open_store(f"count://{BUCKET}/n{ranks}")
+    store.delete([o.key for o in store.list()])
+    recorder(BUCKET).take()
+    world = ThreadWorld(ranks)
+    states: dict[int, dict[str, Any]] = {}
+    phases: dict[str, Phase] = {}
+    cpu: dict[str, float] = {}
+    opts = ManagerOptions(keep_last=1)
+
+    def save(step: int) -> Callable[[int], None]:
+        def run(r: int) -> None:
+            state = states.setdefault(r, rank_state(r, ranks, layout))
+            with CheckpointManager(store.child("run"), opts) as mgr:
+                mgr.save(StepInfo(global_step=step, steps_per_epoch=1000), state,
+                         per_rank={"data": {"rank": r, "position": step}}, force=True)
+        return run
+
+    full_plans: dict[int, list[ReadItem]] = {}
+
+    def resume(r: int) -> None:
+        mgr = CheckpointManager(store.child("run"), opts)
+        info = mgr.restore(states.pop(r), per_rank={"data": {}},
+                           planner=ShardLoadPlanner(full_plans))
+        assert info is not None and info.global_step == 200, info
+
+    with world.patched(), memoised_placeholder_saves():
+        with coordinator_cpu(cpu):
+            phases["save"] = _run(world, "save", save(100))
+        phases["save + retention"] = _run(world, "save + retention", save(200))
+        phases["resume"] = _run(world, "resume", resume)
+
+    # The data objects at full scale, from the checkpoints' own .metadata (step 100's
+    # files had the same names and sizes; it is deleted by now).
+    model = store.child("run/step-200/model")
+    md_raw = _quietly_read(model, METADATA_NAME)
+    md = load_metadata(md_raw)
+    files = written_files(model, md)
+    phases["save + retention"].data = files
+    phases["save"].data = {r: [(k.replace("step-200", "step-100"), n) for k, n in f]
+                           for r, f in files.items()}
+    # Small items several ranks read are read once, by the coordinator (the reader's
+    # prepare_global_plan); each rank reads the rest of what it holds.
+    readers = Counter(i.storage_index for items in full_plans.values() for i in items)
+    shared = {i for i, n in readers.items()
+              if n > 1 and md.storage_data[i].length <= SHARED_ITEM_MAX}
+
+    def read(i: ReadItem) -> tuple[str, int, bool]:
+        info = md.storage_data[i.storage_index]
+        tensor = i.type == LoadItemType.TENSOR and i.storage_index not in shared
+        return (key_of(model, info.relative_path),
+                math.prod(i.lengths) * 4 if tensor else info.length, tensor)
+
+    phases["resume"].data = {
+        r: reader_gets([read(i) for i in items if i.storage_index not in shared]
+                       + ([read(i) for i in full_plans[0] if i.storage_index in shared]
+                          if r == 0 else []), store.part_size)
+        for r, items in full_plans.items()}
+    for ph in phases.values():
+        ph.data_keys = {k for objs in ph.data.values() for k, _ in objs}
+    part = store.part_size
+    peaks = {
+        "write": peak_per_prefix(upload_sends(phases["save"].data, bandwidth, part),
+                                 WRITE_KINDS),
+        "read": peak_per_prefix(download_sends(phases["resume"].data, bandwidth), READ_KINDS),
+    }
+    # The same save with every file in the checkpoint's own prefix, for comparison.
+    peaks["write, unspread"] = peak_per_prefix(upload_sends(
+        {r: [(key_of(model, k.rsplit("/", 1)[-1]), n) for k, n in f]
+         for r, f in files.items()}, bandwidth, part), WRITE_KINDS)
+    raw = {"DCP manifest": _quietly_read(model, MANIFEST_NAME),
+           "root manifest": _quietly_read(store.child("run/step-200"), MANIFEST_NAME),
+           ".metadata": md_raw}
+    sizes = {k: len(v) for k, v in raw.items()}
+    manifest, root = json.loads(raw["DCP manifest"]), json.loads(raw["root manifest"])
+    objects = {"dcp": len(manifest["files"]) + 1, "checkpoint": len(root["files"]) + 1}
+    prefixes = {"dcp": key_of(model, ""), "root": key_of(store.child("run"), "")}
+    return Result(ranks, phases, sizes, objects, cpu, peaks,
+                  int(manifest["metadata"]["dcp"].get("key_spread", 0)), len(md.storage_data),
+                  prefixes, layout)
+
+
+def key_of(store: Store, key: str) -> str:
+    """``key`` of ``store`` as the bucket sees it (what the recorder logs)."""
+    return store.root.strip("/").split("/", 1)[1] + "/" + key
+
+
+
+
+# -------------------------------------------------------------------- bounds
+
+
+def check_bounds(res: Result) -> list[str]:
+    """The bounds of docs/scale.md that ``res`` breaks (none, when all hold)."""
+    bad: list[str] = []
+    save, again, resume = res.phases["save"], res.phases["save + retention"], res.phases["resume"]
+    dcp, root = res.prefixes["dcp"], res.prefixes["root"]
+    # Saving: besides its data objects, a rank writes its own state file, nothing else;
+    # the coordinator's extra requests do not grow with the world size.
+    for ph in (save, again):
+        for r in range(1, res.ranks):
+            extra = [q for q in ph.requests if q.rank == r and q.key not in ph.data_keys]
+            if [(q.kind, q.key.rsplit("/", 1)[-1]) for q in extra] != [
+                    ("PUT", f"rank-{r:05d}.bin")]:
+                bad.append(f"{ph.name}: rank {r} sent {_fmt(Counter(q.kind for q in extra))} "
+                           "besides its data objects and its state file")
+                break
+    coordinator = save.by_rank().get(0, Counter())
+    if sum(coordinator.values()) > COORDINATOR_SAVE_MAX:
+        bad.append(f"save: the coordinator sent {_fmt(coordinator)} besides its data objects, "
+                   f"over {COORDINATOR_SAVE_MAX}")
+    commits = [q for q in save.requests if q.conditional and q.key.endswith(MANIFEST_NAME)]
+    if len(commits) != 2 or any(q.rank != 0 for q in commits):
+        bad.append(f"save: {len(commits)} create-only manifest writes, expected 2 (DCP part "
+                   "and root) by the coordinator")
+    # Resuming: only the coordinator lists and reads manifests, .metadata and shared
+    # state, each once per job; every other rank reads its own state file and data.
+    for r in range(1, res.ranks):
+        extra = [q for q in resume.requests if q.rank == r and q.key not in resume.data_keys
+                 and not q.key.startswith(dcp + "__") and "/__" not in q.key[len(dcp):]]
+        if [(q.kind, q.key.rsplit("/", 1)[-1]) for q in extra] != [
+                ("GET", f"rank-{r:05d}.bin")]:
+            bad.append(f"resume: rank {r} sent {[(q.kind, q.key) for q in extra][:6]} besides "
+                       "its data and its own state file")
+            break
+    for r in range(1, res.ranks):
+        theirs = [q.key for q in resume.requests if q.rank == r and q.key.endswith(".distcp")
+                  and not q.key.rsplit("/", 1)[-1].startswith(f"__{r}_")]
+        if theirs:
+            bad.append(f"resume: rank {r} read {len(theirs)} data objects of other ranks "
+                       f"(e.g. {theirs[0]}); it needs only its own")
+            break
+    once = {dcp + MANIFEST_NAME: res.sizes["DCP manifest"], dcp + METADATA_NAME:
+            res.sizes[".metadata"], root + "step-200/" + MANIFEST_NAME: res.sizes["root manifest"],
+            root + "step-200/state/shared.bin": None}
+    for key, size in once.items():
+        gets = [q for q in resume.requests if q.kind == "GET" and q.key == key]
+        got = sum(q.size for q in gets)
+        if not gets or any(q.rank != 0 for q in gets) or (size is not None and got != size):
+            bad.append(f"resume: {key} read by ranks {sorted({q.rank for q in gets})}, "
+                       f"{got} bytes in {len(gets)} GETs; expected once, by the coordinator")
+    lists = [q for q in resume.requests if q.kind == "LIST"]
+    if len(lists) > 1 or any(q.rank != 0 for q in lists):
+        bad.append(f"resume: {len(lists)} LISTs by ranks {sorted({q.rank for q in lists})}; "
+                   "expected one, by the coordinator")
+    # Request rates per prefix, and a manifest that can be read back.
+    if res.peaks["write"][0] > S3_WRITE_LIMIT:
+        bad.append(f"save: {res.peaks['write'][0]} PUT/POST a second on {res.peaks['write'][1]}, "
+                   f"over S3's {S3_WRITE_LIMIT}")
+    if res.peaks["read"][0] > S3_READ_LIMIT:
+        bad.append(f"resume: {res.peaks['read'][0]} GET a second on {res.peaks['read'][1]}, "
+                   f"over S3's {S3_READ_LIMIT}")
+    if res.sizes["DCP manifest"] > MAX_MANIFEST_BYTES:
+        bad.append(f"the DCP manifest is {res.sizes['DCP manifest']} bytes, over the "
+                   f"{MAX_MANIFEST_BYTES} a reader accepts")
+    return bad
+
+
+#: The most requests the coordinator of a save sends besides data objects, at any N.
+COORDINATOR_SAVE_MAX = 40
+
+
+# -------------------------------------------------------------------- report
+
+
+def _fmt(c: Counter[str]) -> str:
+    return " ".join(f"{k} {v}" for k, v in sorted(c.items())) or "-"
+
+
+def summary(res: Result) -> dict[str, Any]:
+    """The figures of one job, as plain data."""
+    part = DEFAULT_PART_SIZE
+
+    def per_rank_max(ph: Phase, rank_from: int) -> dict[str, int]:
+        ranks = range(rank_from, res.ranks) if rank_from else [0]
+        counts = ph.by_rank()
+        return dict(max((counts.get(r, Counter()) for r in ranks),
+                        key=lambda c: sum(c.values()), default=Counter()))
+
+    save_data = [sum(len(s3_writes(n, part)) for _, n in f)
+                 for f in res.phases["save"].data.values()]
+    read_data = [len(g) for g in res.phases["resume"].data.values()]
+    return {
+        "ranks": res.ranks, "layout": res.layout, "items": res.items, "objects": res.objects,
+        "key_spread": res.key_spread, "sizes": res.sizes,
+        "coordinator_cpu_s": {k: round(v, 2) for k, v in res.cpu.items()},
+        "peaks": {k: {"per_s": n, "prefix": p} for k, (n, p) in res.peaks.items()},
+        "save_data_requests_per_rank": max(save_data, default=0),
+        "resume_data_gets_per_rank": max(read_data, default=0),
+        "phases": {name: {
+            "seconds": round(ph.seconds, 1),
+            "coordinator": per_rank_max(ph, 0),
+            "other_rank_max": per_rank_max(ph, 1),
+        } for name, ph in res.phases.items()},
+        "violations": check_bounds(res),
+    }
+
+
+def _one(ranks: int, bandwidth: float, layout: str) -> dict[str, Any]:
+    start = time.monotonic()
+    out = summary(simulate(ranks, bandwidth=bandwidth, layout=layout))
+    out["wall_s"] = round(time.monotonic() - start, 1)
+    return out
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def table(rows: list[dict[str, Any]], bandwidth: float) -> str:
+    """The figures of every N, as a Markdown table."""
+    head = ["ranks", "items", "objects (DCP / all)", "sub-prefixes", ".metadata MiB",
+            "DCP manifest MiB", "root manifest KiB",
+            "save req/rank: data + other", "save req by coordinator (other)",
+            "save + retention, coordinator", "resume req/rank: data + other",
+            "resume req by coordinator (other)",
+            f"peak PUT/POST/s per prefix @{bandwidth / 1e9:g} GB/s (unspread)",
+            "peak GET/s per prefix", "coordinator CPU s: plan / commit", "simulated in s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in rows:
+        ph = s["phases"]
+        cells = [
+            s["ranks"], s["items"], f"{s['objects']['dcp']} / {s['objects']['checkpoint']}",
+            s["key_spread"] or "-", _mib(s["sizes"][".metadata"]),
+            _mib(s["sizes"]["DCP manifest"]), f"{s['sizes']['root manifest'] / 1024:.0f}",
+            f"{s['save_data_requests_per_rank']} + {sum(ph['save']['other_rank_max'].values())}",
+            _fmt(Counter(ph["save"]["coordinator"])),
+            _fmt(Counter(ph["save + retention"]["coordinator"])),
+            f"{s['resume_data_gets_per_rank']} + "
+            f"{sum(ph['resume']['other_rank_max'].values())}",
+            _fmt(Counter(ph["resume"]["coordinator"])),
+            f"{s['peaks']['write']['per_s']} ({s['peaks']['write, unspread']['per_s']})",
+            s["peaks"]["read"]["per_s"],
+            f"{s['coordinator_cpu_s'].get('plan', 0):.1f} / "
+            f"{s['coordinator_cpu_s'].get('commit', 0):.1f}",
+            s["wall_s"]]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 256, 1024])
+    ap.add_argument("--bandwidth", type=float, default=1e9, help="bytes/s per rank")
+    ap.add_argument("--layout", choices=LAYOUTS, default="flat",
+                    help="FSDP1 flat parameters (default) or FSDP2 per-parameter shards")
+    ap.add_argument("--json", action="store_true", help="end with a JSON summary line")
+    args = ap.parse_args(argv)
+    start = time.monotonic()
+    # One process per world size, two at a time (largest first): a simulation is one
+    # process's threads, so the second core runs the other sizes meanwhile.
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {n: pool.submit(_one, n, args.bandwidth, args.layout)
+                   for n in sorted(set(args.ranks), reverse=True)}
+        rows = [futures[n].result() for n in sorted(futures)]
+    print(table(rows, args.bandwidth))
+    failed = [f"N={s['ranks']}: {v}" for s in rows for v in s["violations"]]
+    print(f"\n{len(rows)} world sizes simulated in {time.monotonic() - start:.0f} s; "
+          f"bounds: {'all hold' if not failed else f'{len(failed)} broken'}")
+    for line in failed:
+        print("  BROKEN", line)
+    if args.json:
+        print(json.dumps({"bandwidth": args.bandwidth, "results": rows}))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
