@@ -122,3 +122,22 @@ def save_with_failing_rank(rank: int, world: int, uri: str, options: str, mode: 
 def barrier_ok(rank: int, world: int) -> bool:
     dist.barrier()
     return True
+
+
+def load_shared_and_compare(rank: int, world: int, uri: str, options: str, ref_path: str,
+                            how: str) -> bool:
+    """As load_and_compare, with the manifest and .metadata read once for the job:
+    through cloudckpt.dcp.load, or torch's dcp.load with share_metadata=True."""
+    import cloudckpt.dcp as cloud_dcp
+
+    model, optim = build(world)
+    train_steps(model, optim, steps=1)
+    msd, osd = get_state_dict(model, optim)
+    state = {"model": msd, "optim": osd}
+    if how == "cloudckpt":
+        cloud_dcp.load(state, uri, storage_options=json.loads(options))
+    else:
+        dcp.load(state, storage_reader=CloudStorageReader(
+            uri, storage_options=json.loads(options), share_metadata=True))
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return _equal(full_state(model, optim), torch.load(ref_path, weights_only=True))

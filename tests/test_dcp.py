@@ -311,3 +311,26 @@ def test_item_checksums_are_packed_and_older_manifests_still_load(s3):
     recommit({"item_crcs": {p: "not base64!" for p in packed}, "key_spread": 0})
     with pytest.raises(CorruptCheckpointError, match="item checksums .* malformed"):
         load_single(uri, s3.options)
+
+
+@pytest.mark.parametrize("how", ["cloudckpt", "torch"])
+def test_gloo_ranks_read_manifest_and_metadata_once_per_job(s3, moto_server, tmp_path, how):
+    """Three gloo ranks load (resharding a 2-rank save) through a proxy that logs every
+    request: the manifest and .metadata are read once in all, and nothing is listed;
+    through cloudckpt.dcp.load, or torch's dcp.load with share_metadata=True."""
+    from cloudckpt.testing import FaultProxy
+
+    uri, ref = s3.uri("w2"), str(tmp_path / "ref.pt")
+    run_ranks("dcp_workers.save_sharded", 2, uri, s3.options_json(), ref)
+    with FaultProxy(moto_server.endpoint) as proxy:
+        opts = json.loads(s3.options_json())
+        opts["endpoint_url"] = proxy.endpoint
+        assert run_ranks("dcp_workers.load_shared_and_compare", 3, uri, json.dumps(opts), ref,
+                         how) == {0: True, 1: True, 2: True}
+        prefix = uri.split("://", 1)[1].split("/", 1)[1]
+        gets = [r.target.split("?")[0] for r in proxy.request_log if r.method == "GET"]
+        assert sum(t.endswith(f"{prefix}/{MANIFEST_NAME}") for t in gets) == 1
+        assert sum(t.endswith(f"{prefix}/.metadata") for t in gets) == 1
+        assert all(t.endswith((MANIFEST_NAME, ".metadata", ".distcp")) for t in gets
+                   if prefix in t), gets
+        assert not [r for r in proxy.request_log if "list-type" in r.target]

@@ -133,3 +133,62 @@ def _partial():
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     return DefaultLoadPlanner(allow_partial_load=True)
+
+
+def test_a_failing_thread_rank_does_not_hang_the_others():
+    """A rank that raises before a collective breaks the world's barrier: the others
+    stop waiting at once, and run() raises the failing rank's error, not the echo."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from cloudckpt.testing.threadranks import ThreadWorld
+
+    world = ThreadWorld(4, timeout=60)
+
+    def body(rank: int) -> int:
+        if rank == 2:
+            raise ValueError("rank 2 failed")
+        out: list = []
+        dist.all_gather_object(out, rank)
+        return len(out)
+
+    start = time.monotonic()
+    with world.patched(), pytest.raises(ValueError, match="rank 2 failed"):
+        world.run(body)
+    assert time.monotonic() - start < 10
+    with world.patched():  # the world is usable again, and collectives are real
+        assert world.run(lambda r: dist.get_rank() + 10 * dist.get_world_size()) == [
+            40, 41, 42, 43]
+        gathered = world.run(lambda r: _gather(dist, r))
+    assert gathered == [[0, 1, 2, 3]] * 4
+    assert not dist.is_initialized()  # patched only inside the block
+    assert threading.active_count() < 50
+
+
+def _gather(dist, rank):
+    out: list = []
+    dist.all_gather_object(out, rank)
+    return out
+
+
+def test_counting_store_counts_pages_and_batches():
+    """A listing is one LIST per 1,000 keys and a delete one DELETE per 1,000 keys,
+    as S3 counts them; each request carries the rank that sent it."""
+    from cloudckpt.storage import open_store
+    from cloudckpt.testing.counting import recorder
+    from cloudckpt.testing.threadranks import ThreadWorld
+
+    store = open_store("count://pages-test/p")
+    store.put_many({f"o{i}": b"x" for i in range(2500)})
+    recorder("pages-test").take()
+    assert len(store.list()) == 2500
+    store.delete([f"o{i}" for i in range(2500)])
+    kinds = [q.kind for q in recorder("pages-test").take()]
+    assert kinds.count("LIST") == 3 and kinds.count("DELETE") == 3
+    world = ThreadWorld(3)
+    with world.patched():
+        world.run(lambda r: store.put_many({f"r{r}-{i}": b"y" for i in range(4)}))
+    by_rank = Counter(q.rank for q in recorder("pages-test").take())
+    assert by_rank == {0: 4, 1: 4, 2: 4}  # pool threads carry the rank along

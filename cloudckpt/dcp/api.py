@@ -17,7 +17,6 @@ from typing import Any
 
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
-from .. import coordination as coord
 from ..checkpoint import Checkpoint
 from ..errors import CloudCkptError, ConfigError, StateMismatchError, StorageError
 from ..state import refusal
@@ -145,11 +144,9 @@ def load(
     """
     import torch.distributed.checkpoint as dcp
 
-    reader = CloudStorageReader(uri, storage_options=storage_options)
-    found = coord.on_coordinator(lambda: (reader.read_metadata(), reader.checkpoint),
-                                 process_group)
-    assert found is not None
-    reader.prime(*found)
+    reader = CloudStorageReader(uri, storage_options=storage_options, share_metadata=True,
+                                process_group=process_group)
+    reader.read_metadata()  # manifest and metadata problems surface as our own errors
     with _unwrapped(f"loading {reader.uri}"):
         dcp.load(state_dict, storage_reader=reader, planner=planner,
                  process_group=process_group, no_dist=_no_dist())

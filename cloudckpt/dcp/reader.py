@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from .. import coordination as coord
 from ..checkpoint import Checkpoint, open_checkpoint
 from ..crc import Crc32c, crc32c_hex
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError
@@ -67,6 +68,11 @@ def _open_dcp(store: Store) -> Checkpoint:
 class CloudStorageReader(_OnStore, StorageReader):
     """DCP storage reader for a committed cloudckpt DCP checkpoint at any URI.
 
+    ``share_metadata=True`` has rank 0 of ``process_group`` (the group given to
+    ``dcp.load``; None: the default group) read the manifest and ``.metadata``
+    and share them, so a job reads them once instead of once per rank
+    (:func:`cloudckpt.dcp.load` does this for you).
+
     Byte ranges are fetched concurrently (adjacent items coalesced, large ones
     split), each item's bytes are checked against the CRC32C recorded at save
     time, and nothing is unpickled beyond DCP's own metadata types and
@@ -79,11 +85,15 @@ class CloudStorageReader(_OnStore, StorageReader):
         *,
         storage_options: Mapping[str, Any] | None = None,
         read_window: int = DEFAULT_READ_WINDOW,
+        share_metadata: bool = False,
+        process_group: Any = None,
     ) -> None:
         super().__init__()
         self.storage_options = dict(storage_options or {})
         self.store = as_store(uri, self.storage_options)
         self.read_window = read_window
+        self.share_metadata = share_metadata
+        self.process_group = process_group
         self.checkpoint: Checkpoint | None = None
         self._metadata: Metadata | None = None
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
@@ -103,17 +113,29 @@ class CloudStorageReader(_OnStore, StorageReader):
         return self.checkpoint
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checkpoint's ``.metadata`` (after its manifest). With ``share_metadata``,
+        rank 0 of ``process_group`` reads both and every rank gets them (its error,
+        if it fails): call it on every rank, as DCP's ``load`` does."""
         if self._metadata is None:
-            ckpt = self._ckpt()
-            md = load_metadata(ckpt.read(METADATA_NAME),
-                               source=ckpt.store.key_uri(METADATA_NAME))
-            if getattr(md, "storage_meta", None) is None:
-                md.storage_meta = StorageMeta()
-            self._metadata = md
+            if self.share_metadata:
+                found = coord.on_coordinator(self._read_metadata, self.process_group)
+                assert found is not None
+                self.prime(*found)
+            else:
+                self._read_metadata()
+        assert self._metadata is not None
         return self._metadata
 
+    def _read_metadata(self) -> tuple[Metadata, Checkpoint]:
+        ckpt = self._ckpt()
+        md = load_metadata(ckpt.read(METADATA_NAME), source=ckpt.store.key_uri(METADATA_NAME))
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        self._metadata = md
+        return md, ckpt
+
     def prime(self, metadata: Metadata, checkpoint: Checkpoint | None) -> None:
-        """Use the ``.metadata`` and manifest another rank read (and shared) instead of
+        """Use the ``.metadata`` and manifest (checkpoint) another rank read instead of
         reading them again: at a large world size, one read per job, not per rank."""
         self._metadata = metadata
         self.checkpoint = checkpoint or self.checkpoint
@@ -167,7 +189,7 @@ class CloudStorageReader(_OnStore, StorageReader):
             if item.req.storage_index in given:
                 item.raw = given[item.req.storage_index]
                 if item.target is not None:
-                    _deliver(item, item.raw, 0, self.uri)
+                    _deliver(item, bytearray(item.raw), 0, self.uri)
         # Large tensors go straight into their destinations. One of up to two parts
         # comes in one request whose first bytes say where the tensor lies; a larger
         # one is located by a read of its head, then fetched as parallel spans. The
