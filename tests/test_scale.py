@@ -138,7 +138,6 @@ def _partial():
 def test_a_failing_thread_rank_does_not_hang_the_others():
     """A rank that raises before a collective breaks the world's barrier: the others
     stop waiting at once, and run() raises the failing rank's error, not the echo."""
-    import threading
     import time
 
     import torch.distributed as dist
@@ -164,7 +163,6 @@ def test_a_failing_thread_rank_does_not_hang_the_others():
         gathered = world.run(lambda r: _gather(dist, r))
     assert gathered == [[0, 1, 2, 3]] * 4
     assert not dist.is_initialized()  # patched only inside the block
-    assert threading.active_count() < 50
 
 
 def _gather(dist, rank):
