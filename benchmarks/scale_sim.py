@@ -216,6 +216,8 @@ def memoised_placeholder_saves() -> Iterator[None]:
     same bytes: same tensor, same pickle); anything else is saved as usual."""
     real_save = torch.save
     cache: dict[tuple[int, int], bytes] = {}
+    for n in range(1, 3):
+        placeholder(n)
     ptrs = {t.data_ptr() for t in (*_PLACEHOLDERS.values(), _STEP)}
 
     def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
@@ -229,9 +231,6 @@ def memoised_placeholder_saves() -> Iterator[None]:
             return
         real_save(obj, f, *args, **kwargs)
 
-    for n in range(1, 3):
-        placeholder(n)
-    ptrs = {t.data_ptr() for t in (*_PLACEHOLDERS.values(), _STEP)}
     torch.save = save
     try:
         yield
@@ -298,14 +297,6 @@ def _as_placeholder(item: ReadItem) -> ReadItem:
     one = torch.Size((1,) * len(item.lengths))
     zeros = torch.Size((0,) * len(item.lengths))
     return ReadItem(item.type, item.dest_index, zeros, item.storage_index, zeros, one)
-
-
-def flat_state(rank: int, world: int) -> dict[str, Any]:
-    """The rank's state flattened as DCP flattens it (``optim.state.<fqn>.exp_avg``)."""
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-    flat, _ = flatten_state_dict(rank_state(rank, world))
-    return flat
 
 
 # ------------------------------------------------------------- request model
@@ -394,12 +385,11 @@ class Phase:
     data: dict[int, list[tuple[str, int]]] = field(default_factory=dict)
     seconds: float = 0.0
 
-    def by_rank(self, *, data: bool = False) -> dict[int | None, Counter[str]]:
-        """Per rank, its requests by kind: the data objects' (recorded at placeholder
-        size) when ``data``, else every other."""
+    def by_rank(self) -> dict[int | None, Counter[str]]:
+        """Per rank, its requests by kind, besides its data objects'."""
         out: dict[int | None, Counter[str]] = defaultdict(Counter)
         for r in self.requests:
-            if (r.key in self.data_keys) == data:
+            if r.key not in self.data_keys:
                 out[r.rank][r.kind] += 1
         return out
 
@@ -607,8 +597,7 @@ def check_bounds(res: Result) -> list[str]:
     # Resuming: only the coordinator lists and reads manifests, .metadata and shared
     # state, each once per job; every other rank reads its own state file and data.
     for r in range(1, res.ranks):
-        extra = [q for q in resume.requests if q.rank == r and q.key not in resume.data_keys
-                 and not q.key.startswith(dcp + "__") and "/__" not in q.key[len(dcp):]]
+        extra = [q for q in resume.requests if q.rank == r and q.key not in resume.data_keys]
         if [(q.kind, q.key.rsplit("/", 1)[-1]) for q in extra] != [
                 ("GET", f"rank-{r:05d}.bin")]:
             bad.append(f"resume: rank {r} sent {[(q.kind, q.key) for q in extra][:6]} besides "

@@ -134,11 +134,11 @@ class CloudStorageReader(_OnStore, StorageReader):
         self._metadata = md
         return md, ckpt
 
-    def prime(self, metadata: Metadata, checkpoint: Checkpoint | None) -> None:
+    def prime(self, metadata: Metadata, checkpoint: Checkpoint) -> None:
         """Use the ``.metadata`` and manifest (checkpoint) another rank read instead of
         reading them again: at a large world size, one read per job, not per rank."""
         self._metadata = metadata
-        self.checkpoint = checkpoint or self.checkpoint
+        self.checkpoint = checkpoint
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
@@ -196,13 +196,13 @@ class CloudStorageReader(_OnStore, StorageReader):
         # rest, and split items of another layout, are fetched with their neighbours.
         window = shared_window(self.read_window)
         split_above = 2 * self.store.part_size
-        large = [i for i in items if i.target is not None and i.info.length >= STREAM_MIN
-                 and i.raw is None]
+        todo = [i for i in items if i.raw is None]
+        large = [i for i in todo if i.target is not None and i.info.length >= STREAM_MIN]
         split = [i for i in large if i.info.length > split_above]
         self.store.map(self._locate, split)
         streamed = [i for i in split if i.saved is not None]
         apart = {id(i) for i in large} - {id(i) for i in split if i.saved is None}
-        whole = [i for i in items if id(i) not in apart and i.raw is None]
+        whole = [i for i in todo if id(i) not in apart]
         tasks: list[Callable[[], None]] = [
             functools.partial(self._fetch_group, path, start, end, members, window)
             for path, start, end, members in _coalesce(whole, self.store.part_size)]

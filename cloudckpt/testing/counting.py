@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -64,6 +65,18 @@ _RECORDERS: dict[str, Recorder] = {}
 _quiet = threading.local()
 
 
+@contextmanager
+def _quietly() -> Iterator[None]:
+    """Nothing this thread sends meanwhile is recorded (the primitives a recorded
+    request is made of)."""
+    was = getattr(_quiet, "on", False)
+    _quiet.on = True
+    try:
+        yield
+    finally:
+        _quiet.on = was
+
+
 def recorder(bucket: str) -> Recorder:
     """The recorder of ``count://bucket``, created on first use."""
     return _RECORDERS.setdefault(bucket, Recorder())
@@ -93,12 +106,8 @@ class CountingStore(MemoryStore):
 
     def _inner(self, fn: Any, *args: Any) -> Any:
         """Call the memory store's primitive without recording what it calls."""
-        was = getattr(_quiet, "on", False)
-        _quiet.on = True
-        try:
+        with _quietly():
             return fn(*args)
-        finally:
-            _quiet.on = was
 
     def _put(self, path: str, data: Buffer) -> str:
         self._note("PUT", path, len(memoryview(data).cast("B")))
@@ -123,13 +132,9 @@ class CountingStore(MemoryStore):
         return data, version
 
     def _iter_range(self, path: str, start: int, end: int, chunk: int) -> Iterator[bytes]:
-        self._note("GET", path, end - start)
-        was = getattr(_quiet, "on", False)
-        _quiet.on = True
-        try:
+        self._note("GET", path, end - start)  # one streamed GET, however many pieces
+        with _quietly():
             yield from super()._iter_range(path, start, end, chunk)
-        finally:
-            _quiet.on = was
 
     def _head(self, path: str) -> dict[str, Any] | None:
         self._note("HEAD", path)
