@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +22,8 @@ from .checkpoint import Checkpoint
 from .dcp.budget import BudgetStager, StagedState
 from .errors import ConfigError, CorruptCheckpointError
 from .listing import list_checkpoints
-from .retention import apply_retention, select_for_deletion  # noqa: F401 - re-exported
+from .pending import SaveFuture, run_in_background
+from .retention import Managed, apply_retention, select_for_deletion  # noqa: F401 - re-exported
 from .state import StepInfo
 from .storage import Store, as_store, open_store
 
@@ -115,7 +115,9 @@ class CheckpointManager:
 
     Call every method on every rank. With ``async_save`` the call returns once
     the state is staged to host memory; the next save, :meth:`wait` or
-    :meth:`close` raises any error of the background upload.
+    :meth:`close` raises any error of the background upload. A save still
+    running when the process ends is waited for, or reported with an ERROR and
+    the exit status (see :mod:`cloudckpt.pending`).
     """
 
     def __init__(self, root: str | Store, options: ManagerOptions | None = None, *,
@@ -125,13 +127,15 @@ class CheckpointManager:
         self._storage_options = dict(storage_options or {})
         self.store = as_store(root, storage_options)
         self.group = process_group
+        #: This manager's checkpoints: training checkpoints named by ``name_format``. Only
+        #: these are restored from or deleted by retention; others in the root are left be.
+        self.managed = Managed.from_format(training.KIND, self.options.name_format)
         self.schedule = SaveSchedule(self.options.every_steps, self.options.every_epochs,
                                      self.options.every_seconds, group=process_group)
         # Background saves run collectives on a group of their own.
         self._io_group = coord.new_cpu_group() if self.options.async_save else process_group
-        self._executor: ThreadPoolExecutor | None = None
         self._stager: BudgetStager | None = None
-        self._pending: Future[Checkpoint | None] | None = None
+        self._pending: SaveFuture | None = None
         self._closed = False
 
     @property
@@ -156,8 +160,9 @@ class CheckpointManager:
             return False
         self.wait()  # one save at a time; surfaces the previous one's error
         captured = training.capture_together(
-            step_info=step_info, shared={**dict(extra or {}), _SCHEDULE: self.schedule},
-            per_rank=per_rank, rng=rng, group=self.group)
+            app_state=state_dict, step_info=step_info,
+            shared={**dict(extra or {}), _SCHEDULE: self.schedule}, per_rank=per_rank, rng=rng,
+            group=self.group)
         name = self.options.name_format.format(step=step_info.global_step)
         if not self.options.async_save:
             self._write(name, state_dict, captured, step_info.global_step)
@@ -165,10 +170,9 @@ class CheckpointManager:
         if self._stager is None:
             self._stager = BudgetStager(self.options.staging_budget)
         staged = self._stager.stage(dict(state_dict))
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="cloudckpt-save")
-        self._pending = self._executor.submit(self._write, name, staged.state_dict, captured,
-                                              step_info.global_step, staged)
+        self._pending = run_in_background(
+            lambda: self._write(name, staged.state_dict, captured, step_info.global_step,
+                                staged), f"async save to {self.store.child(name).uri}")
         self._pending.add_done_callback(lambda _: staged.release())
         staged.wait()  # the tensors that did not fit in the budget are written
         return True
@@ -179,7 +183,8 @@ class CheckpointManager:
                                group=self._io_group, staged=staged)
         # Retention never fails a committed save: it warns and the next save retries.
         coord.on_coordinator(lambda: apply_retention(
-            self.store, self.options.keep_last, self.options.keep_every, keep=name),
+            self.store, self.options.keep_last, self.options.keep_every, number=self.managed,
+            keep=name),
             self._io_group)
         return ckpt
 
@@ -190,15 +195,13 @@ class CheckpointManager:
             pending.result()
 
     def close(self) -> None:
-        """Flush the pending save (raising its error) and release the background thread."""
+        """Flush the pending save (raising its error) and free the staging buffers."""
         if self._closed:
             return
         self._closed = True
         try:
             self.wait()
         finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
             if self._stager is not None:
                 self._stager.close()
 
@@ -211,9 +214,9 @@ class CheckpointManager:
     # ---------------------------------------------------------------- resuming
 
     def latest(self) -> Checkpoint | None:
-        """The newest committed checkpoint below the root (not checked further)."""
-        committed = list_checkpoints(self.store)
-        return committed[-1].open(self.store) if committed else None
+        """This manager's newest committed checkpoint below the root (not checked further)."""
+        own = [c for c in list_checkpoints(self.store) if self.managed(c) is not None]
+        return own[-1].open(self.store) if own else None
 
     def restore(self, state_dict: Mapping[str, Any], *, uri: str | None = None,
                 extra: Mapping[str, Any] | None = None,
@@ -259,10 +262,20 @@ class CheckpointManager:
         return None
 
     def _candidates(self, listed: dict[str, Checkpoint]) -> list[str]:
+        """This manager's committed checkpoints, newest first. Saves of its own that never
+        committed are WARNINGs; other kinds and names in the root are not its business."""
         listing = list_checkpoints(self.store, include_uncommitted=True)
+        own = []
         for c in listing:
-            if c.status in ("uncommitted", "unreadable"):
+            named = self.managed.number(c.name) is not None
+            if self.managed(c) is not None:
+                own.append(c)
+            elif named and c.status in ("uncommitted", "unreadable"):
                 log.warning("skipping %s: %s", c.uri,
                             c.error or "no manifest (a save that never committed)")
-        listed.update({c.name: c.open(self.store) for c in listing if c.committed})
-        return [c.name for c in reversed(listing) if c.committed]
+            else:
+                log.debug("not restoring from %s: not one of this manager's checkpoints "
+                          "(a %s %s)", c.uri, c.status,
+                          c.manifest.kind if c.manifest else "prefix")
+        listed.update({c.name: c.open(self.store) for c in own})
+        return [c.name for c in reversed(own)]

@@ -230,3 +230,33 @@ def check_restorable(where: str, value: Any, *, owner: Any = None) -> None:
             "(e.g. torchdata's StatefulDataLoader instead of a DataLoader), or its state as "
             "plain data. Nothing was saved.") from None
 
+
+
+def resolve_stateful(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with each top-level :class:`Stateful` replaced by its
+    ``state_dict()``, as ``dcp.save`` does: taken once, then checked and saved."""
+    return {k: v.state_dict() if isinstance(v, Stateful) and not isinstance(v, Mapping) else v
+            for k, v in state_dict.items()}
+
+
+def check_state_dict(state_dict: Mapping[str, Any], where: str = "state_dict") -> None:
+    """Refuse, before anything is written, a DCP state that a load could not restore.
+
+    Tensors (DTensors, sharded tensors, anything DCP writes as a tensor) pass; DCP
+    pickles every other leaf, and each must pass :func:`check_restorable` (a numpy
+    array, a DataLoader or a custom object does not). Raises :class:`ConfigError`
+    naming the key. Call on :func:`resolve_stateful`'s result.
+    """
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(dict(state_dict))
+    for key, value in flat.items():
+        if isinstance(value, torch.Tensor) or hasattr(value, "__create_write_items__"):
+            continue
+        if isinstance(value, Stateful):
+            raise ConfigError(
+                f"{where}[{key!r}] is a {type(value).__name__}: DCP calls state_dict() only "
+                "on the top-level values of the state, so it would be pickled whole and could "
+                "not be restored. Put it at the top level, or its state_dict() in its place. "
+                "Nothing was saved.")
+        check_restorable(f"{where}[{key!r}]", value)

@@ -36,9 +36,11 @@ from .state import (
     Stateful,
     StepInfo,
     check_restorable,
+    check_state_dict,
     dumps_state,
     get_rng_state,
     loads_state,
+    resolve_stateful,
     set_rng_state,
 )
 from .storage import Store, as_store
@@ -70,6 +72,7 @@ def _snapshot(kind: str, key: str, value: Any) -> Any:
 
 def capture(
     *,
+    app_state: Mapping[str, Any] | None = None,
     step_info: StepInfo | None = None,
     shared: Mapping[str, Any] | None = None,
     per_rank: Mapping[str, Any] | None = None,
@@ -78,8 +81,11 @@ def capture(
     """Snapshot stateful objects (``state_dict()``) and plain values, and the RNG state.
 
     Raises :class:`ConfigError` for a value that could be saved but never restored
-    (no ``state_dict()``, and not plain data or tensors), before anything is written.
+    (no ``state_dict()``, and not plain data or tensors), before anything is written;
+    ``app_state``, the model and optimizer state for the DCP part, is checked too.
     """
+    if app_state is not None:
+        check_state_dict(resolve_stateful(app_state))
     snap = Captured({k: _snapshot("extra", k, v) for k, v in (shared or {}).items()},
                     {k: _snapshot("per_rank", k, v) for k, v in (per_rank or {}).items()})
     if step_info is not None:

@@ -9,17 +9,17 @@ translate DCP's own complaint (a state that does not match the checkpoint).
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Future as ConcurrentFuture
 from contextlib import contextmanager
 from typing import Any
 
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
+from .. import coordination as coord
 from ..checkpoint import Checkpoint
 from ..errors import CloudCkptError, ConfigError, StateMismatchError, StorageError
-from ..state import refusal
+from ..pending import SaveFuture, run_in_background
+from ..state import check_state_dict, refusal, resolve_stateful
 from ..storage import Store
 from .budget import BudgetStager
 from .reader import CloudStorageReader
@@ -94,6 +94,14 @@ def _shape(torch_size: str) -> str:
     return f"({m[1]})" if m else torch_size
 
 
+def checked_state(state_dict: Mapping[str, Any], group: Any = None) -> dict[str, Any]:
+    """The state to save (stateful values as their ``state_dict()``), refused on every
+    rank of ``group`` if any rank's holds what a load could not restore."""
+    plain = resolve_stateful(state_dict)
+    coord.each_rank(lambda: check_state_dict(plain), group)
+    return plain
+
+
 def _no_dist() -> bool:
     import torch.distributed as dist
 
@@ -112,9 +120,14 @@ def save(
     **writer_options: Any,
 ) -> Checkpoint | None:
     """``dcp.save`` to ``uri`` with a :class:`CloudStorageWriter`; cloudckpt errors
-    are raised as themselves. Returns the committed checkpoint on the coordinator."""
+    are raised as themselves. Returns the committed checkpoint on the coordinator.
+
+    A state holding what a load could not restore (not tensors or plain data) raises
+    :class:`ConfigError` naming the key on every rank, before anything is written.
+    """
     import torch.distributed.checkpoint as dcp
 
+    state_dict = checked_state(state_dict, process_group)
     writer = CloudStorageWriter(uri, storage_options=storage_options, step=step,
                                 metadata=metadata, **writer_options)
     try:
@@ -167,7 +180,7 @@ def async_save(
     staging_budget: int | None = None,
     stager: BudgetStager | None = None,
     **writer_options: Any,
-) -> ConcurrentFuture:
+) -> SaveFuture:
     """Save with only staging on the caller's thread; the upload runs in the background.
 
     Up to ``staging_budget`` bytes of tensors (default: a quarter of the host's
@@ -178,31 +191,32 @@ def async_save(
     (a :class:`~cloudckpt.dcp.budget.BudgetStager`, which then sets the budget)
     to every save to reuse its host buffers. ``result()`` on the returned future
     returns the committed checkpoint on the coordinator (None elsewhere), or
-    raises what went wrong. Use a gloo process group (or ``cpu:gloo,cuda:nccl``)
-    for the background collectives.
+    raises what went wrong; a save still running when the process ends is waited
+    for, or reported (see :mod:`cloudckpt.pending`). Use a gloo process group (or
+    ``cpu:gloo,cuda:nccl``) for the background collectives.
     """
     import torch.distributed.checkpoint as dcp
 
     if stager is not None and staging_budget is not None:
         raise ConfigError("pass staging_budget or a stager (which has its own budget), not both")
+    state_dict = checked_state(state_dict, process_group)
     staged = (stager or BudgetStager(staging_budget)).stage(state_dict)
     writer = CloudStorageWriter(uri, storage_options=storage_options, step=step,
                                 metadata=metadata, staged=staged, **writer_options)
-    outer: ConcurrentFuture = ConcurrentFuture()
 
-    def run() -> None:
+    def run() -> Checkpoint | None:
         try:
             with _unwrapped(f"saving {writer.uri}"):
                 dcp.save(staged.state_dict, storage_writer=writer, planner=planner,
                          process_group=process_group, no_dist=_no_dist())
-        except BaseException as exc:  # noqa: BLE001 - surfaced on result()
+        except BaseException:
             writer.release_claim()
-            outer.set_exception(exc)
-        else:
-            outer.set_result(writer.committed)
+            raise
         finally:
             staged.release()
+        return writer.committed
 
-    threading.Thread(target=run, name="cloudckpt-async-save", daemon=True).start()
+    future = run_in_background(run, f"async save to {writer.uri}",
+                               name="cloudckpt-async-save")
     staged.wait()  # the tensors that did not fit in the budget are written
-    return outer
+    return future

@@ -13,7 +13,7 @@ from ... import coordination as coord
 from ...checkpoint import Checkpoint, CheckpointWriter
 from ...errors import CommitConflictError, ConfigError
 from ...manifest import MANIFEST_NAME
-from ...retention import apply_retention
+from ...retention import Managed, apply_retention
 from ...storage import Store, open_store
 from ...training import claim_prefix
 from .config import RunnerConfig, should_save
@@ -177,8 +177,9 @@ class RLinfCheckpointer:
 
         extra: dict[str, bytes | None] = {}
         for part, part_state in states.items():
-            cdcp.save(dict(part_state), store.child(f"{part}/{DCP_DIR}"),
-                      process_group=self.group, step=step)
+            with numpy_rng_allowed():  # RLinf's rng.numpy, as its load allows it
+                cdcp.save(dict(part_state), store.child(f"{part}/{DCP_DIR}"),
+                          process_group=self.group, step=step)
             model = model_part(part_state)
             if self.save_full_model_weights and model is not None:
                 # After the DCP part, as RLinf (base.py); gathered on every rank.
@@ -201,7 +202,7 @@ class RLinfCheckpointer:
         return coord.on_coordinator(commit, self.group, share=False)
 
     def _prune(self) -> None:
-        apply_retention(self.store, self.keep_last, number=_step_number)
+        apply_retention(self.store, self.keep_last, number=_OWN_STEPS)
 
     # -- resume -------------------------------------------------------------
 
@@ -251,7 +252,5 @@ def read_data_state(ckpt: Checkpoint) -> Any:
     return safe_torch_load(io.BytesIO(ckpt.read(DATA_PATH)), f"{ckpt.uri}/{DATA_PATH}")
 
 
-def _step_number(info: Any) -> int | None:
-    """The N of ``global_step_N`` (retention governs only RLinf's own steps)."""
-    m = _STEP_RE.match(info.name)
-    return int(m.group(1)) if m and info.step is not None else None
+#: Retention governs only RLinf's own checkpoints: kind ``rlinf``, named ``global_step_N``.
+_OWN_STEPS = Managed(KIND, _STEP_RE)
