@@ -321,3 +321,43 @@ def test_client_configured_by_env_vars_only(hub: HubServer, tmp_path: Path):
     assert hub.files(REPO)["extra.bin"] == b"x" * 2_000_000
     assert hub.commits(REPO)[-1]["lfs"] == ["extra.bin"]
     assert hub.commits(REPO)[-1]["parents"] == [oid]
+
+
+def test_replacing_commit_listing_at_a_revision_and_stale_parent(hub: HubServer, hf_cache: Path,
+                                                                  tmp_path: Path):
+    """What a push that replaces weights relies on: the file list at a revision, LFS files
+    deleted in the commit that adds their replacement, and ``parent_commit`` refused (412)
+    once the branch moved; a refused commit changes nothing."""
+    api, files, first = _create_and_upload(hub, tmp_path)
+    info = api.model_info(REPO, revision="main")
+    assert info.sha == first
+    assert sorted(s.rfilename for s in info.siblings) == sorted([*files, ".gitattributes"])
+    shard = os.urandom(1024)
+    second = api.create_commit(
+        REPO, [CommitOperationAdd("model-00001-of-00001.safetensors", shard),
+               CommitOperationDelete("model.safetensors")],
+        commit_message="Replace weights", parent_commit=first).oid
+    last = hub.commits(REPO)[-1]
+    assert (last["added"], last["deleted"]) == (["model-00001-of-00001.safetensors"],
+                                                ["model.safetensors"])
+    assert last["lfs"] == ["model-00001-of-00001.safetensors"]
+    assert "model.safetensors" not in api.list_repo_files(REPO)
+    assert "model.safetensors" in api.list_repo_files(REPO, revision=first)
+    assert "model.safetensors" in {s.rfilename for s in api.model_info(REPO, revision=first)
+                                   .siblings}
+    new = _read_tree(snapshot_download(REPO, endpoint=hub.endpoint, token=TOKEN,
+                                       cache_dir=hf_cache))
+    assert "model.safetensors" not in new
+    assert new["model-00001-of-00001.safetensors"] == shard
+
+    with pytest.raises(HfHubHTTPError) as err:  # the branch moved on since ``first``
+        api.create_commit(REPO, [CommitOperationDelete("config.json")],
+                          commit_message="Stale", parent_commit=first)
+    assert err.value.response.status_code == 412
+    with pytest.raises(HfHubHTTPError) as err:
+        api.create_commit(REPO, [CommitOperationAdd("a.txt", b"a"),
+                                 CommitOperationDelete("no-such.safetensors")],
+                          commit_message="Missing", parent_commit=second)
+    assert err.value.response.status_code == 404
+    assert err.value.response.headers["X-Error-Code"] == "EntryNotFound"
+    assert hub.refs(REPO)["main"] == second and "a.txt" not in hub.files(REPO)

@@ -43,9 +43,11 @@ def opts_args(backend) -> list[str]:
     return [a for k, v in backend.options.items() if k != "retry" for a in ("-o", f"{k}={v}")]
 
 
-def commit(backend, name: str, step: int, objects: dict[str, bytes] | None = None) -> dict:
+def commit(backend, name: str, step: int, objects: dict[str, bytes] | None = None, *,
+           kind: str = "generic") -> dict:
     objects = objects or {f"part-{i}.bin": os.urandom(2000 + i) for i in range(3)}
-    with CheckpointWriter(backend.uri(name), step=step, storage_options=backend.options) as w:
+    with CheckpointWriter(backend.uri(name), step=step, kind=kind,
+                          storage_options=backend.options) as w:
         w.put_many(objects)
     return objects
 
@@ -377,7 +379,8 @@ def test_no_credentials_are_said_as_such(s3, gcs, tmp_path):
 
 
 def test_push_with_a_bad_token_is_access_denied(memory, hub_server, capsys):
-    commit(memory, "export", 1, {"config.json": b"{}", "model.safetensors": b"x" * 100})
+    commit(memory, "export", 1, {"config.json": b"{}", "model.safetensors": b"x" * 100},
+           kind="hf")
     bad = ["push", memory.uri("export"), "org/model", "--endpoint", hub_server.endpoint]
     assert main([*bad, "--token", "hf_not_the_right_token"]) == 7
     err = capsys.readouterr().err
@@ -677,7 +680,8 @@ def test_more_user_errors_have_their_exit_codes(s3, memory, hub_server, capsys):
     from cloudckpt import CheckpointNotFoundError, WorldSizeError
     from cloudckpt.cli import _report
 
-    commit(memory, "export", 1, {"config.json": b"{}"})
+    commit(memory, "export", 1, {"config.json": b"{}", "model.safetensors": b"x" * 100},
+           kind="hf")
     assert main(["push", memory.uri("export"), "bad repo/id!", "--endpoint",
                  hub_server.endpoint, "--token", HUB_TOKEN]) == 2
     o = [f"endpoint_url={s3.options['endpoint_url']}"]

@@ -140,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--revision", default="main", help="branch to commit to (default: main)")
     sp.add_argument("--private", action="store_true", help="create the repo private")
     sp.add_argument("--create-pr", action="store_true", help="open a pull request")
+    sp.add_argument("--replace", action="store_true",
+                    help="delete, in the same commit, the weight files at the repo's root "
+                    "that the export does not have (*.safetensors, pytorch_model*.bin, "
+                    "*.index.json); without it such files make push refuse (exit 5)")
     sp.add_argument("--message", default=None, help="commit message")
     sp.add_argument("--endpoint", default=None,
                     help="Hub URL (default: HF_ENDPOINT, else huggingface.co)")

@@ -201,13 +201,15 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    from ..hub import push_to_hub
+    from ..hub import push
 
-    url = push_to_hub(args.uri, args.repo_id, revision=args.revision,
-                      private=True if args.private else None, create_pr=args.create_pr,
-                      commit_message=args.message, storage_options=args.options,
-                      endpoint=args.endpoint, token=args.token)
-    print(url)
+    done = push(args.uri, args.repo_id, revision=args.revision,
+                private=True if args.private else None, create_pr=args.create_pr,
+                replace=args.replace, commit_message=args.message,
+                storage_options=args.options, endpoint=args.endpoint, token=args.token)
+    for path in done.replaced:
+        print(f"replaced {path} (deleted in the same commit: the export does not have it)")
+    print(done.url)
     return EXIT_OK
 
 

@@ -5,7 +5,9 @@
 memory. It speaks the subset of the Hub API that ``huggingface_hub`` uses for
 ``create_repo``, ``repo_info``/``model_info``/``repo_exists``,
 ``create_commit``/``upload_file``/``upload_folder`` (preupload, Git LFS batch
-API with basic and multipart transfers, NDJSON commit, ``create_pr``),
+API with basic and multipart transfers, NDJSON commit with additions and file or
+folder deletions, ``parent_commit`` refused with 412 once the branch moved,
+``create_pr``),
 ``hf_hub_download``/``snapshot_download`` (``resolve`` with HEAD, GET and
 ranges, paginated ``tree`` listing), ``get_paths_info``, ``list_repo_refs``,
 ``list_repo_commits``, ``delete_repo`` and ``whoami``.
