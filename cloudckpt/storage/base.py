@@ -24,7 +24,7 @@ from ..crc import Buffer, crc32c_hex
 from ..errors import AccessDeniedError, BucketNotFoundError, CommitConflictError, ConfigError
 from . import conditional
 from .batch import BatchMixin
-from .keys import join_key, validate_key
+from .keys import collapse_slashes, join_key, validate_key
 from .objects import ObjectInfo, T, chunks, mtime_of, nbytes
 from .options import (
     DEFAULT_CONCURRENCY,
@@ -133,12 +133,13 @@ class Store(BatchMixin, RangeReadMixin, StorePrimitives):
 
     def child(self, prefix: str) -> Store:
         """A store rooted at ``prefix`` below this one, sharing filesystem and pool."""
+        prefix = collapse_slashes(prefix).strip("/")  # as split_uri normalises URIs
         if not prefix:
             return self
-        validate_key(prefix.strip("/"))
+        validate_key(prefix)
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
-        new.root = f"{self.root}/{prefix.strip('/')}"
+        new.root = f"{self.root}/{prefix}"
         return new
 
     # ----------------------------------------------------------- public API

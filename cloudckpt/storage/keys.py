@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import re
+
 from ..errors import ConfigError
+
+
+def collapse_slashes(path: str) -> str:
+    """``a//b///c`` -> ``a/b/c``: the one normalisation of prefixes (URIs and
+    ``Store.child``); object stores would keep empty components as keys that no
+    listing of ``a/b`` shows."""
+    return re.sub("/{2,}", "/", path)
 
 
 def validate_key(key: str) -> str:

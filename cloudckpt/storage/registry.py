@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
 from collections.abc import Mapping
 from typing import Any
 
 from ..errors import ConfigError
 from .base import Store
+from .keys import collapse_slashes
 from .options import STORE_OPTIONS, own_options, parse_options
 
 __all__ = ["STORE_OPTIONS", "as_store", "open_store", "parse_options", "register_backend",
@@ -33,18 +35,25 @@ def register_backend(scheme: str, target: str) -> None:
 
 
 def split_uri(uri: str) -> tuple[str, str]:
-    """``"s3://b/p"`` → ``("s3", "b/p")``; a plain path → ``("file", path)``."""
+    """``"s3://b/p"`` → ``("s3", "b/p")``; a plain path → ``("file", path)``.
+
+    The one normalisation of URIs that every write, listing and delete sees, so
+    they all name the same keys: repeated slashes collapse (``s3://b/run//step-1``
+    is ``s3://b/run/step-1``), and local paths take fsspec's meaning: ``~`` is the
+    home directory, and a relative path (``run``, ``file://rel/run``) is relative
+    to the working directory.
+    """
     if not isinstance(uri, str) or not uri.strip():
         raise ConfigError(f"invalid storage URI {uri!r}: expected e.g. s3://bucket/prefix")
-    if "://" not in uri:
-        return "file", uri
-    scheme, rest = uri.split("://", 1)
+    scheme, sep, rest = uri.partition("://")
+    if not sep:
+        scheme, rest = "file", uri
     scheme = scheme.lower()
     if scheme in ("file", "local"):
-        return "file", rest if rest.startswith("/") else "/" + rest
+        return "file", os.path.expanduser(collapse_slashes(rest))
     if not rest.strip("/"):
         raise ConfigError(f"invalid storage URI {uri!r}: no bucket or path after {scheme}://")
-    return scheme, rest.strip("/")
+    return scheme, collapse_slashes(rest).strip("/")
 
 
 def as_store(uri_or_store: str | Store,
