@@ -247,6 +247,10 @@ class _TrackedWriter(CloseOnExit):
     def write(self, data: Buffer) -> int:
         return self._w.write(data)
 
+    @property
+    def failure(self) -> BaseException | None:  # type: ignore[override]
+        return self._w.failure
+
     def flush(self) -> None:
         """Nothing to do (parts go up as they fill): lets ``torch.save(obj, f)`` and
         other writers that flush use it as a file."""

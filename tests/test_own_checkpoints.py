@@ -8,8 +8,13 @@ import logging
 
 import torch
 
-from cloudckpt import CheckpointManager, CheckpointWriter, ManagerOptions, StepInfo
-from cloudckpt import list_checkpoints
+from cloudckpt import (
+    CheckpointManager,
+    CheckpointWriter,
+    ManagerOptions,
+    StepInfo,
+    list_checkpoints,
+)
 from cloudckpt.retention import Managed
 
 

@@ -27,16 +27,29 @@ from .writer import CloudStorageWriter
 
 
 @contextmanager
-def _unwrapped(what: str) -> Iterator[None]:
+def _unwrapped(what: str, group: Any = None) -> Iterator[None]:
     """DCP wraps every rank's failure in ``CheckpointException`` (a BaseException, which
     ``except Exception`` misses); raise a cloudckpt error instead, so callers can catch
-    ours: the first cloudckpt error inside, else :func:`_translate`'s."""
+    ours: the first cloudckpt error inside, else :func:`_translate`'s. An interrupt of
+    this rank (Ctrl-C, ``SystemExit``) is raised as itself, so the caller's ``except
+    KeyboardInterrupt`` runs; another rank's interrupt is a :class:`StorageError`."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         yield
     except CheckpointException as exc:
+        own = _own_interrupt(exc, coord.rank(group))
+        if own is not None:
+            raise own from None
         raise _ours(exc) or _translate(exc, what) from exc
+
+
+def _own_interrupt(exc: BaseException, rank: int) -> BaseException | None:
+    """This rank's failure inside ``exc`` when it is not an ``Exception``."""
+    for r, inner in _failures(exc):
+        if r == rank and not isinstance(inner, Exception):
+            return inner
+    return None
 
 
 def _failures(exc: BaseException) -> list[tuple[int, BaseException]]:
@@ -131,7 +144,7 @@ def save(
     writer = CloudStorageWriter(uri, storage_options=storage_options, step=step,
                                 metadata=metadata, **writer_options)
     try:
-        with _unwrapped(f"saving {writer.uri}"):
+        with _unwrapped(f"saving {writer.uri}", process_group):
             dcp.save(state_dict, storage_writer=writer, planner=planner,
                      process_group=process_group, no_dist=_no_dist())
     except BaseException:
@@ -160,7 +173,7 @@ def load(
     reader = CloudStorageReader(uri, storage_options=storage_options, share_metadata=True,
                                 process_group=process_group)
     reader.read_metadata()  # manifest and metadata problems surface as our own errors
-    with _unwrapped(f"loading {reader.uri}"):
+    with _unwrapped(f"loading {reader.uri}", process_group):
         dcp.load(state_dict, storage_reader=reader, planner=planner,
                  process_group=process_group, no_dist=_no_dist())
 
@@ -206,7 +219,7 @@ def async_save(
 
     def run() -> Checkpoint | None:
         try:
-            with _unwrapped(f"saving {writer.uri}"):
+            with _unwrapped(f"saving {writer.uri}", process_group):
                 dcp.save(staged.state_dict, storage_writer=writer, planner=planner,
                          process_group=process_group, no_dist=_no_dist())
         except BaseException:

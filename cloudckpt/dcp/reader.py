@@ -174,8 +174,8 @@ class CloudStorageReader(_OnStore, StorageReader):
         try:
             given = plan.storage_data.items if isinstance(plan.storage_data, _Prefetched) else {}
             self._read(plan.items, planner, given)
-        except BaseException as exc:  # noqa: BLE001 - handed to DCP through the future
-            fut.set_exception(exc)
+        except Exception as exc:  # noqa: BLE001 - handed to DCP through the future
+            fut.set_exception(exc)  # (an interrupt propagates: a torch Future cannot hold it)
             return fut
         fut.set_result(None)
         return fut

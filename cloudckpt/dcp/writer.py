@@ -193,8 +193,8 @@ class CloudStorageWriter(_OnStore, StorageWriter):
                 results += [r for rs in per_file for r in rs]
                 if self.staged is not None and k == 0:
                     self.staged.release()  # the live tensors are written: training may go on
-        except BaseException as exc:  # noqa: BLE001 - handed to DCP through the future
-            fut.set_exception(exc)
+        except Exception as exc:  # noqa: BLE001 - handed to DCP through the future
+            fut.set_exception(exc)  # (an interrupt propagates: a torch Future cannot hold it)
             return fut
         finally:
             if self.staged is not None:

@@ -14,11 +14,12 @@ import contextvars
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from ..crc import Buffer
 from .objects import ObjectInfo, T
+from .stopping import Stopped, task_context
 
 _worker = threading.local()
 
@@ -29,6 +30,16 @@ def _in_worker(fn: Callable[[Any], T], item: Any) -> T:
         return fn(item)
     finally:
         _worker.active = False
+
+
+def _first(errors: list[BaseException]) -> BaseException:
+    """The error a failed batch raises: an interrupt of the caller first, then the first
+    task's own failure, not the :class:`Stopped` of the tasks that gave up after it."""
+    for exc in errors:
+        if not isinstance(exc, Exception):
+            return exc
+    given_up = (Stopped, CancelledError)
+    return next((e for e in errors if not isinstance(e, given_up)), errors[0])
 
 
 class BatchMixin:
@@ -64,21 +75,32 @@ class BatchMixin:
             # Inline inside a pool thread: nested batches must not wait on the
             # pool they occupy (that deadlocks once every worker waits).
             return [fn(i) for i in items]
-        # Each task runs in a copy of the caller's context (its context variables:
-        # who asked, for logging and request accounting).
-        futures = [self._executor().submit(contextvars.copy_context().run, _in_worker, fn, i)
+        # Each task runs in a copy of the caller's context (its context variables: who
+        # asked, for logging and request accounting), with the batch's stop flag.
+        stop = threading.Event()
+        futures = [self._executor().submit(task_context(stop).run, _in_worker, fn, i)
                    for i in items]
         results: list[T] = []
-        error: BaseException | None = None
+        errors: list[BaseException] = []
         for f in futures:
-            try:
-                results.append(f.result())
-            except BaseException as exc:  # noqa: BLE001 - re-raised below
-                error = error or exc
-                for g in futures:
-                    g.cancel()
-        if error is not None:
-            raise error
+            while True:
+                try:
+                    results.append(f.result())
+                except BaseException as exc:  # noqa: BLE001 - re-raised below
+                    # Failed, or this caller interrupted (Ctrl-C): the others stop at
+                    # their next piece, and are waited for.
+                    errors.append(exc)
+                    stop.set()
+                    for g in futures:
+                        g.cancel()
+                    interrupts = sum(not isinstance(e, Exception) for e in errors)
+                    if not f.done() and interrupts < 2:
+                        continue  # interrupted while waiting for f: wait for it to stop
+                    if interrupts >= 2:
+                        raise  # interrupted again: stop waiting
+                break
+        if errors:
+            raise _first(errors)
         return results
 
     def put_many(self, items: Mapping[str, Buffer]) -> dict[str, ObjectInfo]:

@@ -225,7 +225,14 @@ class PartWriter(RawWriter):
                 raise StorageError(f"write of {self._path} was aborted")
             return fn()
 
-        return self._store.retry.call(attempt, op=op, key=self._path)
+        try:
+            return self._store.retry.call(attempt, op=op, key=self._path)
+        except FileNotFoundError as exc:
+            # Not found, on a write: the bucket is gone (check_bucket raises
+            # BucketNotFoundError), or the store forgot the upload (a restart).
+            self._store.check_bucket()
+            raise StorageError(f"{op} {self._path} failed: the store no longer knows this "
+                               f"upload ({exc}); was it restarted? Save again") from exc
 
     def _reserve(self, n: int) -> None:
         if self._held == 0:

@@ -27,6 +27,7 @@ from ..errors import (
     DiskFullError,
     StorageError,
 )
+from .stopping import check_stop
 
 log = logging.getLogger("cloudckpt.storage")
 
@@ -79,8 +80,13 @@ class RetryPolicy:
             before_sleep=lambda rs: _log_retry(rs, op, key, self.max_attempts),
             reraise=True,
         )
+
+        def attempt() -> T:
+            check_stop()  # a failed or interrupted batch starts no more requests
+            return fn()
+
         try:
-            return retrying(fn)
+            return retrying(attempt)
         except (CloudCkptError, FileNotFoundError, FileExistsError, EOFError):
             raise
         except Exception as exc:  # noqa: BLE001 - every other failure is a storage failure

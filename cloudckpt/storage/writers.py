@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..crc import Buffer, Crc32c
 from .objects import ObjectInfo, nbytes
+from .stopping import check_stop
 
 if TYPE_CHECKING:
     from .base import Store
@@ -51,7 +52,16 @@ class RawWriter(ABC):
 
 class CloseOnExit:
     """As a context manager: ``close()`` when the block succeeds, ``abort()`` when it
-    raises, so a failed write never becomes a visible object."""
+    raises, so a failed write never becomes a visible object.
+
+    When a write itself failed (the bucket is gone, Ctrl-C) and the block ends in
+    another error, the write's error is raised instead: serialisers such as
+    ``torch.save`` report a failed ``write`` as their own ("unexpected pos"),
+    hiding the cause.
+    """
+
+    #: The error the last ``write`` raised, if any.
+    failure: BaseException | None = None
 
     def close(self) -> Any:
         raise NotImplementedError
@@ -65,8 +75,11 @@ class CloseOnExit:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is None:
             self.close()
-        else:
-            self.abort()
+            return
+        self.abort()
+        cause = self.failure
+        if cause is not None and cause is not exc:
+            raise cause
 
 
 class ObjectWriter(CloseOnExit):
@@ -89,8 +102,13 @@ class ObjectWriter(CloseOnExit):
             raise ValueError(f"write to closed writer for {self.key}")
         n = nbytes(data)
         if n:
-            self._crc.update(data)
-            self._raw.write(data)
+            try:
+                check_stop()  # the batch this write belongs to failed or was interrupted
+                self._crc.update(data)
+                self._raw.write(data)
+            except BaseException as exc:
+                self.failure = exc
+                raise
         return n
 
     def writable(self) -> bool:

@@ -1,0 +1,52 @@
+"""A sync save that the parent interrupts with SIGINT (Ctrl-C).
+
+Usage: sigint_child.py HOW URI, storage options as JSON in CKPT_OPTIONS; HOW is
+``dcp`` (cloudckpt.dcp.save) or ``manager`` (a CheckpointManager's sync save).
+Prints "ready" just before the save starts, then one line: "interrupted SECONDS"
+when the save raised KeyboardInterrupt (the seconds since the save began),
+"saved" when it completed, or "other NAME: MESSAGE" for any other exception.
+With CATCH=0 in the environment the KeyboardInterrupt is not caught.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+import cloudckpt.dcp as cdcp
+from cloudckpt import CheckpointManager, StepInfo
+
+
+def main() -> None:
+    how, uri = sys.argv[1], sys.argv[2]
+    options = json.loads(os.environ.get("CKPT_OPTIONS", "{}"))
+    state = {f"t{i}": torch.full((512, 1024), float(i)) for i in range(16)}  # 32 MiB
+    print("ready", flush=True)
+    start = time.monotonic()
+
+    def save() -> None:
+        if how == "manager":
+            CheckpointManager(uri, storage_options=options).save(StepInfo(), state, force=True)
+        else:
+            cdcp.save(state, uri, storage_options=options)
+
+    if os.environ.get("CATCH") == "0":
+        save()
+        print("saved", flush=True)
+        return
+    try:
+        save()
+    except KeyboardInterrupt:
+        print(f"interrupted {time.monotonic() - start:.3f}", flush=True)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        print(f"other {type(exc).__name__}: {exc}", flush=True)
+    else:
+        print("saved", flush=True)
+
+
+if __name__ == "__main__":
+    main()

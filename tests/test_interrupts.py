@@ -1,0 +1,96 @@
+"""Ctrl-C during a sync save is a KeyboardInterrupt, promptly, after the save's
+cleanup: never a StorageError, never swallowed, and nothing is committed. Real
+child processes save to moto over HTTP (through a proxy that slows each request,
+so the save is still uploading when the signal comes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cloudckpt import list_checkpoints, open_store
+from cloudckpt.testing import FaultPlan, FaultProxy
+
+HERE = Path(__file__).parent
+CHILD = str(HERE / "sigint_child.py")
+
+
+def _start(how: str, uri: str, options: dict, **env: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, CHILD, how, uri], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env={**os.environ, "CKPT_OPTIONS": json.dumps(options),
+                        "PYTHONPATH": str(HERE.parent), **env})
+
+
+@pytest.fixture
+def slow(s3, moto_server):
+    """Options reaching moto through a proxy adding 50 ms to every request."""
+    with FaultProxy(moto_server.endpoint, FaultPlan(latency_s=0.05)) as proxy:
+        options = {**json.loads(s3.options_json()), "endpoint_url": proxy.endpoint}
+        yield proxy, options
+
+
+def _interrupt(proc: subprocess.Popen, when: threading.Event | float) -> tuple[str, float]:
+    """SIGINT ``proc`` once ``when`` is set (or after that many seconds past "ready");
+    return its last line and the seconds from the signal to that line."""
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    if isinstance(when, threading.Event):
+        assert when.wait(60), "the save never reached the point to interrupt"
+    else:
+        time.sleep(when)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    line = proc.stdout.readline().strip()
+    took = time.monotonic() - sent
+    proc.communicate(timeout=60)
+    return line, took
+
+
+def _nothing_committed(s3) -> bool:
+    return list_checkpoints(s3.root, s3.options) == [] and not any(
+        o.key.endswith("cloudckpt-manifest.json")
+        for o in open_store(s3.root, s3.options).list(internal=True))
+
+
+@pytest.mark.parametrize("how", ["dcp", "manager"])
+def test_ctrl_c_mid_upload_is_a_prompt_keyboard_interrupt(s3, slow, how):
+    proxy, options = slow
+    uploading = threading.Event()
+    proxy.on_request = lambda method, target: (
+        uploading.set() if method in ("PUT", "POST") and ".distcp" in target else None)
+    proc = _start(how, s3.uri("ckpt"), options)
+    line, took = _interrupt(proc, uploading)
+    assert line.startswith("interrupted"), line
+    assert took < 3.0, f"KeyboardInterrupt came {took:.1f} s after the signal"
+    assert proc.returncode == 0
+    assert _nothing_committed(s3)
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.02, 0.05, 0.1])
+def test_ctrl_c_in_the_first_moments_of_a_save_is_never_swallowed(s3, slow, delay):
+    _, options = slow
+    proc = _start("manager", s3.uri("ckpt"), options)
+    line, took = _interrupt(proc, delay)
+    assert line.startswith("interrupted"), line
+    assert took < 3.0, took
+    assert _nothing_committed(s3)
+
+
+def test_an_uncaught_ctrl_c_ends_the_process_as_sigint(s3, slow):
+    _, options = slow
+    proc = _start("dcp", s3.uri("ckpt"), options, CATCH="0")
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGINT, err
+    assert "KeyboardInterrupt" in err and "StorageError" not in err, err
+    assert "saved" not in out
