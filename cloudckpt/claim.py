@@ -33,7 +33,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from .errors import CommitConflictError, NotACheckpointError
@@ -106,16 +106,35 @@ def _whoami() -> dict[str, Any]:
             "pid_ns": _pid_namespace()}
 
 
+def this_process() -> dict[str, Any]:
+    """This process, as records of ownership name it (a claim, a staging marker):
+    enough for :func:`process_gone` to judge later that it no longer runs."""
+    pid = os.getpid()
+    return {**_whoami(), "pid": pid, "started_ticks": _start_ticks(pid)}
+
+
+def _here(record: Mapping[str, Any]) -> bool:
+    return all(record.get(k) == v for k, v in _whoami().items())
+
+
+def process_gone(record: Mapping[str, Any]) -> bool:
+    """Whether the process a :func:`this_process` record names provably no longer runs:
+    it ran on this host, boot and pid namespace, and its pid is free or now belongs
+    to a process started later. Anything unknown means it may still run."""
+    pid = record.get("pid")
+    if not _here(record) or isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+        return False
+    if not _pid_alive(pid):
+        return True
+    started = record.get("started_ticks")
+    return started is not None and _start_ticks(pid) not in (None, started)
+
+
 def _holder_gone(record: dict[str, Any]) -> bool:
     """Whether the writer that made ``record`` provably no longer runs."""
     if record.get("abandoned"):
         return True
-    if any(record.get(k) != v for k, v in _whoami().items()):
-        return False
-    pid = record.get("pid")
-    if not isinstance(pid, int):
-        return False
-    if pid == os.getpid():
+    if record.get("pid") == os.getpid() and _here(record):
         with _live_lock:
             if record.get("writer") not in _live:
                 return True
@@ -125,10 +144,7 @@ def _holder_gone(record: dict[str, Any]) -> bool:
         gc.collect()
         with _live_lock:
             return record.get("writer") not in _live
-    if not _pid_alive(pid):
-        return True
-    started = record.get("started_ticks")
-    return started is not None and _start_ticks(pid) not in (None, started)
+    return process_gone(record)
 
 
 def _describe(record: dict[str, Any]) -> str:
@@ -314,9 +330,7 @@ class WriterClaim:
 
 
 def _record(writer: str, **extra: Any) -> bytes:
-    pid = os.getpid()
-    return json.dumps({"writer": writer, **_whoami(), "pid": pid,
-                       "started_ticks": _start_ticks(pid), "since": time.time(),
+    return json.dumps({"writer": writer, **this_process(), "since": time.time(),
                        **extra}).encode()
 
 

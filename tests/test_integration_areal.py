@@ -341,3 +341,124 @@ def test_saver_reexport_after_a_restart(s3):
     relaunched.save(engine, 0, 1, 1)
     assert relaunched.last_export == torn
     open_checkpoint(torn, s3.options).verify(deep=True)
+
+
+# ------------------------------------------- before training: the bucket, the trial
+
+
+def test_missing_bucket_is_refused_before_training(s3, caplog):
+    """A misspelt bucket fails at construction, naming it and what to do; it does not
+    read as an empty trial ("starting from scratch") and die at the first save."""
+    from cloudckpt.errors import BucketNotFoundError
+
+    caplog.set_level(logging.INFO, logger="cloudckpt")
+    bad = {"fileroot": "s3://no-such-bucket-areal/experiments"}
+    saver_cfg, recover_cfg = configs(s3)
+    for cls, cfg in ((areal.Saver, replace(saver_cfg, **bad)),
+                     (areal.RecoverHandler, replace(recover_cfg, **bad))):
+        with pytest.raises(BucketNotFoundError) as err:
+            cls(cfg, 6, storage_options=s3.options)
+        text = str(err.value)
+        assert "s3://no-such-bucket-areal" in text and f"{type(cfg).__name__}.fileroot" in text
+        assert "create the bucket" in text
+    assert "starting from scratch" not in caplog.text
+    # The example trainer stops before its first step, with that error.
+    run = subprocess.run(_cmd(s3, "t0")[:2] + ["--fileroot", bad["fileroot"],
+                                               "--storage-options", s3.options_json()],
+                         capture_output=True, text=True, env=_env(), timeout=120)
+    assert run.returncode != 0 and "step 0" not in run.stdout, run.stdout
+    assert "BucketNotFoundError" in run.stderr and "no-such-bucket-areal" in run.stderr
+
+
+def _cli_opts(backend) -> list[str]:
+    return [a for k, v in backend.options.items() if k != "retry" for a in ("-o", f"{k}={v}")]
+
+
+def _areal_trial_in_bucket(s3, tmp_path, trial: str) -> tuple[str, dict]:
+    """A trial in AReaL's own layout, copied into the bucket object by object as
+    `aws s3 sync` does (no manifests): an export and a recover dump of step 2.
+    Returns its URI and the weights dumped."""
+    from cloudckpt.cli import main as cloudckpt_cli
+
+    saver_cfg, recover_cfg = configs(s3, trial)
+    local = {"fileroot": str(tmp_path / "disk"), "freq_steps": 3, "freq_epochs": None,
+             "freq_secs": None}
+    saver_cfg, recover_cfg = replace(saver_cfg, **local), replace(recover_cfg, **local)
+    model, optim = _tiny()
+    engine = areal.Engine(model, optim, hf_config={"model_type": "linear-test"})
+    saver, handler = areal.Saver(saver_cfg, 6), areal.RecoverHandler(recover_cfg, 6)
+    for step in range(3):
+        _train(model, optim, 1)
+        saver.save(engine, 0, step, step)
+        handler.dump(engine, StepInfo(0, step, step, 6), saver, None, None, None)
+    on_disk = tmp_path / "areal-layout"
+    assert cloudckpt_cli(["download", areal.save_root(saver_cfg), str(on_disk)]) == 0
+    uri = areal.save_root(configs(s3, trial)[0])
+    store = open_store(uri, s3.options)
+    for path in sorted(p for p in on_disk.rglob("*") if p.is_file()):
+        if path.name != "cloudckpt-manifest.json":
+            store.put_file(path.relative_to(on_disk).as_posix(), path)
+    return uri, _params(model)
+
+
+def test_synced_areal_trial_is_refused_until_adopted(s3, tmp_path, caplog):
+    from cloudckpt.errors import IncompleteCheckpointError
+    from cloudckpt.integrations.areal.__main__ import main as areal_cli
+
+    uri, weights = _areal_trial_in_bucket(s3, tmp_path, "synced")
+    store = open_store(uri, s3.options)
+    theirs = {o.key: store.get(o.key) for o in store.list()}
+    assert "recover_info/step_info.json" in theirs and "slot-pointer.json" not in theirs
+    saver_cfg, recover_cfg = configs(s3, "synced")
+    with pytest.raises(IncompleteCheckpointError) as err:
+        areal.RecoverHandler(recover_cfg, 6, storage_options=s3.options)
+    assert f"python -m cloudckpt.integrations.areal adopt {uri}" in str(err.value)
+
+    assert areal_cli(["adopt", uri, *_cli_opts(s3)]) == 0
+    assert {k: store.get(k) for k in theirs} == theirs  # AReaL's objects stay as they were
+    fresh, fresh_optim = _tiny(seed=1)
+    caplog.set_level(logging.WARNING, logger="cloudckpt")
+    got = areal.RecoverHandler(recover_cfg, 6, storage_options=s3.options).load(
+        areal.Engine(fresh, fresh_optim), None, None, None, None)
+    assert got.last_step_info.global_step == 2 and _same(_params(fresh), weights)
+    assert "starting from scratch" not in caplog.text
+    assert [c.uri.rsplit("/", 1)[1] for c in areal.list_exports(
+        saver_cfg, storage_options=s3.options)] == ["epoch0epochstep2globalstep2"]
+    assert areal_cli(["adopt", uri, *_cli_opts(s3)]) == 2  # once is enough
+
+
+def test_adopt_refuses_an_unfinished_areal_dump(s3, tmp_path):
+    from cloudckpt.errors import CorruptCheckpointError
+    from cloudckpt.integrations.areal.__main__ import main as areal_cli
+    from cloudckpt.slot import RecoverSlot
+
+    uri, _ = _areal_trial_in_bucket(s3, tmp_path, "torn")
+    store = open_store(uri, s3.options)
+    shard = "default/recover_checkpoint/__0_0.distcp"
+    store.put(shard, store.get(shard)[:100])  # AReaL overwrote it in place, and died
+    store.delete(["recover_info/dataloader_info.pkl"])
+    with pytest.raises(CorruptCheckpointError) as err:
+        areal.adopt_trial(uri, storage_options=s3.options)
+    assert set(err.value.problems) == {shard, "recover_info/dataloader_info.pkl"}
+    assert "short" in err.value.problems[shard]
+    assert not RecoverSlot(uri, storage_options=s3.options).exists()
+    assert areal_cli(["adopt", s3.uri("nothing-here"), *_cli_opts(s3)]) == 3
+
+
+def test_export_of_a_plain_module_needs_hf_config(s3):
+    """A bare nn.Module without .config dumps, but cannot be exported: the error says
+    to pass hf_config (the guide says so too), and nothing is committed."""
+    saver_cfg, recover_cfg = configs(s3)
+    saver = areal.Saver(replace(saver_cfg, freq_steps=1), 4, storage_options=s3.options)
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(ConfigError, match=r"hf_config=") as err:
+        saver.save(model, 0, 0, 0)
+    assert "Linear" in str(err.value)
+    assert areal.list_exports(saver_cfg, storage_options=s3.options) == []
+    saver.save(areal.Engine(model, hf_config={"model_type": "linear-test"}), 0, 0, 0)
+    assert [c.uri for c in areal.list_exports(saver_cfg, storage_options=s3.options)] == [
+        saver.last_export]
+    handler = areal.RecoverHandler(replace(recover_cfg, freq_steps=1), 4,
+                                   storage_options=s3.options)
+    handler.dump(model, StepInfo(0, 0, 0, 4), None, None, None, None)
+    assert handler.slot.info()["step"] == 0

@@ -20,7 +20,7 @@ from areal.api.io_struct import FinetuneSpec, StepInfo, WeightUpdateMeta
 from areal_parts import FT_SPEC, Trainer, assert_same_state, first_step
 
 from cloudckpt.cli import main as cloudckpt_cli
-from cloudckpt.errors import CorruptCheckpointError
+from cloudckpt.errors import BucketNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from cloudckpt.integrations import areal
 from cloudckpt.integrations.areal.__main__ import main as areal_cli
 from cloudckpt.integrations.areal.info import load_pickle
@@ -127,6 +127,45 @@ def test_areal_trial_imported_resumes_under_cloudckpt(s3, tmp_path, reference):
                      storage_options=s3.options)
     info = resume_and_finish(second, reference)
     assert isinstance(info, areal_recover.RecoverInfo)
+
+
+def test_areal_trial_synced_into_a_bucket_is_refused_then_adopted(s3, tmp_path, reference):
+    """A trial AReaL wrote, copied into the bucket as `aws s3 sync` does (AReaL's layout,
+    no manifests): the handler refuses it (it would train from scratch beside it) and
+    names the command; adopted, it resumes bit-exact."""
+    from cloudckpt import open_store
+
+    local_root = str(tmp_path / "areal")
+    first = Trainer(areal_saver.Saver, areal_recover.RecoverHandler, *configs(local_root))
+    first.train(first_step(), CUT)
+    local, uri = Path(trial_dir(local_root)), trial_dir(s3.root)
+    store = open_store(uri, s3.options)
+    for path in sorted(p for p in local.rglob("*") if p.is_file()):
+        store.put_file(path.relative_to(local).as_posix(), path)
+
+    saver_cfg, recover_cfg = configs(s3.root)
+    with pytest.raises(IncompleteCheckpointError) as err:
+        Trainer(areal.Saver, areal.RecoverHandler, saver_cfg, recover_cfg,
+                storage_options=s3.options)
+    assert f"python -m cloudckpt.integrations.areal adopt {uri}" in str(err.value)
+    opts = [a for o in cli_options(s3) for a in ("-o", o)]
+    assert areal_cli(["adopt", uri, *opts]) == 0
+    exports = areal.list_exports(saver_cfg, storage_options=s3.options)
+    assert [Path(e.uri).name for e in exports] == ["epoch0epochstep2globalstep2"]
+    assert "model.safetensors" in exports[0].files and "tokenizer.json" in exports[0].files
+
+    second = Trainer(areal.Saver, areal.RecoverHandler, saver_cfg, recover_cfg,
+                     storage_options=s3.options)
+    info = resume_and_finish(second, reference)
+    assert isinstance(info, areal_recover.RecoverInfo)
+
+
+def test_missing_bucket_in_areals_config_is_refused_at_construction(s3):
+    saver_cfg, recover_cfg = configs("s3://no-such-bucket-areal/experiments")
+    for cls, cfg in ((areal.Saver, saver_cfg), (areal.RecoverHandler, recover_cfg)):
+        with pytest.raises(BucketNotFoundError, match="no-such-bucket-areal") as err:
+            cls(cfg, FT_SPEC, storage_options=s3.options)
+        assert f"{type(cfg).__name__}.fileroot" in str(err.value)
 
 
 def test_export_is_what_areal_exports(s3, tmp_path):

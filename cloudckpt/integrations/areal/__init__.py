@@ -15,14 +15,17 @@ uploaded), so the bytes are exactly AReaL's:
 
 ``cloudckpt download`` of the trial directory writes AReaL's layout on local disk (AReaL's
 own ``RecoverHandler`` resumes from it); ``python -m cloudckpt.integrations.areal import``
-brings a trial AReaL wrote on local disk into a bucket.
+brings a trial AReaL wrote on local disk into a bucket, and ``... adopt`` commits one
+AReaL wrote that is already there (which the handler otherwise refuses to resume).
 
 One module per job: ``config`` (the sections and the paths they name), ``yaml_loader``,
 ``freq`` (when to save), ``engines`` (AReaL's engine interface, and an adapter for a
 plain model), ``info`` (the ``recover_info/`` files), ``saver``, ``recover``,
-``importer`` and ``relaunch`` (:func:`run_with_retries`).
+``preflight`` (the checks before training), ``importer``, ``adoption`` and
+``relaunch`` (:func:`run_with_retries`).
 """
 
+from .adoption import adopt_trial
 from .config import (
     EXPORT_RE,
     RecoverConfig,
@@ -52,6 +55,7 @@ __all__ = [
     "SaveLoadMeta",
     "Saver",
     "SaverConfig",
+    "adopt_trial",
     "export_name",
     "import_trial",
     "latest_export",

@@ -1,4 +1,4 @@
-"""``python -m cloudckpt.integrations.areal import LOCAL_TRIAL URI [-o KEY=VALUE]...``"""
+"""``python -m cloudckpt.integrations.areal {import,adopt} ... [-o KEY=VALUE]...``"""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import sys
 
 from ...errors import CloudCkptError, exit_code
 from ...storage import parse_options
+from .adoption import adopt_trial
 from .importer import import_trial
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cloudckpt.integrations.areal",
                                 description="AReaL trials and cloudckpt")
     sub = p.add_subparsers(dest="command", required=True)
@@ -19,13 +20,26 @@ def main(argv: list[str] | None = None) -> int:
                         "recover state and exports) into a bucket, resumable from there")
     sp.add_argument("local_trial", help="{fileroot}/checkpoints/{user}/{experiment}/{trial}")
     sp.add_argument("uri", help="the same trial's directory in the bucket")
-    sp.add_argument("-o", "--option", action="append", metavar="KEY=VALUE",
-                    help="storage option (e.g. endpoint_url=http://...)")
-    args = p.parse_args(argv)
+    ad = sub.add_parser("adopt", help="check and commit a trial AReaL wrote that is "
+                        "already in a bucket (e.g. copied with `aws s3 sync`), so it resumes")
+    ad.add_argument("uri", help="the trial's directory in the bucket: "
+                    "{fileroot}/checkpoints/{user}/{experiment}/{trial}")
+    for s in (sp, ad):
+        s.add_argument("-o", "--option", action="append", metavar="KEY=VALUE",
+                       help="storage option (e.g. endpoint_url=http://...)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    options = parse_options(args.option)
     try:
-        for uri in import_trial(args.local_trial, args.uri,
-                                storage_options=parse_options(args.option)):
+        if args.command == "adopt":
+            uris = adopt_trial(args.uri, storage_options=options)
+        else:
+            uris = import_trial(args.local_trial, args.uri, storage_options=options)
+        for uri in uris:
             print(f"committed {uri}")
     except CloudCkptError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 from ...errors import ConfigError
 
 EXPORT_RE = re.compile(r"^epoch(\d+)epochstep(\d+)globalstep(\d+)$")
+INFO_DIR = "recover_info"
 _SAVER_MODES = ("auto", "sync", "async")
 _RECOVER_MODES = ("on", "auto", "off", "disabled")
 
@@ -164,3 +165,11 @@ def recover_checkpoint_uri(cfg: Any, name: str = "default") -> str:
 
 def recover_info_uri(cfg: Any) -> str:
     return f"{save_root(cfg)}/recover_info"
+
+
+def is_recover_file(rel: str) -> bool:
+    """Whether ``rel`` (relative to the trial directory) is part of AReaL's recover
+    state: ``recover_info/*`` or ``{name}/recover_checkpoint/*``."""
+    parts = rel.split("/")
+    return (parts[0] == INFO_DIR and len(parts) > 1) or \
+        (len(parts) > 2 and parts[1] == "recover_checkpoint")

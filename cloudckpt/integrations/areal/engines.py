@@ -5,7 +5,8 @@ AReaL's own engines (FSDP, Megatron, Archon) are used as they are, so the bytes 
 exactly AReaL's. A plain ``nn.Module``, or an :class:`Engine` (model, optimizer, LR
 scheduler), is wrapped in :class:`ModuleEngine`, which writes what AReaL's FSDP engine
 writes: DCP with keys ``dcp.model.*`` and ``dcp.optim.*`` for a recover checkpoint, a
-Hugging Face folder for an export.
+Hugging Face folder for an export. An export needs a Hugging Face config: a
+``transformers`` model's own ``.config``, else ``Engine(..., hf_config=...)``.
 """
 
 from __future__ import annotations
@@ -133,6 +134,12 @@ class ModuleEngine:
         source: Any = get_model_state_dict(model, options=StateDictOptions(
             full_state_dict=True, cpu_offload=True)) if sharded else model
         config = self.engine.hf_config or getattr(model, "config", None)
+        if config is None:  # said before any rank writes, not as hf.export's complaint
+            raise ConfigError(
+                f"cannot export a {type(model).__name__} as a Hugging Face folder: it has no "
+                ".config. Pass Engine(model, optimizer, lr_scheduler, hf_config=...) (a dict "
+                "or a transformers PretrainedConfig); a bare nn.Module only works for a "
+                "transformers model, which carries its config")
         if coord.rank() == 0:
             hf.export(source, str(Path(meta.path).resolve()), config=config,
                       tokenizer=meta.tokenizer)

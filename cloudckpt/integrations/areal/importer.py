@@ -19,21 +19,15 @@ from ...errors import CheckpointNotFoundError
 from ...hf import KIND as HF_KIND
 from ...slot import RecoverSlot
 from ...staging import upload_dir
-from .config import EXPORT_RE
-from .recover import INFO_DIR, KIND
+from .config import EXPORT_RE, INFO_DIR, is_recover_file
+from .recover import KIND
 
 log = logging.getLogger("cloudckpt")
 
 
 def _recover_files(trial: Path) -> list[str]:
-    keep = []
-    for p in sorted(trial.rglob("*")):
-        rel = p.relative_to(trial).as_posix()
-        parts = rel.split("/")
-        if p.is_file() and (parts[0] == INFO_DIR
-                            or (len(parts) > 2 and parts[1] == "recover_checkpoint")):
-            keep.append(rel)
-    return keep
+    return [rel for rel in (p.relative_to(trial).as_posix() for p in sorted(trial.rglob("*"))
+                            if p.is_file()) if is_recover_file(rel)]
 
 
 def import_trial(local_trial: str | os.PathLike, uri: str, *,

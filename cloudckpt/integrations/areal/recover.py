@@ -21,15 +21,15 @@ from ...checkpoint import open_checkpoint
 from ...slot import RecoverSlot
 from ...staging import download_dir, staging_dir, upload_dir
 from ...state import dumps_state, get_rng_state, loads_state, set_rng_state
-from .config import recover_enabled, save_root
+from .config import INFO_DIR, recover_enabled, save_root
 from .engines import engines_of, save_load_meta
 from .freq import _Periodic
 from .info import DATALOADER_FILE, load_pickle, read, step_info_type, write
+from .preflight import check_trial
 
 log = logging.getLogger("cloudckpt")
 
 KIND = "areal-recover"
-INFO_DIR = "recover_info"
 _RNG = INFO_DIR + "/cloudckpt_rng_rank{:05d}.bin"  # beside AReaL's files, which it ignores
 
 
@@ -45,12 +45,19 @@ class RecoverHandler(_Periodic):
     ``FinetuneSpec`` (or the number of steps per epoch). Call ``dump`` and ``load`` on
     every rank. RNG states are saved too (AReaL's FSDP path does not), one small file
     per rank in ``recover_info/``, and restored when present.
+
+    When recover is on, construction checks the trial directory first: a missing
+    bucket, refused credentials, or a trial AReaL wrote itself (which would be
+    ignored) raise before any training, with what to do.
     """
 
     def __init__(self, config: Any, ft_spec: Any, *,
                  storage_options: Mapping[str, Any] | None = None,
                  process_group: Any = None, staging: str | None = None) -> None:
         super().__init__(config, ft_spec, storage_options, process_group)
+        if recover_enabled(config):
+            coord.on_coordinator(lambda: check_trial(config, self.storage_options,
+                                                     recover=True), process_group)
         self.staging = staging
         self.last_step_info = step_info_type()(epoch=-1, epoch_step=-1, global_step=-1,
                                                steps_per_epoch=self.steps_per_epoch)

@@ -18,6 +18,7 @@ from ...storage import open_store
 from .config import EXPORT_RE, export_name, save_root
 from .engines import as_engine, save_load_meta
 from .freq import _Periodic
+from .preflight import check_trial
 
 log = logging.getLogger("cloudckpt")
 
@@ -41,13 +42,16 @@ class Saver(_Periodic):
     ``FinetuneSpec`` (or the number of steps per epoch). The engine writes into a local
     staging directory (``staging`` or ``$CLOUDCKPT_STAGING`` or the temp dir), which is
     then uploaded and removed. Exports are synchronous, as AReaL's are for every engine
-    but Archon: ``is_async`` is False.
+    but Archon: ``is_async`` is False. A missing bucket or refused credentials raise
+    here, before any training, not at the first export.
     """
 
     def __init__(self, config: Any, ft_spec: Any, *,
                  storage_options: Mapping[str, Any] | None = None,
                  process_group: Any = None, staging: str | None = None) -> None:
         super().__init__(config, ft_spec, storage_options, process_group)
+        coord.on_coordinator(lambda: check_trial(config, self.storage_options, recover=False),
+                             process_group)
         self.staging = staging
         self.last_export: str | None = None
         if config.mode == "async":
