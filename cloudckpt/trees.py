@@ -13,7 +13,7 @@ import logging
 
 from .checkpoint import Checkpoint, open_checkpoint
 from .names import SLOT_POINTER_NAME
-from .ownership import COMMITTED, ROOT, not_a_checkpoint, survey
+from .ownership import COMMITTED, EMPTY, ROOT, not_a_checkpoint, survey
 from .slot import GENERATION_RE, RecoverSlot
 from .storage import Store
 
@@ -26,6 +26,8 @@ def tree_units(store: Store) -> list[tuple[str, Checkpoint]]:
     found = survey(store)
     if found.kind == COMMITTED:
         return [("", open_checkpoint(store))]
+    if found.kind == EMPTY:
+        store.check_bucket()  # a misspelt bucket is said to be one, not an empty prefix
     if found.kind != ROOT:
         raise not_a_checkpoint(found)
     slots = sorted({o.key[: -len(SLOT_POINTER_NAME)].rstrip("/") for o in found.objects

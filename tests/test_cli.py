@@ -108,3 +108,13 @@ def test_help(argv, capsys):
         main(argv)
     assert exc.value.code == 0
     assert "cloudckpt" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["download", "ls", "info", "latest"])
+def test_a_misspelt_bucket_is_named_as_missing_by_every_command(s3, tmp_path, capsys, command):
+    uri = "s3://cloudckpt-tset/runs/run"  # the test bucket, misspelt
+    args = [uri, str(tmp_path / "dl")] if command == "download" else [uri]
+    assert main([*s3_args(s3), command, *args]) == 3
+    err = capsys.readouterr().err
+    assert "the bucket s3://cloudckpt-tset does not exist" in err, err
+    assert "nothing is stored there" not in err

@@ -21,3 +21,14 @@ def test_demo_runs():
     assert "per-step losses identical to the uninterrupted run: True" in out.stdout
     assert "final parameters identical to the uninterrupted run: True" in out.stdout
     assert "checkpoints kept (keep_last=2): ['step-15', 'step-19']" in out.stdout
+
+
+def test_demo_against_an_endpoint_without_its_bucket_says_so(moto_server):
+    env = {**os.environ, **moto_server.env(), "AWS_ENDPOINT_URL": moto_server.endpoint}
+    moto_server.reset()  # no cloudckpt-demo bucket there
+    out = subprocess.run([sys.executable, str(DEMO)], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "demo: error: the bucket s3://cloudckpt-demo does not exist" in out.stderr
+    assert "unset AWS_ENDPOINT_URL" in out.stderr
+    assert "Traceback" not in out.stderr and "SIGKILL" not in out.stdout
