@@ -2,6 +2,8 @@
 way ROLL drives them, concurrent per-rank uploads from real processes, atomic
 visibility, pruning, one checkpoint's failure never touching the next, and a
 SIGKILL + resume-from-bucket run that must match an uninterrupted one bit for bit.
+A checkpoint whose parts never all arrive (expected_uploads set wrong) is reported, and
+one missing what ROLL's resume reads is never committed.
 (tests/compat/test_roll_compat.py drives the same through ROLL's own classes.)"""
 
 from __future__ import annotations
@@ -10,16 +12,21 @@ import copy
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 from training_runs import launcher, losses, run_and_kill
 
 from cloudckpt import (
@@ -32,7 +39,7 @@ from cloudckpt import (
     open_checkpoint,
     open_store,
 )
-from cloudckpt.errors import ConfigError
+from cloudckpt.errors import EXIT_INCOMPLETE, ConfigError
 from cloudckpt.integrations import roll
 from cloudckpt.integrations.roll import (
     CKPT_RE,
@@ -41,6 +48,7 @@ from cloudckpt.integrations.roll import (
     S3Uploader,
     download_checkpoint,
     register,
+    upload_checkpoint,
     wrap_model_downloaders,
 )
 from cloudckpt.testing import FaultPlan, FaultProxy
@@ -71,12 +79,24 @@ def old_roll_latest(store_uri: str, options: dict) -> str | None:
     return store.child(max(names, key=lambda n: int(pat.search(n).group(1)))).uri
 
 
-def stage_actor(root: Path, ckpt: str, rank: int, *, hf: bool = False, size: int = 1000) -> Path:
+def dcp_metadata(world: int, size: int) -> bytes:
+    """DCP's ``.metadata`` as torch's FileSystemWriter pickles it: one ``size``-byte
+    item in each rank's ``__{rank}_0.distcp``."""
+    index = {MetadataIndex(f"w{r}"): _StorageInfo(f"__{r}_0.distcp", 0, size)
+             for r in range(world)}
+    return pickle.dumps(Metadata({f"w{r}": BytesStorageMetadata() for r in range(world)},
+                                 storage_data=index))
+
+
+def stage_actor(root: Path, ckpt: str, rank: int, *, hf: bool = False, size: int = 1000,
+                world: int = 1) -> Path:
+    """An actor rank's local dir: its DCP shard, and (rank 0, as DCP's coordinator) the
+    ``.metadata`` naming every rank's shard."""
     d = root / f"actor_train-{rank}" / ckpt
     (d / "dcp").mkdir(parents=True, exist_ok=True)
     (d / "dcp" / f"__{rank}_0.distcp").write_bytes(os.urandom(size))
     if rank == 0:
-        (d / "dcp" / ".metadata").write_bytes(b"meta" * 10)
+        (d / "dcp" / ".metadata").write_bytes(dcp_metadata(world, size))
     if hf:
         (d / "config.json").write_text('{"model_type": "tiny"}')
         (d / "model.safetensors").write_bytes(os.urandom(2048))
@@ -158,29 +178,38 @@ def test_driven_like_roll_layout_and_invisible_until_complete(s3, tmp_path):
                                                                  ).read_bytes()
 
 
+def upload_in_processes(cfg: dict, s3, ckpt: str, dirs: list[Path], go: Path,
+                        status: int) -> list[str]:
+    """One real process per part directory, uploading at once (as ROLL's workers do);
+    each must exit with ``status``. Returns their stderr."""
+    env = {**os.environ, **s3.env, "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, str(RANK_SCRIPT), json.dumps(cfg), ckpt, str(d),
+                               str(go)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for d in dirs]
+    time.sleep(1.0)
+    go.touch()
+    errs = []
+    for p in procs:
+        out, err = p.communicate(timeout=90)
+        assert p.returncode == status, err[-3000:]
+        assert "uploaded" in out
+        errs.append(err)
+    return errs
+
+
 def test_concurrent_rank_processes_commit_once_complete(s3, tmp_path):
     world = 4
     cfg = {**config(s3, expected_uploads=world + 1), "storage_options": json.loads(
         s3.options_json()), "attempt_id": "launch-1"}
-    env = {**os.environ, **s3.env, "PYTHONPATH": str(REPO)}
 
-    def launch(ckpt: str, dirs: list[Path], go: Path) -> list[subprocess.Popen]:
-        return [subprocess.Popen([sys.executable, str(RANK_SCRIPT), json.dumps(cfg), ckpt,
-                                  str(d), str(go)], env=env, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True) for d in dirs]
-
-    def finish(procs: list[subprocess.Popen]) -> None:
-        for p in procs:
-            out, err = p.communicate(timeout=60)
-            assert p.returncode == 0, err[-2000:]
-            assert "uploaded" in out
-
-    # round 1: every rank uploads into checkpoint-2 at once; the pipeline has not yet
-    ranks = [stage_actor(tmp_path, "checkpoint-2", r, size=300_000) for r in range(world)]
-    procs = launch("checkpoint-2", ranks, tmp_path / "go1")
-    time.sleep(1.0)
-    (tmp_path / "go1").touch()
-    finish(procs)
+    # round 1: every rank uploads into checkpoint-2 at once; the pipeline has not yet,
+    # so each rank's wait() reports it (parts_timeout=0: at once) and exits non-zero
+    ranks = [stage_actor(tmp_path, "checkpoint-2", r, size=300_000, world=world)
+             for r in range(world)]
+    errs = upload_in_processes({**cfg, "parts_timeout": 0}, s3, "checkpoint-2", ranks,
+                               tmp_path / "go1", EXIT_INCOMPLETE)
+    assert all("checkpoint-2 was NOT committed" in e and "of expected_uploads=5 parts" in e
+               for e in errs), errs
     up = S3Uploader(**cfg)
     assert up.latest_uri() is None  # 4 of 5 parts: invisible
     info = list_checkpoints(s3.root, s3.options, include_uncommitted=True)
@@ -193,12 +222,10 @@ def test_concurrent_rank_processes_commit_once_complete(s3, tmp_path):
     assert len(ckpt.files) == world + 3
 
     # round 2: all five parts (pipeline included) race; exactly one commit wins
-    dirs = [stage_actor(tmp_path / "b", "checkpoint-4", r, size=300_000) for r in range(world)]
+    dirs = [stage_actor(tmp_path / "b", "checkpoint-4", r, size=300_000, world=world)
+            for r in range(world)]
     dirs.append(stage_pipeline(tmp_path / "b", "checkpoint-4", 4))
-    procs = launch("checkpoint-4", dirs, tmp_path / "go2")
-    time.sleep(1.0)
-    (tmp_path / "go2").touch()
-    finish(procs)
+    upload_in_processes(cfg, s3, "checkpoint-4", dirs, tmp_path / "go2", 0)
     ckpt = open_checkpoint(s3.uri("checkpoint-4"), s3.options)
     ckpt.verify(deep=True)
     assert len(ckpt.files) == world + 3 and len(ckpt.metadata["parts"]) == world + 1
@@ -239,12 +266,12 @@ def test_stale_parts_of_a_crashed_attempt_are_not_committed(s3, tmp_path):
     second = roll_manager_uploader(config(s3, expected_uploads=2, attempt_id="b2"))
     second.upload("checkpoint-7", str(stage_pipeline(tmp_path / "b", "checkpoint-7", 7)))
     old = roll_manager_uploader(config(s3, expected_uploads=2, attempt_id="a1"))
-    old.upload("checkpoint-7", str(stage_actor(tmp_path / "old", "checkpoint-7", 0)))
+    old.upload("checkpoint-7", str(stage_actor(tmp_path / "old", "checkpoint-7", 1)))
     assert second.latest_uri() == s3.uri("checkpoint-5")  # a1's part does not count
-    second.upload("checkpoint-7", str(stage_actor(tmp_path / "b", "checkpoint-7", 1)))
+    second.upload("checkpoint-7", str(stage_actor(tmp_path / "b", "checkpoint-7", 0)))
     ckpt = open_checkpoint(s3.uri("checkpoint-7"), s3.options)
     assert ckpt.metadata["attempt"] == "b2"
-    assert "dcp/__0_0.distcp" not in ckpt.files and "dcp/__1_0.distcp" in ckpt.files
+    assert "dcp/__1_0.distcp" not in ckpt.files and "dcp/__0_0.distcp" in ckpt.files
     store = open_store(s3.uri("checkpoint-7"), s3.options)
     assert {o.key for o in store.list()} == set(ckpt.files) | {MANIFEST_NAME}
 
@@ -329,6 +356,128 @@ def test_a_failed_checkpoint_never_stops_the_next(s3, moto_server, tmp_path, cap
     assert not (tmp_path / "pipeline" / "checkpoint-4").exists()  # uploaded, so deleted
 
 
+def roll_logs(caplog, level: int) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelno == level and r.name == "cloudckpt.roll"]
+
+
+def test_too_high_expected_uploads_is_reported_at_next_save_wait_and_resume(s3, tmp_path,
+                                                                          caplog):
+    """expected_uploads=3 with 2 parts a checkpoint: nothing can commit. Each checkpoint
+    is an ERROR (counts, name, fix) at the next save and at wait(), which raises; the
+    resume says what it skipped and that it starts from scratch."""
+    cfg = config(s3, expected_uploads=3, parts_timeout=0)
+    up = roll_manager_uploader(cfg)
+    with caplog.at_level(logging.WARNING, logger="cloudckpt.roll"):
+        for step in (2, 4):
+            ckpt = f"checkpoint-{step}"
+            up.upload(ckpt, str(stage_actor(tmp_path / str(step), ckpt, 0, hf=True)))
+            up.upload(ckpt, str(stage_pipeline(tmp_path / str(step), ckpt, step)))
+        errors = roll_logs(caplog, logging.ERROR)
+        assert len(errors) == 1, errors  # at checkpoint-4's save: checkpoint-2 is lost
+        for text in ("checkpoint-2 was NOT committed", "2 of expected_uploads=3 parts arrived "
+                     "(actor_train-0, pipeline)", "expected_uploads is too high",
+                     "set checkpoint_config.expected_uploads"):
+            assert text in errors[0], errors[0]
+        with pytest.raises(IncompleteCheckpointError, match="checkpoint-2, checkpoint-4 never "
+                           "committed") as err:
+            up.close()
+        assert "2 of expected_uploads=3 parts arrived" in str(err.value)
+        errors = roll_logs(caplog, logging.ERROR)
+        assert len(errors) == 2 and "checkpoint-4 was NOT committed" in errors[1]
+        up.wait()  # reported once: nothing new since
+
+        caplog.clear()
+        assert list_checkpoints(s3.root, s3.options) == []
+        assert roll_manager_uploader(cfg).get_latest_ckpt() is None  # ROLL's resume value
+    warnings = roll_logs(caplog, logging.WARNING)
+    for step in (2, 4):
+        assert any(f"skipping checkpoint-{step}: not committed: 2 of expected_uploads=3 parts "
+                   "found (actor_train-0, pipeline)" in w for w in warnings), warnings
+    assert any("starts from scratch" in w and "checkpoint-2, checkpoint-4" in w
+               for w in warnings), warnings
+
+
+def test_wait_waits_for_the_other_processes_parts(s3, tmp_path, caplog):
+    """A rank done before the pipeline: wait() returns once the pipeline's part commits
+    the checkpoint (no error), and reports a checkpoint only after parts_timeout."""
+    rank = roll_manager_uploader(config(s3, expected_uploads=2, parts_timeout=30,
+                                        attempt_id="run-1"))
+    rank.upload("checkpoint-3", str(stage_actor(tmp_path, "checkpoint-3", 0)))
+    pipeline = roll_manager_uploader(config(s3, expected_uploads=2, attempt_id="run-1"))
+    late = threading.Timer(1.5, pipeline.upload,
+                           ("checkpoint-3", str(stage_pipeline(tmp_path, "checkpoint-3", 3))))
+    late.start()
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="cloudckpt.roll"):
+        rank.wait()
+    late.join()
+    assert 1.0 < time.monotonic() - t0 < 20
+    assert rank.latest_uri() == s3.uri("checkpoint-3") and not roll_logs(caplog, logging.ERROR)
+
+    alone = roll_manager_uploader(config(s3, expected_uploads=2, parts_timeout=1.5))
+    alone.upload("checkpoint-6", str(stage_actor(tmp_path, "checkpoint-6", 0)))
+    t0 = time.monotonic()
+    with pytest.raises(IncompleteCheckpointError, match="checkpoint-6"):
+        alone.wait()
+    assert time.monotonic() - t0 >= 1.0
+
+
+def test_too_low_expected_uploads_never_commits_missing_shards(s3, tmp_path):
+    """expected_uploads=1, three real processes (two actor ranks of one DCP checkpoint and
+    the pipeline), one after another: rank 0's part alone (its .metadata names rank 1's
+    shard) and then with the pipeline's stays invisible; rank 1's part commits it, whole."""
+    cfg = {**config(s3, expected_uploads=1, parts_timeout=0),
+           "storage_options": json.loads(s3.options_json()), "attempt_id": "low-1"}
+    rank0 = stage_actor(tmp_path, "checkpoint-5", 0, hf=True, world=2)
+    errs = upload_in_processes(cfg, s3, "checkpoint-5", [rank0], tmp_path / "go",
+                               EXIT_INCOMPLETE)
+    for text in ("not committed yet", "dcp/.metadata names dcp/__1_0.distcp, which no part "
+                 "uploaded", "pipeline/worker_state_pipeline.json is missing",
+                 "checkpoint-5 was NOT committed", "expected_uploads is too low"):
+        assert text in errs[0], errs[0]
+    assert list_checkpoints(s3.root, s3.options) == []
+    pipe = stage_pipeline(tmp_path, "checkpoint-5", 5)
+    errs = upload_in_processes(cfg, s3, "checkpoint-5", [pipe], tmp_path / "go",
+                               EXIT_INCOMPLETE)
+    assert "__1_0.distcp, which no part uploaded" in errs[0]
+    assert "worker_state_pipeline.json is missing" not in errs[0]
+    assert list_checkpoints(s3.root, s3.options) == []
+    rank1 = stage_actor(tmp_path, "checkpoint-5", 1, world=2)
+    errs = upload_in_processes(cfg, s3, "checkpoint-5", [rank1], tmp_path / "go", 0)
+    assert "more than expected_uploads=1" in errs[0] and "set expected_uploads to 3" in errs[0]
+
+    ckpt = open_checkpoint(s3.uri("checkpoint-5"), s3.options)
+    ckpt.verify(deep=True)
+    assert ckpt.metadata["parts"] == ["actor_train-0", "actor_train-1", "pipeline"]
+    local = Path(S3Uploader(**cfg).get_latest_ckpt())
+    md = dcp.FileSystemReader(str(local / "dcp")).read_metadata()
+    assert {i.relative_path for i in md.storage_data.values()} == {"__0_0.distcp",
+                                                                    "__1_0.distcp"}
+    assert all((local / "dcp" / i.relative_path).stat().st_size == 1000
+               for i in md.storage_data.values())
+
+
+def test_an_incomplete_local_checkpoint_is_never_committed(s3, tmp_path):
+    """`upload` of a local checkpoint-N that ROLL could not resume from (a DCP shard or a
+    rank's torch file missing, no pipeline state) refuses, naming what is missing."""
+    rank0 = stage_actor(tmp_path / "a", "checkpoint-8", 0, world=2)
+    with pytest.raises(IncompleteCheckpointError, match="pipeline/worker_state_pipeline.json "
+                       "is missing.*__1_0.distcp, which no part uploaded"):
+        upload_checkpoint(rank0, s3.root, s3.options)
+    legacy = stage_pipeline(tmp_path / "b", "checkpoint-9", 9)
+    for name in ("model_world_size_2_rank_0.pt", "optim_world_size_2_rank_0.pt",
+                 "optim_world_size_2_rank_1.pt"):
+        (legacy / name).write_bytes(b"torch")
+    with pytest.raises(IncompleteCheckpointError, match="model_world_size_2_rank_1.pt is "
+                       "missing") as err:
+        upload_checkpoint(legacy, s3.root, s3.options)
+    assert "optim_world_size_2_rank" not in str(err.value)
+    assert list_checkpoints(s3.root, s3.options) == []
+    (legacy / "model_world_size_2_rank_1.pt").write_bytes(b"torch")
+    assert upload_checkpoint(legacy, s3.root, s3.options) == s3.uri("checkpoint-9")
+
+
 def test_gcs_uploader_commits_and_finds_latest(gcs, tmp_path):
     up = roll_manager_uploader({"type": "gcs", "output_dir": gcs.root, "async_upload": True,
                                 "keep_local_file": True, "expected_uploads": 2,
@@ -336,7 +485,9 @@ def test_gcs_uploader_commits_and_finds_latest(gcs, tmp_path):
                                 "download_dir": str(tmp_path / "latest")})
     assert isinstance(up, GcsUploader)
     up.upload("checkpoint-2", str(stage_actor(tmp_path, "checkpoint-2", 0, hf=True)))
-    up.wait()
+    markers = open_store(gcs.uri("checkpoint-2", PARTS_DIR), gcs.options)
+    while not markers.list():  # not wait(): that would wait for the pipeline's part too
+        time.sleep(0.05)
     assert up.get_latest_ckpt() is None
     up.upload("checkpoint-2", str(stage_pipeline(tmp_path, "checkpoint-2", 2)))
     up.wait()
@@ -432,3 +583,42 @@ def test_sigkill_then_resume_from_bucket_is_bit_exact(s3, tmp_path):
     assert all(reference[s] == v for s, v in losses(third).items())
     params = torch.load(tmp_path / "b.pt", weights_only=True)
     assert all(torch.equal(params[k], ref_params[k]) for k in params)
+
+
+def run_example(s3, root: str, staging: Path, *extra: str) -> subprocess.CompletedProcess:
+    """examples/roll/train.py on one process with config.yaml as written (whose
+    expected_uploads: 3 counts 2 actor ranks and the pipeline)."""
+    cmd = [*launcher(1), str(EXAMPLE), "--config", str(CONFIG), "--storage-options",
+           s3.options_json(), "--set", f"checkpoint_config.output_dir={root}",
+           "--set", f"output_dir={staging}", *extra]
+    env = {**os.environ, **s3.env, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": str(REPO)}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
+
+
+def test_example_on_one_process_with_too_high_expected_uploads_fails_loudly(s3, tmp_path):
+    """The documented config on one process: 2 parts a checkpoint, 3 expected. The run
+    names every checkpoint as an ERROR with its counts (at the next save, parts_timeout=0
+    here, and at wait()) and exits with EXIT_INCOMPLETE; a `resume_from_checkpoint: true`
+    run then says it skips them and starts from scratch."""
+    first = run_example(s3, s3.root, tmp_path / "a", "--set", "checkpoint_config.parts_timeout=0")
+    assert first.returncode == EXIT_INCOMPLETE, first.stderr[-3000:]
+    assert "saving step 11" in first.stdout and "done" not in first.stdout
+    lost = re.findall(r"^ERROR cloudckpt\.roll: (checkpoint-\d+) was NOT committed to "
+                      + re.escape(s3.root) + r": 2 of expected_uploads=3 parts arrived "
+                      r"\(actor_train-0, pipeline\).*set checkpoint_config\.expected_uploads",
+                      first.stderr, re.M)
+    assert lost == ["checkpoint-3", "checkpoint-6", "checkpoint-9", "checkpoint-11"], (
+        first.stderr[-3000:])
+    assert ("error: checkpoint-3, checkpoint-6, checkpoint-9, checkpoint-11 never committed"
+            in first.stderr)
+    assert list_checkpoints(s3.root, s3.options) == []
+
+    second = run_example(s3, s3.root, tmp_path / "b", "--set", "max_steps=1")
+    assert second.returncode == 0 and "done" in second.stdout, second.stderr[-3000:]
+    assert "resumed at step" not in second.stdout
+    skipped = re.findall(r"^WARNING cloudckpt\.roll: resume from \S+: skipping (checkpoint-\d+)"
+                         r": not committed: 2 of expected_uploads=3 parts found "
+                         r"\(actor_train-0, pipeline\)", second.stderr, re.M)
+    assert skipped == lost, second.stderr[-3000:]
+    assert "the run starts from scratch" in second.stderr

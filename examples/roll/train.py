@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import logging
 import os
 import re
 import signal
@@ -40,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from cloudckpt.errors import CloudCkptError, exit_code
 from cloudckpt.integrations.roll import register
 from cloudckpt.state import get_rng_state, set_rng_state
 
@@ -204,7 +206,7 @@ def train(args: argparse.Namespace) -> int:
         if gs > 0 and (gs % save_steps == 0 or gs == max_steps - 1):
             save(out, f"checkpoint-{gs}", gs, rank, model, optim, sched, loader, log_history,
                  uploader)
-    uploader.wait()  # async uploads: surface any error before declaring success
+    rc = finish(uploader)
     if world > 1:
         dist.barrier()
 
@@ -212,9 +214,22 @@ def train(args: argparse.Namespace) -> int:
     if rank == 0:
         if args.out:
             torch.save({k: v.detach().clone() for k, v in full.items()}, args.out)
-        print("done", flush=True)
+        if rc == 0:
+            print("done", flush=True)
     if world > 1:
         dist.destroy_process_group()
+    return rc
+
+
+def finish(uploader) -> int:
+    """Before declaring success: a failed async upload, or a checkpoint that never got
+    all its parts (e.g. expected_uploads set wrong), ends the run with its error and
+    exit code, not a silent 0 (ROLL itself never calls ``wait``)."""
+    try:
+        uploader.wait()
+    except CloudCkptError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return exit_code(exc)
     return 0
 
 
@@ -292,6 +307,7 @@ def main() -> int:
                    help="sleep this long per step (stands in for real training work)")
     p.add_argument("--embedded-s3", action="store_true", help="run the demo on a local S3")
     args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     return demo() if args.embedded_s3 else train(args)
 
 

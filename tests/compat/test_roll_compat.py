@@ -49,7 +49,13 @@ from roll.utils.checkpoint_manager import CheckpointManager, get_latest_ckpt  # 
 from safetensors.torch import load_file, save_file  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict  # noqa: E402
 
-from cloudckpt import RetryPolicy, StorageError, list_checkpoints, open_checkpoint  # noqa: E402
+from cloudckpt import (  # noqa: E402
+    IncompleteCheckpointError,
+    RetryPolicy,
+    StorageError,
+    list_checkpoints,
+    open_checkpoint,
+)
 from cloudckpt.integrations.roll import GcsUploader, S3Uploader, register  # noqa: E402
 from cloudckpt.integrations.roll import uploader as uploader_module  # noqa: E402
 from cloudckpt.testing import FaultPlan, FaultProxy  # noqa: E402
@@ -152,12 +158,13 @@ def roll_resume(resume_from_checkpoint, checkpoint_config: dict):
 
 
 class UploaderErrors(logging.Handler):
-    """The ERRORs the uploader's own logger object emits. Not caplog: AReaL's
-    ``getLogger`` (the AReaL tests run in this process) replaces logging's root and
-    manager, which detaches loggers made before it from what caplog listens to."""
+    """The records (ERRORs by default) the uploader's own logger object emits. Not
+    caplog: AReaL's ``getLogger`` (the AReaL tests run in this process) replaces
+    logging's root and manager, which detaches loggers made before it from what caplog
+    listens to."""
 
-    def __init__(self) -> None:
-        super().__init__(logging.ERROR)
+    def __init__(self, level: int = logging.ERROR) -> None:
+        super().__init__(level)
         self.records: list[logging.LogRecord] = []
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -192,12 +199,13 @@ def bucket(request):
 
 def test_cloudckpt_to_bucket_to_roll_resume(bucket, tmp_path, monkeypatch):
     """ROLL's manager uploads through cloudckpt; ROLL's get_latest_ckpt + download_model
-    resume bit-exactly, skipping a newer torn checkpoint; no model hub is reached."""
+    resume bit-exactly, skipping (and naming) a newer torn checkpoint, which wait()
+    reports; no model hub is reached."""
     hub_calls: list = []
     monkeypatch.setenv("MODEL_DOWNLOAD_TYPE", "HUGGINGFACE_HUB")
     monkeypatch.setitem(roll_cm.model_download_registry, "HUGGINGFACE_HUB",
                         lambda name, local_dir=None: hub_calls.append(name))
-    cfg = ckpt_config(bucket, tmp_path, async_upload=True)
+    cfg = ckpt_config(bucket, tmp_path, async_upload=True, parts_timeout=0)
     assert roll_resume(True, cfg) == (False, None)  # an empty bucket starts afresh
 
     manager = CheckpointManager(checkpoint_config=cfg)
@@ -210,10 +218,19 @@ def test_cloudckpt_to_bucket_to_roll_resume(bucket, tmp_path, monkeypatch):
     worker.train(2)
     staged = stage_actor(tmp_path / "out", "checkpoint-5", worker)  # torn: no pipeline part
     manager.upload(ckpt_id="checkpoint-5", local_state_path=str(staged))
-    manager.uploader.wait()
+    with pytest.raises(IncompleteCheckpointError, match="checkpoint-5 never committed.*"
+                       r"1 of expected_uploads=2 parts arrived \(actor_train-0\)"):
+        manager.uploader.wait()
     assert not (tmp_path / "out" / "pipeline" / "checkpoint-3").exists()  # ROLL deleted it
 
-    path, state = roll_resume(True, cfg)
+    warnings = UploaderErrors(logging.WARNING)
+    uploader_module.log.addHandler(warnings)
+    try:
+        path, state = roll_resume(True, cfg)
+    finally:
+        uploader_module.log.removeHandler(warnings)
+    assert any("skipping checkpoint-5: not committed: 1 of expected_uploads=2 parts found "
+               "(actor_train-0)" in r.getMessage() for r in warnings.records), warnings.records
     assert path == str(tmp_path / "latest" / "checkpoint-3") and state["step"] == 3
     resumed = Worker(seed=99)
     roll_dcp_load(resumed, Path(path))

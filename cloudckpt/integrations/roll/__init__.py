@@ -20,8 +20,13 @@ committed (cloudckpt manifest, written create-only, listing every object)
 - explicitly by :meth:`RollUploader.commit`, e.g. from the pipeline once every
   worker's upload has returned, when ``expected_uploads`` is not set.
 
-After the commit the markers (and objects only a crashed earlier attempt
-wrote) are removed, so the prefix holds exactly the manifest's objects.
+Either way only once the parts hold all that ROLL's resume reads (the pipeline's
+state, every DCP shard each ``.metadata`` names: ``parts``), so a too-low
+``expected_uploads`` never commits a checkpoint missing a shard. After the commit the
+markers (and objects only a crashed earlier attempt wrote) are removed, so the prefix
+holds exactly the manifest's objects. A checkpoint whose parts stop arriving (a
+too-high ``expected_uploads``) is an ERROR naming it and its counts at the next
+save and at ``wait``/``close``, and resume names each one it skips.
 
 Each checkpoint's upload stands alone: one that fails for good is logged as an
 ERROR naming it and never stops a later one from committing (ROLL's manager
@@ -33,14 +38,16 @@ are invisible) and returns its local directory: ROLL hands that value to
 anything else to a model hub. ``python -m cloudckpt.integrations.roll`` uploads
 a local checkpoint or fetches the latest one. See docs/integrations/roll.md.
 
-The package: ``staging`` (a worker's local files and part name), ``uploader`` (the
-uploaders and the commit), ``resume`` (the latest committed checkpoint, downloaded),
+The package: ``staging`` (a worker's local files and part name), ``parts`` (the part
+markers, and what ROLL's resume needs of them), ``uploader`` (the uploaders and the
+commit), ``resume`` (the latest committed checkpoint, downloaded),
 ``registries`` (ROLL's registries) and ``cli`` (the module command).
 """
 
 from .cli import upload_checkpoint, uploader_for
 from .registries import register, wrap_model_downloaders
 from .resume import CKPT_RE, download_checkpoint
+from .uploader import DEFAULT_PARTS_TIMEOUT as DEFAULT_PARTS_TIMEOUT
 from .uploader import DEFAULT_TORN_GRACE_SECONDS as DEFAULT_TORN_GRACE_SECONDS
 from .uploader import (
     PARTS_DIR,

@@ -40,14 +40,16 @@ def uploader_for(output_dir: str, storage_options: Mapping[str, Any] | None = No
 def upload_checkpoint(local_dir: str | Path, output_dir: str,
                       storage_options: Mapping[str, Any] | None = None) -> str:
     """Upload a complete local ``checkpoint-N`` as one part and commit it; returns its
-    URI. A fresh attempt id makes parts left by an earlier, interrupted run not count."""
+    URI. A fresh attempt id makes parts left by an earlier, interrupted run not count.
+    Raises :class:`IncompleteCheckpointError` (nothing committed) when ROLL could not
+    resume from it: no pipeline state, or DCP shards its ``.metadata`` names missing."""
     src = Path(local_dir)
     if not CKPT_RE.match(src.name) or not src.is_dir():
         raise ConfigError(f"{src} is not a ROLL checkpoint directory named checkpoint-N")
     up = uploader_for(output_dir, storage_options, async_upload=False, keep_local_file=True,
-                      expected_uploads=1, part_id="local", attempt_id=uuid.uuid4().hex)
+                      part_id="local", attempt_id=uuid.uuid4().hex)
     up.upload(ckpt_id=src.name, local_state_path=str(src))
-    return up.store.child(src.name).uri
+    return up.commit(src.name, expected_uploads=1, timeout=0)
 
 
 def _parser() -> argparse.ArgumentParser:

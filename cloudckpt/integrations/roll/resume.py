@@ -5,6 +5,7 @@ unchanged (anything else goes to a model hub)."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -13,21 +14,60 @@ from typing import Any
 
 from ...checkpoint import read_manifest
 from ...errors import CheckpointNotFoundError, IncompleteCheckpointError
-from ...listing import list_checkpoints
+from ...listing import CheckpointInfo, list_checkpoints
 from ...storage import Store, open_store
+from .parts import part_names, read_markers
+
+log = logging.getLogger("cloudckpt.roll")
 
 #: ROLL's checkpoint directory names.
 CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
-def committed(store: Store) -> list[tuple[int, str]]:
-    """``(N, name)`` of every committed ``checkpoint-N`` under ``store``, by N."""
-    out = []
-    for info in list_checkpoints(store):
-        m = CKPT_RE.match(info.name)
-        if m:
-            out.append((int(m.group(1)), info.name))
-    return sorted(out)
+def latest_committed(store: Store, expected_uploads: int | None = None) -> str | None:
+    """The name of the highest committed ``checkpoint-N`` under ``store`` (None if there
+    is none), with a WARNING naming each newer one it skips and why, so a resume that
+    falls back, or starts from scratch, is never silent."""
+    infos = [i for i in list_checkpoints(store, include_uncommitted=True)
+             if CKPT_RE.match(i.name)]
+    done = sorted((_number(i.name), i.name) for i in infos if i.committed)
+    floor = done[-1][0] if done else -1
+    skipped = sorted((i for i in infos if not i.committed and _number(i.name) > floor),
+                     key=lambda i: _number(i.name))
+    for info in skipped:
+        log.warning("resume from %s: skipping %s: %s", store.uri, info.name,
+                    _why_skipped(store, info, expected_uploads))
+    if skipped:
+        names = ", ".join(i.name for i in skipped)
+        if done:
+            log.warning("resume from %s: resuming from %s, the newest committed checkpoint; "
+                        "skipped the newer %s (not committed)", store.uri, done[-1][1], names)
+        else:
+            log.warning("resume from %s: no committed checkpoint-N, so the run starts from "
+                        "scratch; skipped %s (not committed)", store.uri, names)
+    return done[-1][1] if done else None
+
+
+def _number(name: str) -> int:
+    m = CKPT_RE.match(name)
+    return int(m.group(1)) if m else -1
+
+
+def _why_skipped(store: Store, info: CheckpointInfo, expected: int | None) -> str:
+    """Why an uncommitted ``checkpoint-N`` is not a resume point, with the fix."""
+    if info.status == "unreadable":
+        return f"its manifest cannot be read ({info.error})"
+    parts = part_names(read_markers(store.child(info.name)))
+    if not parts:
+        return ("not committed, and no cloudckpt part markers (not uploaded by the s3/gcs "
+                "uploader; `python -m cloudckpt.integrations.roll upload` commits a complete "
+                "local copy)")
+    want = f"of expected_uploads={expected} " if expected else ""
+    hint = (" expected_uploads higher than the processes that upload leaves every "
+            "checkpoint like this: set it to the pipeline + every uploading rank."
+            if expected and len(parts) < expected else "")
+    return (f"not committed: {len(parts)} {want}parts found ({', '.join(parts)}), so its "
+            f"upload never completed.{hint}")
 
 
 def default_download_dir(output_dir: str) -> Path:
@@ -52,10 +92,10 @@ def download_checkpoint(uri_or_latest: str, local_dir: str | os.PathLike[str],
     store = open_store(str(uri_or_latest).rstrip("/"), storage_options)
     name = store.uri.rstrip("/").rsplit("/", 1)[-1]
     if not CKPT_RE.match(name):
-        best = committed(store)
-        if not best:
+        best = latest_committed(store)
+        if best is None:
             raise CheckpointNotFoundError(f"no committed checkpoint-N under {store.uri}")
-        name = best[-1][1]
+        name = best
         store = store.child(name)
     try:
         read_manifest(store)

@@ -1,5 +1,10 @@
 """The ``s3`` and ``gcs`` uploaders: each ``upload`` one part, committed atomically by
-the last part (or :meth:`RollUploader.commit`), pruned by ``max_ckpt_to_keep``."""
+the last part (or :meth:`RollUploader.commit`), pruned by ``max_ckpt_to_keep``.
+
+A multi-part checkpoint is complete or invisible, and never lost silently: it commits
+only when its parts hold everything ROLL's resume reads (:mod:`.parts`), and one whose
+parts stop arriving is reported as an ERROR at the next save and at ``wait``/``close``.
+"""
 
 from __future__ import annotations
 
@@ -10,16 +15,19 @@ import socket
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from ...checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
-from ...errors import CommitConflictError, ConfigError, StorageError
+from ...errors import CommitConflictError, ConfigError, IncompleteCheckpointError, StorageError
 from ...names import MANIFEST_NAME, ROLL_PARTS_DIR
-from ...retention import apply_retention
+from ...pending import run_in_background
+from ...retention import Managed, apply_retention
 from ...storage import Store, open_store
-from .resume import CKPT_RE, committed, default_download_dir, download_checkpoint
+from .parts import part_names, read_markers, resume_problems, summary
+from .resume import CKPT_RE, default_download_dir, download_checkpoint, latest_committed
 from .staging import (
     _PART_RE,
     _attempt_from_env,
@@ -32,10 +40,19 @@ from .staging import (
 
 log = logging.getLogger("cloudckpt.roll")
 
+#: The manifest kind of a ROLL checkpoint.
+KIND = "roll"
 #: Where part markers live inside a checkpoint until it is committed.
 PARTS_DIR = ROLL_PARTS_DIR
 #: Torn checkpoints younger than this are never pruned (a save may be running).
 DEFAULT_TORN_GRACE_SECONDS = 6 * 3600.0
+#: A checkpoint that gets no new part for this long is reported as never committing.
+DEFAULT_PARTS_TIMEOUT = 120.0
+#: How often ``wait`` looks at the parts of checkpoints still short of some.
+_POLL_SECONDS = 0.5
+#: ``wait`` says what it waits for once it has waited this long (other ranks' parts
+#: usually land within it).
+_NOTICE_SECONDS = 10.0
 
 
 class RollUploader:
@@ -52,7 +69,11 @@ class RollUploader:
       ``commit`` of that checkpoint, never by a later ``upload``;
     - ``keep_local_file`` (False): delete the local copy after a successful upload;
     - ``expected_uploads``: parts per checkpoint (pipeline + every uploading
-      rank); when set, the last part to arrive commits; otherwise call ``commit``;
+      rank); when set, the last part to arrive commits, once the parts hold all
+      ROLL's resume reads; otherwise call ``commit``;
+    - ``parts_timeout`` (120 s): a checkpoint this process uploaded a part of that
+      then gets no new part for this long is reported as an ERROR (at the next
+      ``upload``, or by ``wait``/``close``, which wait that long at most);
     - ``max_ckpt_to_keep`` (0 = all): committed checkpoints kept in the bucket;
     - ``torn_grace_seconds`` (6 h): torn checkpoints younger than this are never pruned;
     - ``attempt_id``: an id shared by all processes of one launch (default:
@@ -76,6 +97,7 @@ class RollUploader:
         expected_uploads: int | None = None,
         max_ckpt_to_keep: int = 0,
         torn_grace_seconds: float = DEFAULT_TORN_GRACE_SECONDS,
+        parts_timeout: float = DEFAULT_PARTS_TIMEOUT,
         attempt_id: str | None = None,
         part_id: str | None = None,
         download_dir: str | os.PathLike[str] | None = None,
@@ -96,6 +118,7 @@ class RollUploader:
         self.expected_uploads = int(expected_uploads) if expected_uploads is not None else None
         self.max_ckpt_to_keep = int(max_ckpt_to_keep or 0)
         self.torn_grace_seconds = float(torn_grace_seconds)
+        self.parts_timeout = float(parts_timeout)
         self.attempt_id = str(attempt_id) if attempt_id else _attempt_from_env()
         self.part_id = part_id
         self.storage_options = dict(storage_options or {})
@@ -105,7 +128,9 @@ class RollUploader:
         self._lock = threading.Lock()
         self._pending: list[Future[Any]] = []
         self._failed: dict[str, BaseException] = {}  # ckpt_id -> its first failure
-        self._pool: ThreadPoolExecutor | None = None
+        self._open: dict[str, None] = {}  # uploaded a part, not yet seen committed
+        self._lost: dict[str, str] = {}  # ckpt_id -> the ERROR that reported it
+        self._one_at_a_time = threading.Lock()  # background uploads go one by one
         log.info("ROLL checkpoints go to %s (%s upload, expected_uploads=%s)", self.output_dir,
                  "async" if self.async_upload else "sync", self.expected_uploads)
 
@@ -137,38 +162,44 @@ class RollUploader:
                 raise
             return
         staging = _snapshot(src)
+
+        def background() -> None:
+            with self._one_at_a_time:
+                self._background(ckpt_id, staging, part, src)
+
+        # Tracked like every background save: an upload still running when the process
+        # ends is waited for (ROLL never calls wait()), or reported.
+        fut = run_in_background(background, f"ROLL upload of {part} into "
+                                f"{self.store.child(ckpt_id).uri}", name="cloudckpt-roll")
         with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="cloudckpt-roll")
-            fut = self._pool.submit(self._background, ckpt_id, staging, part, src)
             self._pending.append(fut)
 
     def get_latest_ckpt(self) -> str | None:
         """Local directory holding the highest committed ``checkpoint-N`` (torn ones
-        are skipped), downloaded into ``download_dir`` with every file checked; None
-        when the bucket has none. Local, because ROLL hands this value to
-        ``download_model``, which returns a local directory unchanged and sends
-        anything else to a model hub."""
+        are skipped, each named in a WARNING with its parts found and expected),
+        downloaded into ``download_dir`` with every file checked; None when the bucket
+        has none. Local, because ROLL hands this value to ``download_model``, which
+        returns a local directory unchanged and sends anything else to a model hub."""
         uri = self.latest_uri()
         if uri is None:
             return None
         return download_checkpoint(uri, self.download_dir, self.storage_options)
 
     def latest_uri(self) -> str | None:
-        """URI of the highest committed ``checkpoint-N`` in the bucket, or None."""
-        best = committed(self.store)
-        if not best:
-            return None
-        return self.store.child(best[-1][1]).uri
+        """URI of the highest committed ``checkpoint-N`` in the bucket, or None; a
+        WARNING names each newer uncommitted one skipped."""
+        best = latest_committed(self.store, self.expected_uploads)
+        return None if best is None else self.store.child(best).uri
 
     # --------------------------------------------------------- cloudckpt API
 
     def commit(self, ckpt_id: str, expected_uploads: int | None = None,
                timeout: float = 600.0) -> str:
         """Commit ``ckpt_id`` from the parts present (waiting up to ``timeout``
-        seconds for ``expected_uploads`` of them, when given). Returns its URI.
-        Raises if this process's upload of ``ckpt_id`` failed; other checkpoints'
-        failures do not matter here."""
+        seconds for ``expected_uploads`` of them, when given, holding all that ROLL's
+        resume reads). Returns its URI. Raises if this process's upload of
+        ``ckpt_id`` failed (other checkpoints' failures do not matter here), and
+        :class:`IncompleteCheckpointError` saying what is missing at the timeout."""
         self._drain()
         with self._lock:
             err = self._failed.pop(ckpt_id, None)
@@ -177,26 +208,41 @@ class RollUploader:
                                f"failed to upload, so it cannot be committed: {err}") from err
         deadline = time.monotonic() + timeout
         while True:
-            ckpt = self._try_commit(ckpt_id, expected_uploads or 1)
-            if ckpt is not None:
-                return ckpt.uri
-            if time.monotonic() > deadline:
-                raise StorageError(f"{self.store.child(ckpt_id).uri}: fewer than "
-                                   f"{expected_uploads} parts after {timeout:.0f} s; not committed")
+            result = self._try_commit(ckpt_id, expected_uploads or 1)
+            if isinstance(result, Checkpoint):
+                self._forget(ckpt_id)
+                return result.uri
+            if time.monotonic() >= deadline:
+                raise IncompleteCheckpointError(
+                    f"{self.store.child(ckpt_id).uri} is not committed after {timeout:.0f} s: "
+                    f"{result}. Fix: commit it once every part of it (the pipeline's and "
+                    "every uploading rank's) is uploaded; a local checkpoint-N must hold "
+                    "them all")
             time.sleep(0.2)
 
     def wait(self) -> None:
-        """Wait for background uploads; then raise one error naming every checkpoint
-        whose upload failed since the last ``wait`` (each was logged when it failed)."""
+        """Wait for background uploads and for the checkpoints they went into to commit
+        (up to ``parts_timeout`` after their latest part); then raise one error naming
+        every checkpoint whose upload failed or that never got all its parts since the
+        last ``wait`` (each was logged as an ERROR when found)."""
         self._drain()
+        self._settle()
         with self._lock:
             failed, self._failed = self._failed, {}
+            lost, self._lost = self._lost, {}
         if failed:
             names = ", ".join(sorted(failed, key=_checkpoint_sort_key))
             first = next(iter(failed.values()))
+            also = (f"; and {', '.join(sorted(lost, key=_checkpoint_sort_key))} never got "
+                    "all their parts" if lost else "")
             raise StorageError(f"background upload of {names} to {self.output_dir} failed "
                                f"(not committed; later checkpoints were not affected): "
-                               f"{first}") from first
+                               f"{first}{also}") from first
+        if lost:
+            names = sorted(lost, key=_checkpoint_sort_key)
+            raise IncompleteCheckpointError(
+                f"{', '.join(names)} never committed to {self.output_dir}: not all their parts "
+                f"arrived. {lost[names[-1]]}")
 
     close = wait
 
@@ -220,7 +266,9 @@ class RollUploader:
 
     def _report_failure(self, ckpt_id: str, part: str, exc: BaseException,
                         local: Path) -> None:
-        """One ERROR line that says which checkpoint is lost, what still holds, and the fix."""
+        """One ERROR line that says which checkpoint is lost, what still holds, and the fix
+        (and no second one later about its missing parts)."""
+        self._forget(ckpt_id)
         where = f"its files stay at {local}" if local.exists() else "no local copy is left"
         log.error(
             "%s was NOT saved to %s: uploading part %r failed for good: %s. The previous "
@@ -236,6 +284,7 @@ class RollUploader:
         return self.store.child(ckpt_id.strip("/"))
 
     def _upload_part(self, ckpt_id: str, src: Path, part: str, original: Path) -> None:
+        self._report_stalled(ckpt_id)
         store = self._checkpoint_store(ckpt_id)
         if store.exists(MANIFEST_NAME):
             raise CommitConflictError(
@@ -251,7 +300,12 @@ class RollUploader:
         log.info("uploaded part %r of %s: %d files, %d bytes in %.1f s", part, store.uri,
                  len(entries), sum(e["size"] for e in entries.values()), time.monotonic() - t0)
         if self.expected_uploads is not None:
-            self._try_commit(ckpt_id, self.expected_uploads)
+            result = self._try_commit(ckpt_id, self.expected_uploads)
+            if isinstance(result, Checkpoint):
+                self._forget(ckpt_id)
+            else:
+                with self._lock:
+                    self._open[ckpt_id] = None
         if not self.keep_local_file:
             _remove(original)
 
@@ -261,14 +315,9 @@ class RollUploader:
         return key, info.size, info.crc32c
 
     def _current_parts(self, store: Store) -> dict[str, dict[str, Any]]:
-        keys = [o.key for o in store.list(PARTS_DIR) if o.key.endswith(".json")]
+        """The markers of this attempt's parts (see ``attempt_id``), by key."""
         parts: dict[str, dict[str, Any]] = {}
-        for key, data in store.get_many(keys).items():
-            try:
-                marker = json.loads(data)
-            except ValueError:
-                log.warning("ignoring unreadable part marker %s", store.key_uri(key))
-                continue
+        for key, marker in read_markers(store).items():
             if self.attempt_id:
                 current = marker.get("attempt") == self.attempt_id
             else:
@@ -280,13 +329,33 @@ class RollUploader:
                          store.uri)
         return parts
 
-    def _try_commit(self, ckpt_id: str, expected: int) -> Checkpoint | None:
+    def _try_commit(self, ckpt_id: str, expected: int) -> Checkpoint | str:
+        """Commit ``ckpt_id`` if ``expected`` current parts are in and hold all ROLL's
+        resume reads; else say why not (a part still on its way, or one missing)."""
         store = self._checkpoint_store(ckpt_id)
         parts = self._current_parts(store)
         if len(parts) < expected:
             log.debug("%s: %d of %d parts present; not committing yet", store.uri, len(parts),
                       expected)
-            return None
+            return f"{len(parts)} of {expected} parts present"
+        files = self._merged_files(store, parts)
+        problems = resume_problems({k: size for k, (size, _) in files.items()}, store.get)
+        if problems:
+            why = (f"{_parts(len(parts))} ({', '.join(part_names(parts))}) reached the "
+                   f"{expected} expected, but ROLL could not resume from them: "
+                   f"{summary(problems)}")
+            log.warning("%s is not committed yet: %s. Waiting for more parts; if none come, "
+                        "expected_uploads is too low or a part was lost.", store.uri, why)
+            return why
+        if len(parts) > expected:
+            log.warning("%s: %d parts arrived, more than expected_uploads=%d; committed once "
+                        "complete. Fix: set expected_uploads to %d (the pipeline + every "
+                        "uploading rank)", store.uri, len(parts), expected, len(parts))
+        return self._commit(store, ckpt_id, parts, files)
+
+    def _merged_files(self, store: Store, parts: Mapping[str, Mapping[str, Any]]
+                      ) -> dict[str, tuple[int, str]]:
+        """Every file the parts list, with its size and CRC32C, each one in the bucket."""
         files: dict[str, tuple[int, str]] = {}
         for marker in parts.values():
             for key, e in marker["files"].items():
@@ -299,11 +368,15 @@ class RollUploader:
         if missing:
             raise StorageError(f"{store.uri}: parts list objects that are missing or of the "
                                f"wrong size: {sorted(missing)[:5]}; not committing")
+        return files
+
+    def _commit(self, store: Store, ckpt_id: str, parts: Mapping[str, Mapping[str, Any]],
+                files: Mapping[str, tuple[int, str]]) -> Checkpoint:
         m = CKPT_RE.match(ckpt_id)
         meta = {"framework": "roll", "parts": sorted(p["part"] for p in parts.values()),
                 "attempt": self.attempt_id}
         try:
-            writer = CheckpointWriter(store, step=int(m.group(1)) if m else None, kind="roll",
+            writer = CheckpointWriter(store, step=int(m.group(1)) if m else None, kind=KIND,
                                       metadata=meta)
             for key, (size, crc) in files.items():
                 writer.add_existing(key, size, crc)
@@ -321,6 +394,102 @@ class RollUploader:
                         exc)
         return ckpt
 
+    # ------------------------------------- checkpoints whose parts stop arriving
+
+    def _forget(self, ckpt_id: str) -> None:
+        with self._lock:
+            self._open.pop(ckpt_id, None)
+
+    def _report_stalled(self, current: str) -> None:
+        """At the next save: report each earlier checkpoint that stopped getting parts.
+        Never fails the upload it runs in (the next check runs at the next save)."""
+        try:
+            self._check_open(exclude=current, waited=0.0)
+        except (StorageError, CommitConflictError, OSError) as exc:
+            log.warning("could not check the earlier checkpoints' parts in %s: %s",
+                        self.output_dir, exc)
+
+    def _settle(self) -> None:
+        """Until each open checkpoint has committed, or has been reported as lost."""
+        start = time.monotonic()
+        told = False
+        while waiting := self._check_open(exclude=None, waited=time.monotonic() - start):
+            if not told and time.monotonic() - start >= _NOTICE_SECONDS:
+                told = True
+                for ckpt_id, progress in waiting:
+                    log.warning("waiting up to %.0f s for the other parts of %s: %s; if no "
+                                "other process uploads into it, expected_uploads is wrong",
+                                self.parts_timeout, ckpt_id, self._progress_text(progress))
+            time.sleep(_POLL_SECONDS)
+
+    def _check_open(self, exclude: str | None, waited: float) -> list[tuple[str, _Progress]]:
+        """Look at each open checkpoint (but ``exclude``): drop the committed, report the
+        ones idle for ``parts_timeout`` (or after ``waited`` that long), return the rest."""
+        with self._lock:
+            names = [c for c in self._open if c != exclude]
+        waiting = []
+        for ckpt_id in names:
+            progress = self._progress(ckpt_id)
+            if progress is None:
+                self._forget(ckpt_id)
+            elif max(progress.idle, waited) >= self.parts_timeout:
+                self._declare_lost(ckpt_id, progress)
+            else:
+                waiting.append((ckpt_id, progress))
+        return waiting
+
+    def _progress(self, ckpt_id: str) -> _Progress | None:
+        """Where an open checkpoint stands; None once committed (here, if its parts are
+        complete now, as this process counts them), or gone (pruned)."""
+        store = self._checkpoint_store(ckpt_id)
+        if store.exists(MANIFEST_NAME):
+            return None
+        parts = self._current_parts(store)
+        if not parts:  # committed and cleaned up meanwhile, or pruned
+            return None
+        expected = self.expected_uploads or 1
+        problems: list[str] = []
+        if len(parts) >= expected:
+            try:
+                files = self._merged_files(store, parts)
+            except (StorageError, CommitConflictError) as exc:
+                problems = [str(exc)]
+            else:
+                problems = resume_problems({k: s for k, (s, _) in files.items()}, store.get)
+                if not problems:
+                    self._commit(store, ckpt_id, parts, files)
+                    return None
+        newest = max(float(p.get("created", 0)) for p in parts.values())
+        return _Progress(part_names(parts), expected, max(0.0, time.time() - newest), problems)
+
+    def _progress_text(self, p: _Progress) -> str:
+        if p.problems:
+            return (f"{_parts(len(p.parts))} ({', '.join(p.parts)}) reached expected_uploads="
+                    f"{p.expected}, but ROLL could not resume from them: {summary(p.problems)}")
+        return (f"{len(p.parts)} of expected_uploads={p.expected} parts arrived "
+                f"({', '.join(p.parts)})")
+
+    def _declare_lost(self, ckpt_id: str, p: _Progress) -> None:
+        """One ERROR naming the checkpoint, its parts found and expected, and the fix."""
+        if p.problems:
+            fix = ("if more processes upload each checkpoint, expected_uploads is too low: "
+                   "set it to the pipeline + every uploading rank")
+        else:
+            fix = ("if every process's upload of it returned, expected_uploads is too high: "
+                   "set checkpoint_config.expected_uploads to the number of processes that "
+                   f"upload each checkpoint (the pipeline + every uploading rank; "
+                   f"{len(p.parts)} if all of them arrived here)")
+        msg = (f"{ckpt_id} was NOT committed to {self.output_dir}: {self._progress_text(p)}, "
+               f"and no part came for {self.parts_timeout:.0f} s (parts_timeout), so "
+               f"resume_from_checkpoint skips it. Fix: {fix}; otherwise see the ERROR of the "
+               "part that failed.")
+        with self._lock:
+            if ckpt_id not in self._open:
+                return  # reported meanwhile by the other thread (wait, or the next save)
+            del self._open[ckpt_id]
+            self._lost[ckpt_id] = msg
+        log.error("%s", msg)
+
     def _cleanup(self, store: Store, ckpt: Checkpoint) -> None:
         """Remove markers and objects that only a crashed earlier attempt wrote."""
         keep = set(ckpt.manifest.files) | {MANIFEST_NAME}
@@ -335,7 +504,7 @@ class RollUploader:
         from ...gc import collect, find_garbage
 
         if self.max_ckpt_to_keep > 0:
-            apply_retention(self.store, self.max_ckpt_to_keep, number=_checkpoint_number)
+            apply_retention(self.store, self.max_ckpt_to_keep, number=_OWN_CHECKPOINTS)
         torn = find_garbage(self.store, grace_seconds=self.torn_grace_seconds,
                             names=CKPT_RE.match)
         for g in torn:
@@ -343,10 +512,23 @@ class RollUploader:
         collect(torn, self.storage_options)
 
 
-def _checkpoint_number(info: Any) -> int | None:
-    """The N of ``checkpoint-N``: retention governs only ROLL's own checkpoints."""
-    m = CKPT_RE.match(info.name)
-    return int(m.group(1)) if m else None
+@dataclass(frozen=True)
+class _Progress:
+    """An uncommitted checkpoint's current parts, how long since the newest arrived, and
+    (once ``expected`` are in) what ROLL's resume would miss."""
+
+    parts: list[str]
+    expected: int
+    idle: float
+    problems: list[str]
+
+
+def _parts(n: int) -> str:
+    return f"{n} part" if n == 1 else f"{n} parts"
+
+
+#: Retention governs only ROLL's own checkpoints: kind ``roll``, named ``checkpoint-N``.
+_OWN_CHECKPOINTS = Managed(KIND, CKPT_RE)
 
 
 def _checkpoint_sort_key(ckpt_id: str) -> tuple[int, str]:
