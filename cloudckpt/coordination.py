@@ -20,25 +20,32 @@ prefixed by the failing rank.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
-
-import torch
-import torch.distributed as dist
 
 T = TypeVar("T")
 
 
 def initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    """Whether a process group is up. Without torch imported none can be, so
+    commands that never touch tensors (``cloudckpt ls``) do not import it."""
+    module = sys.modules.get("torch.distributed")
+    return module is not None and module.is_available() and module.is_initialized()
+
+
+def _dist() -> Any:
+    import torch.distributed
+
+    return torch.distributed
 
 
 def rank(group: Any = None) -> int:
-    return dist.get_rank(group) if initialized() else 0
+    return _dist().get_rank(group) if initialized() else 0
 
 
 def world_size(group: Any = None) -> int:
-    return dist.get_world_size(group) if initialized() else 1
+    return _dist().get_world_size(group) if initialized() else 1
 
 
 def new_cpu_group() -> Any:
@@ -46,13 +53,16 @@ def new_cpu_group() -> Any:
     background save never interleaves its collectives with the training loop's."""
     if not initialized():
         return None
-    return dist.new_group(backend="gloo")
+    return _dist().new_group(backend="gloo")
 
 
 def all_reduce_max(value: float, group: Any = None) -> float:
     """The largest ``value`` over the ranks (so every rank decides alike)."""
     if not initialized():
         return value
+    import torch
+
+    dist = _dist()
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t.item())
@@ -61,6 +71,7 @@ def all_reduce_max(value: float, group: Any = None) -> float:
 def _gather(obj: Any, group: Any) -> list[Any]:
     if not initialized():
         return [obj]
+    dist = _dist()
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
@@ -70,6 +81,7 @@ def _broadcast(obj: Any, group: Any) -> Any:
     if not initialized():
         return obj
     box = [obj]
+    dist = _dist()
     src = dist.get_global_rank(group, 0) if group is not None else 0
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -48,8 +49,19 @@ class CheckpointInfo:
         return Checkpoint(sub, self.manifest) if self.manifest else open_checkpoint(sub)
 
 
-def _sort_key(c: CheckpointInfo) -> tuple[int, float, str]:
-    return (c.step if c.step is not None else -1, c.created or 0.0, c.name)
+def _natural(name: str) -> tuple[Any, ...]:
+    """``checkpoint-9`` before ``checkpoint-11``: digits compare as numbers."""
+    return tuple(int(p) if i % 2 else p for i, p in enumerate(re.split(r"(\d+)", name)))
+
+
+def _sort_key(c: CheckpointInfo) -> tuple[Any, ...]:
+    """By step; a prefix without one (uncommitted, another tool's) by the number in its
+    name, so a torn ``step-11`` lies between ``step-9`` and ``step-12``; then by time."""
+    number = c.step
+    if number is None:
+        digits = re.findall(r"\d+", c.name)
+        number = int(digits[-1]) if digits else -1
+    return (number, c.created or 0.0, _natural(c.name))
 
 
 _STATUS = {OURS: "uncommitted", ROOT: "root", FOREIGN: "foreign"}

@@ -40,6 +40,8 @@ FORMAT = "cloudckpt.manifest"
 VERSION = 1
 #: Manifests larger than this are refused unread (bounded memory on hostile input).
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+#: A manifest is first read up to this many bytes: one request when it is smaller.
+FIRST_READ = 1024 * 1024
 #: Largest object size a manifest may state: 5 TiB, the most S3 and GCS store in one
 #: object. (Unbounded sizes would make readers plan absurd numbers of ranged reads.)
 MAX_OBJECT_SIZE = 5 * 1024**4
@@ -233,7 +235,9 @@ def read_manifest_bytes(store: Store, key: str = MANIFEST_NAME, *,
                         limit: int = MAX_MANIFEST_BYTES) -> bytes:
     """The bytes of the manifest ``key`` of ``store``, never reading more than ``limit``.
 
-    When the store reports the object's size, a manifest over ``limit`` is refused
+    One request for a manifest under :data:`FIRST_READ` (nearly all of them): a
+    bounded read that returns the whole object. A bigger one is sized first: when
+    the store reports the object's size, a manifest over ``limit`` is refused
     unread and exactly that size is read (an object replaced meanwhile by a bigger one
     is still cut there). When it cannot (no size, or 0), a one-byte read at offset
     ``limit`` tells whether it is over, and then at most ``limit + 1`` bytes are read.
@@ -241,6 +245,13 @@ def read_manifest_bytes(store: Store, key: str = MANIFEST_NAME, *,
     there is no such object.
     """
     uri = store.key_uri(key)
+    first = store.get_upto(key, 0, min(FIRST_READ, limit + 1))
+    if len(first) < FIRST_READ:
+        if len(first) > limit:
+            raise ManifestError(f"{uri} is over the {limit} byte limit; refusing to read it: "
+                                "it is not a cloudckpt manifest")
+        return first  # the whole object
+    del first
     info = store.info(key)
     if info is not None and info.size > limit:
         raise ManifestError(f"{uri} is {info.size} bytes, over the {limit} limit; refusing "

@@ -19,16 +19,18 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import coordination as coord
-from . import training
 from .checkpoint import Checkpoint, open_checkpoint
 from .deletion import delete_checkpoint
 from .errors import CheckpointNotFoundError, CommitConflictError, CorruptCheckpointError
 from .names import SLOT_POINTER_NAME
-from .state import StepInfo
 from .storage import Store, as_store
+
+if TYPE_CHECKING:  # training needs torch: imported by save and load, not to read a slot
+    from . import training
+    from .state import StepInfo
 
 log = logging.getLogger("cloudckpt")
 
@@ -105,10 +107,13 @@ class RecoverSlot:
         shared state (stateful objects or plain data), ``per_rank`` each rank's
         own (e.g. its dataloader); RNG state is saved unless ``rng=False``.
         """
+        from . import training
+
         if step is None and step_info is not None:
             step = step_info.global_step
-        captured = training.capture_together(step_info=step_info, shared=extra,
-                                              per_rank=per_rank, rng=rng, group=self.group)
+        captured = training.capture_together(app_state=state_dict, step_info=step_info,
+                                              shared=extra, per_rank=per_rank, rng=rng,
+                                              group=self.group)
         return self.commit(
             lambda gen: training.write(gen, state_dict, captured, step=step,
                                        metadata={"slot": self.uri}, group=self.group),
@@ -185,6 +190,8 @@ class RecoverSlot:
     ) -> training.Restored:
         """Load the current generation into ``state_dict`` (in place) and the
         stateful objects given; return the step info and shared values."""
+        from . import training
+
         return training.read(self._current_store(), state_dict, shared=extra,
                               per_rank=per_rank, rng=rng, group=self.group)
 

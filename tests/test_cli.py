@@ -118,3 +118,40 @@ def test_a_misspelt_bucket_is_named_as_missing_by_every_command(s3, tmp_path, ca
     err = capsys.readouterr().err
     assert "the bucket s3://cloudckpt-tset does not exist" in err, err
     assert "nothing is stored there" not in err
+
+
+@pytest.mark.parametrize("command", ["--version", "ls", "latest", "info", "verify", "gc", "rm"])
+def test_commands_that_touch_no_tensors_start_without_torch(s3, command):
+    """``cloudckpt ls`` and friends start in well under a second: torch (seconds to
+    import) is never loaded by them (benchmarks/cli_bench.py has the timings)."""
+    make(s3, "step-1", 1)
+    make(s3, "step-2", 2)
+    args = {"--version": [], "ls": [s3.root], "latest": [s3.root],
+            "info": [s3.uri("step-1")], "verify": [s3.uri("step-1")], "gc": [s3.root],
+            "rm": [s3.uri("step-1")]}[command]
+    code = ("import sys\nfrom cloudckpt.cli import main\n"
+            f"try:\n    rc = main({[command, *args]!r})\nexcept SystemExit as e:\n"
+            "    rc = e.code\nprint('RC', rc, 'TORCH', 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, **s3.env}, timeout=120)
+    assert "RC 0 TORCH False" in out.stdout, out.stdout + out.stderr
+
+
+def test_ls_orders_by_step_with_torn_saves_in_place(s3, capsys):
+    for step in (9, 12, 100):
+        make(s3, f"step-{step}", step)
+    torn_save(s3.uri("step-11"), s3.options, {"x.bin": b"x"})
+    torn_save(s3.uri("step-10"), s3.options, {"x.bin": b"x"})
+    assert main([*s3_args(s3), "ls", s3.root]) == 0
+    names = [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]]
+    assert names == ["step-9", "step-10", "step-11", "step-12", "step-100"]
+
+
+def test_verbose_commands_show_cloudckpts_progress_not_the_clients_chatter(s3):
+    make(s3, "step-1", 1)
+    out = run_cli(s3, "-v", "ls", s3.root)
+    assert out.returncode == 0, out.stderr
+    assert "botocore" not in out.stderr and "Found credentials" not in out.stderr, out.stderr
+    out = run_cli(s3, "-v", "cp", s3.uri("step-1"), s3.uri("copy"))
+    assert out.returncode == 0 and "INFO cloudckpt" in out.stderr, out.stderr
+    assert "botocore" not in out.stderr, out.stderr

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .. import __version__
+from .. import __version__, logsetup
 from ..errors import (  # noqa: F401 - the exit codes are part of the command's interface
     EXIT_ACCESS,
     EXIT_CODES,
@@ -188,10 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.verbose = args.verbose + getattr(args, "verbose_sub", 0)
     # -vv is ours only: the HTTP libraries' debug lines quote request headers.
-    level = [logging.WARNING, logging.INFO, logging.INFO, logging.DEBUG][min(args.verbose, 3)]
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    if args.verbose >= 2:
-        logging.getLogger("cloudckpt").setLevel(logging.DEBUG)
+    logsetup.configure(args.verbose)
     try:
         try:
             args.options = parse_options((args.storage_option or [])

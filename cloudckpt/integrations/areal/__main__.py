@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
+from ... import logsetup
 from ...errors import CloudCkptError, exit_code
 from ...storage import parse_options
 from .adoption import adopt_trial
@@ -32,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logsetup.configure(1, fmt="%(message)s")
     options = parse_options(args.option)
     try:
         if args.command == "adopt":

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+from ... import logsetup
 from ...errors import CloudCkptError, exit_code
 from .adoption import adopt_step, upload_step
 from .converter import convert
@@ -49,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sp.add_argument("--storage-options", default=None, help="storage options as JSON")
         sp.add_argument("-o", "--storage-option", action="append", metavar="KEY=VALUE")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logsetup.configure(1)
     try:
         if args.cmd == "adopt":
             ckpt = adopt_step(args.uri, _options(args))
