@@ -106,7 +106,8 @@ def export(
     state = _drop_shared(state, tied)
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-        config_doc["torch_dtype"] = str(dtype).removeprefix("torch.")
+        # "dtype" since transformers 4.56; "torch_dtype" for the releases before it.
+        config_doc["dtype"] = config_doc["torch_dtype"] = str(dtype).removeprefix("torch.")
     shards = _plan_shards(state, parse_size(max_shard_size))
     files = [SINGLE] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]

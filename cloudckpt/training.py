@@ -44,6 +44,7 @@ from .state import (
     set_rng_state,
 )
 from .storage import Store, as_store
+from .text import plural
 
 log = logging.getLogger("cloudckpt")
 
@@ -254,8 +255,9 @@ def read(
         world, rank = coord.world_size(group), coord.rank(group)
         if saved_world != world:
             raise WorldSizeError(
-                f"{ckpt.uri} holds per-rank state (RNG, dataloader positions) of {saved_world} "
-                f"ranks; this job has {world}. Resume with {saved_world} ranks, or restore "
+                f"{ckpt.uri} holds per-rank state (RNG, dataloader positions) of "
+                f"{plural(saved_world, 'rank')}; this job has {world}. Resume with "
+                f"{plural(saved_world, 'rank')}, or restore "
                 "without per-rank state (per_rank=None, rng=False): model, optimizer and "
                 "shared state reshard freely.")
         key = _rank_key(rank)

@@ -6,9 +6,7 @@ import sys
 import time
 from contextlib import contextmanager
 
-
-def plural(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
+from ..text import plural  # noqa: F401 - the commands' plural is every message's
 
 
 def size(n: float) -> str:

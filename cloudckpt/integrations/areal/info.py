@@ -22,6 +22,7 @@ import torch
 
 from ...errors import CorruptCheckpointError, WorldSizeError
 from ...state import StepInfo
+from ...text import plural
 from .config import areal_class
 
 JSON_FILES = ("saver_info", "evaluator_info", "stats_logger_info", "checkpoint_info")
@@ -107,8 +108,9 @@ def read(directory: Path, rank: int, world: int | None) -> Any:
     if isinstance(loaders, list) and world is not None:
         if len(loaders) != world:
             raise WorldSizeError(
-                f"{directory / DATALOADER_FILE} holds {len(loaders)} ranks' dataloader "
-                f"states; this job has {world} ranks. Resume with the world size that "
+                f"{directory / DATALOADER_FILE} holds the dataloader states of "
+                f"{plural(len(loaders), 'rank')}; this job has {plural(world, 'rank')}. "
+                "Resume with the world size that "
                 "saved it.")
         loaders = loaders[rank]
     last = step_info_type()(**{k: int(step[k]) for k in ("epoch", "epoch_step",
