@@ -99,7 +99,7 @@ def run_in_background(fn: Callable[[], T], what: str, *, name: str = "cloudckpt-
 def _track(future: SaveFuture) -> None:
     global _hooked
     with _lock:
-        _tracked[:] = [f for f in _tracked if not (f.done() and f.seen)]
+        _tracked[:] = [f for f in _tracked if not f.done() or (_failed(f) and not f.seen)]
         _tracked.append(future)
         first = not _hooked
         _hooked = True

@@ -7,6 +7,7 @@ HOW says how the save starts and how the script ends:
   with ``async_save=True`` saves once; the script then ends normally, by
   ``sys.exit(0)``, or by an uncaught exception;
 - ``dcp-future``: ``cloudckpt.dcp.async_save``, its future never awaited;
+- ``dcp-seen``: the same, its outcome looked at (``exception()``) before the end;
 - ``manager-sleep``: the manager saves, prints "saving", then sleeps (for a
   SIGTERM from the parent).
 
@@ -31,8 +32,10 @@ def main() -> None:
     options = json.loads(os.environ.get("CKPT_OPTIONS", "{}"))
     torch.manual_seed(0)
     state = {"w": torch.randn(256, 1024), "b": torch.arange(100.0)}
-    if how == "dcp-future":
-        cdcp.async_save(state, uri, storage_options=options, step=7)
+    if how in ("dcp-future", "dcp-seen"):
+        fut = cdcp.async_save(state, uri, storage_options=options, step=7)
+        if how == "dcp-seen":
+            print(f"outcome {type(fut.exception()).__name__}", flush=True)
     else:
         mgr = CheckpointManager(uri, ManagerOptions(async_save=True), storage_options=options)
         mgr.save(StepInfo(global_step=7), state, force=True)

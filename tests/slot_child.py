@@ -24,6 +24,7 @@ import torch
 
 from cloudckpt import CommitConflictError, RecoverSlot, StepInfo
 from cloudckpt import slot as slot_mod
+from cloudckpt import training as training_mod
 
 OPTIONS = json.loads(os.environ.get("CKPT_OPTIONS", "{}"))
 
@@ -67,7 +68,7 @@ def torture(uri: str, value: float, stage: str) -> None:
             say(here)
             time.sleep(120)
 
-    real_write, real_drop = slot_mod.training.write, slot_mod.delete_checkpoint
+    real_write, real_drop = training_mod.write, slot_mod.delete_checkpoint
 
     def write(*a, **k):
         out = real_write(*a, **k)
@@ -95,7 +96,7 @@ def torture(uri: str, value: float, stage: str) -> None:
             return out
         return put
 
-    slot_mod.training.write = write
+    training_mod.write = write
     slot_mod.delete_checkpoint = drop
     cls.put_if_match = conditional(real_cas)
     cls.put_if_absent = conditional(real_create)

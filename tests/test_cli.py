@@ -57,7 +57,7 @@ def test_ls_info_latest(s3, capsys):
     rows = {line.split()[0]: line for line in out[1:]}
     assert rows["step-5"].split()[1] == "5" and rows["step-5"].endswith("committed")
     assert rows["step-20"].endswith("uncommitted (no manifest)")
-    assert [line.split()[0] for line in out[1:]] == ["step-20", "step-5", "step-12"]
+    assert [line.split()[0] for line in out[1:]] == ["step-5", "step-12", "step-20"]
     assert main([*s3_args(s3), "latest", s3.root]) == 0
     assert capsys.readouterr().out.strip() == s3.uri("step-12")
     assert main([*s3_args(s3), "info", "--json", s3.uri("step-12")]) == 0
@@ -155,3 +155,16 @@ def test_verbose_commands_show_cloudckpts_progress_not_the_clients_chatter(s3):
     out = run_cli(s3, "-v", "cp", s3.uri("step-1"), s3.uri("copy"))
     assert out.returncode == 0 and "INFO cloudckpt" in out.stderr, out.stderr
     assert "botocore" not in out.stderr, out.stderr
+
+
+def test_a_checkpoint_or_a_bare_name_where_a_root_belongs_says_what_to_pass(s3, tmp_path,
+                                                                           monkeypatch, capsys):
+    make(s3, "step-1", 1)
+    for command in ("ls", "latest"):
+        assert main([*s3_args(s3), command, s3.uri("step-1")]) == 2
+        err = capsys.readouterr().err
+        assert "is a checkpoint, not a run directory" in err and s3.root in err, err
+    monkeypatch.chdir(tmp_path)
+    assert main(["ls", "my-bucket/run"]) == 3
+    err = capsys.readouterr().err
+    assert "taken as a local path" in err and "s3://my-bucket/run" in err, err

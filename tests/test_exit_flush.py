@@ -92,6 +92,14 @@ def test_a_save_that_fails_after_the_script_ended_is_an_error_and_the_exit_statu
     assert "checkpoint LOST" in err and s3.uri("dcp") in err and "NOT committed" in err, err
 
 
+def test_a_failure_the_program_saw_is_not_reported_again_at_exit(s3):
+    options = _options(s3)
+    cdcp.save({"x": torch.ones(3)}, s3.uri("dcp"), storage_options=options)
+    code, err = _run("dcp-seen", s3.uri("dcp"), options)
+    assert code == 0, err
+    assert "checkpoint LOST" not in err, err
+
+
 def test_a_save_still_running_at_the_exit_deadline_is_reported(s3, moto_server):
     with FaultProxy(moto_server.endpoint, hold="step-7/cloudckpt-manifest.json") as proxy:
         options = _options(s3, proxy.endpoint)

@@ -39,7 +39,7 @@ def test_gc_on_local_respects_the_grace_period(local):
     assert found[0].reason.startswith("uncommitted")
     assert collect(found, local.options) == found[0].objects == 2  # a.bin and the claim
     everything = list_checkpoints(local.root, local.options, include_uncommitted=True)
-    assert [(c.name, c.committed) for c in everything] == [("step-3", False), ("step-1", True)]
+    assert [(c.name, c.committed) for c in everything] == [("step-1", True), ("step-3", False)]
 
 
 def test_gc_removes_orphan_slot_generations_only(s3):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from ..listing import latest_checkpoint, list_checkpoints
 from ..names import MANIFEST_NAME
 from ..ownership import COMMITTED, EMPTY, OURS, ROOT, describe_root, incomplete, not_a_checkpoint
 from ..ownership import survey as survey_prefix
-from ..storage import open_store, parse_options
+from ..storage import Store, open_store, parse_options
 from ..transfer import copy_checkpoint
 from ..trees import tree_units
 from .output import plural, plural_prefix, progress, size, when
@@ -32,8 +33,26 @@ _STATUS_LABEL = {"committed": "committed", "uncommitted": "uncommitted (no manif
                  "foreign": "not cloudckpt's"}
 
 
+def _root(uri: str, options: dict[str, Any], command: str) -> Store:
+    """The run directory a command was given; a checkpoint given instead, or a local
+    path that does not exist (a bare name meant as a bucket URI), is refused saying
+    what to pass."""
+    store = open_store(uri, options)
+    if store.exists(MANIFEST_NAME):
+        parent = store.uri.rpartition("/")[0] or store.uri
+        raise ConfigError(
+            f"{store.uri} is a checkpoint, not a run directory: `cloudckpt {command}` takes "
+            f"the directory holding checkpoints, e.g. {parent}; `cloudckpt info "
+            f"{store.uri}` shows this one")
+    if store.protocol in ("file", "") and not os.path.isdir(store.root):
+        raise CheckpointNotFoundError(
+            f"{uri!r} was taken as a local path, and {store.root} does not exist. For a "
+            f"bucket give its URI (e.g. s3://{uri.strip('/')} or gs://{uri.strip('/')})")
+    return store
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
-    infos = list_checkpoints(args.root, args.options, include_uncommitted=True)
+    infos = list_checkpoints(_root(args.root, args.options, "ls"), include_uncommitted=True)
     if args.json:
         print(json.dumps([i.to_dict() for i in infos], indent=1))
         return EXIT_OK
@@ -89,7 +108,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_latest(args: argparse.Namespace) -> int:
-    c = latest_checkpoint(args.root, args.options)
+    c = latest_checkpoint(_root(args.root, args.options, "latest"))
     if c is None:
         raise CheckpointNotFoundError(f"no committed checkpoint under {args.root}")
     print(c.uri)

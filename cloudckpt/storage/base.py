@@ -24,7 +24,7 @@ from ..crc import Buffer, crc32c_hex
 from ..errors import AccessDeniedError, BucketNotFoundError, CommitConflictError, ConfigError
 from . import conditional
 from .batch import BatchMixin
-from .keys import collapse_slashes, join_key, validate_key
+from .keys import join_key, validate_key
 from .objects import ObjectInfo, T, chunks, mtime_of, nbytes
 from .options import (
     DEFAULT_CONCURRENCY,
@@ -133,10 +133,10 @@ class Store(BatchMixin, RangeReadMixin, StorePrimitives):
 
     def child(self, prefix: str) -> Store:
         """A store rooted at ``prefix`` below this one, sharing filesystem and pool."""
-        prefix = collapse_slashes(prefix).strip("/")  # as split_uri normalises URIs
+        prefix = prefix.strip("/")
         if not prefix:
             return self
-        validate_key(prefix)
+        validate_key(prefix)  # "a//b" is refused: URIs are normalised, keys are checked
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
         new.root = f"{self.root}/{prefix}"

@@ -880,8 +880,15 @@ def test_pickled_code_never_runs_from_dcp(local, tmp_path, record) -> None:
 
     t.trials += 1
     uri = local.uri("byte-item")
-    cdcp.save({"w": torch.ones(4), "evil": _Plant(marker("byte-item"))}, uri,
-              storage_options=opts, step=1)
+    evil = {"w": torch.ones(4), "evil": _Plant(marker("byte-item"))}
+    # cloudckpt's save refuses it (checked with weights_only, so nothing runs) ...
+    t.expect("dcp.save (byte item)", partial(cdcp.save, evil, uri, storage_options=opts),
+             ConfigError)
+    # ... torch's own dcp.save with cloudckpt's writer is the way to plant it.
+    import torch.distributed.checkpoint as torch_dcp
+
+    torch_dcp.save(evil, storage_writer=cdcp.CloudStorageWriter(uri, storage_options=opts,
+                                                                 step=1), no_dist=True)
     t.expect("dcp.load (byte item)", partial(cdcp.load, {"w": torch.zeros(4), "evil": None},
                                               uri, storage_options=opts),
              CorruptCheckpointError)

@@ -73,6 +73,8 @@ class RLinfCheckpointer:
         self._started = time.monotonic()
         if keep_last is not None and keep_last < 1:
             raise ConfigError("keep_last must be >= 1 (or None to keep every checkpoint)")
+        # Before training starts, not at the first save: a misspelt bucket fails here.
+        coord.on_coordinator(self.store.check_bucket, process_group)
 
     @classmethod
     def from_config(cls, cfg: Any, *, steps_per_epoch: int | None = None,

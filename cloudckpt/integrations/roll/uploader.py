@@ -124,6 +124,7 @@ class RollUploader:
         self.storage_options = dict(storage_options or {})
         self.download_dir = Path(download_dir or default_download_dir(self.output_dir))
         self.store: Store = open_store(self.output_dir, self.storage_options)
+        self.store.check_bucket()  # before training starts, not at the first save
         self._created = time.time()
         self._lock = threading.Lock()
         self._pending: list[Future[Any]] = []
