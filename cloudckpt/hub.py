@@ -65,26 +65,10 @@ def _is_weight_file(path: str) -> bool:
     return "/" not in path and any(fnmatch.fnmatchcase(path, p) for p in WEIGHT_PATTERNS)
 
 
-def push_to_hub(
-    uri: str,
-    repo_id: str,
-    *,
-    revision: str = "main",
-    private: bool | None = None,
-    token: str | None = None,
-    commit_message: str | None = None,
-    create_pr: bool = False,
-    replace: bool = False,
-    storage_options: Mapping[str, Any] | None = None,
-    endpoint: str | None = None,
-) -> str:
-    """Verify the HF export at ``uri``, then push it to ``repo_id``; return the commit
-    (or pull request) URL. The repo is created when missing. Weight files already in
-    the repo that the export does not have are refused (``CommitConflictError``)
-    unless ``replace``, which deletes them in the same commit. See :func:`push`."""
-    return push(uri, repo_id, revision=revision, private=private, token=token,
-                commit_message=commit_message, create_pr=create_pr, replace=replace,
-                storage_options=storage_options, endpoint=endpoint).url
+def push_to_hub(uri: str, repo_id: str, **options: Any) -> str:
+    """:func:`push`, returning only the commit (or pull request) URL; ``options`` are
+    :func:`push`'s (``revision``, ``private``, ``token``, ``replace``, ...)."""
+    return push(uri, repo_id, **options).url
 
 
 def push(
@@ -100,7 +84,11 @@ def push(
     storage_options: Mapping[str, Any] | None = None,
     endpoint: str | None = None,
 ) -> PushResult:
-    """:func:`push_to_hub`, returning what was pushed and what was replaced."""
+    """Verify the HF export at ``uri``, then push it to ``repo_id`` in one commit; return
+    the commit (or pull request) URL, the files pushed and the files replaced. The repo
+    is created when missing. Weight files already in the repo that the export does not
+    have are refused (``CommitConflictError``) unless ``replace``, which deletes them
+    in the same commit."""
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 
     ckpt = open_checkpoint(uri, storage_options)
@@ -278,7 +266,7 @@ def push_in_background(uri: str, repo_id: str, **kwargs: Any) -> PushJob:
     push still running when the process ends is waited for, or reported
     (:mod:`cloudckpt.pending`). ``kwargs`` (``replace=True`` included) are checked
     here, not in the thread."""
-    inspect.signature(push_to_hub).bind(uri, repo_id, **kwargs)  # a typo fails now
+    inspect.signature(push).bind(uri, repo_id, **kwargs)  # a typo fails now
     description = f"{uri} -> {repo_id}"
 
     def run() -> str:
