@@ -33,6 +33,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from .errors import EXIT_INCOMPLETE, EXIT_INTERRUPTED, exit_code
+from .text import plural
 
 log = logging.getLogger("cloudckpt")
 
@@ -99,7 +100,7 @@ def run_in_background(fn: Callable[[], T], what: str, *, name: str = "cloudckpt-
 def _track(future: SaveFuture) -> None:
     global _hooked
     with _lock:
-        _tracked[:] = [f for f in _tracked if not f.done() or (_failed(f) and not f.seen)]
+        _tracked[:] = [f for f in _tracked if _unsettled(f)]
         _tracked.append(future)
         first = not _hooked
         _hooked = True
@@ -111,7 +112,12 @@ def _track(future: SaveFuture) -> None:
 def outstanding() -> list[SaveFuture]:
     """Tracked saves still running, or failed with nobody having seen their error."""
     with _lock:
-        return [f for f in _tracked if not f.done() or (not f.seen and _failed(f))]
+        return [f for f in _tracked if _unsettled(f)]
+
+
+def _unsettled(f: SaveFuture) -> bool:
+    """Still running, or failed unseen: what the exit must wait for or report."""
+    return not f.done() or (not f.seen and _failed(f))
 
 
 def _failed(f: Future) -> bool:
@@ -139,11 +145,11 @@ def flush(timeout: float) -> list[tuple[SaveFuture, str]]:
         return []
     running = [f for f in todo if not f.done()]
     if running:
-        log.warning("the process is ending with %d background save%s still running (%s); "
-                    "waiting up to %.0f s for %s (CLOUDCKPT_EXIT_TIMEOUT). Call close() or "
-                    "wait() before the end to do this yourself.", len(running),
-                    "s" if len(running) != 1 else "", ", ".join(f.what for f in running),
-                    timeout, "them" if len(running) != 1 else "it")
+        log.warning("the process is ending with %s still running (%s); waiting up to "
+                    "%.0f s for %s (CLOUDCKPT_EXIT_TIMEOUT). Call close() or wait() before "
+                    "the end to do this yourself.", plural(len(running), "background save"),
+                    ", ".join(f.what for f in running), timeout,
+                    "them" if len(running) != 1 else "it")
     deadline = time.monotonic() + timeout
     failed = []
     for f in todo:

@@ -83,22 +83,21 @@ class BatchMixin:
         results: list[T] = []
         errors: list[BaseException] = []
         for f in futures:
-            while True:
+            while True:  # until f is done: an interrupt while waiting for it waits again
                 try:
                     results.append(f.result())
+                    break
                 except BaseException as exc:  # noqa: BLE001 - re-raised below
                     # Failed, or this caller interrupted (Ctrl-C): the others stop at
-                    # their next piece, and are waited for.
+                    # their next piece, and are waited for, unless interrupted again.
                     errors.append(exc)
                     stop.set()
                     for g in futures:
                         g.cancel()
-                    interrupts = sum(not isinstance(e, Exception) for e in errors)
-                    if not f.done() and interrupts < 2:
-                        continue  # interrupted while waiting for f: wait for it to stop
-                    if interrupts >= 2:
-                        raise  # interrupted again: stop waiting
-                break
+                    if sum(not isinstance(e, Exception) for e in errors) >= 2:
+                        raise
+                    if f.done():
+                        break
         if errors:
             raise _first(errors)
         return results

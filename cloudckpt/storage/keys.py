@@ -8,9 +8,8 @@ from ..errors import ConfigError
 
 
 def collapse_slashes(path: str) -> str:
-    """``a//b///c`` -> ``a/b/c``: the one normalisation of prefixes (URIs and
-    ``Store.child``); object stores would keep empty components as keys that no
-    listing of ``a/b`` shows."""
+    """``a//b///c`` -> ``a/b/c``, as every URI is normalised (``split_uri``): object
+    stores would keep empty components as keys that no listing of ``a/b`` shows."""
     return re.sub("/{2,}", "/", path)
 
 
