@@ -231,7 +231,6 @@ def check_restorable(where: str, value: Any, *, owner: Any = None) -> None:
             "plain data. Nothing was saved.") from None
 
 
-
 def resolve_stateful(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """``state_dict`` with each top-level :class:`Stateful` replaced by its
     ``state_dict()``, as ``dcp.save`` does: taken once, then checked and saved."""

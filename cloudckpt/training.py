@@ -61,6 +61,9 @@ class Captured:
 
     shared: dict[str, Any] = field(default_factory=dict)
     per_rank: dict[str, Any] = field(default_factory=dict)
+    #: The DCP state (``app_state``) was checked with the rest, on every rank: the
+    #: save does not check it again.
+    state_checked: bool = False
 
 
 def _snapshot(kind: str, key: str, value: Any) -> Any:
@@ -88,7 +91,8 @@ def capture(
     if app_state is not None:
         check_state_dict(resolve_stateful(app_state))
     snap = Captured({k: _snapshot("extra", k, v) for k, v in (shared or {}).items()},
-                    {k: _snapshot("per_rank", k, v) for k, v in (per_rank or {}).items()})
+                    {k: _snapshot("per_rank", k, v) for k, v in (per_rank or {}).items()},
+                    state_checked=app_state is not None)
     if step_info is not None:
         snap.shared[_STEP_INFO] = step_info.to_dict()
     if rng:
@@ -149,7 +153,7 @@ def _write_parts(store: Store, writer: CheckpointWriter | None, app_state: Mappi
                  captured: Captured, step: int | None, group: Any,
                  staged: StagedState | None) -> Checkpoint | None:
     cdcp.save(dict(app_state), store.child(MODEL_PART), process_group=group, step=step,
-              staged=staged)
+              staged=staged, checked=captured.state_checked)
 
     def mine() -> tuple[str, int, str]:  # this rank's state: every rank writes its own
         info = store.put(_rank_key(coord.rank(group)), dumps_state(captured.per_rank))

@@ -130,17 +130,21 @@ def save(
     planner: SavePlanner | None = None,
     step: int | None = None,
     metadata: Mapping[str, Any] | None = None,
+    checked: bool = False,
     **writer_options: Any,
 ) -> Checkpoint | None:
     """``dcp.save`` to ``uri`` with a :class:`CloudStorageWriter`; cloudckpt errors
     are raised as themselves. Returns the committed checkpoint on the coordinator.
 
     A state holding what a load could not restore (not tensors or plain data) raises
-    :class:`ConfigError` naming the key on every rank, before anything is written.
+    :class:`ConfigError` naming the key on every rank, before anything is written;
+    ``checked`` says the caller has refused such states on every rank already
+    (:func:`cloudckpt.training.capture` does), so they are not checked twice.
     """
     import torch.distributed.checkpoint as dcp
 
-    state_dict = checked_state(state_dict, process_group)
+    if not checked:
+        state_dict = checked_state(state_dict, process_group)
     writer = CloudStorageWriter(uri, storage_options=storage_options, step=step,
                                 metadata=metadata, **writer_options)
     try:

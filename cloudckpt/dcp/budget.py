@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.stateful import Stateful
 
 from ..errors import ConfigError
+from ..state import resolve_stateful
 
 log = logging.getLogger("cloudckpt.dcp")
 
@@ -85,8 +85,7 @@ class BudgetStager:
             unflatten_state_dict,
         )
 
-        plain = {k: v.state_dict() if isinstance(v, Stateful) else v
-                 for k, v in state_dict.items()}
+        plain = resolve_stateful(state_dict)
         flat, mapping = flatten_state_dict(plain)
         chosen: dict[str, Any] = {}
         staged = live = 0

@@ -14,10 +14,11 @@ from ...checkpoint import Checkpoint, CheckpointWriter
 from ...errors import CommitConflictError, ConfigError
 from ...manifest import MANIFEST_NAME
 from ...retention import Managed, apply_retention
+from ...state import resolve_stateful
 from ...storage import Store, open_store
 from ...training import claim_prefix
 from .config import RunnerConfig, should_save
-from .fsdp import full_weights, model_part, numpy_rng_allowed, stateful_parts
+from .fsdp import full_weights, model_part, numpy_rng_allowed
 from .layout import (
     _STEP_RE,
     ACTOR,
@@ -146,9 +147,9 @@ class RLinfCheckpointer:
         coord.agree(refused, self.group)  # every rank stops, not only the one refused
         store = self.store.child(step_name(step))
         world = coord.world_size(self.group)
-        states = {ACTOR: stateful_parts(actor)}
+        states = {ACTOR: resolve_stateful(actor)}  # RLinf's Checkpoint: taken once
         if critic is not None:
-            states[CRITIC] = stateful_parts(critic)
+            states[CRITIC] = resolve_stateful(critic)
         try:
             writer = claim_prefix(store, self.group, step=step, kind=KIND, metadata={
                 **dict(metadata or {}), "world_size": world, "parts": list(states),

@@ -159,17 +159,6 @@ def numpy_rng_allowed() -> Iterator[None]:
         yield
 
 
-def stateful_parts(state: Mapping[str, Any]) -> dict[str, Any]:
-    """``state`` with a top-level ``Stateful`` (e.g. RLinf's own ``Checkpoint``) replaced
-    by its ``state_dict()``, as ``dcp.save`` would, so it is taken once."""
-    return {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state.items()}
-
-
-def _is_stateful(value: Any) -> bool:
-    return not isinstance(value, Mapping) and callable(getattr(value, "state_dict", None)) \
-        and callable(getattr(value, "load_state_dict", None))
-
-
 def model_part(state: Mapping[str, Any]) -> Mapping[str, Any] | None:
     """The model entries of a part's state (``fsdp_checkpoint.model``), if any."""
     inner = state.get(ROOT_KEY)
