@@ -12,7 +12,7 @@ from ..crc import crc32c_hex
 from ..errors import CommitConflictError, CorruptCheckpointError
 from ..ownership import COMMITTED, EMPTY, ROOT, survey
 from ..storage import Store, as_store
-from .metadata import DCP_KIND, METADATA_NAME, load_metadata, pack_item_crcs
+from .metadata import DCP_KIND, METADATA_NAME, load_metadata, missing_files, pack_item_crcs
 
 
 def adopt(uri: str | Store, storage_options: Mapping[str, Any] | None = None, *,
@@ -40,13 +40,7 @@ def adopt(uri: str | Store, storage_options: Mapping[str, Any] | None = None, *,
     needed: dict[str, list[_StorageInfo]] = {}
     for info in (md.storage_data or {}).values():
         needed.setdefault(info.relative_path, []).append(info)
-    listed = {o.key: o.size for o in store.list()}
-    problems = {}
-    for path, infos in needed.items():
-        if path not in listed:
-            problems[path] = "missing"
-        elif max(i.offset + i.length for i in infos) > listed[path]:
-            problems[path] = f"short: {listed[path]} bytes, items need more"
+    problems = missing_files(md, {o.key: o.size for o in store.list()})
     if problems:
         raise CorruptCheckpointError(
             f"cannot adopt {store.uri}: " + ", ".join(f"{p} ({w})" for p, w in problems.items()),

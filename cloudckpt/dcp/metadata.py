@@ -69,6 +69,31 @@ def load_metadata(data: bytes, *, source: str = METADATA_NAME) -> Metadata:
     return md
 
 
+def file_ends(md: Metadata) -> dict[str, int]:
+    """Each file ``md`` names (its path relative to the checkpoint), with the end of its
+    last item: how long the file must at least be."""
+    ends: dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0),
+                                       info.offset + info.length)
+    return ends
+
+
+def missing_files(md: Metadata, sizes: Mapping[str, int], prefix: str = ""
+                  ) -> dict[str, str]:
+    """The files ``md`` names that ``sizes`` (key -> size; keys are ``prefix/`` and the
+    relative path) lacks or holds too short to cover their items: ``{key: "missing"}``
+    or ``{key: "short: N of M bytes"}``. Empty when a load would find every item."""
+    out = {}
+    for rel, end in file_ends(md).items():
+        key = f"{prefix}/{rel}" if prefix else rel
+        if key not in sizes:
+            out[key] = "missing"
+        elif sizes[key] < end:
+            out[key] = f"short: {sizes[key]} of {end} bytes"
+    return out
+
+
 # ------------------------------------------------------------ item checksums
 # The manifest records a CRC32C per DCP item, so a ranged read of one item is
 # checked on its own. There are items x ranks of them (2.2 million for a 70B model

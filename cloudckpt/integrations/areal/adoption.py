@@ -25,7 +25,7 @@ from typing import Any
 
 from ...checkpoint import Checkpoint, CheckpointWriter
 from ...copying import checksum_object, copy_objects
-from ...dcp.metadata import METADATA_NAME, load_metadata
+from ...dcp.metadata import METADATA_NAME, load_metadata, missing_files
 from ...errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from ...hf import KIND as HF_KIND
 from ...manifest import FileEntry, Manifest
@@ -173,13 +173,8 @@ def _dcp_problems(store: Store, prefix: str, sizes: Mapping[str, int]) -> dict[s
     key = f"{prefix}/{METADATA_NAME}"
     if key not in sizes:
         return {key: "missing"}
-    md = load_metadata(store.get(key), source=store.key_uri(key))
-    need: dict[str, int] = {}
-    for info in (md.storage_data or {}).values():
-        rel = f"{prefix}/{info.relative_path}"
-        need[rel] = max(need.get(rel, 0), info.offset + info.length)
-    return {k: "missing" if k not in sizes else f"short: {sizes[k]} of {n} bytes"
-            for k, n in need.items() if sizes.get(k, -1) < n}
+    return missing_files(load_metadata(store.get(key), source=store.key_uri(key)), sizes,
+                         prefix)
 
 
 def _as_checkpoint(store: Store, objects: list[ObjectInfo], step: Mapping[str, int]

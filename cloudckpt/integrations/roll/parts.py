@@ -110,30 +110,17 @@ def _dcp_problems(folder: str, files: Mapping[str, int],
     if meta_key not in files:
         return [f"{where} holds DCP shards but no {METADATA_NAME} (the part of the rank "
                 "that writes it has not arrived)"]
-    from ...dcp.metadata import load_metadata
+    from ...dcp.metadata import load_metadata, missing_files
 
     try:
         metadata = load_metadata(read(meta_key), source=meta_key)
     except (CorruptCheckpointError, FileNotFoundError) as exc:
         return [f"{meta_key} cannot be read as DCP metadata: {exc}"]
-    needed = _shard_ends(metadata)
-    missing = sorted(k for k in (posixpath.join(folder, rel) for rel in needed)
-                     if k not in files)
-    short = sorted(k for rel, end in needed.items()
-                   if (k := posixpath.join(folder, rel)) in files and files[k] < end)
+    gaps = missing_files(metadata, files, folder)
+    missing = sorted(k for k, why in gaps.items() if why == "missing")
+    short = sorted(k for k, why in gaps.items() if why != "missing")
     out = [f"{meta_key} names {k}, which no part uploaded" for k in missing]
     return out + [f"{k} is shorter than {meta_key} says" for k in short]
-
-
-def _shard_ends(metadata: Any) -> dict[str, int]:
-    """Each shard file the DCP metadata names, with the end of its last item."""
-    ends: dict[str, int] = {}
-    for info in (getattr(metadata, "storage_data", None) or {}).values():
-        rel = getattr(info, "relative_path", None)
-        if isinstance(rel, str):
-            end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
-            ends[rel] = max(ends.get(rel, 0), end)
-    return ends
 
 
 def _torch_shard_problems(files: Mapping[str, int]) -> list[str]:
