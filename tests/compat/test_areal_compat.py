@@ -110,14 +110,9 @@ def test_cloudckpt_trial_downloaded_resumes_under_areal(where, request, tmp_path
     assert isinstance(info, areal_recover.RecoverInfo)
 
 
-def test_areal_trial_imported_resumes_under_cloudckpt(s3, tmp_path, reference):
-    local_root = str(tmp_path / "areal")
-    first = Trainer(areal_saver.Saver, areal_recover.RecoverHandler, *configs(local_root))
-    first.train(first_step(), CUT)
-
-    opts = [a for o in cli_options(s3) for a in ("-o", o)]
-    assert areal_cli(["import", str(tmp_path / "no-trial"), trial_dir(s3.root), *opts]) == 3
-    assert areal_cli(["import", trial_dir(local_root), trial_dir(s3.root), *opts]) == 0
+def _resumes_under_cloudckpt(s3, reference) -> None:
+    """The trial in the bucket holds its one export, and cloudckpt's classes resume it
+    and finish bit-exact against the reference run."""
     saver_cfg, recover_cfg = configs(s3.root)
     exports = areal.list_exports(saver_cfg, storage_options=s3.options)
     assert [Path(e.uri).name for e in exports] == ["epoch0epochstep2globalstep2"]
@@ -127,6 +122,17 @@ def test_areal_trial_imported_resumes_under_cloudckpt(s3, tmp_path, reference):
                      storage_options=s3.options)
     info = resume_and_finish(second, reference)
     assert isinstance(info, areal_recover.RecoverInfo)
+
+
+def test_areal_trial_imported_resumes_under_cloudckpt(s3, tmp_path, reference):
+    local_root = str(tmp_path / "areal")
+    first = Trainer(areal_saver.Saver, areal_recover.RecoverHandler, *configs(local_root))
+    first.train(first_step(), CUT)
+
+    opts = [a for o in cli_options(s3) for a in ("-o", o)]
+    assert areal_cli(["import", str(tmp_path / "no-trial"), trial_dir(s3.root), *opts]) == 3
+    assert areal_cli(["import", trial_dir(local_root), trial_dir(s3.root), *opts]) == 0
+    _resumes_under_cloudckpt(s3, reference)
 
 
 def test_areal_trial_synced_into_a_bucket_is_refused_then_adopted(s3, tmp_path, reference):
@@ -150,14 +156,7 @@ def test_areal_trial_synced_into_a_bucket_is_refused_then_adopted(s3, tmp_path, 
     assert f"python -m cloudckpt.integrations.areal adopt {uri}" in str(err.value)
     opts = [a for o in cli_options(s3) for a in ("-o", o)]
     assert areal_cli(["adopt", uri, *opts]) == 0
-    exports = areal.list_exports(saver_cfg, storage_options=s3.options)
-    assert [Path(e.uri).name for e in exports] == ["epoch0epochstep2globalstep2"]
-    assert "model.safetensors" in exports[0].files and "tokenizer.json" in exports[0].files
-
-    second = Trainer(areal.Saver, areal.RecoverHandler, saver_cfg, recover_cfg,
-                     storage_options=s3.options)
-    info = resume_and_finish(second, reference)
-    assert isinstance(info, areal_recover.RecoverInfo)
+    _resumes_under_cloudckpt(s3, reference)
 
 
 def test_missing_bucket_in_areals_config_is_refused_at_construction(s3):

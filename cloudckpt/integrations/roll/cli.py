@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ... import logsetup
 from ...errors import CloudCkptError, ConfigError, exit_code
 from ...storage import parse_options
 from .resume import CKPT_RE, download_checkpoint
@@ -69,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logsetup.configure(0)
     try:
         options = parse_options(args.storage_option)
         if args.command == "upload":

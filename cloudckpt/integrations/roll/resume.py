@@ -30,10 +30,11 @@ def latest_committed(store: Store, expected_uploads: int | None = None) -> str |
     falls back, or starts from scratch, is never silent."""
     infos = [i for i in list_checkpoints(store, include_uncommitted=True)
              if CKPT_RE.match(i.name)]
-    done = sorted((_number(i.name), i.name) for i in infos if i.committed)
+    done = sorted(checkpoint_order(i.name) for i in infos if i.committed)
     floor = done[-1][0] if done else -1
-    skipped = sorted((i for i in infos if not i.committed and _number(i.name) > floor),
-                     key=lambda i: _number(i.name))
+    skipped = sorted((i for i in infos if not i.committed
+                      and checkpoint_order(i.name)[0] > floor),
+                     key=lambda i: checkpoint_order(i.name))
     for info in skipped:
         log.warning("resume from %s: skipping %s: %s", store.uri, info.name,
                     _why_skipped(store, info, expected_uploads))
@@ -48,9 +49,11 @@ def latest_committed(store: Store, expected_uploads: int | None = None) -> str |
     return done[-1][1] if done else None
 
 
-def _number(name: str) -> int:
+def checkpoint_order(name: str) -> tuple[int, str]:
+    """Sort key of checkpoint names: ``checkpoint-9`` before ``checkpoint-11``; other
+    names first."""
     m = CKPT_RE.match(name)
-    return int(m.group(1)) if m else -1
+    return (int(m.group(1)) if m else -1, name)
 
 
 def _why_skipped(store: Store, info: CheckpointInfo, expected: int | None) -> str:

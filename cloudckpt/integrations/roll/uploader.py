@@ -26,8 +26,15 @@ from ...names import MANIFEST_NAME, ROLL_PARTS_DIR
 from ...pending import run_in_background
 from ...retention import Managed, apply_retention
 from ...storage import Store, open_store
+from ...text import plural
 from .parts import part_names, read_markers, resume_problems, summary
-from .resume import CKPT_RE, default_download_dir, download_checkpoint, latest_committed
+from .resume import (
+    CKPT_RE,
+    checkpoint_order,
+    default_download_dir,
+    download_checkpoint,
+    latest_committed,
+)
 from .staging import (
     _PART_RE,
     _attempt_from_env,
@@ -232,15 +239,15 @@ class RollUploader:
             failed, self._failed = self._failed, {}
             lost, self._lost = self._lost, {}
         if failed:
-            names = ", ".join(sorted(failed, key=_checkpoint_sort_key))
+            names = ", ".join(sorted(failed, key=checkpoint_order))
             first = next(iter(failed.values()))
-            also = (f"; and {', '.join(sorted(lost, key=_checkpoint_sort_key))} never got "
+            also = (f"; and {', '.join(sorted(lost, key=checkpoint_order))} never got "
                     "all their parts" if lost else "")
             raise StorageError(f"background upload of {names} to {self.output_dir} failed "
                                f"(not committed; later checkpoints were not affected): "
                                f"{first}{also}") from first
         if lost:
-            names = sorted(lost, key=_checkpoint_sort_key)
+            names = sorted(lost, key=checkpoint_order)
             raise IncompleteCheckpointError(
                 f"{', '.join(names)} never committed to {self.output_dir}: not all their parts "
                 f"arrived. {lost[names[-1]]}")
@@ -342,7 +349,7 @@ class RollUploader:
         files = self._merged_files(store, parts)
         problems = resume_problems({k: size for k, (size, _) in files.items()}, store.get)
         if problems:
-            why = (f"{_parts(len(parts))} ({', '.join(part_names(parts))}) reached the "
+            why = (f"{plural(len(parts), 'part')} ({', '.join(part_names(parts))}) reached the "
                    f"{expected} expected, but ROLL could not resume from them: "
                    f"{summary(problems)}")
             log.warning("%s is not committed yet: %s. Waiting for more parts; if none come, "
@@ -465,8 +472,9 @@ class RollUploader:
 
     def _progress_text(self, p: _Progress) -> str:
         if p.problems:
-            return (f"{_parts(len(p.parts))} ({', '.join(p.parts)}) reached expected_uploads="
-                    f"{p.expected}, but ROLL could not resume from them: {summary(p.problems)}")
+            return (f"{plural(len(p.parts), 'part')} ({', '.join(p.parts)}) reached "
+                    f"expected_uploads={p.expected}, but ROLL could not resume from them: "
+                    f"{summary(p.problems)}")
         return (f"{len(p.parts)} of expected_uploads={p.expected} parts arrived "
                 f"({', '.join(p.parts)})")
 
@@ -524,17 +532,8 @@ class _Progress:
     problems: list[str]
 
 
-def _parts(n: int) -> str:
-    return f"{n} part" if n == 1 else f"{n} parts"
-
-
 #: Retention governs only ROLL's own checkpoints: kind ``roll``, named ``checkpoint-N``.
 _OWN_CHECKPOINTS = Managed(KIND, CKPT_RE)
-
-
-def _checkpoint_sort_key(ckpt_id: str) -> tuple[int, str]:
-    m = CKPT_RE.match(ckpt_id)
-    return (int(m.group(1)) if m else -1, ckpt_id)
 
 
 class S3Uploader(RollUploader):
