@@ -1,5 +1,6 @@
 # Every target sets itself up on a fresh machine: a virtualenv in .venv with the
-# CPU build of torch pinned for these machines, and cloudckpt with its test extras.
+# CPU build of torch pinned for these machines, cloudckpt with its test extras, and
+# the test rigs (testkit/: local servers, fault proxy, thread ranks).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -7,11 +8,12 @@ TORCH_PIN ?= torch==2.13.0
 
 .PHONY: setup demo test lint compat bench torture install-check clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml testkit/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps -e testkit  # the test rigs, not shipped in the wheel
 	touch $@
 
 setup: $(VENV)/.installed

@@ -23,8 +23,9 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from cloudckpt_testkit import FaultProxy, MotoServer
+
 from cloudckpt import CheckpointWriter
-from cloudckpt.testing import FaultProxy, MotoServer
 
 
 def median_seconds(cmd: list[str], repeat: int, env: dict[str, str]) -> float:

@@ -69,12 +69,12 @@ from typing import Any
 import s3fs
 import torch
 import torch.distributed.checkpoint as tdcp
+from cloudckpt_testkit import FakeGcsServer, MotoServer
 from memory import RssSampler  # benchmarks/memory.py: run as a script, its folder is on the path
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
 import cloudckpt.dcp as cdcp
-from cloudckpt.testing import FakeGcsServer, MotoServer
 
 MB = 1_000_000
 MiB = 1024 * 1024
@@ -248,7 +248,7 @@ class Bench:
             # Plain s3fs, as a user would make it (its own instance, its defaults).
             self.fs = s3fs.S3FileSystem(skip_instance_cache=True, **self.base_opts)
         else:
-            # Imported here: after cloudckpt.testing has set gcsfs's emulator default.
+            # Imported here: after cloudckpt_testkit has set gcsfs's emulator default.
             import gcsfs
 
             self.base_opts = dict(gcs_options)

@@ -21,8 +21,9 @@ import os
 import time
 from collections.abc import Callable
 
+from cloudckpt_testkit import FakeGcsServer
+
 import cloudckpt
-from cloudckpt.testing import FakeGcsServer
 
 MB = 1_000_000
 

@@ -18,9 +18,9 @@ import warnings
 
 import s3fs
 import torch
+from cloudckpt_testkit import MotoServer
 
 from cloudckpt import hf
-from cloudckpt.testing import MotoServer
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

@@ -14,9 +14,9 @@ import time
 import warnings
 
 import torch
+from cloudckpt_testkit import MotoServer
 
 from cloudckpt import CheckpointManager, ManagerOptions, StepInfo
-from cloudckpt.testing import MotoServer
 
 
 def main() -> int:

@@ -57,11 +57,11 @@ import s3fs
 import torch
 import torch.distributed.checkpoint as tdcp
 from _rss import PeakRss  # benchmarks/_rss.py: run as a script, its folder is on the path
+from cloudckpt_testkit import MotoServer
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
 import cloudckpt.dcp as cdcp
 from cloudckpt import hf, open_checkpoint
-from cloudckpt.testing import MotoServer
 
 MiB = 1024 * 1024
 UNITS = {"": 1, "K": 1024, "M": MiB, "G": 1024 * MiB}

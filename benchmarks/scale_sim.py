@@ -1,9 +1,9 @@
 """What a save and a resume at 8 to 1,024 ranks ask of the bucket, simulated and bounded.
 
 N ranks run as threads of this process over an in-process process group
-(:mod:`cloudckpt.testing.threadranks`), against ``count://``, a store that
+(:mod:`cloudckpt_testkit.threadranks`), against ``count://``, a store that
 records every request as the S3 request it stands for, with its key, rank and
-time (:mod:`cloudckpt.testing.counting`). Each rank holds its FSDP shard
+time (:mod:`cloudckpt_testkit.counting`). Each rank holds its FSDP shard
 (``Shard(0)``, ``torch.chunk`` rows) of a Llama-2-70B-shaped model and its Adam
 moments, all float32: 723 parameters, 69 billion values, 828 GB in all, and
 2,169 items per rank (plus Adam's step counts and hyper-parameters, which DCP
@@ -60,6 +60,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from cloudckpt_testkit.counting import Request, recorder
+from cloudckpt_testkit.threadranks import ThreadWorld
 from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
     DefaultSavePlanner,
@@ -81,15 +83,13 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from cloudckpt import CheckpointManager, ManagerOptions, StepInfo
+from cloudckpt.core.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
 from cloudckpt.dcp.metadata import METADATA_NAME, load_metadata
 from cloudckpt.dcp.reader import SHARED_ITEM_MAX, STREAM_MIN
 from cloudckpt.dcp.records import HEAD_BYTES
 from cloudckpt.dcp.writer import CloudStorageWriter
-from cloudckpt.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
 from cloudckpt.storage import Store, open_store
 from cloudckpt.storage.options import DEFAULT_PART_SIZE
-from cloudckpt.testing.counting import Request, recorder
-from cloudckpt.testing.threadranks import ThreadWorld
 
 BUCKET = "scale-sim"
 #: S3's documented request rates per prefix (per second).
@@ -283,7 +283,7 @@ class ShardLoadPlanner(DefaultLoadPlanner):
     def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
         plan = super().finish_plan(central_plan)
         if self.full_plans is not None:
-            from cloudckpt.testing.threadranks import current_rank
+            from cloudckpt_testkit.threadranks import current_rank
 
             self.full_plans[current_rank() or 0] = list(plan.items)
         return LoadPlan([_as_placeholder(i) if isinstance(self._obj(i), SimShard) else i
@@ -398,7 +398,7 @@ class Phase:
 def coordinator_cpu(into: dict[str, float]) -> Iterator[None]:
     """Thread CPU seconds rank 0 spends planning (DCP's global plan and cloudckpt's)
     and committing (``finish``: .metadata, manifest), summed into ``into``."""
-    from cloudckpt.testing.threadranks import current_rank
+    from cloudckpt_testkit.threadranks import current_rank
 
     targets = [(DefaultSavePlanner, "create_global_plan", "plan"),
                (CloudStorageWriter, "prepare_global_plan", "plan"),

@@ -36,9 +36,9 @@ from typing import Any
 
 import google_crc32c
 import s3fs
+from cloudckpt_testkit import MotoServer
 
 import cloudckpt
-from cloudckpt.testing import MotoServer
 
 #: Acceptance target: ours / baseline throughput, for both put and get.
 TARGET_RATIO = 0.9

@@ -4,9 +4,11 @@ A checkpoint is a prefix of objects plus a manifest written last and
 create-only: it is either complete and verifiable, or invisible.
 """
 
-from .checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
-from .deletion import delete_checkpoint
-from .errors import (
+from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
+from cloudckpt.core.deletion import delete_checkpoint
+from cloudckpt.core.listing import CheckpointInfo, latest_checkpoint, list_checkpoints
+from cloudckpt.core.manifest import MANIFEST_NAME, Manifest
+from cloudckpt.errors import (
     AccessDeniedError,
     BucketNotFoundError,
     CheckpointNotFoundError,
@@ -22,16 +24,14 @@ from .errors import (
     StorageError,
     WorldSizeError,
 )
-from .listing import CheckpointInfo, latest_checkpoint, list_checkpoints
-from .manifest import MANIFEST_NAME, Manifest
-from .storage import ObjectInfo, RetryPolicy, Store, open_store
+from cloudckpt.storage import ObjectInfo, RetryPolicy, Store, open_store
 
 # Names that need torch load on first use, so that `cloudckpt ls` stays quick.
 _LAZY = {
-    "CheckpointManager": "manager",
-    "ManagerOptions": "manager",
-    "RecoverSlot": "slot",
-    "StepInfo": "state",
+    "CheckpointManager": "training.manager",
+    "ManagerOptions": "training.manager",
+    "RecoverSlot": "training.slot",
+    "StepInfo": "runtime.state",
 }
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 #: The manifest's fixed key inside every checkpoint prefix.
 MANIFEST_NAME = "cloudckpt-manifest.json"
-#: The claim of the writer saving into a prefix (cloudckpt.claim); hidden from listings.
+#: The claim of the writer saving into a prefix (cloudckpt.core.claim); hidden from listings.
 CLAIM_NAME = ".cloudckpt-writer.json"
 #: Prefix of the local backend's temporary files (renamed into place when complete).
 TMP_PREFIX = ".cloudckpt-tmp-"
@@ -16,7 +16,7 @@ TMP_PREFIX = ".cloudckpt-tmp-"
 PART_SUFFIX = ".cloudckpt-part"
 #: Name fragments of backends' bookkeeping objects, hidden from listings.
 INTERNAL_MARKS = (TMP_PREFIX, PART_SUFFIX)
-#: A recover slot's pointer (cloudckpt.slot).
+#: A recover slot's pointer (cloudckpt.training.slot).
 SLOT_POINTER_NAME = "slot-pointer.json"
 #: Where ROLL's part markers (cloudckpt.integrations.roll) live inside a checkpoint.
 ROLL_PARTS_DIR = "_cloudckpt_parts"

@@ -82,7 +82,7 @@ def demo(root: str | None) -> int:
     with ExitStack() as stack:
         options: dict = {}
         if root is None and not os.environ.get("AWS_ENDPOINT_URL"):
-            from cloudckpt.testing import MotoServer
+            from cloudckpt_testkit import MotoServer
 
             server = stack.enter_context(MotoServer())
             server.create_bucket("cloudckpt-demo")

@@ -160,7 +160,7 @@ def main() -> int:
 def _arm_mid_save_crash(at_step: int) -> None:
     """Kill the process after a checkpoint's DCP part is written but before its
     root manifest commits: the worst moment for a crash."""
-    from cloudckpt import training
+    from cloudckpt.training import snapshot as training
 
     real = training._commit
 

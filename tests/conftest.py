@@ -24,10 +24,10 @@ from dataclasses import asdict, dataclass, field  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
+from cloudckpt_testkit import FakeGcsServer, MotoServer  # noqa: E402
 from helpers import HUB_TOKEN  # noqa: E402
 
 from cloudckpt.storage import RetryPolicy  # noqa: E402
-from cloudckpt.testing import FakeGcsServer, MotoServer  # noqa: E402
 
 BUCKET = "cloudckpt-test"
 #: Fast retries for tests: the deadline still bounds every operation.
@@ -104,9 +104,8 @@ def backend(request) -> Backend:
 def hub_server(tmp_path, monkeypatch):
     """A Hub-compatible server on 127.0.0.1, with huggingface_hub isolated from the
     real user cache and tokens (its constants are read at import, so patch both)."""
+    from cloudckpt_testkit import HubServer
     from huggingface_hub import constants
-
-    from cloudckpt.testing import HubServer
 
     home = tmp_path / "hf_home"
     for name, value in {"HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"),

@@ -27,11 +27,11 @@ def fail_one_step(rank: int, world: int, endpoint: str, root: str, deadline: flo
     checkpoint is still the latest and loads, faults injected into its requests)."""
     import torch
     import torch.distributed as dist
+    from cloudckpt_testkit import FaultPlan, FaultProxy
 
     from cloudckpt import CheckpointManager, ManagerOptions, RecoverSlot, StepInfo
+    from cloudckpt.core.listing import latest_checkpoint
     from cloudckpt.integrations import areal, rlinf
-    from cloudckpt.listing import latest_checkpoint
-    from cloudckpt.testing import FaultPlan, FaultProxy
 
     direct = {"endpoint_url": endpoint, "key": "testing", "secret": "testing",
               "retry": {"deadline": deadline, "initial_backoff": 0.05, "max_backoff": 0.5}}

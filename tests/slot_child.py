@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from cloudckpt import CommitConflictError, RecoverSlot, StepInfo
-from cloudckpt import slot as slot_mod
-from cloudckpt import training as training_mod
+from cloudckpt.core import slots as slot_mod
+from cloudckpt.training import snapshot as training_mod
 
 OPTIONS = json.loads(os.environ.get("CKPT_OPTIONS", "{}"))
 
@@ -76,7 +76,7 @@ def torture(uri: str, value: float, stage: str) -> None:
         return out
 
     def drop(store, *a, **k):
-        from cloudckpt.manifest import MANIFEST_NAME
+        from cloudckpt.core.manifest import MANIFEST_NAME
 
         store.delete([MANIFEST_NAME])
         stall("deleting")

@@ -22,7 +22,7 @@ from cloudckpt import (
     open_checkpoint,
     open_store,
 )
-from cloudckpt.transfer import copy_checkpoint
+from cloudckpt.movement.transfer import copy_checkpoint
 
 
 def write_ckpt(uri, options, step, n=5, size=2000):
@@ -141,7 +141,7 @@ def test_manifest_paths_outside_the_checkpoint_are_rejected(backend, evil):
 
 
 @pytest.mark.parametrize("garbage", [b"{not json", b"[]", b'{"format": "other"}',
-                                     b'{"format": "cloudckpt.manifest", "version": 99}'])
+                                     b'{"format": "cloudckpt.core.manifest", "version": 99}'])
 def test_malformed_manifest_is_rejected(memory, garbage):
     store = open_store(memory.uri("step-1"))
     store.put(MANIFEST_NAME, garbage)

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from cloudckpt import CheckpointWriter, CommitConflictError, open_checkpoint, open_store
-from cloudckpt.claim import CLAIM_NAME
+from cloudckpt.core.claim import CLAIM_NAME
 
 
 def _claim(backend, uri: str) -> dict:
@@ -87,7 +87,7 @@ def test_writer_taken_over_does_not_commit(gcs):
 def test_same_hostname_in_another_pid_namespace_is_not_judged(local):
     """Containers sharing a hostname (host networking) do not share pids: a claim
     from another pid namespace or boot is never taken for dead, whatever its pid."""
-    from cloudckpt.claim import _whoami
+    from cloudckpt.core.claim import _whoami
 
     uri = local.uri("step-6")
     store = open_store(uri, local.options)
@@ -126,7 +126,7 @@ def test_retry_while_the_failed_attempt_is_still_referenced(backend):
 
 
 def test_copies_leave_no_claim(s3, local):
-    from cloudckpt.transfer import copy_checkpoint
+    from cloudckpt.movement.transfer import copy_checkpoint
 
     src = s3.uri("step-8")
     with CheckpointWriter(src, step=8, storage_options=s3.options) as w:

@@ -12,12 +12,12 @@ import threading
 
 import pytest
 import torch
+from cloudckpt_testkit import FaultPlan, FaultProxy
 
 import cloudckpt.dcp as cdcp
 from cloudckpt import open_checkpoint, open_store
 from cloudckpt.errors import CommitConflictError, ConfigError, CorruptCheckpointError
 from cloudckpt.storage import conditional
-from cloudckpt.testing import FaultPlan, FaultProxy
 
 CONDITIONAL = ("If-None-Match", "If-Match")
 

@@ -83,7 +83,7 @@ def test_sigkill_while_the_manifest_put_is_in_flight_on_s3(s3, moto_server):
     """The manifest PUT has left the client but not reached S3 when the writer dies."""
     from dataclasses import replace
 
-    from cloudckpt.testing import FaultProxy
+    from cloudckpt_testkit import FaultProxy
 
     run_writer(s3, 1)
     victim: dict[str, subprocess.Popen] = {}

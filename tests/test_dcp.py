@@ -26,7 +26,7 @@ from cloudckpt import (
 )
 from cloudckpt.cli import main as cli
 from cloudckpt.dcp import CloudStorageReader, CloudStorageWriter, adopt, async_save
-from cloudckpt.transfer import copy_checkpoint
+from cloudckpt.movement.transfer import copy_checkpoint
 
 
 def sample_state() -> dict:
@@ -222,7 +222,7 @@ def test_malicious_metadata_does_not_execute(memory, tmp_path):
     evil = pickle.dumps(_Evil(str(marker)))
     store.put(".metadata", evil)
     doc = json.loads(store.get(MANIFEST_NAME))  # an attacker controls the manifest too
-    from cloudckpt.crc import crc32c_hex
+    from cloudckpt.util.crc import crc32c_hex
 
     doc["files"][".metadata"] = {"size": len(evil), "crc32c": crc32c_hex(evil)}
     store.put(MANIFEST_NAME, json.dumps(doc).encode())
@@ -318,7 +318,7 @@ def test_gloo_ranks_read_manifest_and_metadata_once_per_job(s3, moto_server, tmp
     """Three gloo ranks load (resharding a 2-rank save) through a proxy that logs every
     request: the manifest and .metadata are read once in all, and nothing is listed;
     through cloudckpt.dcp.load, or torch's dcp.load with share_metadata=True."""
-    from cloudckpt.testing import FaultProxy
+    from cloudckpt_testkit import FaultProxy
 
     uri, ref = s3.uri("w2"), str(tmp_path / "ref.pt")
     run_ranks("dcp_workers.save_sharded", 2, uri, s3.options_json(), ref)

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from cloudckpt_testkit import FaultProxy
 
 import cloudckpt.dcp as cdcp
 from cloudckpt import open_checkpoint
 from cloudckpt.errors import EXIT_CONFLICT, EXIT_INCOMPLETE
-from cloudckpt.testing import FaultProxy
 
 HERE = Path(__file__).parent
 CHILD = str(HERE / "exit_child.py")

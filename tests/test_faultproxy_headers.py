@@ -17,10 +17,9 @@ from typing import Any
 import botocore.exceptions
 import google_crc32c
 import pytest
+from cloudckpt_testkit import FaultPlan, FaultProxy
+from cloudckpt_testkit.faultproxy import RequestRecord, _strip_query
 from helpers import boto3_s3
-
-from cloudckpt.testing import FaultPlan, FaultProxy
-from cloudckpt.testing.faultproxy import RequestRecord, _strip_query
 
 # -- helpers -------------------------------------------------------------------
 

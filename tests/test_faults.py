@@ -8,6 +8,7 @@ import time
 from dataclasses import replace
 
 import pytest
+from cloudckpt_testkit import FaultPlan, FaultProxy
 
 from cloudckpt import (
     MANIFEST_NAME,
@@ -18,7 +19,6 @@ from cloudckpt import (
     open_store,
 )
 from cloudckpt.storage import is_transient
-from cloudckpt.testing import FaultPlan, FaultProxy
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import torch
 
 from cloudckpt import CheckpointWriter, RecoverSlot, list_checkpoints, open_store
 from cloudckpt.cli import main as cli
-from cloudckpt.gc import collect, find_garbage
+from cloudckpt.core.gc import collect, find_garbage
 
 
 def age(path: str, seconds: float) -> None:

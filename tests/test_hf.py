@@ -17,8 +17,8 @@ from helpers import HUB_TOKEN
 
 from cloudckpt import CorruptCheckpointError, hf, open_checkpoint, open_store
 from cloudckpt.cli import main as cli
-from cloudckpt.convert import dcp_to_hf, dcp_to_pt
-from cloudckpt.hub import push_in_background, push_to_hub
+from cloudckpt.hf.convert import dcp_to_hf, dcp_to_pt
+from cloudckpt.hf.hub import push_in_background, push_to_hub
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning",
                                         "ignore::FutureWarning", "ignore::UserWarning")

@@ -27,9 +27,9 @@ from cloudckpt import (
     latest_checkpoint,
 )
 from cloudckpt import dcp as cloud_dcp
-from cloudckpt import hub as hub_module
 from cloudckpt.cli import main as cli
-from cloudckpt.hub import push, push_in_background, push_to_hub
+from cloudckpt.hf import hub as hub_module
+from cloudckpt.hf.hub import push, push_in_background, push_to_hub
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning",
                                         "ignore::FutureWarning", "ignore::UserWarning")
@@ -98,7 +98,7 @@ def test_sharded_push_over_a_single_file_repo_needs_replace(hub_server, s3, tmp_
     assert "replace=True" in str(err.value) and "--replace" in str(err.value)
     assert hub_server.commits(REPO) == before  # nothing committed, nothing uploaded
 
-    with caplog.at_level(logging.INFO, logger="cloudckpt.hub"):
+    with caplog.at_level(logging.INFO, logger="cloudckpt.hf.hub"):
         done = push(s3.uri("new"), REPO, replace=True, **push_kw(hub_server, s3))
     assert done.replaced == ("model.safetensors",)
     assert "replacing model.safetensors" in caplog.text

@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from cloudckpt_testkit.hubserver import HubServer
 from huggingface_hub import (
     CommitOperationAdd,
     CommitOperationDelete,
@@ -21,8 +22,6 @@ from huggingface_hub import (
     snapshot_download,
 )
 from huggingface_hub.errors import HfHubHTTPError, RevisionNotFoundError
-
-from cloudckpt.testing.hubserver import HubServer
 
 TOKEN = "hf_test_token"
 REPO = "test-org/export"

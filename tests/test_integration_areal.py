@@ -276,7 +276,7 @@ def test_torn_dump_areal_trusts_stale_info_cloudckpt_does_not(s3, tmp_path, monk
     def die(*args, **kwargs):
         raise Crash
 
-    from cloudckpt import slot, staging
+    from cloudckpt.training import slot, staging
 
     for target, name in ((slot.RecoverSlot, "_swap"), (staging, "_commit")):
         with monkeypatch.context() as m:
@@ -317,7 +317,7 @@ def test_saver_reexport_after_a_restart(s3):
     job reach the same step again; one mid-export on another node leaves a claim
     nobody can check. Neither may stop training."""
     from cloudckpt import CheckpointWriter, open_checkpoint
-    from cloudckpt.manifest import CLAIM_NAME
+    from cloudckpt.core.manifest import CLAIM_NAME
 
     saver_cfg, _ = configs(s3)
     saver_cfg = replace(saver_cfg, freq_steps=1)
@@ -430,7 +430,7 @@ def test_synced_areal_trial_is_refused_until_adopted(s3, tmp_path, caplog):
 def test_adopt_refuses_an_unfinished_areal_dump(s3, tmp_path):
     from cloudckpt.errors import CorruptCheckpointError
     from cloudckpt.integrations.areal.__main__ import main as areal_cli
-    from cloudckpt.slot import RecoverSlot
+    from cloudckpt.training.slot import RecoverSlot
 
     uri, _ = _areal_trial_in_bucket(s3, tmp_path, "torn")
     store = open_store(uri, s3.options)

@@ -25,7 +25,7 @@ from dist_run import run_ranks
 from training_runs import launcher, losses, run_and_kill
 
 from cloudckpt import IncompleteCheckpointError, list_checkpoints, open_checkpoint, open_store
-from cloudckpt.claim import CLAIM_NAME
+from cloudckpt.core.claim import CLAIM_NAME
 from cloudckpt.dcp import CloudStorageReader, adopt
 from cloudckpt.errors import CommitConflictError, ConfigError, CorruptCheckpointError
 from cloudckpt.integrations import rlinf

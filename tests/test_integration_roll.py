@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from cloudckpt_testkit import FaultPlan, FaultProxy
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 from training_runs import launcher, losses, run_and_kill
@@ -51,7 +52,6 @@ from cloudckpt.integrations.roll import (
     upload_checkpoint,
     wrap_model_downloaders,
 )
-from cloudckpt.testing import FaultPlan, FaultProxy
 
 REPO = Path(__file__).parent.parent
 EXAMPLE = REPO / "examples" / "roll" / "train.py"

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
+from cloudckpt_testkit import FaultPlan, FaultProxy
 
 from cloudckpt import list_checkpoints, open_store
-from cloudckpt.testing import FaultPlan, FaultProxy
 
 HERE = Path(__file__).parent
 CHILD = str(HERE / "sigint_child.py")

@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+from cloudckpt_testkit import FaultPlan, FaultProxy
 from helpers import torn_save
 
 from cloudckpt import (
@@ -19,8 +20,7 @@ from cloudckpt import (
     list_checkpoints,
     open_store,
 )
-from cloudckpt.testing import FaultPlan, FaultProxy
-from cloudckpt.training import WorldSizeError
+from cloudckpt.training.snapshot import WorldSizeError
 
 
 class Counter:
@@ -129,7 +129,7 @@ def test_async_save_errors_surface_on_wait(s3, moto_server):
 
 
 def test_async_save_error_surfaces_on_close(memory, monkeypatch):
-    import cloudckpt.training as training
+    import cloudckpt.training.snapshot as training
 
     def boom(*a, **k):
         raise StorageError("injected upload failure")

@@ -15,7 +15,7 @@ from cloudckpt import (
     StepInfo,
     list_checkpoints,
 )
-from cloudckpt.retention import Managed
+from cloudckpt.core.retention import Managed
 
 
 def _user_checkpoint(uri: str, options: dict, step: int) -> None:

@@ -27,13 +27,13 @@ import pytest
 import s3fs
 import torch
 import torch.distributed.checkpoint as dcp
+from cloudckpt_testkit import HubServer
 from helpers import HUB_TOKEN
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import cloudckpt
 import cloudckpt.dcp as cdcp
 from cloudckpt import CheckpointManager, hf
-from cloudckpt.testing import HubServer
 
 README = Path(__file__).parent.parent / "README.md"
 

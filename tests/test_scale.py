@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cloudckpt.checkpoint import open_checkpoint
+from cloudckpt.core.checkpoint import open_checkpoint
 from cloudckpt.dcp.writer import auto_spread
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "scale_sim.py"
@@ -100,11 +100,11 @@ def test_files_spread_over_sub_prefixes_at_32_ranks_and_load_back():
     """32 thread ranks save a small state: the files go under four sub-prefixes, the
     manifest says so, and every rank loads its values back without a listing."""
     import torch
+    from cloudckpt_testkit.counting import recorder
+    from cloudckpt_testkit.threadranks import ThreadWorld
 
     import cloudckpt.dcp as cdcp
     from cloudckpt.storage import open_store
-    from cloudckpt.testing.counting import recorder
-    from cloudckpt.testing.threadranks import ThreadWorld
 
     store = open_store("count://spread-test/run/step-1")
     world = ThreadWorld(32)
@@ -141,8 +141,7 @@ def test_a_failing_thread_rank_does_not_hang_the_others():
     import time
 
     import torch.distributed as dist
-
-    from cloudckpt.testing.threadranks import ThreadWorld
+    from cloudckpt_testkit.threadranks import ThreadWorld
 
     world = ThreadWorld(4, timeout=60)
 
@@ -174,9 +173,10 @@ def _gather(dist, rank):
 def test_counting_store_counts_pages_and_batches():
     """A listing is one LIST per 1,000 keys and a delete one DELETE per 1,000 keys,
     as S3 counts them; each request carries the rank that sent it."""
+    from cloudckpt_testkit.counting import recorder
+    from cloudckpt_testkit.threadranks import ThreadWorld
+
     from cloudckpt.storage import open_store
-    from cloudckpt.testing.counting import recorder
-    from cloudckpt.testing.threadranks import ThreadWorld
 
     store = open_store("count://pages-test/p")
     store.put_many({f"o{i}": b"x" for i in range(2500)})

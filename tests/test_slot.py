@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cloudckpt import CheckpointNotFoundError, CommitConflictError, RecoverSlot, StepInfo
-from cloudckpt.checkpoint import open_checkpoint
+from cloudckpt.core.checkpoint import open_checkpoint
 
 CHILD = str(Path(__file__).parent / "slot_child.py")
 

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 from cloudckpt import open_checkpoint
-from cloudckpt.claim import this_process
-from cloudckpt.staging import MARKER_FORMAT, remove_leftovers, staging_dir
+from cloudckpt.core.claim import this_process
+from cloudckpt.training.staging import MARKER_FORMAT, remove_leftovers, staging_dir
 
 CHILD = Path(__file__).parent / "staging_child.py"
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from cloudckpt import CorruptCheckpointError, StepInfo
-from cloudckpt.manager import ManagerOptions, SaveSchedule, select_for_deletion
-from cloudckpt.state import dumps_state, get_rng_state, loads_state, set_rng_state
+from cloudckpt.runtime.state import dumps_state, get_rng_state, loads_state, set_rng_state
+from cloudckpt.training.manager import ManagerOptions, SaveSchedule, select_for_deletion
 
 
 def test_step_info_next_wraps_epochs():
@@ -70,7 +70,7 @@ def test_schedule_fires_on_any_counter_and_resets_only_that_one():
 
 
 def test_schedule_by_seconds(monkeypatch):
-    import cloudckpt.manager as m
+    import cloudckpt.training.manager as m
 
     now = [1000.0]
     monkeypatch.setattr(m.time, "monotonic", lambda: now[0])

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from cloudckpt import CommitConflictError, ConfigError, StorageError, open_store
-from cloudckpt.crc import crc32c_hex
+from cloudckpt.util.crc import crc32c_hex
 
 
 def test_put_get_range_info_list_delete(backend):
@@ -211,7 +211,7 @@ def test_gcs_parts_of_a_crashed_writer_go_with_their_prefix(gcs):
 def test_gcs_failed_part_fails_the_stream_early(gcs, gcs_server):
     """A part refused for good stops the write at the next part, not at commit after
     the whole stream was read and sent."""
-    from cloudckpt.testing import FaultPlan, FaultProxy
+    from cloudckpt_testkit import FaultPlan, FaultProxy
 
     with FaultProxy(gcs_server.endpoint) as proxy:
         opts = {**gcs.options, "endpoint_url": proxy.endpoint, "part_size": 256 * 1024}

@@ -9,10 +9,10 @@ import time
 
 import pytest
 import torch
+from cloudckpt_testkit import FaultProxy
 
 import cloudckpt.dcp as cdcp
 from cloudckpt import BucketNotFoundError, CheckpointManager, StepInfo
-from cloudckpt.testing import FaultProxy
 
 
 @pytest.mark.parametrize("how", ["dcp", "manager"])

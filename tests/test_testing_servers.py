@@ -1,4 +1,4 @@
-"""Tests for cloudckpt.testing: real local servers and the fault proxy.
+"""Tests for cloudckpt_testkit: real local servers and the fault proxy.
 
 These helpers underpin the retry/crash tests, so they are verified here against
 the real clients (s3fs, gcsfs, boto3) over real HTTP.
@@ -22,9 +22,8 @@ os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 import botocore.exceptions
 import pytest
 import s3fs
+from cloudckpt_testkit import FakeGcsServer, FaultPlan, FaultProxy, MotoServer
 from helpers import boto3_s3
-
-from cloudckpt.testing import FakeGcsServer, FaultPlan, FaultProxy, MotoServer
 
 BUCKET = "ckpt-test"
 

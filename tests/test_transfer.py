@@ -1,4 +1,4 @@
-"""Copies between stores (cloudckpt.transfer): server-side within one store, parallel
+"""Copies between stores (cloudckpt.movement.transfer): server-side within one store, parallel
 ranges into local disk, streamed across stores; every route verified end to end."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import google_crc32c
 import pytest
 
 from cloudckpt import CheckpointWriter, open_checkpoint, open_store
-from cloudckpt.crc import Crc32c, crc32c_combine, crc32c_hex
+from cloudckpt.core.manifest import MANIFEST_NAME
 from cloudckpt.errors import CommitConflictError, CorruptCheckpointError
-from cloudckpt.manifest import MANIFEST_NAME
+from cloudckpt.movement.transfer import _copy_objects, commit_as, copy_checkpoint
 from cloudckpt.storage import ObjectInfo, Store
 from cloudckpt.storage.s3 import S3Store, _whole_crc32c
-from cloudckpt.transfer import _copy_objects, commit_as, copy_checkpoint
+from cloudckpt.util.crc import Crc32c, crc32c_combine, crc32c_hex
 
 PART = 256 * 1024  # the test moto server accepts parts this small (conftest)
 #: Objects of zero, one and several parts, the last one ragged.
@@ -384,7 +384,7 @@ def test_a_ranged_read_passes_the_sinks_error_through(local) -> None:
 def test_a_ranged_read_into_buffers_scatters_and_checksums(request, name) -> None:
     """``read_range_into`` fills the buffers in turn with the range's bytes and
     returns their CRC32C; a range past the end is an EOFError."""
-    from cloudckpt.crc import crc32c_hex
+    from cloudckpt.util.crc import crc32c_hex
 
     backend = request.getfixturevalue(name)
     data = os.urandom(3_000_000)

@@ -18,7 +18,7 @@ from cloudckpt import (
     list_checkpoints,
     open_store,
 )
-from cloudckpt.deletion import delete_checkpoint
+from cloudckpt.core.deletion import delete_checkpoint
 from cloudckpt.errors import ConfigError
 
 

@@ -32,10 +32,10 @@ from cloudckpt import (
     open_checkpoint,
     open_store,
 )
-from cloudckpt.claim import CLAIM_NAME
 from cloudckpt.cli import build_parser, main
-from cloudckpt.deletion import delete_checkpoint
-from cloudckpt.state import loads_state
+from cloudckpt.core.claim import CLAIM_NAME
+from cloudckpt.core.deletion import delete_checkpoint
+from cloudckpt.runtime.state import loads_state
 
 
 def opts_args(backend) -> list[str]:
@@ -250,7 +250,7 @@ def copy_dest(request):
 
 
 def test_an_interrupted_copy_resumes_and_leaves_no_parts(s3, copy_dest, monkeypatch):
-    from cloudckpt import transfer
+    from cloudckpt.movement import transfer
 
     objects = {f"obj-{i}.bin": os.urandom(3000 + i) for i in range(6)}
     objects["big.bin"] = os.urandom(3 * 1024 * 1024)  # streamed in parts
@@ -504,7 +504,7 @@ def test_docs_list_every_exit_code():
 
 def test_a_claim_never_covers_data_cloudckpt_did_not_write(local, capsys):
     from cloudckpt import NotACheckpointError
-    from cloudckpt.ownership import survey
+    from cloudckpt.core.ownership import survey
 
     store = open_store(local.root, local.options)
     store.put("datasets/train.jsonl", b'{"x": 1}\n')
@@ -531,8 +531,8 @@ def test_a_failed_adopt_leaves_the_objects_foreign(local, tmp_path, monkeypatch)
     from torch.distributed.checkpoint import FileSystemWriter
 
     import cloudckpt.dcp as cdcp
-    from cloudckpt.gc import collect, find_garbage
-    from cloudckpt.ownership import survey
+    from cloudckpt.core.gc import collect, find_garbage
+    from cloudckpt.core.ownership import survey
 
     tdcp.save({"w": torch.ones(4)}, storage_writer=FileSystemWriter(str(tmp_path / "s")),
               no_dist=True)
@@ -569,7 +569,7 @@ def test_deleting_a_checkpoint_leaves_what_it_does_not_list(s3, caplog):
 
 def test_a_save_below_is_not_a_leftover_of_the_root(local, s3, capsys):
     from cloudckpt import NotACheckpointError
-    from cloudckpt.transfer import copy_checkpoint
+    from cloudckpt.movement.transfer import copy_checkpoint
 
     commit(s3, "src", 1)
     live = CheckpointWriter(local.uri("run/step-7"), step=7, storage_options=local.options)
@@ -584,7 +584,7 @@ def test_a_save_below_is_not_a_leftover_of_the_root(local, s3, capsys):
 
 
 def test_gc_leaves_a_save_written_to_since_it_was_found(local):
-    from cloudckpt.gc import collect, find_garbage
+    from cloudckpt.core.gc import collect, find_garbage
 
     torn_save(local.uri("step-2"), local.options, {"a.bin": b"old"})
     old = os.path.getmtime(local.uri("step-2", "a.bin")) - 7200
@@ -599,9 +599,9 @@ def test_gc_leaves_a_save_written_to_since_it_was_found(local):
 
 
 def test_an_unfinished_save_is_deleted_only_with_its_claim_seized(local):
-    from cloudckpt.deletion import delete_unfinished
+    from cloudckpt.core.deletion import delete_unfinished
+    from cloudckpt.core.ownership import survey
     from cloudckpt.errors import CommitConflictError
-    from cloudckpt.ownership import survey
 
     torn_save(local.uri("step-3"), local.options, {"a.bin": b"a"})
     store = open_store(local.uri("step-3"), local.options)
@@ -625,7 +625,7 @@ def test_one_rank_refusing_state_stops_every_rank(tmp_path):
 
 
 def test_a_bucket_probe_that_is_forbidden_is_not_an_error(s3, moto_server):
-    from cloudckpt.testing import FaultPlan, FaultProxy
+    from cloudckpt_testkit import FaultPlan, FaultProxy
 
     with FaultProxy(moto_server.endpoint) as proxy:
         proxy.set_plan(FaultPlan(permanent_status=403, methods=("HEAD",)))
@@ -635,7 +635,7 @@ def test_a_bucket_probe_that_is_forbidden_is_not_an_error(s3, moto_server):
 
 
 def test_a_listing_racing_a_commit_shows_it_committed(local, monkeypatch):
-    from cloudckpt import listing
+    from cloudckpt.core import listing
 
     commit(local, "step-1", 1)
     real = listing.read_manifest_bytes
@@ -709,7 +709,7 @@ def test_a_writer_that_claims_again_after_failing_is_live_again(local):
 
 
 def test_checking_state_does_not_serialise_tensors(monkeypatch):
-    from cloudckpt.state import check_restorable
+    from cloudckpt.runtime.state import check_restorable
 
     def no_save(*a, **k):
         raise AssertionError("tensors were serialised to check them")

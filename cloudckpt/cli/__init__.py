@@ -15,8 +15,22 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .. import __version__, logsetup
-from ..errors import (  # noqa: F401 - the exit codes are part of the command's interface
+from cloudckpt import __version__
+from cloudckpt.cli.commands import (
+    _INFO_FILES,
+    cmd_adopt,
+    cmd_convert,
+    cmd_cp,
+    cmd_download,
+    cmd_gc,
+    cmd_info,
+    cmd_latest,
+    cmd_ls,
+    cmd_push,
+    cmd_rm,
+    cmd_verify,
+)
+from cloudckpt.errors import (  # noqa: F401 - the exit codes are part of the command's interface
     EXIT_ACCESS,
     EXIT_CODES,
     EXIT_CONFLICT,
@@ -33,21 +47,8 @@ from ..errors import (  # noqa: F401 - the exit codes are part of the command's 
     CloudCkptError,
     exit_code,
 )
-from ..storage import parse_options
-from .commands import (
-    _INFO_FILES,
-    cmd_adopt,
-    cmd_convert,
-    cmd_cp,
-    cmd_download,
-    cmd_gc,
-    cmd_info,
-    cmd_latest,
-    cmd_ls,
-    cmd_push,
-    cmd_rm,
-    cmd_verify,
-)
+from cloudckpt.storage import parse_options
+from cloudckpt.util import logsetup
 
 log = logging.getLogger("cloudckpt")
 

@@ -9,9 +9,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import Checkpoint, open_checkpoint
-from ..deletion import delete_checkpoint, delete_tree, delete_unfinished
-from ..errors import (
+from cloudckpt.cli.output import plural, plural_prefix, progress, size, when
+from cloudckpt.core.checkpoint import Checkpoint, open_checkpoint
+from cloudckpt.core.deletion import delete_checkpoint, delete_tree, delete_unfinished
+from cloudckpt.core.listing import latest_checkpoint, list_checkpoints
+from cloudckpt.core.ownership import (
+    COMMITTED,
+    EMPTY,
+    OURS,
+    ROOT,
+    describe_root,
+    incomplete,
+    not_a_checkpoint,
+)
+from cloudckpt.core.ownership import survey as survey_prefix
+from cloudckpt.errors import (
     EXIT_CORRUPT,
     EXIT_OK,
     CheckpointNotFoundError,
@@ -19,14 +31,10 @@ from ..errors import (
     CorruptCheckpointError,
     NotACheckpointError,
 )
-from ..listing import latest_checkpoint, list_checkpoints
-from ..names import MANIFEST_NAME
-from ..ownership import COMMITTED, EMPTY, OURS, ROOT, describe_root, incomplete, not_a_checkpoint
-from ..ownership import survey as survey_prefix
-from ..storage import Store, open_store, parse_options
-from ..transfer import copy_checkpoint
-from ..trees import tree_units
-from .output import plural, plural_prefix, progress, size, when
+from cloudckpt.movement.transfer import copy_checkpoint
+from cloudckpt.movement.trees import tree_units
+from cloudckpt.names import MANIFEST_NAME
+from cloudckpt.storage import Store, open_store, parse_options
 
 _STATUS_LABEL = {"committed": "committed", "uncommitted": "uncommitted (no manifest)",
                  "unreadable": "UNREADABLE", "root": "root (checkpoints below)",
@@ -191,7 +199,7 @@ def _confirm(args: argparse.Namespace, question: str) -> bool:
 
 
 def cmd_adopt(args: argparse.Namespace) -> int:
-    from ..dcp import adopt
+    from cloudckpt.dcp import adopt
 
     c = adopt(args.uri, args.options, step=args.step)
     print(f"adopted {c.uri}: {plural(len(c.files), 'object')} checked and committed")
@@ -199,7 +207,7 @@ def cmd_adopt(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from ..gc import collect, find_garbage
+    from cloudckpt.core.gc import collect, find_garbage
 
     garbage = find_garbage(args.root, args.options, grace_seconds=args.grace)
     if not garbage:
@@ -220,7 +228,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    from ..hub import push
+    from cloudckpt.hf.hub import push
 
     done = push(args.uri, args.repo_id, revision=args.revision,
                 private=True if args.private else None, create_pr=args.create_pr,
@@ -233,7 +241,7 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .. import convert
+    from cloudckpt.hf import convert
 
     dtype = None
     if getattr(args, "dtype", None):

@@ -6,7 +6,7 @@ import sys
 import time
 from contextlib import contextmanager
 
-from ..text import plural  # noqa: F401 - the commands' plural is every message's
+from cloudckpt.util.text import plural  # noqa: F401 - the commands' plural is every message's
 
 
 def size(n: float) -> str:

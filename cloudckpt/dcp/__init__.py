@@ -31,19 +31,19 @@ One module per job, each importing only those listed after it:
 """
 
 # __all__, plus the constants other code has always found here (not in __all__).
-from .adoption import adopt
-from .api import async_save, load, save
-from .budget import BudgetStager, default_budget
-from .metadata import DCP_KIND as DCP_KIND
-from .metadata import METADATA_NAME as METADATA_NAME
-from .metadata import SUFFIX as SUFFIX
-from .metadata import load_metadata
-from .reader import COALESCE_GAP as COALESCE_GAP
-from .reader import DEFAULT_READ_WINDOW as DEFAULT_READ_WINDOW
-from .reader import CloudStorageReader
-from .writer import DEFAULT_FILE_SIZE as DEFAULT_FILE_SIZE
-from .writer import DEFAULT_MAX_FILES as DEFAULT_MAX_FILES
-from .writer import CloudStorageWriter
+from cloudckpt.dcp.adoption import adopt
+from cloudckpt.dcp.api import async_save, load, save
+from cloudckpt.dcp.budget import BudgetStager, default_budget
+from cloudckpt.dcp.metadata import DCP_KIND as DCP_KIND
+from cloudckpt.dcp.metadata import METADATA_NAME as METADATA_NAME
+from cloudckpt.dcp.metadata import SUFFIX as SUFFIX
+from cloudckpt.dcp.metadata import load_metadata
+from cloudckpt.dcp.reader import COALESCE_GAP as COALESCE_GAP
+from cloudckpt.dcp.reader import DEFAULT_READ_WINDOW as DEFAULT_READ_WINDOW
+from cloudckpt.dcp.reader import CloudStorageReader
+from cloudckpt.dcp.writer import DEFAULT_FILE_SIZE as DEFAULT_FILE_SIZE
+from cloudckpt.dcp.writer import DEFAULT_MAX_FILES as DEFAULT_MAX_FILES
+from cloudckpt.dcp.writer import CloudStorageWriter
 
 __all__ = [
     "BudgetStager",

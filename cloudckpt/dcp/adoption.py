@@ -7,12 +7,18 @@ from typing import Any
 
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from ..checkpoint import Checkpoint, CheckpointWriter, read_manifest
-from ..crc import crc32c_hex
-from ..errors import CommitConflictError, CorruptCheckpointError
-from ..ownership import COMMITTED, EMPTY, ROOT, survey
-from ..storage import Store, as_store
-from .metadata import DCP_KIND, METADATA_NAME, load_metadata, missing_files, pack_item_crcs
+from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter, read_manifest
+from cloudckpt.core.ownership import COMMITTED, EMPTY, ROOT, survey
+from cloudckpt.dcp.metadata import (
+    DCP_KIND,
+    METADATA_NAME,
+    load_metadata,
+    missing_files,
+    pack_item_crcs,
+)
+from cloudckpt.errors import CommitConflictError, CorruptCheckpointError
+from cloudckpt.storage import Store, as_store
+from cloudckpt.util.crc import crc32c_hex
 
 
 def adopt(uri: str | Store, storage_options: Mapping[str, Any] | None = None, *,

@@ -15,15 +15,15 @@ from typing import Any
 
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
-from .. import coordination as coord
-from ..checkpoint import Checkpoint
-from ..errors import CloudCkptError, ConfigError, StateMismatchError, StorageError
-from ..pending import SaveFuture, run_in_background
-from ..state import check_state_dict, refusal, resolve_stateful
-from ..storage import Store
-from .budget import BudgetStager
-from .reader import CloudStorageReader
-from .writer import CloudStorageWriter
+from cloudckpt.core.checkpoint import Checkpoint
+from cloudckpt.dcp.budget import BudgetStager
+from cloudckpt.dcp.reader import CloudStorageReader
+from cloudckpt.dcp.writer import CloudStorageWriter
+from cloudckpt.errors import CloudCkptError, ConfigError, StateMismatchError, StorageError
+from cloudckpt.runtime import coordination as coord
+from cloudckpt.runtime.pending import SaveFuture, run_in_background
+from cloudckpt.runtime.state import check_state_dict, refusal, resolve_stateful
+from cloudckpt.storage import Store
 
 
 @contextmanager
@@ -139,7 +139,7 @@ def save(
     A state holding what a load could not restore (not tensors or plain data) raises
     :class:`ConfigError` naming the key on every rank, before anything is written;
     ``checked`` says the caller has refused such states on every rank already
-    (:func:`cloudckpt.training.capture` does), so they are not checked twice.
+    (:func:`cloudckpt.training.snapshot.capture` does), so they are not checked twice.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -209,7 +209,7 @@ def async_save(
     to every save to reuse its host buffers. ``result()`` on the returned future
     returns the committed checkpoint on the coordinator (None elsewhere), or
     raises what went wrong; a save still running when the process ends is waited
-    for, or reported (see :mod:`cloudckpt.pending`). Use a gloo process group (or
+    for, or reported (see :mod:`cloudckpt.runtime.pending`). Use a gloo process group (or
     ``cpu:gloo,cuda:nccl``) for the background collectives.
     """
     import torch.distributed.checkpoint as dcp

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import ConfigError
-from ..storage import Store, split_uri
+from cloudckpt.errors import ConfigError
+from cloudckpt.storage import Store, split_uri
 
 
 def _valid_id(checkpoint_id: Any) -> bool:

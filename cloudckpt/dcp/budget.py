@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
-from ..state import resolve_stateful
+from cloudckpt.errors import ConfigError
+from cloudckpt.runtime.state import resolve_stateful
 
 log = logging.getLogger("cloudckpt.dcp")
 

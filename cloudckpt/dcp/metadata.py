@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..errors import CorruptCheckpointError
+from cloudckpt.errors import CorruptCheckpointError
 
 METADATA_NAME = ".metadata"
 SUFFIX = ".distcp"

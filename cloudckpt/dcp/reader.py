@@ -28,17 +28,17 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .. import coordination as coord
-from ..checkpoint import Checkpoint, open_checkpoint
-from ..crc import Crc32c, crc32c_hex
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError
-from ..state import safe_torch_load
-from ..storage import Store, as_store
-from ..storage.ranges import READ_PIECE
-from ..storage.window import ByteWindow, shared_window
-from .base import _OnStore
-from .metadata import METADATA_NAME, ItemCrcs, load_metadata
-from .records import HEAD_BYTES, SavedTensor, try_locate
+from cloudckpt.core.checkpoint import Checkpoint, open_checkpoint
+from cloudckpt.dcp.base import _OnStore
+from cloudckpt.dcp.metadata import METADATA_NAME, ItemCrcs, load_metadata
+from cloudckpt.dcp.records import HEAD_BYTES, SavedTensor, try_locate
+from cloudckpt.errors import CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError
+from cloudckpt.runtime import coordination as coord
+from cloudckpt.runtime.state import safe_torch_load
+from cloudckpt.storage import Store, as_store
+from cloudckpt.storage.ranges import READ_PIECE
+from cloudckpt.storage.window import ByteWindow, shared_window
+from cloudckpt.util.crc import Crc32c, crc32c_hex
 
 #: Bytes of buffers a load holds at once (fetched small items, rows being converted);
 #: tensors read straight into their destinations take none. One item may exceed it.

@@ -22,14 +22,14 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..checkpoint import Checkpoint, CheckpointWriter
-from ..crc import Crc32c
-from ..errors import CommitConflictError, ConfigError
-from ..manifest import MANIFEST_NAME
-from ..storage import Store, as_store
-from .base import _OnStore
-from .budget import StagedState
-from .metadata import DCP_KIND, METADATA_NAME, SUFFIX, pack_item_crcs
+from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter
+from cloudckpt.core.manifest import MANIFEST_NAME
+from cloudckpt.dcp.base import _OnStore
+from cloudckpt.dcp.budget import StagedState
+from cloudckpt.dcp.metadata import DCP_KIND, METADATA_NAME, SUFFIX, pack_item_crcs
+from cloudckpt.errors import CommitConflictError, ConfigError
+from cloudckpt.storage import Store, as_store
+from cloudckpt.util.crc import Crc32c
 
 log = logging.getLogger("cloudckpt.dcp")
 

@@ -20,24 +20,35 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ..crc import Buffer, crc32c_hex
-from ..errors import AccessDeniedError, BucketNotFoundError, CommitConflictError, ConfigError
-from . import conditional
-from .batch import BatchMixin
-from .keys import join_key, validate_key
-from .objects import ObjectInfo, T, chunks, mtime_of, nbytes
-from .options import (
+from cloudckpt.errors import (
+    AccessDeniedError,
+    BucketNotFoundError,
+    CommitConflictError,
+    ConfigError,
+)
+from cloudckpt.storage import conditional
+from cloudckpt.storage.batch import BatchMixin
+from cloudckpt.storage.keys import join_key, validate_key
+from cloudckpt.storage.objects import ObjectInfo, T, chunks, mtime_of, nbytes
+from cloudckpt.storage.options import (
     DEFAULT_CONCURRENCY,
     DEFAULT_PART_SIZE,
     DEFAULT_UPLOAD_WINDOW,
     init_options,
     refuse_own_options,
 )
-from .primitives import StorePrimitives
-from .ranges import RangeReadMixin, read_upto
-from .retry import RetryPolicy, status_of
-from .window import shared_window
-from .writers import BufferedRawWriter, CloseOnExit, ObjectWriter, RangeWriter, RawWriter
+from cloudckpt.storage.primitives import StorePrimitives
+from cloudckpt.storage.ranges import RangeReadMixin, read_upto
+from cloudckpt.storage.retry import RetryPolicy, status_of
+from cloudckpt.storage.window import shared_window
+from cloudckpt.storage.writers import (
+    BufferedRawWriter,
+    CloseOnExit,
+    ObjectWriter,
+    RangeWriter,
+    RawWriter,
+)
+from cloudckpt.util.crc import Buffer, crc32c_hex
 
 # Names importable from here as before the split into modules.
 __all__ = [

@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
 from typing import Any
 
-from ..crc import Buffer
-from .objects import ObjectInfo, T
-from .stopping import Stopped, task_context
+from cloudckpt.storage.objects import ObjectInfo, T
+from cloudckpt.storage.stopping import Stopped, task_context
+from cloudckpt.util.crc import Buffer
 
 _worker = threading.local()
 

@@ -19,13 +19,13 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..crc import Buffer
-from ..errors import CommitConflictError, ConfigError
-from ..names import TMP_PREFIX
-from .retry import status_of
+from cloudckpt.errors import CommitConflictError, ConfigError
+from cloudckpt.names import TMP_PREFIX
+from cloudckpt.storage.retry import status_of
+from cloudckpt.util.crc import Buffer
 
 if TYPE_CHECKING:
-    from .base import Store
+    from cloudckpt.storage.base import Store
 
 log = logging.getLogger("cloudckpt.storage")
 

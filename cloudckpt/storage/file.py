@@ -42,13 +42,13 @@ from typing import Any, BinaryIO, ClassVar
 
 from fsspec.implementations.local import LocalFileSystem
 
-from ..crc import Buffer
-from ..errors import OutsideRootError, StorageError
-from ..names import TMP_PREFIX
-from .base import Store
-from .options import flag, refuse_options
-from .retry import storage_error
-from .writers import RangeWriter, RawWriter
+from cloudckpt.errors import OutsideRootError, StorageError
+from cloudckpt.names import TMP_PREFIX
+from cloudckpt.storage.base import Store
+from cloudckpt.storage.options import flag, refuse_options
+from cloudckpt.storage.retry import storage_error
+from cloudckpt.storage.writers import RangeWriter, RawWriter
+from cloudckpt.util.crc import Buffer
 
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)

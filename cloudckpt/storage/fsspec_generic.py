@@ -15,9 +15,9 @@ from typing import Any, ClassVar
 
 import fsspec
 
-from ..crc import Buffer
-from .base import Store
-from .writers import BufferedRawWriter, RawWriter
+from cloudckpt.storage.base import Store
+from cloudckpt.storage.writers import BufferedRawWriter, RawWriter
+from cloudckpt.util.crc import Buffer
 
 log = logging.getLogger("cloudckpt.storage")
 _warned: set[str] = set()

@@ -41,17 +41,17 @@ import gcsfs  # noqa: E402 - must follow the environment default above
 from fsspec.asyn import sync  # noqa: E402
 from gcsfs.retry import validate_response  # noqa: E402
 
-from ..crc import Buffer, crc32c_hex  # noqa: E402
-from ..errors import AccessDeniedError, StorageError  # noqa: E402
-from ..names import PART_SUFFIX  # noqa: E402
-from . import conditional  # noqa: E402
-from .base import Store  # noqa: E402
-from .objects import ObjectInfo  # noqa: E402
-from .options import init_options  # noqa: E402
-from .parts import PartBody, PartWriter  # noqa: E402
-from .ranges import read_upto  # noqa: E402
-from .retry import describe, mask_secrets  # noqa: E402
-from .writers import RawWriter  # noqa: E402
+from cloudckpt.errors import AccessDeniedError, StorageError  # noqa: E402
+from cloudckpt.names import PART_SUFFIX  # noqa: E402
+from cloudckpt.storage import conditional  # noqa: E402
+from cloudckpt.storage.base import Store  # noqa: E402
+from cloudckpt.storage.objects import ObjectInfo  # noqa: E402
+from cloudckpt.storage.options import init_options  # noqa: E402
+from cloudckpt.storage.parts import PartBody, PartWriter  # noqa: E402
+from cloudckpt.storage.ranges import read_upto  # noqa: E402
+from cloudckpt.storage.retry import describe, mask_secrets  # noqa: E402
+from cloudckpt.storage.writers import RawWriter  # noqa: E402
+from cloudckpt.util.crc import Buffer, crc32c_hex  # noqa: E402
 
 log = logging.getLogger("cloudckpt")
 

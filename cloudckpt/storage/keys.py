@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from ..errors import ConfigError
+from cloudckpt.errors import ConfigError
 
 
 def collapse_slashes(path: str) -> str:

@@ -12,10 +12,10 @@ from typing import Any, ClassVar
 
 from fsspec.implementations.memory import MemoryFileSystem
 
-from ..crc import Buffer
-from .base import Store
-from .options import refuse_options
-from .writers import BufferedRawWriter, RawWriter
+from cloudckpt.storage.base import Store
+from cloudckpt.storage.options import refuse_options
+from cloudckpt.storage.writers import BufferedRawWriter, RawWriter
+from cloudckpt.util.crc import Buffer
 
 _LOCK = threading.RLock()
 

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..crc import Buffer
+from cloudckpt.util.crc import Buffer
 
 T = TypeVar("T")
 

@@ -17,8 +17,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..errors import ConfigError
-from .retry import RetryPolicy
+from cloudckpt.errors import ConfigError
+from cloudckpt.storage.retry import RetryPolicy
 
 #: Default number of requests a batch keeps in flight.
 DEFAULT_CONCURRENCY = 16

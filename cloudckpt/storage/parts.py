@@ -20,12 +20,12 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ..crc import Buffer
-from ..errors import StorageError
-from .base import Store
-from .retry import RetryPolicy
-from .window import ByteWindow, exported
-from .writers import RawWriter
+from cloudckpt.errors import StorageError
+from cloudckpt.storage.base import Store
+from cloudckpt.storage.retry import RetryPolicy
+from cloudckpt.storage.window import ByteWindow, exported
+from cloudckpt.storage.writers import RawWriter
+from cloudckpt.util.crc import Buffer
 
 #: Window bytes each thread holds in the buffers of its open writers.
 _thread = threading.local()

@@ -17,15 +17,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import fsspec
 
-from ..crc import Buffer
-from ..errors import ConfigError
-from ..names import is_hidden
-from .objects import ObjectInfo
-from .options import check_filesystem_options
-from .writers import RangeWriter, RawWriter
+from cloudckpt.errors import ConfigError
+from cloudckpt.names import is_hidden
+from cloudckpt.storage.objects import ObjectInfo
+from cloudckpt.storage.options import check_filesystem_options
+from cloudckpt.storage.writers import RangeWriter, RawWriter
+from cloudckpt.util.crc import Buffer
 
 if TYPE_CHECKING:
-    from .base import Store
+    from cloudckpt.storage.base import Store
 
 
 class StorePrimitives(ABC):

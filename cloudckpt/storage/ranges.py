@@ -14,9 +14,9 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..crc import Crc32c
-from ..errors import CloudCkptError, ConfigError, StorageError
-from .retry import describe, is_transient, status_of
+from cloudckpt.errors import CloudCkptError, ConfigError, StorageError
+from cloudckpt.storage.retry import describe, is_transient, status_of
+from cloudckpt.util.crc import Crc32c
 
 log = logging.getLogger("cloudckpt.storage")
 

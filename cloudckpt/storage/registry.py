@@ -8,10 +8,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import ConfigError
-from .base import Store
-from .keys import collapse_slashes
-from .options import STORE_OPTIONS, own_options, parse_options
+from cloudckpt.errors import ConfigError
+from cloudckpt.storage.base import Store
+from cloudckpt.storage.keys import collapse_slashes
+from cloudckpt.storage.options import STORE_OPTIONS, own_options, parse_options
 
 __all__ = ["STORE_OPTIONS", "as_store", "open_store", "parse_options", "register_backend",
            "split_uri"]
@@ -94,7 +94,7 @@ def _backend(scheme: str, uri: str) -> type[Store]:
     where fsspec knows the scheme."""
     target = _BACKENDS.get(scheme)
     if target is None:
-        from .fsspec_generic import FsspecStore
+        from cloudckpt.storage.fsspec_generic import FsspecStore
 
         _check_protocol(scheme, uri)
         return FsspecStore

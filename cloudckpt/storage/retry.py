@@ -20,14 +20,14 @@ from urllib.parse import quote, quote_plus
 
 import tenacity
 
-from ..errors import (
+from cloudckpt.errors import (
     AccessDeniedError,
     CloudCkptError,
     ConfigError,
     DiskFullError,
     StorageError,
 )
-from .stopping import check_stop
+from cloudckpt.storage.stopping import check_stop
 
 log = logging.getLogger("cloudckpt.storage")
 

@@ -24,16 +24,16 @@ from typing import Any, ClassVar
 import s3fs
 from fsspec.asyn import sync
 
-from ..crc import Buffer, Crc32c, crc32c_hex
-from ..errors import ConfigError, StorageError
-from . import conditional
-from .base import Store
-from .objects import ObjectInfo
-from .options import init_options
-from .parts import _ONE_TRY, PartBody, PartWriter
-from .ranges import read_upto
-from .retry import mask_secrets, status_of
-from .writers import RawWriter
+from cloudckpt.errors import ConfigError, StorageError
+from cloudckpt.storage import conditional
+from cloudckpt.storage.base import Store
+from cloudckpt.storage.objects import ObjectInfo
+from cloudckpt.storage.options import init_options
+from cloudckpt.storage.parts import _ONE_TRY, PartBody, PartWriter
+from cloudckpt.storage.ranges import read_upto
+from cloudckpt.storage.retry import mask_secrets, status_of
+from cloudckpt.storage.writers import RawWriter
+from cloudckpt.util.crc import Buffer, Crc32c, crc32c_hex
 
 log = logging.getLogger("cloudckpt.storage")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextvars
 import threading
 
-from ..errors import CloudCkptError
+from cloudckpt.errors import CloudCkptError
 
 #: Set for the tasks of a batch once the batch has failed or its caller was interrupted.
 _stop: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar(

@@ -11,12 +11,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
-from ..crc import Buffer, Crc32c
-from .objects import ObjectInfo, nbytes
-from .stopping import check_stop
+from cloudckpt.storage.objects import ObjectInfo, nbytes
+from cloudckpt.storage.stopping import check_stop
+from cloudckpt.util.crc import Buffer, Crc32c
 
 if TYPE_CHECKING:
-    from .base import Store
+    from cloudckpt.storage.base import Store
 
 
 class RangeWriter(ABC):

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # examples/trai
 from train_resume import CONFIG, SyntheticLoader, build_model  # noqa: E402
 
 from cloudckpt import StepInfo  # noqa: E402
-from cloudckpt.integrations.areal import (  # noqa: E402
+from cloudckpt.integrations.areal import (
     Engine,
     FreqCtl,
     RecoverHandler,
@@ -158,8 +158,9 @@ def demo(args: argparse.Namespace) -> int:
     the relaunch resumes from the bucket and finishes."""
     import tempfile
 
+    from cloudckpt_testkit import MotoServer
+
     from cloudckpt import open_store
-    from cloudckpt.testing import MotoServer
 
     saver_cfg, _ = load_yaml(args.config)
     bucket = saver_cfg.fileroot.removeprefix("s3://").split("/", 1)[0]

@@ -16,7 +16,7 @@ losses go to stdout as ``step N loss <float.hex()>``. Trailing ``key=value``
 arguments override the config, as with Hydra.
 
 Against the embedded S3 server (moto), start one in another shell (Ctrl-C stops it):
-    python -c "import json, time; from cloudckpt.testing import MotoServer
+    python -c "import json, time; from cloudckpt_testkit import MotoServer
     with MotoServer() as s:
         s.create_bucket('my-bucket'); print(json.dumps(s.storage_options()), flush=True)
         time.sleep(1e9)"

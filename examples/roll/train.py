@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from cloudckpt.errors import CloudCkptError, exit_code
 from cloudckpt.integrations.roll import register
-from cloudckpt.state import get_rng_state, set_rng_state
+from cloudckpt.runtime.state import get_rng_state, set_rng_state
 
 D_IN, HIDDEN, D_OUT = 16, 64, 4
 
@@ -273,8 +273,9 @@ def free_port() -> int:
 
 def demo() -> int:
     """Start a local S3, train on 2 ranks, kill at step 7, resume from the bucket."""
+    from cloudckpt_testkit import MotoServer
+
     from cloudckpt import list_checkpoints
-    from cloudckpt.testing import MotoServer
 
     config = str(Path(__file__).with_name("config.yaml"))
     with MotoServer() as server, tempfile.TemporaryDirectory() as tmp:

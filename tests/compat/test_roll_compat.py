@@ -43,13 +43,14 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 import yaml  # noqa: E402
+from cloudckpt_testkit import FaultPlan, FaultProxy  # noqa: E402
 from roll.utils import checkpoint_manager as roll_cm  # noqa: E402
 from roll.utils import upload_utils  # noqa: E402
 from roll.utils.checkpoint_manager import CheckpointManager, get_latest_ckpt  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict  # noqa: E402
 
-from cloudckpt import (  # noqa: E402
+from cloudckpt import (
     IncompleteCheckpointError,
     RetryPolicy,
     StorageError,
@@ -58,7 +59,6 @@ from cloudckpt import (  # noqa: E402
 )
 from cloudckpt.integrations.roll import GcsUploader, S3Uploader, register  # noqa: E402
 from cloudckpt.integrations.roll import uploader as uploader_module  # noqa: E402
-from cloudckpt.testing import FaultPlan, FaultProxy  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 #: The function ``@model_path_cache`` wraps (see the module docstring for why).

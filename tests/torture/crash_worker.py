@@ -37,8 +37,8 @@ from cloudckpt import (
     open_checkpoint,
     open_store,
 )
+from cloudckpt.core.gc import collect, find_garbage
 from cloudckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError
-from cloudckpt.gc import collect, find_garbage
 
 KEEP = 3  # retention of the store workloads: delete step s-KEEP after committing s
 TENSOR_ROWS = 64

@@ -15,7 +15,7 @@ import torch
 from knobs import scale
 
 from cloudckpt import RecoverSlot, open_checkpoint, open_store
-from cloudckpt.claim import CLAIM_NAME
+from cloudckpt.core.claim import CLAIM_NAME
 
 RACERS = 4
 

@@ -1,6 +1,6 @@
 """Network faults at the HTTP level, against real S3 (moto) and GCS (fake-gcs-server).
 
-A :class:`~cloudckpt.testing.FaultProxy` sits between the client libraries
+A :class:`~cloudckpt_testkit.FaultProxy` sits between the client libraries
 (s3fs/aiobotocore, gcsfs/aiohttp) and the server on 127.0.0.1 and breaks
 requests: latency, bursts of 503 SlowDown / 429, connections reset part-way
 through an upload or a download, truncated bodies, the endpoint going away and
@@ -38,6 +38,7 @@ from typing import Any
 
 import pytest
 import torch
+from cloudckpt_testkit import FakeGcsServer, FaultPlan, FaultProxy
 from knobs import scale
 
 import cloudckpt.dcp as cloud_dcp
@@ -50,7 +51,6 @@ from cloudckpt import (
     open_store,
 )
 from cloudckpt.errors import CloudCkptError
-from cloudckpt.testing import FakeGcsServer, FaultPlan, FaultProxy
 
 KiB = 1024
 MiB = 1024 * KiB

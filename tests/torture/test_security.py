@@ -39,6 +39,7 @@ from typing import Any
 import fsspec
 import pytest
 import torch
+from cloudckpt_testkit import FaultPlan, FaultProxy
 from knobs import scale
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
@@ -55,13 +56,11 @@ from cloudckpt import (
     list_checkpoints,
     open_checkpoint,
     open_store,
-    training,
 )
 from cloudckpt import dcp as cdcp
-from cloudckpt import state as state_module
-from cloudckpt.convert import dcp_to_pt
-from cloudckpt.crc import crc32c_hex
-from cloudckpt.deletion import delete_checkpoint
+from cloudckpt.core.deletion import delete_checkpoint
+from cloudckpt.core.listing import latest_checkpoint
+from cloudckpt.core.manifest import FileEntry, Manifest, read_manifest_bytes
 from cloudckpt.errors import (
     CloudCkptError,
     ConfigError,
@@ -69,14 +68,15 @@ from cloudckpt.errors import (
     ManifestError,
     StorageError,
 )
+from cloudckpt.hf.convert import dcp_to_pt
 from cloudckpt.integrations import areal, rlinf, roll
-from cloudckpt.listing import latest_checkpoint
-from cloudckpt.manifest import FileEntry, Manifest, read_manifest_bytes
-from cloudckpt.state import loads_state
+from cloudckpt.movement.transfer import copy_checkpoint
+from cloudckpt.runtime import state as state_module
+from cloudckpt.runtime.state import loads_state
 from cloudckpt.storage import Store
 from cloudckpt.storage.file import FileStore
-from cloudckpt.testing import FaultPlan, FaultProxy
-from cloudckpt.transfer import copy_checkpoint
+from cloudckpt.training import snapshot as training
+from cloudckpt.util.crc import crc32c_hex
 
 AREA = "security"
 SECRET_BYTES = b"TOP SECRET: the outside world\n"
@@ -1116,7 +1116,7 @@ def test_secrets_never_leak(s3, gcs, hub_server, moto_server, gcs_server, caplog
         failing("GCS 403", partial(open_checkpoint, gcs.uri("ok"), {
             **gopts, "endpoint_url": proxy.endpoint, "retry": fail_fast}))
     # the Hub: a push that works, one with a wrong token, one in the background
-    from cloudckpt.hub import push_in_background, push_to_hub
+    from cloudckpt.hf.hub import push_in_background, push_to_hub
 
     t.trials += 1
     push_to_hub(s3.uri("export"), "org/secure", token=hub_token, storage_options=opts,

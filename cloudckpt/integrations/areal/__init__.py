@@ -10,7 +10,7 @@ uploaded), so the bytes are exactly AReaL's:
 
 - exports ``{name}/epoch{E}epochstep{S}globalstep{G}/``, each committed with a manifest;
 - the recover state (``{name}/recover_checkpoint/`` and ``recover_info/``) as one
-  generation of a :class:`~cloudckpt.slot.RecoverSlot` at the trial directory, so a
+  generation of a :class:`~cloudckpt.training.slot.RecoverSlot` at the trial directory, so a
   crash mid-dump leaves the previous dump loadable.
 
 ``cloudckpt download`` of the trial directory writes AReaL's layout on local disk (AReaL's
@@ -25,8 +25,8 @@ plain model), ``info`` (the ``recover_info/`` files), ``saver``, ``recover``,
 ``relaunch`` (:func:`run_with_retries`).
 """
 
-from .adoption import adopt_trial
-from .config import (
+from cloudckpt.integrations.areal.adoption import adopt_trial
+from cloudckpt.integrations.areal.config import (
     EXPORT_RE,
     RecoverConfig,
     SaverConfig,
@@ -35,14 +35,14 @@ from .config import (
     recover_info_uri,
     save_root,
 )
-from .engines import Engine, ModuleEngine, SaveLoadMeta
-from .freq import FreqCtl
-from .importer import import_trial
-from .info import RecoverInfo
-from .recover import RecoverHandler, read_dataloader_info
-from .relaunch import run_with_retries
-from .saver import Saver, latest_export, list_exports
-from .yaml_loader import load_yaml
+from cloudckpt.integrations.areal.engines import Engine, ModuleEngine, SaveLoadMeta
+from cloudckpt.integrations.areal.freq import FreqCtl
+from cloudckpt.integrations.areal.importer import import_trial
+from cloudckpt.integrations.areal.info import RecoverInfo
+from cloudckpt.integrations.areal.recover import RecoverHandler, read_dataloader_info
+from cloudckpt.integrations.areal.relaunch import run_with_retries
+from cloudckpt.integrations.areal.saver import Saver, latest_export, list_exports
+from cloudckpt.integrations.areal.yaml_loader import load_yaml
 
 __all__ = [
     "EXPORT_RE",

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ... import logsetup
-from ...errors import CloudCkptError, exit_code
-from ...storage import parse_options
-from .adoption import adopt_trial
-from .importer import import_trial
+from cloudckpt.errors import CloudCkptError, exit_code
+from cloudckpt.integrations.areal.adoption import adopt_trial
+from cloudckpt.integrations.areal.importer import import_trial
+from cloudckpt.storage import parse_options
+from cloudckpt.util import logsetup
 
 
 def _parser() -> argparse.ArgumentParser:

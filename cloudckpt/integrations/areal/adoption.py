@@ -23,18 +23,18 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from ...checkpoint import Checkpoint, CheckpointWriter
-from ...copying import checksum_object, copy_objects
-from ...dcp.metadata import METADATA_NAME, load_metadata, missing_files
-from ...errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
-from ...hf import KIND as HF_KIND
-from ...manifest import FileEntry, Manifest
-from ...ownership import COMMITTED, FOREIGN, survey
-from ...slot import RecoverSlot
-from ...storage import ObjectInfo, Store, as_store
-from .config import EXPORT_RE, INFO_DIR, is_recover_file
-from .info import DATALOADER_FILE, JSON_FILES
-from .recover import KIND
+from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter
+from cloudckpt.core.manifest import FileEntry, Manifest
+from cloudckpt.core.ownership import COMMITTED, FOREIGN, survey
+from cloudckpt.dcp.metadata import METADATA_NAME, load_metadata, missing_files
+from cloudckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from cloudckpt.hf import KIND as HF_KIND
+from cloudckpt.integrations.areal.config import EXPORT_RE, INFO_DIR, is_recover_file
+from cloudckpt.integrations.areal.info import DATALOADER_FILE, JSON_FILES
+from cloudckpt.integrations.areal.recover import KIND
+from cloudckpt.movement.copying import checksum_object, copy_objects
+from cloudckpt.storage import ObjectInfo, Store, as_store
+from cloudckpt.training.slot import RecoverSlot
 
 log = logging.getLogger("cloudckpt")
 

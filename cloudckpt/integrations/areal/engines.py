@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from ... import coordination as coord
-from ... import hf
-from ...errors import ConfigError
-from .config import areal_class
+from cloudckpt import hf
+from cloudckpt.errors import ConfigError
+from cloudckpt.integrations.areal.config import areal_class
+from cloudckpt.runtime import coordination as coord
 
 
 @dataclass

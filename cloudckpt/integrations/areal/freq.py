@@ -7,9 +7,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from ...errors import ConfigError
-from ...manager import SaveSchedule
-from .config import save_root, steps_per_epoch
+from cloudckpt.errors import ConfigError
+from cloudckpt.integrations.areal.config import save_root, steps_per_epoch
+from cloudckpt.training.manager import SaveSchedule
 
 
 class FreqCtl:

@@ -15,12 +15,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ...errors import CheckpointNotFoundError
-from ...hf import KIND as HF_KIND
-from ...slot import RecoverSlot
-from ...staging import upload_dir
-from .config import EXPORT_RE, INFO_DIR, is_recover_file
-from .recover import KIND
+from cloudckpt.errors import CheckpointNotFoundError
+from cloudckpt.hf import KIND as HF_KIND
+from cloudckpt.integrations.areal.config import EXPORT_RE, INFO_DIR, is_recover_file
+from cloudckpt.integrations.areal.recover import KIND
+from cloudckpt.training.slot import RecoverSlot
+from cloudckpt.training.staging import upload_dir
 
 log = logging.getLogger("cloudckpt")
 

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from ...errors import CorruptCheckpointError, WorldSizeError
-from ...state import StepInfo
-from ...text import plural
-from .config import areal_class
+from cloudckpt.errors import CorruptCheckpointError, WorldSizeError
+from cloudckpt.integrations.areal.config import areal_class
+from cloudckpt.runtime.state import StepInfo
+from cloudckpt.util.text import plural
 
 JSON_FILES = ("saver_info", "evaluator_info", "stats_logger_info", "checkpoint_info")
 DATALOADER_FILE = "dataloader_info.pkl"

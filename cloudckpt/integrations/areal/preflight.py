@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ...errors import AccessDeniedError, BucketNotFoundError, IncompleteCheckpointError
-from ...names import SLOT_POINTER_NAME
-from ...storage import Store, open_store
-from .config import INFO_DIR, save_root
+from cloudckpt.errors import AccessDeniedError, BucketNotFoundError, IncompleteCheckpointError
+from cloudckpt.integrations.areal.config import INFO_DIR, save_root
+from cloudckpt.names import SLOT_POINTER_NAME
+from cloudckpt.storage import Store, open_store
 
 ADOPT_HINT = "python -m cloudckpt.integrations.areal adopt"
 

@@ -1,4 +1,4 @@
-"""AReaL's ``RecoverHandler`` on a :class:`~cloudckpt.slot.RecoverSlot`.
+"""AReaL's ``RecoverHandler`` on a :class:`~cloudckpt.training.slot.RecoverSlot`.
 
 A dump is what AReaL's is, file for file: each engine's ``save`` writes
 ``{name}/recover_checkpoint/`` (DCP, in the engine's own format), and rank 0 writes
@@ -16,16 +16,22 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ... import coordination as coord
-from ...checkpoint import open_checkpoint
-from ...slot import RecoverSlot
-from ...staging import download_dir, staging_dir, upload_dir
-from ...state import dumps_state, get_rng_state, loads_state, set_rng_state
-from .config import INFO_DIR, recover_enabled, save_root
-from .engines import engines_of, save_load_meta
-from .freq import _Periodic
-from .info import DATALOADER_FILE, load_pickle, read, step_info_type, write
-from .preflight import check_trial
+from cloudckpt.core.checkpoint import open_checkpoint
+from cloudckpt.integrations.areal.config import INFO_DIR, recover_enabled, save_root
+from cloudckpt.integrations.areal.engines import engines_of, save_load_meta
+from cloudckpt.integrations.areal.freq import _Periodic
+from cloudckpt.integrations.areal.info import (
+    DATALOADER_FILE,
+    load_pickle,
+    read,
+    step_info_type,
+    write,
+)
+from cloudckpt.integrations.areal.preflight import check_trial
+from cloudckpt.runtime import coordination as coord
+from cloudckpt.runtime.state import dumps_state, get_rng_state, loads_state, set_rng_state
+from cloudckpt.training.slot import RecoverSlot
+from cloudckpt.training.staging import download_dir, staging_dir, upload_dir
 
 log = logging.getLogger("cloudckpt")
 
@@ -64,7 +70,7 @@ class RecoverHandler(_Periodic):
 
     @staticmethod
     def recover_info_path(experiment_name: str, trial_name: str, fileroot: str) -> str:
-        from .saver import Saver
+        from cloudckpt.integrations.areal.saver import Saver
 
         return f"{Saver.get_save_root(experiment_name, trial_name, fileroot)}/{INFO_DIR}"
 

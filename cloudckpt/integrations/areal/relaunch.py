@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ...errors import CloudCkptError, ConfigError
+from cloudckpt.errors import CloudCkptError, ConfigError
 
 log = logging.getLogger("cloudckpt")
 

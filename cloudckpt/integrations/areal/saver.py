@@ -8,17 +8,17 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ... import coordination as coord
-from ...checkpoint import Checkpoint, open_checkpoint
-from ...hf import KIND as HF_KIND
-from ...listing import list_checkpoints
-from ...manifest import MANIFEST_NAME
-from ...staging import staging_dir, upload_dir
-from ...storage import open_store
-from .config import EXPORT_RE, export_name, save_root
-from .engines import as_engine, save_load_meta
-from .freq import _Periodic
-from .preflight import check_trial
+from cloudckpt.core.checkpoint import Checkpoint, open_checkpoint
+from cloudckpt.core.listing import list_checkpoints
+from cloudckpt.core.manifest import MANIFEST_NAME
+from cloudckpt.hf import KIND as HF_KIND
+from cloudckpt.integrations.areal.config import EXPORT_RE, export_name, save_root
+from cloudckpt.integrations.areal.engines import as_engine, save_load_meta
+from cloudckpt.integrations.areal.freq import _Periodic
+from cloudckpt.integrations.areal.preflight import check_trial
+from cloudckpt.runtime import coordination as coord
+from cloudckpt.storage import open_store
+from cloudckpt.training.staging import staging_dir, upload_dir
 
 log = logging.getLogger("cloudckpt")
 

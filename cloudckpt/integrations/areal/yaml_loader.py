@@ -8,8 +8,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ...errors import ConfigError
-from .config import RecoverConfig, SaverConfig
+from cloudckpt.errors import ConfigError
+from cloudckpt.integrations.areal.config import RecoverConfig, SaverConfig
 
 
 def load_yaml(path: str | os.PathLike) -> tuple[SaverConfig, RecoverConfig]:

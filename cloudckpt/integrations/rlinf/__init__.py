@@ -33,27 +33,32 @@ cloudckpt.integrations.rlinf``).
 
 # Public names outside __all__ (as before the split) are re-exported as ``X as X``;
 # CheckpointWriter is the class RLinfCheckpointer commits with (examples/rlinf patches it).
-from ...checkpoint import CheckpointWriter as CheckpointWriter
-from .adoption import adopt_step, upload_step
-from .checkpointer import Resumed, RLinfCheckpointer
-from .checkpointer import read_data_state as read_data_state
-from .command import main
-from .config import RunnerConfig, should_save, total_steps
-from .converter import convert
-from .fsdp import fsdp_state_dict, get_rng_state, load_fsdp_state_dict, set_rng_state
-from .layout import ACTOR as ACTOR
-from .layout import CHECKPOINTS as CHECKPOINTS
-from .layout import CRITIC as CRITIC
-from .layout import DATA_PATH as DATA_PATH
-from .layout import DCP_DIR as DCP_DIR
-from .layout import FULL_WEIGHTS as FULL_WEIGHTS
-from .layout import KEY_PREFIX, checkpoints_root, parse_step
-from .layout import KIND as KIND
-from .layout import ROOT_KEY as ROOT_KEY
-from .layout import STEP_PREFIX as STEP_PREFIX
-from .layout import step_name as step_name
-from .resume import open_rlinf_checkpoint as open_rlinf_checkpoint
-from .resume import resolve_resume_dir
+from cloudckpt.core.checkpoint import CheckpointWriter as CheckpointWriter
+from cloudckpt.integrations.rlinf.adoption import adopt_step, upload_step
+from cloudckpt.integrations.rlinf.checkpointer import Resumed, RLinfCheckpointer
+from cloudckpt.integrations.rlinf.checkpointer import read_data_state as read_data_state
+from cloudckpt.integrations.rlinf.command import main
+from cloudckpt.integrations.rlinf.config import RunnerConfig, should_save, total_steps
+from cloudckpt.integrations.rlinf.converter import convert
+from cloudckpt.integrations.rlinf.fsdp import (
+    fsdp_state_dict,
+    get_rng_state,
+    load_fsdp_state_dict,
+    set_rng_state,
+)
+from cloudckpt.integrations.rlinf.layout import ACTOR as ACTOR
+from cloudckpt.integrations.rlinf.layout import CHECKPOINTS as CHECKPOINTS
+from cloudckpt.integrations.rlinf.layout import CRITIC as CRITIC
+from cloudckpt.integrations.rlinf.layout import DATA_PATH as DATA_PATH
+from cloudckpt.integrations.rlinf.layout import DCP_DIR as DCP_DIR
+from cloudckpt.integrations.rlinf.layout import FULL_WEIGHTS as FULL_WEIGHTS
+from cloudckpt.integrations.rlinf.layout import KEY_PREFIX, checkpoints_root, parse_step
+from cloudckpt.integrations.rlinf.layout import KIND as KIND
+from cloudckpt.integrations.rlinf.layout import ROOT_KEY as ROOT_KEY
+from cloudckpt.integrations.rlinf.layout import STEP_PREFIX as STEP_PREFIX
+from cloudckpt.integrations.rlinf.layout import step_name as step_name
+from cloudckpt.integrations.rlinf.resume import open_rlinf_checkpoint as open_rlinf_checkpoint
+from cloudckpt.integrations.rlinf.resume import resolve_resume_dir
 
 __all__ = [
     "KEY_PREFIX",

@@ -2,6 +2,6 @@
 
 import sys
 
-from .command import main
+from cloudckpt.integrations.rlinf.command import main
 
 sys.exit(main())

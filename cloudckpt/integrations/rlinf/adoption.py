@@ -15,13 +15,21 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from ...checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
-from ...copying import checksum_object
-from ...errors import CheckpointNotFoundError, ConfigError, IncompleteCheckpointError
-from ...ownership import COMMITTED, FOREIGN, survey
-from ...storage import Store, as_store
-from ...transfer import copy_checkpoint
-from .layout import ACTOR, CRITIC, DATA_PATH, DCP_DIR, KEY_PREFIX, KIND, parse_step
+from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
+from cloudckpt.core.ownership import COMMITTED, FOREIGN, survey
+from cloudckpt.errors import CheckpointNotFoundError, ConfigError, IncompleteCheckpointError
+from cloudckpt.integrations.rlinf.layout import (
+    ACTOR,
+    CRITIC,
+    DATA_PATH,
+    DCP_DIR,
+    KEY_PREFIX,
+    KIND,
+    parse_step,
+)
+from cloudckpt.movement.copying import checksum_object
+from cloudckpt.movement.transfer import copy_checkpoint
+from cloudckpt.storage import Store, as_store
 
 log = logging.getLogger("cloudckpt.rlinf")
 
@@ -55,7 +63,7 @@ def adopt_step(uri: str | Store, storage_options: Mapping[str, Any] | None = Non
 
 
 def _commit(store: Store, writer: CheckpointWriter, parts: list[str], step: int) -> Checkpoint:
-    from ...dcp import adopt
+    from cloudckpt.dcp import adopt
 
     for part in parts:
         adopt(store.child(f"{part}/{DCP_DIR}"), step=step)

@@ -9,17 +9,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ... import coordination as coord
-from ...checkpoint import Checkpoint, CheckpointWriter
-from ...errors import CommitConflictError, ConfigError
-from ...manifest import MANIFEST_NAME
-from ...retention import Managed, apply_retention
-from ...state import resolve_stateful
-from ...storage import Store, open_store
-from ...training import claim_prefix
-from .config import RunnerConfig, should_save
-from .fsdp import full_weights, model_part, numpy_rng_allowed
-from .layout import (
+from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter
+from cloudckpt.core.manifest import MANIFEST_NAME
+from cloudckpt.core.retention import Managed, apply_retention
+from cloudckpt.errors import CommitConflictError, ConfigError
+from cloudckpt.integrations.rlinf.config import RunnerConfig, should_save
+from cloudckpt.integrations.rlinf.fsdp import full_weights, model_part, numpy_rng_allowed
+from cloudckpt.integrations.rlinf.layout import (
     _STEP_RE,
     ACTOR,
     CRITIC,
@@ -31,7 +27,15 @@ from .layout import (
     ROOT_KEY,
     step_name,
 )
-from .resume import _checked_step, open_rlinf_checkpoint, resolve_resume_dir
+from cloudckpt.integrations.rlinf.resume import (
+    _checked_step,
+    open_rlinf_checkpoint,
+    resolve_resume_dir,
+)
+from cloudckpt.runtime import coordination as coord
+from cloudckpt.runtime.state import resolve_stateful
+from cloudckpt.storage import Store, open_store
+from cloudckpt.training.snapshot import claim_prefix
 
 log = logging.getLogger("cloudckpt.rlinf")
 
@@ -136,7 +140,7 @@ class RLinfCheckpointer:
         committed then. ``data_state`` that cloudckpt could not load back (not plain
         data or tensors) raises :class:`ConfigError` before anything is written.
         """
-        from ... import state
+        from cloudckpt.runtime import state
 
         refused = None
         if data_state is not None:
@@ -176,7 +180,7 @@ class RLinfCheckpointer:
                      step: int) -> Checkpoint | None:
         import torch
 
-        from ... import dcp as cdcp
+        from cloudckpt import dcp as cdcp
 
         extra: dict[str, bytes | None] = {}
         for part, part_state in states.items():
@@ -225,7 +229,7 @@ class RLinfCheckpointer:
         any world size; the RNG state is one copy, restored on every rank (as RLinf).
         ``rng=False`` leaves this process's generators alone.
         """
-        from ... import dcp as cdcp
+        from cloudckpt import dcp as cdcp
 
         ckpt = open_rlinf_checkpoint(uri, self.storage_options)
         step = _checked_step(ckpt)
@@ -250,7 +254,7 @@ class RLinfCheckpointer:
 
 def read_data_state(ckpt: Checkpoint) -> Any:
     """``data/data.pt``, checked against the manifest, loaded with ``weights_only=True``."""
-    from ...state import safe_torch_load
+    from cloudckpt.runtime.state import safe_torch_load
 
     return safe_torch_load(io.BytesIO(ckpt.read(DATA_PATH)), f"{ckpt.uri}/{DATA_PATH}")
 

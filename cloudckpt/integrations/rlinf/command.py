@@ -9,16 +9,16 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ... import logsetup
-from ...errors import CloudCkptError, exit_code
-from .adoption import adopt_step, upload_step
-from .converter import convert
-from .layout import checkpoints_root
-from .resume import resolve_resume_dir
+from cloudckpt.errors import CloudCkptError, exit_code
+from cloudckpt.integrations.rlinf.adoption import adopt_step, upload_step
+from cloudckpt.integrations.rlinf.converter import convert
+from cloudckpt.integrations.rlinf.layout import checkpoints_root
+from cloudckpt.integrations.rlinf.resume import resolve_resume_dir
+from cloudckpt.util import logsetup
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
-    from ...storage import parse_options
+    from cloudckpt.storage import parse_options
 
     opts = json.loads(args.storage_options) if args.storage_options else {}
     opts.update(parse_options(args.storage_option))

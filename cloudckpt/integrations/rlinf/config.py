@@ -6,8 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import ConfigError
-from .layout import checkpoints_root
+from cloudckpt.errors import ConfigError
+from cloudckpt.integrations.rlinf.layout import checkpoints_root
 
 
 def _plain(cfg: Any) -> dict[str, Any]:

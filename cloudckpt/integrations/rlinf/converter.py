@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ...checkpoint import open_checkpoint
-from ...errors import CheckpointNotFoundError, IncompleteCheckpointError
-from .layout import ACTOR, DCP_DIR, KEY_PREFIX
+from cloudckpt.core.checkpoint import open_checkpoint
+from cloudckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError
+from cloudckpt.integrations.rlinf.layout import ACTOR, DCP_DIR, KEY_PREFIX
 
 
 def convert(dcp_path: str, output_path: str, *,
@@ -15,7 +15,7 @@ def convert(dcp_path: str, output_path: str, *,
     """RLinf's ``--dcp_path/--output_path`` conversion, for URIs: the model tensors of
     an actor DCP checkpoint as a ``torch.save`` state dict. ``dcp_path`` may be the
     ``dcp_checkpoint`` prefix, ``actor/`` or the whole ``global_step_N``."""
-    from ...convert import dcp_to_pt
+    from cloudckpt.hf.convert import dcp_to_pt
 
     src = _dcp_part(dcp_path.rstrip("/"), storage_options)
     return dcp_to_pt(src, output_path, key_prefix=KEY_PREFIX, storage_options=storage_options)

@@ -15,8 +15,8 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from ...errors import ConfigError
-from .layout import FSDP_VERSIONS, ROOT_KEY
+from cloudckpt.errors import ConfigError
+from cloudckpt.integrations.rlinf.layout import FSDP_VERSIONS, ROOT_KEY
 
 
 def _options() -> Any:

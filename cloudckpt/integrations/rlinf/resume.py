@@ -7,17 +7,17 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from ...checkpoint import Checkpoint, open_checkpoint
-from ...errors import (
+from cloudckpt.core.checkpoint import Checkpoint, open_checkpoint
+from cloudckpt.core.listing import list_checkpoints
+from cloudckpt.core.ownership import FOREIGN, survey
+from cloudckpt.errors import (
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
-from ...listing import list_checkpoints
-from ...ownership import FOREIGN, survey
-from ...storage import Store, as_store
-from .layout import _STEP_RE, ACTOR, DCP_DIR, KIND, parse_step
+from cloudckpt.integrations.rlinf.layout import _STEP_RE, ACTOR, DCP_DIR, KIND, parse_step
+from cloudckpt.storage import Store, as_store
 
 log = logging.getLogger("cloudckpt.rlinf")
 

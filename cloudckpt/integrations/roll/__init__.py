@@ -44,17 +44,14 @@ commit), ``resume`` (the latest committed checkpoint, downloaded),
 ``registries`` (ROLL's registries) and ``cli`` (the module command).
 """
 
-from .cli import upload_checkpoint, uploader_for
-from .registries import register, wrap_model_downloaders
-from .resume import CKPT_RE, download_checkpoint
-from .uploader import DEFAULT_PARTS_TIMEOUT as DEFAULT_PARTS_TIMEOUT
-from .uploader import DEFAULT_TORN_GRACE_SECONDS as DEFAULT_TORN_GRACE_SECONDS
-from .uploader import (
-    PARTS_DIR,
-    GcsUploader,
-    RollUploader,
-    S3Uploader,
+from cloudckpt.integrations.roll.cli import upload_checkpoint, uploader_for
+from cloudckpt.integrations.roll.registries import register, wrap_model_downloaders
+from cloudckpt.integrations.roll.resume import CKPT_RE, download_checkpoint
+from cloudckpt.integrations.roll.uploader import DEFAULT_PARTS_TIMEOUT as DEFAULT_PARTS_TIMEOUT
+from cloudckpt.integrations.roll.uploader import (
+    DEFAULT_TORN_GRACE_SECONDS as DEFAULT_TORN_GRACE_SECONDS,
 )
+from cloudckpt.integrations.roll.uploader import PARTS_DIR, GcsUploader, RollUploader, S3Uploader
 
 __all__ = [
     "CKPT_RE",

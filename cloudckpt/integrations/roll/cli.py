@@ -19,11 +19,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ... import logsetup
-from ...errors import CloudCkptError, ConfigError, exit_code
-from ...storage import parse_options
-from .resume import CKPT_RE, download_checkpoint
-from .uploader import GcsUploader, RollUploader, S3Uploader
+from cloudckpt.errors import CloudCkptError, ConfigError, exit_code
+from cloudckpt.integrations.roll.resume import CKPT_RE, download_checkpoint
+from cloudckpt.integrations.roll.uploader import GcsUploader, RollUploader, S3Uploader
+from cloudckpt.storage import parse_options
+from cloudckpt.util import logsetup
 
 log = logging.getLogger("cloudckpt.roll")
 

@@ -20,9 +20,9 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ...errors import CorruptCheckpointError
-from ...names import ROLL_PARTS_DIR
-from ...storage import Store
+from cloudckpt.errors import CorruptCheckpointError
+from cloudckpt.names import ROLL_PARTS_DIR
+from cloudckpt.storage import Store
 
 log = logging.getLogger("cloudckpt.roll")
 
@@ -110,7 +110,7 @@ def _dcp_problems(folder: str, files: Mapping[str, int],
     if meta_key not in files:
         return [f"{where} holds DCP shards but no {METADATA_NAME} (the part of the rank "
                 "that writes it has not arrived)"]
-    from ...dcp.metadata import load_metadata, missing_files
+    from cloudckpt.dcp.metadata import load_metadata, missing_files
 
     try:
         metadata = load_metadata(read(meta_key), source=meta_key)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
-from .resume import default_download_dir, download_checkpoint
-from .uploader import GcsUploader, S3Uploader
+from cloudckpt.integrations.roll.resume import default_download_dir, download_checkpoint
+from cloudckpt.integrations.roll.uploader import GcsUploader, S3Uploader
 
 
 def register(uploader_registry: MutableMapping[str, Any],

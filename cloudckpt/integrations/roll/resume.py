@@ -12,11 +12,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ...checkpoint import read_manifest
-from ...errors import CheckpointNotFoundError, IncompleteCheckpointError
-from ...listing import CheckpointInfo, list_checkpoints
-from ...storage import Store, open_store
-from .parts import part_names, read_markers
+from cloudckpt.core.checkpoint import read_manifest
+from cloudckpt.core.listing import CheckpointInfo, list_checkpoints
+from cloudckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError
+from cloudckpt.integrations.roll.parts import part_names, read_markers
+from cloudckpt.storage import Store, open_store
 
 log = logging.getLogger("cloudckpt.roll")
 
@@ -76,7 +76,7 @@ def _why_skipped(store: Store, info: CheckpointInfo, expected: int | None) -> st
 def default_download_dir(output_dir: str) -> Path:
     """Where ``get_latest_ckpt`` downloads to when ``download_dir`` is not set: one
     directory per bucket prefix under cloudckpt's cache (``CLOUDCKPT_CACHE``)."""
-    from ...hf import cache_dir
+    from cloudckpt.hf import cache_dir
 
     return cache_dir() / "roll" / hashlib.sha1(output_dir.encode()).hexdigest()[:16]
 
@@ -90,7 +90,7 @@ def download_checkpoint(uri_or_latest: str, local_dir: str | os.PathLike[str],
     ``local_dir/checkpoint-N`` in ROLL's layout; files already there with the right
     CRC32C are not fetched again, so a second resume costs nothing.
     """
-    from ...transfer import download
+    from cloudckpt.movement.transfer import download
 
     store = open_store(str(uri_or_latest).rstrip("/"), storage_options)
     name = store.uri.rstrip("/").rsplit("/", 1)[-1]

@@ -20,22 +20,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ...checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
-from ...errors import CommitConflictError, ConfigError, IncompleteCheckpointError, StorageError
-from ...names import MANIFEST_NAME, ROLL_PARTS_DIR
-from ...pending import run_in_background
-from ...retention import Managed, apply_retention
-from ...storage import Store, open_store
-from ...text import plural
-from .parts import part_names, read_markers, resume_problems, summary
-from .resume import (
+from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
+from cloudckpt.core.retention import Managed, apply_retention
+from cloudckpt.errors import (
+    CommitConflictError,
+    ConfigError,
+    IncompleteCheckpointError,
+    StorageError,
+)
+from cloudckpt.integrations.roll.parts import part_names, read_markers, resume_problems, summary
+from cloudckpt.integrations.roll.resume import (
     CKPT_RE,
     checkpoint_order,
     default_download_dir,
     download_checkpoint,
     latest_committed,
 )
-from .staging import (
+from cloudckpt.integrations.roll.staging import (
     _PART_RE,
     _attempt_from_env,
     _default_part_id,
@@ -44,6 +45,10 @@ from .staging import (
     _restore,
     _snapshot,
 )
+from cloudckpt.names import MANIFEST_NAME, ROLL_PARTS_DIR
+from cloudckpt.runtime.pending import run_in_background
+from cloudckpt.storage import Store, open_store
+from cloudckpt.util.text import plural
 
 log = logging.getLogger("cloudckpt.roll")
 
@@ -510,7 +515,7 @@ class RollUploader:
         """``max_ckpt_to_keep`` committed checkpoints (by N), and torn saves older than
         ``torn_grace_seconds`` removed by gc's rules (an upload still sending parts
         counts as alive)."""
-        from ...gc import collect, find_garbage
+        from cloudckpt.core.gc import collect, find_garbage
 
         if self.max_ckpt_to_keep > 0:
             apply_retention(self.store, self.max_ckpt_to_keep, number=_OWN_CHECKPOINTS)

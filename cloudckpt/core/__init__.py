@@ -1,0 +1,2 @@
+"""The commit protocol: names, manifests, claims, ownership, checkpoints, listing,
+deletion, retention and garbage collection."""

@@ -1,0 +1,149 @@
+"""Deleting: only what cloudckpt can prove is its own (DESIGN.md invariant 7).
+
+A committed checkpoint loses its manifest first (it vanishes at once), then
+exactly the objects the manifest lists; an unfinished save of cloudckpt's
+(:mod:`cloudckpt.core.ownership`) goes once its claim is seized; a root only
+checkpoint by checkpoint. Nothing else is ever deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from cloudckpt.core.checkpoint import read_manifest
+from cloudckpt.core.claim import mark_deleting, seize
+from cloudckpt.core.ownership import (
+    COMMITTED,
+    OURS,
+    Survey,
+    classify,
+    inside,
+    missing_manifest_error,
+    survey,
+)
+from cloudckpt.errors import (
+    CheckpointNotFoundError,
+    CommitConflictError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    ManifestError,
+    NotACheckpointError,
+)
+from cloudckpt.names import CLAIM_NAME, MANIFEST_NAME, is_reserved
+from cloudckpt.storage import Store, as_store
+
+log = logging.getLogger("cloudckpt")
+
+
+def delete_checkpoint(uri: str | Store, storage_options: Mapping[str, Any] | None = None,
+                      *, force: bool = False) -> int:
+    """Delete a checkpoint: manifest first (it vanishes at once), then the objects it
+    lists. Anything else under the prefix (another checkpoint or save further down,
+    objects cloudckpt did not write) stays, with a WARNING naming it.
+
+    ``force`` also deletes a save that cloudckpt started and never committed, and a
+    checkpoint whose manifest cannot be read (then everything under its prefix).
+    Nothing else is ever deleted: a root holding checkpoints or objects cloudckpt
+    did not write raise :class:`NotACheckpointError` (see
+    :mod:`cloudckpt.core.ownership`; :func:`delete_tree` deletes a root's checkpoints).
+    Returns the number of objects deleted, hidden bookkeeping objects included.
+    """
+    store = as_store(uri, storage_options)
+    try:
+        manifest = read_manifest(store)
+    except IncompleteCheckpointError:
+        if not force:
+            raise
+        return delete_unfinished(store, survey(store))
+    except ManifestError:
+        if not force:
+            raise
+        log.warning("deleting %s, whose manifest cannot be read, with all it holds", store.uri)
+        mark_deleting(store)
+        store.delete([MANIFEST_NAME])
+        return store.delete_prefix("")
+    # A claim marked "deleting" first: a delete cut short leaves objects that still
+    # prove to be cloudckpt's, for gc and rm --force.
+    mark_deleting(store)
+    store.delete([MANIFEST_NAME])  # invisible from here on
+    listed = [o for o in store.list(internal=True) if o.key != CLAIM_NAME]
+    found = classify(store.uri, listed)
+    units = (*found.checkpoints, *found.saves)
+    mine = [o.key for o in listed if o.key in manifest.files
+            or (is_reserved(o.key) and not inside(o.key, units))]
+    left = sorted({o.key for o in listed} - set(mine))
+    store.delete(mine)
+    store.delete([CLAIM_NAME])  # the mark goes last
+    if left:
+        log.warning("deleted checkpoint %s; left %d object(s) under it that it does not "
+                    "list (e.g. %s): cloudckpt deletes only what it wrote", store.uri,
+                    len(left), left[0])
+    return len(mine) + 1  # and the manifest
+
+
+def delete_unfinished(store: Store, found: Survey) -> int:
+    """Delete the unfinished save of cloudckpt's that ``found`` surveyed at ``store``.
+
+    Its claim is seized first, by compare-and-swap on what the survey saw
+    (:func:`cloudckpt.core.claim.seize`): a save that took the prefix over since keeps it
+    (:class:`CommitConflictError`, nothing deleted), and a writer that held it all
+    along can no longer commit into what is deleted. Returns the objects deleted.
+    """
+    if found.kind != OURS:
+        raise missing_manifest_error(found) if found.kind != COMMITTED else CommitConflictError(
+            f"{store.uri} was committed meanwhile; not deleting it as an unfinished save")
+    if not seize(store, found.objects):
+        raise CommitConflictError(
+            f"another save took {store.uri} over while it was to be deleted; nothing was "
+            "deleted")
+    keys = [o.key for o in store.list(internal=True) if o.key != CLAIM_NAME]
+    store.delete(keys)
+    if store.exists(MANIFEST_NAME):
+        # Its writer passed its last check just before the claim was seized and
+        # committed while the data went: hide the torn result rather than show it.
+        log.error("a save committed %s while it was deleted as unfinished; its data is "
+                  "gone, so its manifest is removed too", store.uri)
+        store.delete([MANIFEST_NAME])
+    store.delete([CLAIM_NAME])
+    return len(keys) + int(any(o.key == CLAIM_NAME for o in found.objects))
+
+
+def delete_tree(root: str | Store, storage_options: Mapping[str, Any] | None = None
+                ) -> tuple[list[str], int, Survey]:
+    """Delete every committed checkpoint below ``root`` (at any depth) and every
+    unfinished save cloudckpt left there; leave everything else.
+
+    Returns the URIs deleted, the number of objects deleted, and the survey taken
+    before (its ``foreign`` keys are what was left alone). A checkpoint whose
+    manifest cannot be read, or a save taken over meanwhile, is left with a WARNING.
+    """
+    store = as_store(root, storage_options)
+    found = survey(store)
+    if found.kind == COMMITTED:
+        return [store.uri], delete_checkpoint(store, force=True), found
+    if found.kind == OURS:
+        return [store.uri], delete_unfinished(store, found), found
+    deleted: list[str] = []
+    count = 0
+    for prefix in found.checkpoints:
+        sub = store.child(prefix)
+        try:
+            count += delete_checkpoint(sub)
+        except (CorruptCheckpointError, NotACheckpointError) as exc:
+            log.warning("left %s: %s", sub.uri, exc)
+            continue
+        deleted.append(sub.uri)
+    for prefix in found.saves:
+        if inside(prefix, found.checkpoints):
+            continue  # inside a checkpoint just deleted, which left it: still there
+        sub = store.child(prefix)
+        sub_found = survey(sub)
+        try:
+            count += delete_unfinished(sub, sub_found)
+        except (CommitConflictError, CheckpointNotFoundError) as exc:
+            log.warning("left %s: %s", sub.uri, exc)
+            continue
+        deleted.append(sub.uri)
+    return deleted, count, found

@@ -1,0 +1,269 @@
+"""The manifest: the one object whose presence makes a checkpoint exist.
+
+It lists every object of the checkpoint with its size and CRC32C, plus the
+step, free-form metadata and a unique commit id. Readers take the file list
+from here, never from a bucket listing. Paths are validated on load: relative,
+POSIX, no ``..``, no scheme — a manifest can never point outside its prefix.
+
+Manifests are read as hostile input: at most :data:`MAX_MANIFEST_BYTES` are
+ever read (:func:`read_manifest_bytes`), the JSON must be UTF-8 without
+duplicate keys, nesting too deep for the parser is refused, and every field is
+type- and range-checked, so a bad manifest always ends in a
+:class:`ManifestError` naming it, never in another exception.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from cloudckpt.errors import ManifestError
+from cloudckpt.names import (
+    CLAIM_NAME,
+    INTERNAL_MARKS,
+    MANIFEST_NAME,
+)
+
+if TYPE_CHECKING:
+    from cloudckpt.storage import Store
+
+FORMAT = "cloudckpt.core.manifest"
+VERSION = 1
+#: Manifests larger than this are refused unread (bounded memory on hostile input).
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+#: A manifest is first read up to this many bytes: one request when it is smaller.
+FIRST_READ = 1024 * 1024
+#: Largest object size a manifest may state: 5 TiB, the most S3 and GCS store in one
+#: object. (Unbounded sizes would make readers plan absurd numbers of ranged reads.)
+MAX_OBJECT_SIZE = 5 * 1024**4
+#: Steps are 64-bit signed integers, as every framework stores them.
+_MAX_STEP = 2**63
+
+_CRC_RE = re.compile(r"^[0-9a-f]{8}$")
+# C0 controls and DEL: no legitimate object name has them, and printed names must
+# not be able to rewrite a terminal or forge log lines.
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One object of a checkpoint."""
+
+    size: int
+    crc32c: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A checkpoint's table of contents. Immutable once committed."""
+
+    files: Mapping[str, FileEntry]
+    step: int | None = None
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    kind: str = "generic"
+    created: float = field(default_factory=time.time)
+    commit_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    @property
+    def total_size(self) -> int:
+        return sum(e.size for e in self.files.values())
+
+    def to_json(self) -> bytes:
+        doc = {
+            "format": FORMAT,
+            "version": VERSION,
+            "kind": self.kind,
+            "step": self.step,
+            "created": self.created,
+            "commit_id": self.commit_id,
+            "metadata": dict(self.metadata),
+            "files": {
+                p: {"size": e.size, "crc32c": e.crc32c} for p, e in sorted(self.files.items())
+            },
+        }
+        return json.dumps(doc, indent=1, sort_keys=False).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, *, source: str = "manifest") -> Manifest:
+        """Parse and validate; raise :class:`ManifestError` saying what is wrong."""
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ManifestError(
+                f"{source} is {len(data)} bytes, over the {MAX_MANIFEST_BYTES} limit; "
+                "it is not a cloudckpt manifest"
+            )
+        doc = _parse(data, source)
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise ManifestError(f"{source} is not a cloudckpt manifest (format field missing)")
+        if doc.get("version") != VERSION:
+            raise ManifestError(
+                f"{source} has manifest version {_short(doc.get('version'))}; this cloudckpt "
+                f"reads version {VERSION}. Upgrade cloudckpt."
+            )
+        files_doc = doc.get("files")
+        if not isinstance(files_doc, dict):
+            raise ManifestError(f"{source}: 'files' must be an object")
+        files: dict[str, FileEntry] = {}
+        for path, entry in files_doc.items():
+            validate_path(path, source=source)
+            if not isinstance(entry, dict):
+                raise ManifestError(f"{source}: entry for {_short(path)} must be an object")
+            size, crc = entry.get("size"), entry.get("crc32c")
+            if (not isinstance(size, int) or isinstance(size, bool)
+                    or not 0 <= size <= MAX_OBJECT_SIZE):
+                raise ManifestError(f"{source}: bad size {_short(size)} for {_short(path)}")
+            if not isinstance(crc, str) or not _CRC_RE.match(crc):
+                raise ManifestError(f"{source}: bad crc32c {_short(crc)} for {_short(path)}")
+            files[path] = FileEntry(size, crc)
+        step = doc.get("step")
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool)
+                                 or not -_MAX_STEP <= step < _MAX_STEP):
+            raise ManifestError(f"{source}: bad step {_short(step)}")
+        metadata = doc.get("metadata") or {}
+        if not isinstance(metadata, dict):
+            raise ManifestError(f"{source}: 'metadata' must be an object")
+        created = doc.get("created")
+        created_at = math.nan
+        if isinstance(created, (int, float)) and not isinstance(created, bool):
+            try:
+                created_at = float(created)
+            except OverflowError:
+                pass
+        if not math.isfinite(created_at):
+            raise ManifestError(f"{source}: bad 'created' time {_short(created)}")
+        kind, commit_id = doc.get("kind", "generic"), doc.get("commit_id", "")
+        for name, value in (("kind", kind), ("commit_id", commit_id)):
+            if not isinstance(value, str) or _CONTROL_RE.search(value):
+                raise ManifestError(f"{source}: bad {name!r} {_short(value)}")
+        return cls(
+            files=files,
+            step=step,
+            metadata=metadata,
+            kind=kind,
+            created=created_at,
+            commit_id=commit_id,
+        )
+
+
+def validate_path(path: Any, *, source: str = "manifest") -> str:
+    """A checkpoint-relative object path: no scheme, not absolute, no ``..``."""
+    bad = None
+    if not isinstance(path, str) or not path:
+        bad = "not a non-empty string"
+    elif "://" in path or re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", path):
+        bad = "has a URL scheme"
+    elif path.startswith("/") or path.startswith("\\"):
+        bad = "is absolute"
+    elif "\\" in path or "\x00" in path:
+        bad = "contains a backslash or NUL"
+    elif _CONTROL_RE.search(path):
+        bad = "contains a control character"
+    elif not _utf8(path):
+        bad = "is not valid Unicode (a lone surrogate)"
+    elif any(p in ("", ".", "..") for p in path.split("/")):
+        bad = "has an empty, '.' or '..' component"
+    elif path == MANIFEST_NAME:
+        bad = "is the manifest itself"
+    elif path.rsplit("/", 1)[-1] == CLAIM_NAME or any(m in path for m in INTERNAL_MARKS):
+        bad = "is a name cloudckpt reserves for its own bookkeeping"
+    if bad:
+        raise ManifestError(
+            f"{source} names object {_short(path)}, which {bad}; objects must be relative paths "
+            "inside the checkpoint. The manifest is malformed or hostile; do not load it."
+        )
+    return path
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _short(value: Any) -> str:
+    """``repr`` cut short: hostile values must not flood a message."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"<an integer of {value.bit_length()} bits>"
+    text = repr(value)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _parse(data: bytes, source: str) -> Any:
+    """JSON from manifest bytes; every failure is a :class:`ManifestError` naming ``source``."""
+    try:
+        text = bytes(data).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ManifestError(f"{source} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                            "it is not a cloudckpt manifest") from None
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as exc:
+        raise ManifestError(f"{source} names key {_short(exc.args[0])} twice; a manifest "
+                            "that can be read two ways cannot be trusted") from None
+    except RecursionError:
+        raise ManifestError(f"{source} nests JSON too deeply to read; it is not a cloudckpt "
+                            "manifest") from None
+    except ValueError as exc:
+        raise ManifestError(f"{source} is not valid JSON ({str(exc)[:200]}); the checkpoint "
+                            "cannot be trusted") from None
+
+
+def read_manifest_bytes(store: Store, key: str = MANIFEST_NAME, *,
+                        limit: int = MAX_MANIFEST_BYTES) -> bytes:
+    """The bytes of the manifest ``key`` of ``store``, never reading more than ``limit``.
+
+    One request for a manifest under :data:`FIRST_READ` (nearly all of them): a
+    bounded read that returns the whole object. A bigger one is sized first: when
+    the store reports the object's size, a manifest over ``limit`` is refused
+    unread and exactly that size is read (an object replaced meanwhile by a bigger one
+    is still cut there). When it cannot (no size, or 0), a one-byte read at offset
+    ``limit`` tells whether it is over, and then at most ``limit + 1`` bytes are read.
+    Raises :class:`ManifestError` when over the limit and ``FileNotFoundError`` when
+    there is no such object.
+    """
+    uri = store.key_uri(key)
+    first = store.get_upto(key, 0, min(FIRST_READ, limit + 1))
+    if len(first) < FIRST_READ:
+        if len(first) > limit:
+            raise ManifestError(f"{uri} is over the {limit} byte limit; refusing to read it: "
+                                "it is not a cloudckpt manifest")
+        return first  # the whole object
+    del first
+    info = store.info(key)
+    if info is not None and info.size > limit:
+        raise ManifestError(f"{uri} is {info.size} bytes, over the {limit} limit; refusing "
+                            "to read it: it is not a cloudckpt manifest")
+    if info is not None and info.size > 0:
+        try:
+            return store.get_range(key, 0, info.size)
+        except EOFError:
+            raise ManifestError(f"{uri} shrank while it was read; it is being replaced, "
+                                "which a committed manifest never is") from None
+    if store.get_upto(key, limit, limit + 1):  # a byte past the limit: refuse unread
+        raise ManifestError(f"{uri} is over the {limit} byte limit; refusing to read it: it "
+                            "is not a cloudckpt manifest")
+    data = store.get_upto(key, 0, limit + 1)
+    if len(data) > limit:  # it grew meanwhile
+        raise ManifestError(f"{uri} is over the {limit} byte limit; refusing to read it: it "
+                            "is not a cloudckpt manifest")
+    return data

@@ -1,0 +1,162 @@
+"""Whose objects lie under a prefix: what cloudckpt may delete, and what to call it.
+
+Deletes prove ownership (DESIGN.md invariant 7). A prefix with a manifest at its
+top is a committed checkpoint. Any other prefix is, by one recursive listing:
+
+- **empty**: nothing is stored there;
+- **ours**: a save, copy or delete that cloudckpt started and did not finish. Its
+  proof is a mark only cloudckpt writes at the prefix's top: the writer claim
+  (kept after a failure, rewritten before a delete starts; a fresh claim is
+  never put on a prefix holding anything else), or ROLL's part markers; or every
+  object under it has a name cloudckpt reserves (upload parts, temporary files).
+  The committed parts of an unfinished save in :data:`PART_DIRS` (a training
+  checkpoint's ``model/``) belong to it;
+- **root**: committed checkpoints, or other saves (their claims), lie below it (a
+  run directory, a slot);
+- **foreign**: objects cloudckpt did not write (logs, datasets, a user's files).
+
+Only *ours* is ever deleted as a whole (``rm --force``, ``gc``, a retried save or
+copy); a root only checkpoint by checkpoint; foreign objects never.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from cloudckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError, NotACheckpointError
+from cloudckpt.names import CLAIM_NAME, MANIFEST_NAME, ROLL_PARTS_DIR, is_reserved
+from cloudckpt.storage import ObjectInfo, Store
+
+EMPTY, OURS, ROOT, FOREIGN, COMMITTED = "empty", "ours", "root", "foreign", "committed"
+
+#: Where a save's own committed parts lie below its prefix: a training checkpoint's
+#: DCP part (cloudckpt.training.snapshot) and RLinf's actor/critic parts. A claimed prefix
+#: with checkpoints anywhere else is a root, not a save.
+PART_DIRS = frozenset({"model", "actor", "critic"})
+
+
+@dataclass(frozen=True)
+class Survey:
+    """What one recursive listing of a prefix shows (hidden objects included)."""
+
+    uri: str
+    kind: str
+    objects: tuple[ObjectInfo, ...]
+    #: The outermost committed checkpoints below the prefix, as relative prefixes.
+    checkpoints: tuple[str, ...] = ()
+    #: Keys that no cloudckpt mark or layout explains.
+    foreign: tuple[str, ...] = ()
+    #: Saves of cloudckpt's under way (or cut short) below the prefix: where claims lie.
+    saves: tuple[str, ...] = ()
+
+    @property
+    def size(self) -> int:
+        return sum(o.size for o in self.objects)
+
+    @property
+    def newest(self) -> float | None:
+        """The newest object's time: the last sign of life of whatever wrote them."""
+        return max((o.mtime for o in self.objects if o.mtime), default=None)
+
+
+def survey(store: Store) -> Survey:
+    """List ``store``'s whole prefix once and say whose it is."""
+    objects = tuple(store.list(internal=True))
+    return classify(store.uri, objects)
+
+
+def classify(uri: str, objects: Sequence[ObjectInfo]) -> Survey:
+    """The :class:`Survey` of a prefix holding ``objects`` (keys relative to it)."""
+    objects = tuple(objects)
+    keys = [o.key for o in objects]
+    if not keys:
+        return Survey(uri, EMPTY, objects)
+    if MANIFEST_NAME in keys:
+        return Survey(uri, COMMITTED, objects)
+    nested = _outermost(k[: -len(MANIFEST_NAME) - 1] for k in keys
+                        if k.endswith("/" + MANIFEST_NAME))
+    # Saves under way (or cut short) further down: a claim below the top.
+    saves = _outermost(k[: -len(CLAIM_NAME) - 1] for k in keys
+                       if k.endswith("/" + CLAIM_NAME))
+    units = _outermost([*nested, *saves])
+    foreign = tuple(k for k in keys if not is_reserved(k) and not inside(k, units))
+    marked = CLAIM_NAME in keys or any(k.startswith(ROLL_PARTS_DIR + "/") for k in keys)
+    if marked and all(p.split("/", 1)[0] in PART_DIRS for p in units):
+        kind = OURS  # a save of cloudckpt's, its committed parts (model/, actor/...) its own
+    elif nested or (saves and not marked):
+        kind = ROOT
+    elif not foreign and not marked:
+        kind = OURS  # nothing but upload parts and temporary files of cloudckpt's
+    else:
+        kind = FOREIGN
+    return Survey(uri, kind, objects, nested, foreign, saves)
+
+
+def inside(key: str, prefixes: Iterable[str]) -> bool:
+    """Whether ``key`` lies below one of ``prefixes``."""
+    return any(key.startswith(p + "/") for p in prefixes)
+
+
+def _outermost(prefixes: Iterable[str]) -> tuple[str, ...]:
+    found = sorted(set(prefixes))
+    out: list[str] = []
+    for p in found:
+        if not inside(p, out):
+            out.append(p)
+    return tuple(out)
+
+
+def _names(items: Sequence[str], n: int = 3) -> str:
+    shown = ", ".join(items[:n])
+    return shown + (f" and {len(items) - n} more" if len(items) > n else "")
+
+
+def describe_root(s: Survey) -> str:
+    """'a root holding 2 committed checkpoints (step-1, step-2)', for messages."""
+    n = len(s.checkpoints)
+    if not n:
+        return (f"a root with {len(s.saves)} unfinished save{'s' if len(s.saves) != 1 else ''}"
+                f" below it ({_names(list(s.saves))})")
+    return (f"a root holding {n} committed checkpoint{'s' if n != 1 else ''} below it "
+            f"({_names(list(s.checkpoints))})")
+
+
+def not_a_checkpoint(s: Survey) -> CheckpointNotFoundError:
+    """The error for a prefix that has no manifest at its top, saying what it is."""
+    if s.kind == EMPTY:
+        return CheckpointNotFoundError(
+            f"no checkpoint at {s.uri}: nothing is stored there. Check the URI; "
+            "`cloudckpt ls` on the parent lists the checkpoints.")
+    if s.kind == ROOT:
+        below = (s.checkpoints or s.saves)[-1]
+        return NotACheckpointError(
+            f"{s.uri} is not a checkpoint but {describe_root(s)}. `cloudckpt ls {s.uri}` "
+            f"lists them; name one of them, e.g. {s.uri}/{below}.")
+    if s.kind == FOREIGN:
+        if ".metadata" in s.foreign:
+            return NotACheckpointError(
+                f"{s.uri} holds a DCP checkpoint written without cloudckpt (a .metadata and "
+                f"{len(s.foreign) - 1} more objects, no manifest). `cloudckpt adopt {s.uri}` "
+                "checks every object it references and commits it.")
+        return NotACheckpointError(
+            f"{s.uri} is not a checkpoint: it holds {len(s.objects)} object"
+            f"{'s' if len(s.objects) != 1 else ''} that cloudckpt did not write "
+            f"({_names(list(s.foreign))}) and no manifest. Check the URI.")
+    raise ValueError(f"{s.uri} is {s.kind}, not a missing checkpoint")
+
+
+def incomplete(s: Survey) -> IncompleteCheckpointError:
+    """The error for a save cloudckpt started at ``s.uri`` and never committed."""
+    return IncompleteCheckpointError(
+        f"{s.uri} holds a save that never committed ({len(s.objects)} object"
+        f"{'s' if len(s.objects) != 1 else ''}, no manifest: it crashed, failed or is still "
+        "running). Load an earlier checkpoint. Rerunning the same save, `cloudckpt cp` or "
+        "`cloudckpt download` replaces or resumes it; `cloudckpt gc` removes such saves once "
+        f"they are older than a grace period, `cloudckpt rm --force {s.uri}` removes this one "
+        "now.")
+
+
+def missing_manifest_error(s: Survey) -> CheckpointNotFoundError | IncompleteCheckpointError:
+    """Why ``s.uri`` cannot be opened as a checkpoint."""
+    return incomplete(s) if s.kind == OURS else not_a_checkpoint(s)

@@ -1,0 +1,1 @@
+"""Moving checkpoints: copies between stores, uploads, downloads, whole trees."""

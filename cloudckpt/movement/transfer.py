@@ -1,0 +1,158 @@
+"""Copy a committed checkpoint between any two stores, verified end to end.
+
+Every object is checked against the source manifest (size and CRC32C) before
+it is recorded (:mod:`cloudckpt.movement.copying` moves the bytes: on the server within
+one store, in parallel ranges into local disk, streamed otherwise), and only
+then is the source's manifest written at the destination, create-only: the
+copy is committed exactly like a save, with the same step, metadata and commit
+id. A copy interrupted for any reason resumes when run again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
+from cloudckpt.core.manifest import CLAIM_NAME, MANIFEST_NAME, FileEntry, Manifest
+from cloudckpt.core.ownership import COMMITTED, FOREIGN, OURS, ROOT, not_a_checkpoint, survey
+from cloudckpt.errors import CommitConflictError, CorruptCheckpointError, NotACheckpointError
+from cloudckpt.movement.copying import Progress, Report, checksum_object
+from cloudckpt.movement.copying import copy_objects as _copy_objects
+from cloudckpt.storage import ObjectInfo, Store, as_store, open_store
+
+log = logging.getLogger("cloudckpt")
+
+
+def copy_checkpoint(
+    src: str | Checkpoint,
+    dst: str | Store,
+    *,
+    src_options: Mapping[str, Any] | None = None,
+    dst_options: Mapping[str, Any] | None = None,
+    progress: Progress | None = None,
+) -> Checkpoint:
+    """Copy the committed checkpoint ``src`` to ``dst`` and commit it there.
+
+    If ``dst`` already holds the very same checkpoint (same commit id), nothing
+    is copied. If it holds what an interrupted copy left (cloudckpt's claim on it),
+    the copy resumes: objects already there with the manifest's size and CRC32C are
+    kept, everything else the interrupted copy left is replaced. A destination
+    holding anything else is refused before anything is written:
+    :class:`CommitConflictError` for another checkpoint, :class:`NotACheckpointError`
+    for a root holding checkpoints or objects cloudckpt did not write.
+
+    ``progress`` is called with the number of bytes of each chunk done (from
+    several threads; calls are serialised), objects kept on resume included. If
+    the copy fails, what it wrote stays, claimed and marked abandoned, for a rerun
+    to resume (or ``cloudckpt gc`` / ``rm --force`` to remove).
+    """
+    ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src, src_options)
+    store = as_store(dst, dst_options)
+    found = survey(store)
+    if found.kind == COMMITTED:
+        return _already_there(ckpt, store, progress)
+    if found.kind in (ROOT, FOREIGN):
+        raise NotACheckpointError(
+            f"cannot copy {ckpt.uri} to {store.uri}: {not_a_checkpoint(found)} Nothing was "
+            "copied: name a new URI (or an empty directory) for the copy.")
+    writer = CheckpointWriter(store, step=ckpt.step, metadata=ckpt.metadata,
+                              kind=ckpt.manifest.kind)
+    try:
+        kept = _resume(ckpt, writer, Report(progress)) if found.kind == OURS else set()
+        _copy_objects(ckpt, writer, [p for p in ckpt.files if p not in kept], progress)
+        return commit_as(writer, ckpt.manifest)
+    except BaseException:
+        writer.abandon()  # what was copied stays, provably ours, for a rerun to resume
+        raise
+
+
+def _already_there(ckpt: Checkpoint, store: Store, progress: Progress | None) -> Checkpoint:
+    try:
+        existing = open_checkpoint(store)
+    except CorruptCheckpointError as exc:
+        raise CommitConflictError(
+            f"{store.uri} already holds a checkpoint whose manifest cannot be read ({exc}); "
+            "copy to another URI, or delete it first (cloudckpt rm)") from None
+    if existing.manifest.commit_id != ckpt.manifest.commit_id:
+        raise CommitConflictError(
+            f"{store.uri} already holds a different checkpoint (commit "
+            f"{existing.manifest.commit_id}, step {existing.step}); copy to another URI, or "
+            "delete it first (cloudckpt rm)")
+    log.info("%s already holds commit %s; nothing to copy", store.uri, ckpt.manifest.commit_id)
+    if progress:
+        progress(ckpt.total_size)
+    return existing
+
+
+def _resume(ckpt: Checkpoint, writer: CheckpointWriter, report: Report) -> set[str]:
+    """Take over what an interrupted copy (or save) left at the destination: claim it,
+    keep and record each object whose size and CRC32C (read back) are the manifest's,
+    delete the rest (other bytes, upload parts, temporary files). Returns what was kept.
+
+    Raises :class:`CommitConflictError` if a copy still running holds the claim.
+    """
+    store = writer.store
+    # An abandoned claim, or one of a process that is gone, is taken over; what the
+    # prefix held then is what this copy resumes from.
+    found = writer.claim()
+    assert found is not None
+    entries = ckpt.manifest.files
+    kept = _matching(store, entries, found.objects)
+    for key in sorted(kept):
+        writer.add_existing(key, entries[key].size, entries[key].crc32c)
+        report(entries[key].size)
+    stale = [o.key for o in found.objects if o.key not in kept and o.key != CLAIM_NAME]
+    if stale:
+        store.delete(stale)
+    log.info("resuming the copy of %s into %s: %d of %d objects already there and checked, "
+             "%d leftovers removed", ckpt.uri, store.uri, len(kept), len(entries), len(stale))
+    return kept
+
+
+def _matching(store: Store, entries: Mapping[str, FileEntry],
+              objects: Iterable[ObjectInfo]) -> set[str]:
+    """The keys among ``objects`` whose bytes (read back, streamed, in parallel) have
+    the size and CRC32C ``entries`` lists for them."""
+    candidates = [o.key for o in objects if o.key in entries and o.size == entries[o.key].size]
+
+    def check(key: str) -> tuple[str, bool]:
+        try:
+            return key, checksum_object(store, key, entries[key].size) == (
+                entries[key].size, entries[key].crc32c)
+        except (FileNotFoundError, EOFError):
+            return key, False
+
+    return {k for k, good in store.map(check, candidates) if good}
+
+
+def commit_as(writer: CheckpointWriter, manifest: Manifest) -> Checkpoint:
+    """Commit ``writer`` with ``manifest`` after checking it wrote exactly those objects."""
+    return writer.commit(manifest)
+
+
+def download(uri: str | Checkpoint, local_dir: str | os.PathLike,
+             storage_options: Mapping[str, Any] | None = None) -> Path:
+    """Download a committed checkpoint (an HF export, a framework's checkpoint) into
+    ``local_dir``, every file checked, beside its manifest; files already there with
+    the right size and CRC32C are skipped (a cache that repairs itself). Returns the
+    directory.
+
+    Files are written through a local store rooted at ``local_dir``, so a symbolic
+    link already in the destination never leads a write outside it.
+    """
+    ckpt = uri if isinstance(uri, Checkpoint) else open_checkpoint(uri, storage_options)
+    root = Path(local_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    dest = open_store(str(root.resolve()))
+    present = _matching(dest, ckpt.manifest.files, dest.list())
+    todo = [path for path in ckpt.files if path not in present]
+    for path in todo:  # each read is itself parallel
+        dest.put(path, ckpt.read(path))
+    dest.put(MANIFEST_NAME, ckpt.manifest.to_json())
+    log.info("downloaded %s to %s (%d files fetched, %d already present)", ckpt.uri, root,
+             len(todo), len(ckpt.files) - len(todo))
+    return root

@@ -1,0 +1,1 @@
+"""The training process: rank coordination, saves pending at exit, application state."""

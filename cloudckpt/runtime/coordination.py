@@ -1,0 +1,165 @@
+"""How ranks agree: the one module where cloudckpt's coordinated steps meet.
+
+Every step that more than one rank takes part in goes through these helpers,
+so a failure on any rank is raised on every rank, promptly, as the same
+cloudckpt error class, and no rank is left waiting in a collective the others
+skipped (DESIGN.md invariant 8):
+
+- :func:`on_coordinator`: rank 0 does the work (storage I/O: claim, commit,
+  pointer swap, listing); every rank gets its result or its error;
+- :func:`each_rank`: every rank does its own part (its shard of training
+  state); every rank gets all the results, or every rank raises the first
+  failure;
+- :func:`agree`: every rank has checked something of its own; if any refused,
+  every rank raises.
+
+In a single process (no process group) each is a plain call. A failing rank
+raises its own exception; the others raise the same class with its message,
+prefixed by the failing rank.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def initialized() -> bool:
+    """Whether a process group is up. Without torch imported none can be, so
+    commands that never touch tensors (``cloudckpt ls``) do not import it."""
+    module = sys.modules.get("torch.distributed")
+    return module is not None and module.is_available() and module.is_initialized()
+
+
+def _dist() -> Any:
+    import torch.distributed
+
+    return torch.distributed
+
+
+def rank(group: Any = None) -> int:
+    return _dist().get_rank(group) if initialized() else 0
+
+
+def world_size(group: Any = None) -> int:
+    return _dist().get_world_size(group) if initialized() else 1
+
+
+def new_cpu_group() -> Any:
+    """A gloo group for checkpoint collectives, separate from training's, so a
+    background save never interleaves its collectives with the training loop's."""
+    if not initialized():
+        return None
+    return _dist().new_group(backend="gloo")
+
+
+def all_reduce_max(value: float, group: Any = None) -> float:
+    """The largest ``value`` over the ranks (so every rank decides alike)."""
+    if not initialized():
+        return value
+    import torch
+
+    dist = _dist()
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def _gather(obj: Any, group: Any) -> list[Any]:
+    if not initialized():
+        return [obj]
+    dist = _dist()
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _broadcast(obj: Any, group: Any) -> Any:
+    if not initialized():
+        return obj
+    box = [obj]
+    dist = _dist()
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def _summary(exc: BaseException) -> tuple[str, str]:
+    """What other ranks need to raise the same error: its class name and message."""
+    from cloudckpt.errors import CloudCkptError
+    from cloudckpt.storage.retry import describe
+
+    return type(exc).__name__, str(exc) if isinstance(exc, CloudCkptError) else describe(exc)
+
+
+def _same_error(name: str, message: str) -> BaseException:
+    """The cloudckpt error of class ``name`` (StorageError if it is not one of ours)."""
+    from cloudckpt import errors
+
+    cls = getattr(errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, errors.CloudCkptError)):
+        cls = errors.StorageError
+    return cls(message)
+
+
+def _raise_first(mine: BaseException | None, summaries: list[Any]) -> None:
+    """Raise if any rank failed: this rank's own error, else the first failed rank's."""
+    failed = [(r, s) for r, s in enumerate(summaries) if s is not None]
+    if not failed:
+        return
+    if mine is not None:
+        raise mine
+    r, (name, message) = failed[0]
+    raise _same_error(name, f"rank {r}: {message}")
+
+
+def agree(error: BaseException | None, group: Any = None) -> None:
+    """Every rank says whether its check failed (``error``); if any did, every rank
+    raises (a failed rank its own error, the others the same class)."""
+    if not initialized():
+        if error is not None:
+            raise error
+        return
+    _raise_first(error, _gather(None if error is None else _summary(error), group))
+
+
+def each_rank(fn: Callable[[], T], group: Any = None) -> list[T]:
+    """Run ``fn()`` on every rank (its own part of a step); return every rank's result,
+    by rank, on every rank, or raise on every rank if any rank's ``fn`` failed."""
+    if not initialized():
+        return [fn()]
+    result: Any = None
+    error: BaseException | None = None
+    try:
+        result = fn()
+    except Exception as exc:  # noqa: BLE001 - every rank raises it below
+        error = exc
+    gathered = _gather(("error", _summary(error)) if error is not None else ("ok", result),
+                       group)
+    _raise_first(error, [g[1] if g[0] == "error" else None for g in gathered])
+    return [g[1] for g in gathered]
+
+
+def on_coordinator(fn: Callable[[], T], group: Any = None, *, share: bool = True) -> T | None:
+    """Run ``fn()`` on rank 0 and give every rank its result (rank 0 only, with
+    ``share=False``: others get None, for results that cannot be sent, such as a
+    writer), or raise its error on every rank."""
+    result: Any = None
+    outcome: tuple[str, Any, Any] | None = None
+    error: BaseException | None = None
+    if rank(group) == 0:
+        try:
+            result = fn()
+            outcome = ("ok", result if share else None, None)
+        except Exception as exc:  # noqa: BLE001 - every rank raises it below
+            error = exc
+            outcome = ("error", *_summary(exc))
+    outcome = _broadcast(outcome, group)
+    if outcome[0] == "ok":
+        return result if rank(group) == 0 else outcome[1]
+    if error is not None:
+        raise error
+    raise _same_error(outcome[1], f"rank 0: {outcome[2]}")

@@ -1,0 +1,261 @@
+"""Training state that is not a model: step counters, RNG, dataloaders, small states.
+
+Everything here serialises to JSON or to ``torch.save`` data that loads with
+``weights_only=True``: nothing loaded from a checkpoint can execute code.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import re
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from cloudckpt.errors import ConfigError, CorruptCheckpointError
+
+__all__ = [
+    "Stateful",
+    "StepInfo",
+    "dumps_state",
+    "get_rng_state",
+    "check_restorable",
+    "loads_state",
+    "safe_torch_load",
+    "set_rng_state",
+]
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """Where training is: 0-based epoch, step within the epoch, global step.
+
+    The same fields and ``next()`` rule as AReaL's ``step_info.json``.
+    """
+
+    epoch: int = 0
+    epoch_step: int = 0
+    global_step: int = 0
+    steps_per_epoch: int = 1
+
+    def __post_init__(self) -> None:
+        # 0 is AReaL's: a dataset smaller than one batch (FinetuneSpec allows it).
+        if self.steps_per_epoch < 0:
+            raise ConfigError("StepInfo.steps_per_epoch must be >= 0")
+
+    def next(self) -> StepInfo:
+        """The step after this one (wrapping into the next epoch)."""
+        if self.epoch_step == self.steps_per_epoch - 1:
+            return StepInfo(self.epoch + 1, 0, self.global_step + 1, self.steps_per_epoch)
+        return StepInfo(self.epoch, self.epoch_step + 1, self.global_step + 1,
+                        self.steps_per_epoch)
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> StepInfo:
+        try:
+            return cls(**{k: int(d[k]) for k in ("epoch", "epoch_step", "global_step",
+                                                 "steps_per_epoch")})
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptCheckpointError(f"invalid step info {dict(d)!r}: {exc}") from None
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with ``state_dict()``/``load_state_dict()`` (dataloaders, schedulers, ...)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+# ------------------------------------------------------------------------- RNG
+
+
+def get_rng_state() -> dict[str, Any]:
+    """The state of every random generator training touches: Python, NumPy, torch
+    CPU and, when present, every CUDA device."""
+    version, internal, gauss = random.getstate()
+    np_state = np.random.get_state(legacy=False)
+    state: dict[str, Any] = {
+        "python": {"version": version, "state": list(internal), "gauss": gauss},
+        "numpy": _jsonable_numpy(np_state),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore what :func:`get_rng_state` captured."""
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+    np.random.set_state(_numpy_from_json(state["numpy"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = state["cuda"]
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def _jsonable_numpy(st: dict[str, Any]) -> dict[str, Any]:
+    out = dict(st)
+    inner = dict(st["state"])
+    inner["key"] = [int(x) for x in np.asarray(inner["key"]).tolist()] if "key" in inner else None
+    out["state"] = {k: (int(v) if isinstance(v, (np.integer,)) else v) for k, v in inner.items()}
+    if out["state"].get("key") is None:
+        out["state"].pop("key", None)
+    return out
+
+
+def _numpy_from_json(st: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(st)
+    inner = dict(st["state"])
+    if "key" in inner:
+        inner["key"] = np.asarray(inner["key"], dtype=np.uint32)
+    out["state"] = inner
+    return out
+
+
+# ----------------------------------------------------- serialising small states
+
+
+def dumps_state(obj: Any) -> bytes:
+    """Serialise a small state: JSON when it is plain data, else ``torch.save``
+    (tensors, tuples, ...), which :func:`loads_state` reads with ``weights_only``."""
+    try:
+        return b"J" + json.dumps(obj, sort_keys=True, allow_nan=True).encode()
+    except (TypeError, ValueError):
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        return b"T" + buf.getvalue()
+
+
+def loads_state(data: bytes, *, source: str = "state") -> Any:
+    """Inverse of :func:`dumps_state`; never executes pickled code."""
+    tag, body = data[:1], data[1:]
+    if tag == b"J":
+        try:
+            return json.loads(body)
+        except ValueError as exc:
+            raise CorruptCheckpointError(f"{source} is not valid JSON ({exc})",
+                                         {source: "malformed"}) from None
+    if tag == b"T":
+        return safe_torch_load(io.BytesIO(body), source)
+    raise CorruptCheckpointError(f"{source} has an unknown encoding", {source: "encoding"})
+
+
+def safe_torch_load(f: Any, source: str) -> Any:
+    """``torch.load(f, weights_only=True)`` on the CPU: tensors and plain data only.
+
+    Anything else (pickled code, unknown classes, a damaged file) raises
+    :class:`CorruptCheckpointError` naming ``source``, with torch's reason on one
+    line (terminal colour codes removed).
+    """
+    try:
+        return torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any failure: refuse the object
+        raise CorruptCheckpointError(
+            f"{source} cannot be loaded safely ({refusal(exc)}); checkpoints must hold only "
+            "tensors and plain data", {source: "unsafe or malformed"}) from None
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+_PLAIN_TYPES = (str, int, float, bool, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is, by its types alone, something ``weights_only`` loads:
+    plain scalars, tensors, and lists, tuples and dicts of them. (Anything else is
+    judged by a round trip through ``torch.save``.)"""
+    if depth > 64:
+        return False
+    if isinstance(value, _PLAIN_TYPES) or type(value) in (torch.Tensor, torch.nn.Parameter):
+        return True
+    if type(value) in (list, tuple):
+        return all(_plain(v, depth + 1) for v in value)
+    if type(value) in (dict, OrderedDict):
+        return all(_plain(k, depth + 1) and _plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def refusal(exc: BaseException) -> str:
+    """The line of an error that says what is wrong, without terminal colour codes, at
+    most 200 chars. For torch's weights-only refusal that is its unpickler's reason
+    (the rest of that message is advice to load unsafely, which we do not give)."""
+    text = _ANSI.sub("", str(exc)).strip()
+    for line in text.splitlines():
+        if "WeightsUnpickler error:" in line:
+            reason = line.split("WeightsUnpickler error:", 1)[1].split(". Please use")[0]
+            return reason.strip()[:200]
+    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
+
+
+def check_restorable(where: str, value: Any, *, owner: Any = None) -> None:
+    """Refuse, before anything is written, a value a restore could not load back.
+
+    Plain data (JSON) and what ``torch.load(weights_only=True)`` accepts (tensors,
+    tuples, ...) pass; anything else (a DataLoader, a generator, a lambda) raises
+    :class:`ConfigError` naming ``where`` and the fix. ``owner`` is the object whose
+    ``state_dict()`` gave ``value``, if it came from one.
+    """
+    if _plain(value):
+        return  # the common case, without serialising tensors a second time
+    buf = io.BytesIO()
+    try:
+        torch.save(value, buf)
+        buf.seek(0)
+        torch.load(buf, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any failure: a restore would fail too
+        if owner is not None:
+            raise ConfigError(
+                f"{where}: the state_dict() of a {type(owner).__name__} holds what cannot be "
+                f"restored ({refusal(exc)}); a state_dict must hold only tensors and plain "
+                "data. Nothing was saved.") from None
+        raise ConfigError(
+            f"{where} is a {type(value).__name__}, which cannot be restored: it has no "
+            "state_dict()/load_state_dict(), and it is not plain data or tensors "
+            f"({refusal(exc)}). Pass an object with state_dict() and load_state_dict() "
+            "(e.g. torchdata's StatefulDataLoader instead of a DataLoader), or its state as "
+            "plain data. Nothing was saved.") from None
+
+
+def resolve_stateful(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with each top-level :class:`Stateful` replaced by its
+    ``state_dict()``, as ``dcp.save`` does: taken once, then checked and saved."""
+    return {k: v.state_dict() if isinstance(v, Stateful) and not isinstance(v, Mapping) else v
+            for k, v in state_dict.items()}
+
+
+def check_state_dict(state_dict: Mapping[str, Any], where: str = "state_dict") -> None:
+    """Refuse, before anything is written, a DCP state that a load could not restore.
+
+    Tensors (DTensors, sharded tensors, anything DCP writes as a tensor) pass; DCP
+    pickles every other leaf, and each must pass :func:`check_restorable` (a numpy
+    array, a DataLoader or a custom object does not). Raises :class:`ConfigError`
+    naming the key. Call on :func:`resolve_stateful`'s result.
+    """
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(dict(state_dict))
+    for key, value in flat.items():
+        if isinstance(value, torch.Tensor) or hasattr(value, "__create_write_items__"):
+            continue
+        if isinstance(value, Stateful):
+            raise ConfigError(
+                f"{where}[{key!r}] is a {type(value).__name__}: DCP calls state_dict() only "
+                "on the top-level values of the state, so it would be pickled whole and could "
+                "not be restored. Put it at the top level, or its state_dict() in its place. "
+                "Nothing was saved.")
+        check_restorable(f"{where}[{key!r}]", value)

@@ -1,0 +1,1 @@
+"""Training checkpoints: capture and restore, recover slots, staged uploads, the manager."""

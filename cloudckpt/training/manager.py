@@ -1,0 +1,281 @@
+"""CheckpointManager: when to save, what to keep, sync or async, and resume.
+
+Policies are small objects of their own — :class:`SaveSchedule` (when),
+:mod:`cloudckpt.core.retention` (what to keep) — and the manager only wires them
+to the mechanisms (:mod:`cloudckpt.training.snapshot` checkpoints, the
+commit protocol, retries).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.checkpoint.planner import LoadPlanner
+
+from cloudckpt.core.checkpoint import Checkpoint
+from cloudckpt.core.listing import list_checkpoints
+from cloudckpt.core.retention import Managed, apply_retention, select_for_deletion  # noqa: F401 - re-exported
+from cloudckpt.dcp.budget import BudgetStager, StagedState
+from cloudckpt.errors import ConfigError, CorruptCheckpointError
+from cloudckpt.runtime import coordination as coord
+from cloudckpt.runtime.pending import SaveFuture, run_in_background
+from cloudckpt.runtime.state import StepInfo
+from cloudckpt.storage import Store, as_store, open_store
+from cloudckpt.training import snapshot as training
+
+log = logging.getLogger("cloudckpt")
+
+_SCHEDULE = "__schedule__"
+
+
+@dataclass(frozen=True)
+class ManagerOptions:
+    """How a :class:`CheckpointManager` behaves.
+
+    Save when any of ``every_steps``/``every_epochs``/``every_seconds`` fires;
+    keep the newest ``keep_last`` checkpoints (None: all) plus every one whose
+    step is a multiple of ``keep_every``; ``async_save`` blocks only for staging
+    at most ``staging_budget`` bytes of tensors in host memory (None: a quarter of
+    the host's memory per local rank) and for uploading what does not fit.
+    """
+
+    every_steps: int | None = None
+    every_epochs: int | None = None
+    every_seconds: float | None = None
+    keep_last: int | None = None
+    keep_every: int | None = None
+    async_save: bool = False
+    staging_budget: int | None = None
+    name_format: str = "step-{step}"
+    strict: bool = False
+
+    def __post_init__(self) -> None:
+        if self.staging_budget is not None and self.staging_budget < 0:
+            raise ConfigError(f"ManagerOptions.staging_budget must be >= 0 bytes or None, "
+                              f"got {self.staging_budget}")
+        for name in ("every_steps", "every_epochs", "every_seconds", "keep_last", "keep_every"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"ManagerOptions.{name} must be positive or None, got {value}")
+        if "{step}" not in self.name_format:
+            raise ConfigError("ManagerOptions.name_format must contain '{step}'")
+
+
+class SaveSchedule:
+    """Fires when any of its counters (epochs, steps, seconds) reaches its period.
+
+    Each call advances all three; the answer is their OR; a counter restarts
+    only when it fires. Elapsed time is the MAX across ranks, so every rank
+    decides alike. Its state is saved with each checkpoint and restored.
+    """
+
+    def __init__(self, every_steps: int | None = None, every_epochs: int | None = None,
+                 every_seconds: float | None = None, group: Any = None) -> None:
+        self.every_steps, self.every_epochs, self.every_seconds = (every_steps, every_epochs,
+                                                                   every_seconds)
+        self.group = group
+        self.steps = 0
+        self.epochs = 0
+        self._start = time.monotonic()
+
+    def check(self, *, steps: int = 1, epochs: int = 0) -> bool:
+        self.steps += steps
+        self.epochs += epochs
+        fired = False
+        if self.every_steps and self.steps >= self.every_steps:
+            self.steps, fired = 0, True
+        if self.every_epochs and self.epochs >= self.every_epochs:
+            self.epochs, fired = 0, True
+        if self.every_seconds:
+            elapsed = coord.all_reduce_max(time.monotonic() - self._start, self.group)
+            if elapsed >= self.every_seconds:
+                self._start, fired = time.monotonic(), True
+        return fired
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "epochs": self.epochs,
+                "elapsed": time.monotonic() - self._start}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.steps, self.epochs = int(state["steps"]), int(state["epochs"])
+        self._start = time.monotonic() - float(state["elapsed"])
+
+
+class CheckpointManager:
+    """Saves training checkpoints below ``root`` when due, keeps what the policy
+    says, and restores the newest good one.
+
+    >>> mgr = CheckpointManager("s3://bucket/run", ManagerOptions(every_steps=100, keep_last=3))
+    >>> info = mgr.restore(state) or StepInfo(steps_per_epoch=len(loader))  # doctest: +SKIP
+    >>> mgr.save(info, state, extra={"sched": sched}, per_rank={"data": loader})  # doctest: +SKIP
+
+    Call every method on every rank. With ``async_save`` the call returns once
+    the state is staged to host memory; the next save, :meth:`wait` or
+    :meth:`close` raises any error of the background upload. A save still
+    running when the process ends is waited for, or reported with an ERROR and
+    the exit status (see :mod:`cloudckpt.runtime.pending`).
+    """
+
+    def __init__(self, root: str | Store, options: ManagerOptions | None = None, *,
+                 storage_options: Mapping[str, Any] | None = None,
+                 process_group: Any = None) -> None:
+        self.options = options or ManagerOptions()
+        self._storage_options = dict(storage_options or {})
+        self.store = as_store(root, storage_options)
+        self.group = process_group
+        #: This manager's checkpoints: training checkpoints named by ``name_format``. Only
+        #: these are restored from or deleted by retention; others in the root are left be.
+        self.managed = Managed.from_format(training.KIND, self.options.name_format)
+        self.schedule = SaveSchedule(self.options.every_steps, self.options.every_epochs,
+                                     self.options.every_seconds, group=process_group)
+        # Background saves run collectives on a group of their own.
+        self._io_group = coord.new_cpu_group() if self.options.async_save else process_group
+        self._stager: BudgetStager | None = None
+        self._pending: SaveFuture | None = None
+        self._closed = False
+
+    @property
+    def uri(self) -> str:
+        return self.store.uri
+
+    # ------------------------------------------------------------------ saving
+
+    def should_save(self, step_info: StepInfo) -> bool:
+        """Advance the schedule by one step (and an epoch at an epoch's last step)."""
+        epoch_end = step_info.epoch_step == step_info.steps_per_epoch - 1
+        return self.schedule.check(steps=1, epochs=int(epoch_end))
+
+    def save(self, step_info: StepInfo, state_dict: Mapping[str, Any], *,
+             extra: Mapping[str, Any] | None = None, per_rank: Mapping[str, Any] | None = None,
+             rng: bool = True, force: bool = False) -> bool:
+        """Save if the schedule says so (or ``force``); return whether a save started."""
+        if self._closed:
+            raise ConfigError("this CheckpointManager is closed")
+        due = self.should_save(step_info)
+        if not (due or force):
+            return False
+        self.wait()  # one save at a time; surfaces the previous one's error
+        captured = training.capture_together(
+            app_state=state_dict, step_info=step_info,
+            shared={**dict(extra or {}), _SCHEDULE: self.schedule}, per_rank=per_rank, rng=rng,
+            group=self.group)
+        name = self.options.name_format.format(step=step_info.global_step)
+        if not self.options.async_save:
+            self._write(name, state_dict, captured, step_info.global_step)
+            return True
+        if self._stager is None:
+            self._stager = BudgetStager(self.options.staging_budget)
+        staged = self._stager.stage(dict(state_dict))
+        self._pending = run_in_background(
+            lambda: self._write(name, staged.state_dict, captured, step_info.global_step,
+                                staged), f"async save to {self.store.child(name).uri}")
+        self._pending.add_done_callback(lambda _: staged.release())
+        staged.wait()  # the tensors that did not fit in the budget are written
+        return True
+
+    def _write(self, name: str, state_dict: Mapping[str, Any], captured: training.Captured,
+               step: int, staged: StagedState | None = None) -> Checkpoint | None:
+        ckpt = training.write(self.store.child(name), state_dict, captured, step=step,
+                               group=self._io_group, staged=staged)
+        # Retention never fails a committed save: it warns and the next save retries.
+        coord.on_coordinator(lambda: apply_retention(
+            self.store, self.options.keep_last, self.options.keep_every, number=self.managed,
+            keep=name),
+            self._io_group)
+        return ckpt
+
+    def wait(self) -> None:
+        """Block until the pending async save is committed; raise its error if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Flush the pending save (raising its error) and free the staging buffers."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- resuming
+
+    def latest(self) -> Checkpoint | None:
+        """This manager's newest committed checkpoint below the root (not checked further)."""
+        own = [c for c in list_checkpoints(self.store) if self.managed(c) is not None]
+        return own[-1].open(self.store) if own else None
+
+    def restore(self, state_dict: Mapping[str, Any], *, uri: str | None = None,
+                extra: Mapping[str, Any] | None = None,
+                per_rank: Mapping[str, Any] | None = None, rng: bool = True,
+                planner: LoadPlanner | None = None) -> StepInfo | None:
+        """Load the newest good checkpoint (or ``uri``) in place; return its StepInfo.
+
+        ``planner`` is DCP's load planner for the model and optimizer state
+        (default: DCP's ``DefaultLoadPlanner``).
+
+        Returns None when there is nothing to resume from. Torn checkpoints
+        (no manifest) are skipped with a WARNING; a corrupt one falls back to
+        the previous with a WARNING, or raises with ``strict``.
+        """
+        listed: dict[str, Checkpoint] = {}  # rank 0: the manifests its listing read
+        if uri is not None:
+            candidates = [uri]
+        else:  # one listing, on rank 0; its result or its error on every rank
+            candidates = coord.on_coordinator(lambda: self._candidates(listed), self.group)
+        for i, cand in enumerate(candidates or []):
+            restored, err = None, None
+            try:
+                where: Store | Checkpoint = (open_store(cand, self._storage_options) if uri
+                                             else listed.get(cand) or self.store.child(cand))
+                restored = training.read(where, state_dict,
+                                          shared={**dict(extra or {}), _SCHEDULE: self.schedule},
+                                          per_rank=per_rank, rng=rng, group=self.group,
+                                          planner=planner)
+            except CorruptCheckpointError as exc:
+                err = exc
+            try:
+                coord.agree(err, self.group)  # corrupt on any rank: corrupt on every rank
+            except CorruptCheckpointError as exc:
+                if self.options.strict or uri is not None or i == len(candidates) - 1:
+                    raise
+                log.warning("checkpoint %s is corrupt (%s); falling back to the previous one",
+                            cand, exc)
+                continue
+            assert restored is not None
+            log.info("resumed from %s (step %s)", restored.checkpoint.uri,
+                     restored.checkpoint.step)
+            return restored.step_info
+        return None
+
+    def _candidates(self, listed: dict[str, Checkpoint]) -> list[str]:
+        """This manager's committed checkpoints, newest first. Saves of its own that never
+        committed are WARNINGs; other kinds and names in the root are not its business."""
+        listing = list_checkpoints(self.store, include_uncommitted=True)
+        own = []
+        for c in listing:
+            named = self.managed.number(c.name) is not None
+            if self.managed(c) is not None:
+                own.append(c)
+            elif named and c.status in ("uncommitted", "unreadable"):
+                log.warning("skipping %s: %s", c.uri,
+                            c.error or "no manifest (a save that never committed)")
+            else:
+                log.debug("not restoring from %s: not one of this manager's checkpoints "
+                          "(a %s %s)", c.uri, c.status,
+                          c.manifest.kind if c.manifest else "prefix")
+        listed.update({c.name: c.open(self.store) for c in own})
+        return [c.name for c in reversed(own)]

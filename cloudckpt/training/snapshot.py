@@ -1,0 +1,279 @@
+"""Training checkpoints: a DCP part and a training-state part under one root manifest.
+
+Layout of one training checkpoint at ``<uri>``::
+
+    model/...                       DCP checkpoint (model, optimizer; sharded), own manifest
+    state/rank-00000.bin ...        per-rank state (RNG, dataloader position), one per rank
+    state/shared.bin                shared state (step info, scheduler, controllers, extras)
+    cloudckpt-manifest.json         root manifest, written last, listing every object above
+
+The root manifest lists every object of both parts with its CRC32C (the DCP
+part's manifest included), so one ``verify(deep=True)`` covers the whole
+checkpoint, and nothing is visible until every rank's part is durable.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.distributed.checkpoint.planner import LoadPlanner
+
+from cloudckpt import dcp as cdcp
+from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
+from cloudckpt.core.manifest import CLAIM_NAME
+from cloudckpt.dcp.budget import StagedState
+from cloudckpt.errors import ConfigError, CorruptCheckpointError, WorldSizeError
+from cloudckpt.runtime import coordination as coord
+from cloudckpt.runtime.state import (
+    Stateful,
+    StepInfo,
+    check_restorable,
+    check_state_dict,
+    dumps_state,
+    get_rng_state,
+    loads_state,
+    resolve_stateful,
+    set_rng_state,
+)
+from cloudckpt.storage import Store, as_store
+from cloudckpt.util.text import plural
+
+log = logging.getLogger("cloudckpt")
+
+KIND = "training"
+MODEL_PART = "model"
+SHARED = "state/shared.bin"
+_STEP_INFO = "__step_info__"
+_RNG = "__rng__"
+
+
+@dataclass
+class Captured:
+    """Training state snapshotted at save time (plain data, safe to write later)."""
+
+    shared: dict[str, Any] = field(default_factory=dict)
+    per_rank: dict[str, Any] = field(default_factory=dict)
+    #: The DCP state (``app_state``) was checked with the rest, on every rank: the
+    #: save does not check it again.
+    state_checked: bool = False
+
+
+def _snapshot(kind: str, key: str, value: Any) -> Any:
+    """A copy of ``value``'s state, refused at once if a restore could not load it."""
+    stateful = isinstance(value, Stateful)
+    state = value.state_dict() if stateful else value
+    check_restorable(f"{kind}[{key!r}]", state, owner=value if stateful else None)
+    return copy.deepcopy(state)
+
+
+def capture(
+    *,
+    app_state: Mapping[str, Any] | None = None,
+    step_info: StepInfo | None = None,
+    shared: Mapping[str, Any] | None = None,
+    per_rank: Mapping[str, Any] | None = None,
+    rng: bool = True,
+) -> Captured:
+    """Snapshot stateful objects (``state_dict()``) and plain values, and the RNG state.
+
+    Raises :class:`ConfigError` for a value that could be saved but never restored
+    (no ``state_dict()``, and not plain data or tensors), before anything is written;
+    ``app_state``, the model and optimizer state for the DCP part, is checked too.
+    """
+    if app_state is not None:
+        check_state_dict(resolve_stateful(app_state))
+    snap = Captured({k: _snapshot("extra", k, v) for k, v in (shared or {}).items()},
+                    {k: _snapshot("per_rank", k, v) for k, v in (per_rank or {}).items()},
+                    state_checked=app_state is not None)
+    if step_info is not None:
+        snap.shared[_STEP_INFO] = step_info.to_dict()
+    if rng:
+        snap.per_rank[_RNG] = get_rng_state()
+    return snap
+
+
+def capture_together(*, group: Any = None, **what: Any) -> Captured:
+    """:func:`capture` on every rank of ``group``; if it refuses state on any rank,
+    every rank raises (no rank goes on to the save's collectives alone)."""
+    captured, refused = None, None
+    try:
+        captured = capture(**what)
+    except ConfigError as exc:
+        refused = exc
+    coord.agree(refused, group)
+    assert captured is not None
+    return captured
+
+
+def _rank_key(rank: int) -> str:
+    return f"state/rank-{rank:05d}.bin"
+
+
+def write(
+    uri: str | Store,
+    app_state: Mapping[str, Any],
+    captured: Captured,
+    *,
+    step: int | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    group: Any = None,
+    staged: StagedState | None = None,
+) -> Checkpoint | None:
+    """Write and commit one training checkpoint; call on every rank.
+
+    ``app_state`` (model and optimizer state dicts, DTensors welcome) goes to
+    the DCP part; ``staged``, when ``app_state`` is one, has its live tensors
+    written first (see :mod:`cloudckpt.dcp.budget`). Returns the committed
+    checkpoint on rank 0, None elsewhere. Raises on every rank if any rank
+    failed; then nothing is committed.
+    """
+    store = as_store(uri, storage_options)
+    world = coord.world_size(group)
+    writer = claim_prefix(store, group, step=step, kind=KIND, metadata={
+        **dict(metadata or {}), "world_size": world, "parts": [MODEL_PART, "state"],
+        "step_info": captured.shared.get(_STEP_INFO)})
+    try:
+        return _write_parts(store, writer, app_state, captured, step, group, staged)
+    except BaseException:
+        if writer is not None:
+            writer.abandon()  # the claim stays, marked: the leftovers remain provably ours
+        raise
+
+
+def _write_parts(store: Store, writer: CheckpointWriter | None, app_state: Mapping[str, Any],
+                 captured: Captured, step: int | None, group: Any,
+                 staged: StagedState | None) -> Checkpoint | None:
+    cdcp.save(dict(app_state), store.child(MODEL_PART), process_group=group, step=step,
+              staged=staged, checked=captured.state_checked)
+
+    def mine() -> tuple[str, int, str]:  # this rank's state: every rank writes its own
+        info = store.put(_rank_key(coord.rank(group)), dumps_state(captured.per_rank))
+        assert info.crc32c is not None
+        return info.key, info.size, info.crc32c
+
+    parts = coord.each_rank(mine, group)
+    return coord.on_coordinator(
+        lambda: _commit(writer, captured, parts) if writer is not None else None,
+        group, share=False)
+
+
+def _commit(writer: CheckpointWriter, captured: Captured,
+            parts: list[tuple[str, int, str]]) -> Checkpoint:
+    """Rank 0, once every rank's part is durable: the shared state, then the root
+    manifest listing every object of every part."""
+    writer.add_part(MODEL_PART)
+    for key, size, crc in parts:
+        writer.add_existing(key, size, crc)
+    writer.put(SHARED, dumps_state(captured.shared))
+    return writer.commit()
+
+
+def claim_prefix(store: Store, group: Any = None, **writer_options: Any
+                 ) -> CheckpointWriter | None:
+    """Make ``store`` ready for a multi-part save, agreed on every rank.
+
+    On rank 0: a :class:`CheckpointWriter` for the root manifest (``writer_options``
+    go to it) claims the prefix before any rank writes, so whatever a crash leaves
+    there is provably cloudckpt's; leftovers of an earlier save that never
+    committed are deleted (they are invisible to every reader, and in the way of
+    the parts' create-only commits). Returns that writer on rank 0, None elsewhere.
+
+    Raises the same error on every rank when the prefix cannot be used: a
+    checkpoint is committed there (:class:`CommitConflictError`), another live
+    save holds it, or it holds data that is not an unfinished save of cloudckpt's
+    (:class:`NotACheckpointError`: a root, or objects cloudckpt did not write).
+    """
+
+    def prepare() -> CheckpointWriter:
+        # The writer refuses a committed prefix, and its claim one that holds a root or
+        # objects cloudckpt did not write; what the claim listed are the leftovers.
+        writer = CheckpointWriter(store, **writer_options)
+        try:
+            found = writer.claim()
+            assert found is not None
+            leftovers = [o.key for o in found.objects if o.key != CLAIM_NAME]
+            if leftovers:
+                log.warning("replacing the uncommitted leftovers of an earlier save at %s "
+                            "(%d objects)", store.uri, len(leftovers))
+                store.delete(leftovers)
+        except BaseException:
+            writer.abandon()
+            raise
+        return writer
+
+    return coord.on_coordinator(prepare, group, share=False)
+
+
+@dataclass
+class Restored:
+    """What :func:`read` found besides the tensors it loaded in place."""
+
+    checkpoint: Checkpoint
+    step_info: StepInfo | None
+    shared: dict[str, Any]
+
+
+def read(
+    uri: str | Store | Checkpoint,
+    app_state: Mapping[str, Any],
+    *,
+    shared: Mapping[str, Any] | None = None,
+    per_rank: Mapping[str, Any] | None = None,
+    rng: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
+    group: Any = None,
+    planner: LoadPlanner | None = None,
+) -> Restored:
+    """Load a training checkpoint: ``app_state`` in place (DCP, any world size),
+    stateful ``shared``/``per_rank`` objects via ``load_state_dict``, and RNG.
+
+    Call on every rank of ``group``. Rank 0 alone reads the manifests, DCP's
+    ``.metadata`` and the shared state, and shares them; every rank reads its own
+    per-rank state and its shards. ``planner`` is DCP's load planner.
+    """
+
+    def opened() -> tuple[Checkpoint, dict[str, Any]]:
+        ckpt = uri if isinstance(uri, Checkpoint) else open_checkpoint(uri, storage_options)
+        if ckpt.manifest.kind != KIND:
+            raise CorruptCheckpointError(
+                f"{ckpt.uri} is a {ckpt.manifest.kind!r} checkpoint, not a training checkpoint")
+        return ckpt, loads_state(ckpt.read(SHARED), source=f"{ckpt.uri}/{SHARED}")
+
+    found = coord.on_coordinator(opened, group)
+    assert found is not None
+    ckpt, saved_shared = found
+    if app_state:
+        cdcp.load(app_state, ckpt.store.child(MODEL_PART), process_group=group, planner=planner)
+    _restore_into(shared or {}, saved_shared, ckpt.uri)
+    if per_rank or rng:
+        saved_world = int(ckpt.metadata.get("world_size", 1))
+        world, rank = coord.world_size(group), coord.rank(group)
+        if saved_world != world:
+            raise WorldSizeError(
+                f"{ckpt.uri} holds per-rank state (RNG, dataloader positions) of "
+                f"{plural(saved_world, 'rank')}; this job has {world}. Resume with "
+                f"{plural(saved_world, 'rank')}, or restore "
+                "without per-rank state (per_rank=None, rng=False): model, optimizer and "
+                "shared state reshard freely.")
+        key = _rank_key(rank)
+        saved = loads_state(ckpt.read(key), source=f"{ckpt.uri}/{key}")
+        _restore_into(per_rank or {}, saved, ckpt.uri)
+        if rng and _RNG in saved:
+            set_rng_state(saved[_RNG])
+    info = saved_shared.get(_STEP_INFO)
+    return Restored(ckpt, StepInfo.from_dict(info) if info else None,
+                    {k: v for k, v in saved_shared.items() if k != _STEP_INFO})
+
+
+def _restore_into(targets: Mapping[str, Any], saved: Mapping[str, Any], uri: str) -> None:
+    for name, target in targets.items():
+        if name not in saved:
+            raise ConfigError(f"{uri} has no saved state named {name!r}; it has "
+                              f"{sorted(k for k in saved if not k.startswith('__'))}")
+        if isinstance(target, Stateful):
+            target.load_state_dict(saved[name])

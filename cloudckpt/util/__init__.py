@@ -1,0 +1,1 @@
+"""Small helpers every layer may use: checksums, text, logging set-up."""
