@@ -231,14 +231,14 @@ def test_gcs_abort_removes_parts_and_compose_tree(gcs, monkeypatch):
     from cloudckpt.storage import gcs as gcs_mod
 
     store = open_store(gcs.root, {**gcs.options, "part_size": 256 * 1024})
-    real = gcs_mod.GCSStore._compose
+    real = gcs_mod.GCSBackend._compose
 
     def compose(self, path, sources):
         if not path.endswith(".cloudckpt-part"):
             raise ValueError("the final compose fails")
         return real(self, path, sources)
 
-    monkeypatch.setattr(gcs_mod.GCSStore, "_compose", compose)
+    monkeypatch.setattr(gcs_mod.GCSBackend, "_compose", compose)
     with pytest.raises(StorageError, match="final compose fails"):
         with store.open_write("big.bin") as w:
             w.write(os.urandom(40 * 256 * 1024))  # 40 parts: a tree of two intermediates
@@ -254,3 +254,79 @@ def test_gcs_part_limit_is_checked_before_sending(gcs, monkeypatch):
         with store.open_write("big.bin") as w:
             w.write(os.urandom(5 * 256 * 1024))
     assert store.fs.find(f"{store.root}/") == []
+
+
+# ------------------------------------------------------------ the backend contract
+
+
+def test_a_backend_of_another_distribution_is_found_by_its_entry_point():
+    """count:// is the test kit's: declared as an entry point (group cloudckpt.backends),
+    never registered by importing its module."""
+    from cloudckpt.storage import registry
+
+    assert "count" not in registry._BACKENDS
+    assert registry._declared()["count"] == "cloudckpt_testkit.counting:CountingBackend"
+    store = open_store("count://entry-point-test/run")
+    assert type(store.backend).__name__ == "CountingBackend"
+    assert store.uri == "count://entry-point-test/run"
+    store.put("a.bin", b"a")
+    assert store.get("a.bin") == b"a"
+
+
+class _Throttled(Exception):
+    """An SDK's own errors, which only its backend can classify."""
+
+
+class _Missing(Exception):
+    pass
+
+
+class _Refused(Exception):
+    pass
+
+
+def _flaky_backend():
+    from cloudckpt.storage.memory import MemoryBackend
+    from cloudckpt.storage.retry import Classified, Failure
+
+    class FlakyBackend(MemoryBackend):
+        protocols = ("flaky",)
+        throttles = 2
+
+        def put_checked(self, path, data, crc32c):
+            if self.throttles:
+                self.throttles -= 1
+                raise _Throttled("slow down")
+            if path.endswith("denied"):
+                raise _Refused("no")
+            return super().put_checked(path, data, crc32c)
+
+        def get(self, path, start=None, end=None):
+            if path.endswith("gone"):
+                raise _Missing(path)
+            return super().get(path, start, end)
+
+        def classify(self, exc):
+            kinds = {_Throttled: Failure.TRANSIENT, _Missing: Failure.NOT_FOUND,
+                     _Refused: Failure.DENIED}
+            kind = kinds.get(type(exc))
+            return None if kind is None else Classified(kind)
+
+    return FlakyBackend
+
+
+def test_the_backend_classifies_its_own_failures():
+    """The retry policy asks the backend what its exceptions are: a backend's
+    TRANSIENT is retried, NOT_FOUND is a FileNotFoundError, DENIED an access error."""
+    from cloudckpt import AccessDeniedError, RetryPolicy
+    from cloudckpt.storage import Store
+
+    fast = RetryPolicy(max_attempts=5, initial_backoff=0.0, max_backoff=0.0)
+    store = Store("flaky-test/run", _flaky_backend(), retry=fast)
+    assert store.uri == "flaky://flaky-test/run"
+    store.put("a.bin", b"a")  # two throttled attempts, then through
+    assert store.backend.throttles == 0 and store.get("a.bin") == b"a"
+    with pytest.raises(FileNotFoundError):
+        store.get("gone")
+    with pytest.raises(AccessDeniedError, match="access was denied"):
+        store.put("denied", b"x")

@@ -15,8 +15,9 @@ from cloudckpt import CheckpointWriter, open_checkpoint, open_store
 from cloudckpt.core.manifest import MANIFEST_NAME
 from cloudckpt.errors import CommitConflictError, CorruptCheckpointError
 from cloudckpt.movement.transfer import _copy_objects, commit_as, copy_checkpoint
-from cloudckpt.storage import ObjectInfo, Store
-from cloudckpt.storage.s3 import S3Store, _whole_crc32c
+from cloudckpt.storage import ObjectInfo
+from cloudckpt.storage.backend import Backend, Host
+from cloudckpt.storage.s3 import S3Backend, _whole_crc32c
 from cloudckpt.util.crc import Crc32c, crc32c_combine, crc32c_hex
 
 PART = 256 * 1024  # the test moto server accepts parts this small (conftest)
@@ -46,14 +47,14 @@ def write(uri: str, options: dict[str, Any], objs: dict[str, bytes]) -> Any:
     return open_checkpoint(uri, options)
 
 
-def record_reads(monkeypatch: pytest.MonkeyPatch, cls: type[Store]) -> list[str]:
-    """Every path whose bytes a store of ``cls`` reads from now on (whole, ranged,
+def record_reads(monkeypatch: pytest.MonkeyPatch, cls: type[Backend]) -> list[str]:
+    """Every path whose bytes a backend of ``cls`` reads from now on (whole, ranged,
     streamed or versioned)."""
     reads: list[str] = []
-    for name in ("_get", "_iter_range", "_get_versioned"):
+    for name in ("get", "iter_range", "get_versioned"):
         original = getattr(cls, name)
 
-        def wrapper(self: Store, path: str, *args: Any, _original: Any = original) -> Any:
+        def wrapper(self: Backend, path: str, *args: Any, _original: Any = original) -> Any:
             reads.append(path)
             return _original(self, path, *args)
 
@@ -127,15 +128,15 @@ def test_copy_within_one_store_runs_on_the_server(name, request, monkeypatch) ->
     dst = open_store(backend.uri("dst"), opts)
     calls: list[str] = []
     if name == "s3-part-copies":
-        dst.copy_part_threshold = PART  # type: ignore[attr-defined]
-        original = S3Store._s3
+        dst.backend.copy_part_threshold = PART  # type: ignore[attr-defined]
+        original = S3Backend._s3
 
-        def count(self: S3Store, method: str, path: str, **kw: Any) -> Any:
+        def count(self: S3Backend, method: str, path: str, **kw: Any) -> Any:
             calls.append(method)
             return original(self, method, path, **kw)
 
-        monkeypatch.setattr(S3Store, "_s3", count)
-    reads = record_reads(monkeypatch, type(src.store))
+        monkeypatch.setattr(S3Backend, "_s3", count)
+    reads = record_reads(monkeypatch, type(src.store.backend))
     done: list[int] = []
     out = copy_checkpoint(src, dst, progress=done.append)
     assert data_reads(reads, objs) == []  # no object's bytes passed through this process
@@ -155,14 +156,15 @@ def test_a_copy_the_server_cannot_vouch_for_is_read_back(s3, monkeypatch, caplog
     opts = with_parts(s3)
     objs = payloads()
     src = write(s3.uri("src"), opts, objs)
-    original = S3Store._copy
+    original = S3Backend.copy
 
-    def unvouched(self: S3Store, src_path: str, path: str, size: int) -> ObjectInfo:
-        info = original(self, src_path, path, size)
+    def unvouched(self: S3Backend, src_path: str, path: str, size: int,
+                  host: Host) -> ObjectInfo:
+        info = original(self, src_path, path, size, host)
         return ObjectInfo(info.key, info.size, reported, info.version)
 
-    monkeypatch.setattr(S3Store, "_copy", unvouched)
-    reads = record_reads(monkeypatch, S3Store)
+    monkeypatch.setattr(S3Backend, "copy", unvouched)
+    reads = record_reads(monkeypatch, S3Backend)
     with caplog.at_level(logging.DEBUG, logger="cloudckpt"):
         out = copy_checkpoint(src, s3.uri("dst"), dst_options=opts)
     copied = data_reads(reads, objs)
@@ -224,7 +226,7 @@ def test_a_source_corrupted_after_commit_is_refused(route, victim, request) -> N
     dst = open_store(dst_uri, with_parts(dst_backend))
     if route == "s3-server-part-copies":
         request.getfixturevalue("small_s3_parts")
-        dst.copy_part_threshold = PART  # type: ignore[attr-defined]
+        dst.backend.copy_part_threshold = PART  # type: ignore[attr-defined]
     with pytest.raises(CorruptCheckpointError, match=victim) as exc:
         copy_checkpoint(src, dst)
     assert victim in exc.value.problems
@@ -253,7 +255,7 @@ def test_a_source_object_deleted_after_commit_is_refused(route, s3, local) -> No
 def test_download_writes_ranges_in_place(s3, local, monkeypatch) -> None:
     objs = payloads()
     src = write(s3.uri("src"), with_parts(s3), objs)
-    reads = record_reads(monkeypatch, S3Store)
+    reads = record_reads(monkeypatch, S3Backend)
     dest = local.uri("dl")
     done: list[int] = []
     out = copy_checkpoint(src, dest, progress=done.append)  # default options: fsync on
@@ -303,7 +305,7 @@ def test_stores_on_one_endpoint_with_other_options_stream(s3, monkeypatch) -> No
     other = open_store(s3.uri("y"), {**s3.options, "config_kwargs": {"connect_timeout": 5}})
     assert same.can_copy_from(src.store)
     assert not other.can_copy_from(src.store)
-    reads = record_reads(monkeypatch, S3Store)
+    reads = record_reads(monkeypatch, S3Backend)
     assert_same(copy_checkpoint(src, other), src, objs)
     assert data_reads(reads, objs)  # streamed through this process
 
@@ -334,22 +336,22 @@ def test_a_ranged_read_resumes_where_it_broke(local, monkeypatch, caplog) -> Non
     """A reset after progress resumes at the first byte not delivered, with a fresh
     retry budget: even a policy of one attempt gets through a long range."""
     from cloudckpt.storage import RetryPolicy
-    from cloudckpt.storage.file import FileStore
+    from cloudckpt.storage.file import FileBackend
 
     data = os.urandom(1_000_000)
     store = open_store(local.root, local.options)
     store.put("big.bin", data)
-    original = FileStore._iter_range
+    original = FileBackend.iter_range
     breaks = [3, 2]  # pieces delivered before each of two resets
 
-    def flaky(self: FileStore, path: str, start: int, end: int, chunk: int) -> Any:
+    def flaky(self: FileBackend, path: str, start: int, end: int, chunk: int) -> Any:
         for i, piece in enumerate(original(self, path, start, end, chunk)):
             if breaks and i == breaks[0]:
                 breaks.pop(0)
                 raise ConnectionResetError("connection reset by peer")
             yield piece
 
-    monkeypatch.setattr(FileStore, "_iter_range", flaky)
+    monkeypatch.setattr(FileBackend, "iter_range", flaky)
     got = bytearray(len(data))
 
     def sink(offset: int, piece: bytes) -> None:

@@ -30,7 +30,7 @@ from cloudckpt.errors import (
     StorageError,
 )
 from cloudckpt.storage import ObjectInfo, ObjectWriter, Store, as_store
-from cloudckpt.storage.base import CloseOnExit
+from cloudckpt.storage.writers import CloseOnExit
 from cloudckpt.util.crc import Buffer, crc32c_hex
 
 log = logging.getLogger("cloudckpt")

@@ -34,7 +34,7 @@ from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter
 from cloudckpt.core.manifest import FileEntry
 from cloudckpt.errors import CorruptCheckpointError
 from cloudckpt.storage import ObjectInfo, RetryPolicy, Store
-from cloudckpt.storage.base import RangeWriter
+from cloudckpt.storage.writers import RangeWriter
 from cloudckpt.util.crc import Crc32c
 
 log = logging.getLogger("cloudckpt")

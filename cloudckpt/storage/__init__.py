@@ -1,26 +1,30 @@
-"""Storage layer: one :class:`Store` interface, one module per backend."""
+"""Storage layer: one :class:`Store`, holding one of the backends (one module each;
+the contract is :class:`~cloudckpt.storage.backend.Backend`)."""
 
-from cloudckpt.storage.base import (
-    DEFAULT_CONCURRENCY,
-    DEFAULT_PART_SIZE,
-    ObjectInfo,
-    ObjectWriter,
-    Store,
-)
+from cloudckpt.storage.backend import Backend
+from cloudckpt.storage.base import Store
+from cloudckpt.storage.objects import ObjectInfo
+from cloudckpt.storage.options import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE
+from cloudckpt.storage.primitives import FsspecBackend
 from cloudckpt.storage.registry import (
     as_store,
     open_store,
     parse_options,
     register_backend,
+    schemes_like,
     split_uri,
 )
-from cloudckpt.storage.retry import RetryPolicy, is_transient
+from cloudckpt.storage.retry import ONE_TRY, RetryPolicy, is_transient
+from cloudckpt.storage.writers import ObjectWriter
 
 __all__ = [
     "DEFAULT_CONCURRENCY",
     "DEFAULT_PART_SIZE",
+    "Backend",
+    "FsspecBackend",
     "ObjectInfo",
     "ObjectWriter",
+    "ONE_TRY",
     "RetryPolicy",
     "Store",
     "as_store",
@@ -28,5 +32,6 @@ __all__ = [
     "open_store",
     "parse_options",
     "register_backend",
+    "schemes_like",
     "split_uri",
 ]

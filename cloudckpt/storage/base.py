@@ -1,16 +1,19 @@
-"""The Store: one object over an fsspec filesystem and a root prefix.
+"""The Store: one object over a backend and a root prefix.
 
-A Store speaks in *keys*, paths relative to its root (``"step-10/a.bin"``).
-Backends implement a handful of primitives (``_put``, ``_get``, the two
-conditional writes, a streamed writer; see :mod:`.primitives`); everything a
-caller uses -- retries, checksums, conditional writes, key validation -- lives
-here once, with parallel batches in :mod:`.batch` and streamed ranged reads in
-:mod:`.ranges`.
+A Store speaks in *keys*, paths relative to its root (``"step-10/a.bin"``). It
+holds a backend (:mod:`.backend`: the primitives ``put``, ``get``, the two
+conditional writes, a streamed writer, ... of one service, on full paths) and
+does everything a caller uses once for all of them -- retries, checksums,
+conditional writes, key validation -- with parallel batches in :mod:`.batch` and
+streamed ranged reads in :mod:`.ranges`.
 
-Every backend is constructed the same way::
+Every store is constructed the same way::
 
-    Backend(root, *, protocol=None, storage_options=None, retry=None,
-            max_concurrency=DEFAULT_CONCURRENCY, part_size=DEFAULT_PART_SIZE)
+    Store(root, backend=FileBackend, *, protocol=None, storage_options=None,
+          retry=None, max_concurrency=DEFAULT_CONCURRENCY, part_size=DEFAULT_PART_SIZE)
+
+(``FileStore(root, ...)``, ``S3Store``, ... name their backend themselves), or
+from a URI by :func:`~cloudckpt.storage.open_store`.
 """
 
 from __future__ import annotations
@@ -18,78 +21,63 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from cloudckpt.errors import (
     AccessDeniedError,
     BucketNotFoundError,
-    CommitConflictError,
     ConfigError,
 )
 from cloudckpt.storage import conditional
+from cloudckpt.storage.backend import Backend
 from cloudckpt.storage.batch import BatchMixin
-from cloudckpt.storage.keys import join_key, validate_key
+from cloudckpt.storage.keys import validate_key
 from cloudckpt.storage.objects import ObjectInfo, T, chunks, mtime_of, nbytes
 from cloudckpt.storage.options import (
     DEFAULT_CONCURRENCY,
     DEFAULT_PART_SIZE,
     DEFAULT_UPLOAD_WINDOW,
-    init_options,
     refuse_own_options,
 )
-from cloudckpt.storage.primitives import StorePrimitives
-from cloudckpt.storage.ranges import RangeReadMixin, read_upto
+from cloudckpt.storage.preconditions import ConditionalWritesMixin
+from cloudckpt.storage.ranges import RangeReadMixin
 from cloudckpt.storage.retry import RetryPolicy, status_of
 from cloudckpt.storage.window import shared_window
 from cloudckpt.storage.writers import (
-    BufferedRawWriter,
-    CloseOnExit,
     ObjectWriter,
     RangeWriter,
-    RawWriter,
 )
 from cloudckpt.util.crc import Buffer, crc32c_hex
 
-# Names importable from here as before the split into modules.
-__all__ = [
-    "DEFAULT_CONCURRENCY",
-    "DEFAULT_PART_SIZE",
-    "BufferedRawWriter",
-    "CloseOnExit",
-    "ObjectInfo",
-    "ObjectWriter",
-    "RangeWriter",
-    "RawWriter",
-    "Store",
-    "init_options",
-    "join_key",
-    "read_upto",
-    "validate_key",
-]
+__all__ = ["Store"]
 
 log = logging.getLogger("cloudckpt.storage")
 
 
-class Store(BatchMixin, RangeReadMixin, StorePrimitives):
-    """Objects under one root prefix of one filesystem.
+class Store(ConditionalWritesMixin, BatchMixin, RangeReadMixin):
+    """Objects under one root prefix, through one backend.
 
-    Subclasses set :attr:`protocols` and implement the primitives; see the
-    backend modules in this package. Instances are cheap and thread-safe;
-    :meth:`child` makes a store rooted at a sub-prefix sharing the same pool.
+    Instances are cheap and thread-safe; :meth:`child` makes a store rooted at a
+    sub-prefix sharing the same backend and pool.
 
-    Every backend takes the arguments of this constructor, and no others:
-    ``root``, the bucket and prefix (or local path) without the scheme;
-    ``protocol``, the URL scheme it is opened under (one of :attr:`protocols`;
-    required only where a backend serves any scheme); ``storage_options``, for
-    the filesystem and for the backend itself (``fsync`` on local disk), checked
-    by the backend; and cloudckpt's own ``retry``, ``max_concurrency``,
-    ``part_size`` and ``upload_window`` (the bytes streamed writes may hold at
-    once, shared by every store of the process with the same value).
+    ``root`` is the bucket and prefix (or local path) without the scheme;
+    ``backend`` the backend class (see :mod:`.backend`; ``FileStore`` and the
+    other named stores set :attr:`backend_class` instead); ``protocol`` the URL
+    scheme the store is opened under (one of the backend's ``protocols``;
+    required only where a backend serves any scheme); ``storage_options`` the
+    filesystem's and the backend's own (``fsync`` on local disk), checked by the
+    backend; and cloudckpt's own ``retry``, ``max_concurrency``, ``part_size``
+    and ``upload_window`` (the bytes streamed writes may hold at once, shared by
+    every store of the process with the same value).
     """
+
+    #: The backend class of a store that names its own (``FileStore``: FileBackend).
+    backend_class: ClassVar[type[Backend] | None] = None
 
     def __init__(
         self,
         root: str,
+        backend: type[Backend] | None = None,
         *,
         protocol: str | None = None,
         storage_options: Mapping[str, Any] | None = None,
@@ -101,8 +89,10 @@ class Store(BatchMixin, RangeReadMixin, StorePrimitives):
     ) -> None:
         if max_concurrency < 1:
             raise ConfigError("max_concurrency must be >= 1")
-        self.protocol = self._protocol_of(protocol)
-        self.root = self._root_of(root).rstrip("/")
+        backend = backend or self.backend_class
+        if backend is None:
+            raise ConfigError("Store needs a backend class (Store(root, FileBackend, ...)); "
+                              "open_store(uri) finds the one for a URI")
         self.retry = retry or RetryPolicy()
         self.max_concurrency = max_concurrency
         self.part_size = part_size
@@ -110,25 +100,46 @@ class Store(BatchMixin, RangeReadMixin, StorePrimitives):
         self.conditional_writes = conditional.check_mode(conditional_writes)
         options = dict(storage_options or {})
         refuse_own_options(type(self).__name__, options)
-        self.storage_options = self._read_options(protocol or self.protocol, options)
-        self.fs = self._filesystem(self.storage_options)
+        self.backend: Backend = backend(root, protocol=protocol, storage_options=options,
+                                        max_concurrency=max_concurrency)
+        self.root = self.backend.root
         self._reset_pool()  # one pool per root store, shared by its children (see child())
-        self._ready()
 
     # ------------------------------------------------------------------ naming
 
     @property
+    def protocol(self) -> str:
+        return self.backend.protocol
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """The filesystem's options, as the backend checked them."""
+        return self.backend.storage_options
+
+    @property
+    def fs(self) -> Any:
+        """The backend's fsspec filesystem (fsspec-based backends: all built-in ones)."""
+        return self.backend.fs  # type: ignore[attr-defined]
+
+    @property
+    def native_conditional_writes(self) -> bool:
+        return self.backend.native_conditional_writes
+
+    @property
+    def ranged_writes(self) -> bool:
+        """Whether :meth:`open_write_at` works: ranges in any order, in parallel."""
+        return self.backend.ranged_writes
+
+    @property
     def uri(self) -> str:
         """The URI of the store's root, as a user would write it."""
-        if self.protocol in ("file", ""):
-            return self.root
-        return f"{self.protocol}://{self.root}"
+        return self.backend.uri_of(self.root)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.uri!r})"
 
     def path(self, key: str) -> str:
-        """The filesystem path of ``key`` (for fsspec calls)."""
+        """The filesystem path of ``key`` (for the backend's primitives)."""
         return f"{self.root}/{validate_key(key)}"
 
     def key_uri(self, key: str) -> str:
@@ -136,14 +147,14 @@ class Store(BatchMixin, RangeReadMixin, StorePrimitives):
         return f"{self.uri}/{key}" if key else self.uri
 
     def with_retry(self, retry: RetryPolicy) -> Store:
-        """This store with another retry policy (sharing filesystem and pool)."""
+        """This store with another retry policy (sharing backend and pool)."""
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
         new.retry = retry
         return new
 
     def child(self, prefix: str) -> Store:
-        """A store rooted at ``prefix`` below this one, sharing filesystem and pool."""
+        """A store rooted at ``prefix`` below this one, sharing backend and pool."""
         prefix = prefix.strip("/")
         if not prefix:
             return self
@@ -156,7 +167,7 @@ class Store(BatchMixin, RangeReadMixin, StorePrimitives):
     # ----------------------------------------------------------- public API
 
     def _call(self, fn: Callable[[], T], op: str, key: str) -> T:
-        return self.retry.call(fn, op=op, key=self.key_uri(key))
+        return self.retry.call(fn, op=op, key=self.key_uri(key), errors=self.backend)
 
     def _write(self, fn: Callable[[], T], op: str, key: str) -> T:
         # On a write, "not found" can only mean the bucket (or container) is missing.
@@ -175,7 +186,7 @@ class Store(BatchMixin, RangeReadMixin, StorePrimitives):
         callers ask this once a read found nothing, so a typo in a bucket name is not
         reported as "no checkpoints"."""
         try:
-            exists = self._call(self._bucket_exists, "head bucket", "")
+            exists = self._call(lambda: self.backend.bucket_exists(self.root), "head bucket", "")
         except AccessDeniedError:
             # Asking about the bucket takes a permission (s3:ListBucket unscoped, GCS
             # storage.buckets.get) that prefix-scoped roles lack: then it is unknown.
@@ -190,13 +201,13 @@ class Store(BatchMixin, RangeReadMixin, StorePrimitives):
         """Write a whole object (overwriting) and return its size and CRC32C."""
         path = self.path(key)
         crc = crc32c_hex(data)
-        version = self._write(lambda: self._put_checked(path, data, crc), "put", key)
+        version = self._write(lambda: self.backend.put_checked(path, data, crc), "put", key)
         return ObjectInfo(key, nbytes(data), crc, version)
 
     def get(self, key: str) -> bytes:
         """Read a whole object. ``FileNotFoundError`` if missing."""
         path = self.path(key)
-        return self._call(lambda: self._get(path), "get", key)
+        return self._call(lambda: self.backend.get(path), "get", key)
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         """Read bytes ``[start, end)`` of an object."""
@@ -208,9 +219,9 @@ class Store(BatchMixin, RangeReadMixin, StorePrimitives):
 
         def fetch() -> bytes:
             try:
-                return self._get(path, start, end)
+                return self.backend.get(path, start, end)
             except Exception as exc:
-                if status_of(exc) == 416:  # the object is shorter than the range
+                if status_of(exc, self.backend) == 416:  # the object is shorter than the range
                     raise EOFError(f"{self.key_uri(key)} ends before byte {end}") from exc
                 raise
 
@@ -231,9 +242,9 @@ class Store(BatchMixin, RangeReadMixin, StorePrimitives):
 
         def fetch() -> bytes:
             try:
-                return bytes(self._get(path, start, end))
+                return bytes(self.backend.get(path, start, end))
             except Exception as exc:
-                if status_of(exc) == 416:  # the object ends before ``start``
+                if status_of(exc, self.backend) == 416:  # the object ends before ``start``
                     return b""
                 raise
 
@@ -242,10 +253,10 @@ class Store(BatchMixin, RangeReadMixin, StorePrimitives):
     def info(self, key: str) -> ObjectInfo | None:
         """Size and version of ``key``, or None if it does not exist."""
         path = self.path(key)
-        raw = self._call(lambda: self._head(path), "head", key)
+        raw = self._call(lambda: self.backend.head(path), "head", key)
         if raw is None:
             return None
-        return ObjectInfo(key, int(raw.get("size") or 0), None, self._version_of(raw))
+        return ObjectInfo(key, int(raw.get("size") or 0), None, self.backend.version_of(raw))
 
     def exists(self, key: str) -> bool:
         return self.info(key) is not None
@@ -260,22 +271,23 @@ class Store(BatchMixin, RangeReadMixin, StorePrimitives):
         """Every object below ``prefix`` (recursively), sorted by key; with
         ``internal`` also the backend's hidden files (temporaries, parts)."""
         base = self.path(prefix.strip("/")) if prefix.strip("/") else self.root
-        found = self._call(lambda: self._find(base), "list", prefix)
+        found = self._call(lambda: self.backend.find(base), "list", prefix)
         out = []
         for name, raw in found.items():
-            if raw.get("type", "file") != "file" or (self._hidden(name) and not internal):
+            if raw.get("type", "file") != "file" or (self.backend.is_hidden(name)
+                                                      and not internal):
                 continue
             key = self._key_of(name)
             if key is None:
                 continue
-            out.append(ObjectInfo(key, int(raw.get("size") or 0), None, self._version_of(raw),
-                                  mtime_of(raw)))
+            out.append(ObjectInfo(key, int(raw.get("size") or 0), None,
+                                  self.backend.version_of(raw), mtime_of(raw)))
         return sorted(out, key=lambda o: o.key)
 
     def list_prefixes(self, prefix: str = "") -> list[str]:
         """The immediate sub-prefixes ("directories") below ``prefix``, as keys."""
         base = self.path(prefix.strip("/")) if prefix.strip("/") else self.root
-        names = self._call(lambda: self._ls_dirs(base), "list", prefix)
+        names = self._call(lambda: self.backend.ls_dirs(base), "list", prefix)
         keys = [self._key_of(n.rstrip("/")) for n in names]
         return sorted(k for k in keys if k)
 
@@ -284,7 +296,8 @@ class Store(BatchMixin, RangeReadMixin, StorePrimitives):
         keys = list(keys)
         for chunk in chunks(keys, 1000):
             paths = [self.path(k) for k in chunk]
-            self._call(lambda paths=paths: self._delete(paths), "delete", chunk[0])
+            self._call(lambda paths=paths: self.backend.delete(paths, self.root), "delete",
+                       chunk[0])
 
     def delete_prefix(self, prefix: str) -> int:
         """Delete every object below ``prefix``, hidden leftovers of crashed writers
@@ -293,93 +306,16 @@ class Store(BatchMixin, RangeReadMixin, StorePrimitives):
         self.delete(o.key for o in objs)
         return len(objs)
 
-    def put_if_absent(self, key: str, data: Buffer) -> ObjectInfo:
-        """Create ``key`` only if it does not exist (S3 ``If-None-Match: *``,
-        GCS ``ifGenerationMatch=0``, local ``link``). Raises CommitConflictError."""
-        path = self.path(key)
-        enforced = self._enforced(swap=False)  # probed outside the write's retries
-
-        def put() -> str:
-            if enforced:
-                return self._put_if_absent(path, data)
-            return conditional.emulated_write(self, path, data, lambda v: v is None)
-
-        return self._conditional(key, data, put, "create-only put", "it exists already")
-
-    def put_if_match(self, key: str, data: Buffer, version: str) -> ObjectInfo:
-        """Replace ``key`` only if its version token is still ``version`` (compare-and-swap)."""
-        if not version:
-            raise ConfigError("put_if_match needs the version token returned by a read or write")
-        path = self.path(key)
-        enforced = self._enforced(swap=True)
-
-        def put() -> str:
-            if enforced:
-                return self._put_if_match(path, data, version)
-            return conditional.emulated_write(self, path, data, lambda v: v == version)
-
-        return self._conditional(key, data, put, "compare-and-swap put",
-                                 f"its version is no longer {version}")
-
-    def _enforced(self, *, swap: bool) -> bool:
-        """Whether the server enforces create-only writes (``swap``: compare-and-swap)
-        here; backends that emulate them in ``_put_if_absent`` themselves say so with
-        ``native_conditional_writes = False``."""
-        return not self.native_conditional_writes or conditional.supports(self, swap=swap)
-
     def bucket_uri(self) -> str:
         """The URI of the store's bucket (its root's first component), for messages."""
         if self.protocol in ("file", ""):
             return self.root
         return f"{self.protocol}://{self.root.split('/', 1)[0]}"
 
-    def _probe_key(self) -> tuple[str, ...]:
-        """What one probe result is cached under: the backend, its options, the bucket."""
-        return (type(self).__name__, repr(sorted(self.storage_options.items())),
-                self.root.split("/", 1)[0])
-
-    def _conditional(self, key: str, data: Buffer, fn: Callable[[], str], what: str,
-                     why: str) -> ObjectInfo:
-        crc = crc32c_hex(data)
-        try:
-            version = self._write(fn, what, key)
-        except FileExistsError as exc:
-            # A re-sent request may lose to its own earlier attempt that the server
-            # applied before the response was lost: same bytes, ours. Re-sends happen
-            # below our retries too (aiohttp re-sends a PUT once by itself), so the
-            # check does not depend on how many attempts we made. cloudckpt's own
-            # conditional writes (manifests, claims, slot pointers) carry unique ids,
-            # so equal bytes never come from another writer.
-            try:
-                # Compare sizes first: what won may be large, and only ours matters.
-                head = self.info(key)
-                if head is None or head.size != nbytes(data):
-                    current = None
-                else:
-                    current, current_version = self.get_with_version(key)
-            except FileNotFoundError:
-                current = None
-            if current is not None and crc32c_hex(current) == crc and len(current) == nbytes(
-                data
-            ):
-                log.info("%s of %s: the object holds our bytes already (a re-sent request "
-                         "lost to its own first attempt)", what, self.key_uri(key))
-                return ObjectInfo(key, nbytes(data), crc, current_version)
-            raise CommitConflictError(
-                f"{what} of {self.key_uri(key)} lost: {why}. Another writer got there first; "
-                "re-read the current state before trying again."
-            ) from exc
-        return ObjectInfo(key, nbytes(data), crc, version)
-
-    def get_with_version(self, key: str) -> tuple[bytes, str]:
-        """Read a whole object and the version token to pass to :meth:`put_if_match`."""
-        path = self.path(key)
-        return self._call(lambda: self._get_versioned(path), "get", key)
-
     def open_write(self, key: str) -> ObjectWriter:
         """Stream a large object. The object appears only when the writer closes
         without error; on error it is discarded. Use as a context manager."""
-        return ObjectWriter(self, key)
+        return ObjectWriter(self.backend.open_writer(self.path(key), self), key)
 
     def put_file(self, key: str, path: str | os.PathLike[str]) -> ObjectInfo:
         """Write a local file as an object: in one request when it fits in a part,
@@ -400,12 +336,12 @@ class Store(BatchMixin, RangeReadMixin, StorePrimitives):
         discards it."""
         if size < 0:
             raise ConfigError(f"invalid size {size} for {key}")
-        return self._open_range_writer(self.path(key), size)
+        return self.backend.open_range_writer(self.path(key), size)
 
     def can_copy_from(self, src: Store) -> bool:
         """Whether :meth:`copy_from` can copy objects of ``src`` into this store on
         the server, without their bytes passing through this process."""
-        return False
+        return self.backend.can_copy_from(src.backend)
 
     def copy_from(self, src: Store, src_key: str, key: str, size: int) -> ObjectInfo:
         """Copy ``src_key`` of ``src`` (``size`` bytes, as the caller expects it) to
@@ -418,16 +354,13 @@ class Store(BatchMixin, RangeReadMixin, StorePrimitives):
         """
         if not self.can_copy_from(src):
             raise ConfigError(f"{self.uri} cannot copy from {src.uri} on the server")
-        info = self._copy(src.path(src_key), self.path(key), size)
+        info = self.backend.copy(src.path(src_key), self.path(key), size, self)
         return ObjectInfo(key, info.size, info.crc32c, info.version)
 
     # --------------------------------------------------------------- helpers
 
     def _key_of(self, name: str) -> str | None:
-        name = self._strip_protocol(name)
+        name = self.backend.strip_protocol(name)
         if name == self.root or not name.startswith(self.root + "/"):
             return None
         return name[len(self.root) + 1 :]
-
-    def _strip_protocol(self, name: str) -> str:
-        return name.split("://", 1)[1] if "://" in name else name

@@ -4,10 +4,11 @@ Every guarantee against racing writers rests on the server refusing a create-onl
 write of an existing key (S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``) and
 a compare-and-swap against a stale version. Many S3-compatible stores ignore the
 headers (answering 200 and overwriting) or refuse them (501, 400). Before the first
-conditional write to a bucket, :func:`supports` asks the backend to try both on a
-probe object (a few requests, once per bucket and process). A store that fails is
-used in the emulated mode (check, write, then read back after a settling delay),
-with one ERROR per bucket, or refused (``conditional_writes="require"``).
+conditional write to a bucket, :func:`supports` has the store try both on a probe
+object with its backend's primitives (:func:`probe`: a few requests, once per
+bucket and process). A store that fails is used in the emulated mode (check,
+write, then read back after a settling delay), with one ERROR per bucket, or
+refused (``conditional_writes="require"``).
 """
 
 from __future__ import annotations
@@ -17,15 +18,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from cloudckpt.errors import CommitConflictError, ConfigError
 from cloudckpt.names import TMP_PREFIX
+from cloudckpt.storage.backend import Backend
 from cloudckpt.storage.retry import status_of
 from cloudckpt.util.crc import Buffer
-
-if TYPE_CHECKING:
-    from cloudckpt.storage.base import Store
 
 log = logging.getLogger("cloudckpt.storage")
 
@@ -54,32 +52,34 @@ def check_mode(value: object) -> str:
     return str(value)
 
 
-def supports(store: Store, *, swap: bool) -> bool:
-    """Whether ``store``'s server enforces create-only writes (or, with ``swap``,
-    compare-and-swap): probed on first use per bucket and process (``probe``,
-    ``require``), or trusted (``assume``). ``require`` on a store that does not
-    enforce both: :class:`ConfigError` naming the bucket."""
-    if store.conditional_writes == "assume":
+def supports(mode: str, key: tuple[str, ...], where: str, run_probe: Callable[[], str], *,
+             swap: bool) -> bool:
+    """Whether the server enforces create-only writes (or, with ``swap``,
+    compare-and-swap) for a store in ``mode`` (its ``conditional_writes``): probed by
+    ``run_probe`` (the store's :func:`probe`, under its retries) on first use per
+    ``key`` (the backend's ``cache_key``: backend, options, bucket) and process
+    (``probe``, ``require``), or trusted (``assume``). ``require`` on a store that
+    does not enforce both: :class:`ConfigError` naming ``where`` (the bucket)."""
+    if mode == "assume":
         return True
-    key = store._probe_key()
     with _lock:
         result = _results.get(key)
     if result is None:
-        result = store._write(store._probe_conditionals, "probe conditional writes", "")
+        result = run_probe()
         with _lock:
             first = key not in _results
             _results[key] = result
-        if first and result != NATIVE and store.conditional_writes != "require":
+        if first and result != NATIVE and mode != "require":
             log.error(
                 "%s %s; cloudckpt emulates %s there (check, write, read back after %.1fs): "
                 "safe for one writer per checkpoint, not proof against writers racing on one "
                 "key. Use a store that honours them, or set conditional_writes='require' to "
-                "refuse this one.", store.bucket_uri(), _what(result),
+                "refuse this one.", where, _what(result),
                 "compare-and-swap" if result == CREATE_ONLY else "conditional writes",
                 EMULATION_SETTLE_S)
-    if result != NATIVE and store.conditional_writes == "require":
+    if result != NATIVE and mode == "require":
         raise ConfigError(
-            f"{store.bucket_uri()} {_what(result)}, and conditional_writes='require' refuses "
+            f"{where} {_what(result)}, and conditional_writes='require' refuses "
             "such a store: nothing was written. Use a store that honours them, or "
             "conditional_writes='probe' to use it in the emulated mode.")
     return result == NATIVE or (result == CREATE_ONLY and not swap)
@@ -92,13 +92,21 @@ def _what(result: str) -> str:
     return f"{verb} conditional writes (If-None-Match/If-Match)"
 
 
-def probe(store: Store, stale_version: str) -> str:
-    """The probe every conditional backend runs (at most four requests): create a
-    probe object create-only, try again create-only (must be refused), try a
-    compare-and-swap against ``stale_version`` (must be refused), delete it. A
-    refusal with HTTP 501 or 400 (the header not implemented) means :data:`REFUSED`."""
-    key = f"{TMP_PREFIX}probe-{uuid.uuid4().hex[:16]}"
-    path = store.path(key)
+def probe_key() -> str:
+    """A fresh key for a probe object (hidden: a leftover is bookkeeping gc removes)."""
+    return f"{TMP_PREFIX}probe-{uuid.uuid4().hex[:16]}"
+
+
+def probe(backend: Backend, path: str, cleanup: Callable[[], None], where: str) -> str:
+    """One probe attempt (at most four requests) with ``backend``'s primitives: create
+    the probe object ``path`` create-only, try again create-only (must be refused),
+    try a compare-and-swap against the backend's ``probe_stale_version`` (must be
+    refused), then ``cleanup()`` (the store deletes it, under its retries). A refusal
+    with HTTP 501 or 400 (the header not implemented) means :data:`REFUSED`;
+    ``where`` (the bucket) names the store in logs."""
+    stale_version = backend.probe_stale_version
+    if stale_version is None:
+        return NATIVE  # local disk, memory: the writes cannot fail to be enforced
 
     def enforced(write: Callable[[], object]) -> bool | None:
         """True: refused as it must be; False: let through; None: header refused."""
@@ -107,27 +115,22 @@ def probe(store: Store, stale_version: str) -> str:
         except FileExistsError:
             return True
         except Exception as exc:  # botocore's, gcsfs's HttpError (not an OSError)
-            if status_of(exc) in (400, 501):
-                log.debug("conditional write refused on %s: %s", store.bucket_uri(), exc)
+            if status_of(exc, backend) in (400, 501):
+                log.debug("conditional write refused on %s: %s", where, exc)
                 return None
             raise
         return False
 
     try:
-        if enforced(lambda: store._put_if_absent(path, b"cloudckpt probe 1")) is None:
+        if enforced(lambda: backend.put_if_absent(path, b"cloudckpt probe 1")) is None:
             return REFUSED  # (True: a stale probe of ours from a crash; the next tells)
-        create_only = enforced(lambda: store._put_if_absent(path, b"cloudckpt probe 2"))
+        create_only = enforced(lambda: backend.put_if_absent(path, b"cloudckpt probe 2"))
         if not create_only:
             return IGNORED if create_only is False else REFUSED
-        swap = enforced(lambda: store._put_if_match(path, b"cloudckpt probe 3", stale_version))
+        swap = enforced(lambda: backend.put_if_match(path, b"cloudckpt probe 3", stale_version))
         return NATIVE if swap else CREATE_ONLY
     finally:
-        try:
-            store._call(lambda: store._delete([path]), "delete", key)
-        except FileNotFoundError:
-            pass  # no bucket: nothing was written
-        except Exception as exc:  # noqa: BLE001 - a hidden leftover gc removes
-            log.warning("could not delete the probe object %s: %s", store.key_uri(key), exc)
+        cleanup()
 
 
 def forget() -> None:
@@ -136,20 +139,20 @@ def forget() -> None:
         _results.clear()
 
 
-def emulated_write(store: Store, path: str, data: Buffer,
+def emulated_write(backend: Backend, path: str, data: Buffer,
                    current_ok: Callable[[str | None], bool]) -> str:
     """A conditional write on a store that does not enforce them: check the current
-    version with ``current_ok`` (None: absent), write, wait, read back. Raises
-    ``FileExistsError`` when the check fails, the read-back shows another writer's
-    bytes, or the write took too long to be sure."""
+    version with ``current_ok`` (None: absent), write, wait, read back, all with
+    ``backend``'s primitives. Raises ``FileExistsError`` when the check fails, the
+    read-back shows another writer's bytes, or the write took too long to be sure."""
     start = time.monotonic()
-    head = store._head(path)
-    if not current_ok(None if head is None else store._version_of(head)):
+    head = backend.head(path)
+    if not current_ok(None if head is None else backend.version_of(head)):
         raise FileExistsError(path)
-    store._put(path, data)
+    backend.put(path, data)
     took = time.monotonic() - start
     time.sleep(EMULATION_SETTLE_S)
-    current, version = store._get_versioned(path)
+    current, version = backend.get_versioned(path)
     if bytes(current) != bytes(data):
         raise FileExistsError(path)  # a racer's write landed after ours: it won
     if took > EMULATION_BOUND_S:  # a racer may have read back its own bytes before ours

@@ -36,7 +36,7 @@ import fcntl
 import os
 import stat
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, BinaryIO, ClassVar
 
@@ -44,8 +44,10 @@ from fsspec.implementations.local import LocalFileSystem
 
 from cloudckpt.errors import OutsideRootError, StorageError
 from cloudckpt.names import TMP_PREFIX
+from cloudckpt.storage.backend import Host
 from cloudckpt.storage.base import Store
 from cloudckpt.storage.options import flag, refuse_options
+from cloudckpt.storage.primitives import FsspecBackend
 from cloudckpt.storage.retry import storage_error
 from cloudckpt.storage.writers import RangeWriter, RawWriter
 from cloudckpt.util.crc import Buffer
@@ -54,15 +56,16 @@ _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
-class FileStore(Store):
+class FileBackend(FsspecBackend):
     """Objects as files below a local directory."""
 
     protocols: ClassVar[tuple[str, ...]] = ("file", "local")
     native_conditional_writes: ClassVar[bool] = True
     ranged_writes: ClassVar[bool] = True
 
-    def _ready(self) -> None:
-        # Children (Store.child) copy this: they stay inside the store they came from.
+    def __init__(self, root: str, **kw: Any) -> None:
+        super().__init__(root, **kw)
+        # The store's children share the backend: they stay inside the store they came from.
         self._jail = self.root
 
     def _root_of(self, root: str) -> str:
@@ -80,9 +83,8 @@ class FileStore(Store):
     def _filesystem(self, options: dict[str, Any]) -> LocalFileSystem:
         return LocalFileSystem()
 
-    @property
-    def uri(self) -> str:
-        return self.root
+    def uri_of(self, root: str) -> str:
+        return root
 
     # -- containment -------------------------------------------------------
 
@@ -148,7 +150,7 @@ class FileStore(Store):
             finally:
                 os.close(fd)
 
-    def _put(self, path: str, data: Buffer) -> str:
+    def put(self, path: str, data: Buffer) -> str:
         path = self._resolve_dir(path)
         tmp = self._write_tmp(path, data)
         try:
@@ -159,7 +161,7 @@ class FileStore(Store):
         self._sync_dir(path)
         return _version(os.stat(path))
 
-    def _put_if_absent(self, path: str, data: Buffer) -> str:
+    def put_if_absent(self, path: str, data: Buffer) -> str:
         path = self._resolve_dir(path)
         tmp = self._write_tmp(path, data)
         try:
@@ -169,14 +171,14 @@ class FileStore(Store):
         self._sync_dir(path)
         return _version(os.stat(path))
 
-    def _put_if_match(self, path: str, data: Buffer, version: str) -> str:
+    def put_if_match(self, path: str, data: Buffer, version: str) -> str:
         path = self._resolve_dir(path)
         with self._dir_lock(path):
             st = self._stat(path)
             current = _version(st) if st is not None else None
             if current != version:
                 raise FileExistsError(f"{path}: version {current} != expected {version}")
-            return self._put(path, data)
+            return self.put(path, data)
 
     @contextmanager
     def _dir_lock(self, path: str):
@@ -189,21 +191,21 @@ class FileStore(Store):
         finally:
             os.close(fd)  # closing releases the lock
 
-    def _open_writer(self, path: str) -> RawWriter:
+    def open_writer(self, path: str, host: Host) -> RawWriter:
         return _FileWriter(self, path)
 
-    def _open_range_writer(self, path: str, size: int) -> RangeWriter:
+    def open_range_writer(self, path: str, size: int) -> RangeWriter:
         return _RangeFileWriter(self, path, size)
 
     # -- reads ---------------------------------------------------------------
 
-    def _get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+    def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         with self._open_read(path) as f:
             if start:
                 f.seek(start)
             return f.read() if end is None else f.read(end - (start or 0))
 
-    def _iter_range(self, path: str, start: int, end: int, chunk: int) -> Iterator[bytes]:
+    def iter_range(self, path: str, start: int, end: int, chunk: int) -> Iterator[bytes]:
         with self._open_read(path) as f:
             f.seek(start)
             pos = start
@@ -214,7 +216,9 @@ class FileStore(Store):
                 pos += len(data)
                 yield data
 
-    def _readinto_range(self, path: str, start: int, views: list[memoryview]) -> None:
+    def readinto_range(self, path: str, start: int, views: list[memoryview]) -> None:
+        """Fill ``views`` in turn from byte ``start`` on (an optional primitive the
+        Store's ``read_range_into`` uses where a backend has it)."""
         # Straight from the page cache into the caller's buffers: no copy of our own.
         with self._open_read(path) as f:
             f.seek(start)
@@ -226,16 +230,16 @@ class FileStore(Store):
                         raise EOFError(f"{path} ends before byte {start + view.nbytes}")
                     got += n
 
-    def _get_versioned(self, path: str) -> tuple[bytes, str]:
+    def get_versioned(self, path: str) -> tuple[bytes, str]:
         with self._open_read(path) as f:
             version = _version(os.fstat(f.fileno()))
             return f.read(), version
 
-    def _head(self, path: str) -> dict[str, Any] | None:
+    def head(self, path: str) -> dict[str, Any] | None:
         st = self._stat(path)
         return None if st is None else _entry(path, st)
 
-    def _find(self, path: str) -> dict[str, dict[str, Any]]:
+    def find(self, path: str) -> dict[str, dict[str, Any]]:
         # Our own walk, not fsspec's: linked directories are never descended, and a
         # linked file is listed only when it resolves to a file inside the root.
         jail = os.path.realpath(self._jail)
@@ -260,7 +264,7 @@ class FileStore(Store):
                     out[f"{base}/{name}"] = _entry(f"{base}/{name}", st)
         return out
 
-    def _ls_dirs(self, path: str) -> list[str]:
+    def ls_dirs(self, path: str) -> list[str]:
         jail = os.path.realpath(self._jail)
         try:
             with os.scandir(self._resolve(path)) as it:
@@ -271,18 +275,18 @@ class FileStore(Store):
                 if e.is_dir(follow_symlinks=False)
                 or (e.is_symlink() and e.is_dir() and _within(os.path.realpath(e.path), jail))]
 
-    def _version_of(self, info: dict[str, Any]) -> str | None:
+    def version_of(self, info: Mapping[str, Any]) -> str | None:
         return info.get("version")
 
-    def _delete(self, paths: list[str]) -> None:
+    def delete(self, paths: list[str], root: str) -> None:
         # Every directory is checked before anything is deleted; the last component
         # is unlinked, so a link is removed and its target left alone.
         for real in [self._resolve_dir(p) for p in paths]:
             _unlink(real)
-        # Leave no empty directories behind (the root included), as an object
-        # store has no empty prefixes.
+        # Leave no empty directories behind (the deleting store's root included), as
+        # an object store has no empty prefixes.
         for d in sorted({os.path.dirname(p) for p in paths}, key=len, reverse=True):
-            while d == self.root or d.startswith(self.root + os.sep):
+            while d == root or d.startswith(root + os.sep):
                 try:
                     os.rmdir(d)
                 except OSError:
@@ -290,24 +294,30 @@ class FileStore(Store):
                 d = os.path.dirname(d)
 
 
+class FileStore(Store):
+    """A :class:`Store` over a :class:`FileBackend`."""
+
+    backend_class = FileBackend
+
+
 class _FileWriter(RawWriter):
-    def __init__(self, store: FileStore, path: str) -> None:
-        path = store._resolve_dir(path)
+    def __init__(self, backend: FileBackend, path: str) -> None:
+        path = backend._resolve_dir(path)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        self._store = store
+        self._backend = backend
         self._path = path
-        self._tmp = store._tmp_for(path)
+        self._tmp = backend._tmp_for(path)
         self._f = open(self._tmp, "wb")  # noqa: SIM115 - closed in commit/abort
 
     def write(self, data: Buffer) -> None:
         try:
             self._f.write(data)
         except OSError as exc:  # a full disk or the file size limit: say which
-            raise storage_error(exc, f"write {self._path}") from exc
+            raise storage_error(exc, f"write {self._path}", errors=self._backend) from exc
 
     def commit(self, size: int, crc32c: str) -> None:
         try:
-            if self._store.fsync:
+            if self._backend.fsync:
                 self._f.flush()
                 os.fsync(self._f.fileno())
             self._f.close()
@@ -315,9 +325,9 @@ class _FileWriter(RawWriter):
         except BaseException as exc:
             self.abort()
             if isinstance(exc, OSError):
-                raise storage_error(exc, f"write {self._path}") from exc
+                raise storage_error(exc, f"write {self._path}", errors=self._backend) from exc
             raise
-        self._store._sync_dir(self._path)
+        self._backend._sync_dir(self._path)
 
     def abort(self) -> None:
         try:
@@ -332,11 +342,11 @@ class _RangeFileWriter(RangeWriter):
     """A temporary file of the final size, written with ``pwrite`` at any offset from
     any thread, then fsynced and renamed into place like every other write."""
 
-    def __init__(self, store: FileStore, path: str, size: int) -> None:
-        self._store = store
-        self._path = store._resolve_dir(path)  # the directory may not lead outside
+    def __init__(self, backend: FileBackend, path: str, size: int) -> None:
+        self._backend = backend
+        self._path = backend._resolve_dir(path)  # the directory may not lead outside
         self._size = size
-        self._tmp = store._tmp_for(self._path)
+        self._tmp = backend._tmp_for(self._path)
         self._fd: int | None = None
         try:
             os.makedirs(os.path.dirname(self._path), exist_ok=True)
@@ -345,7 +355,7 @@ class _RangeFileWriter(RangeWriter):
             os.ftruncate(self._fd, size)
         except OSError as exc:
             self.abort()
-            raise storage_error(exc, f"write {self._path}") from exc
+            raise storage_error(exc, f"write {self._path}", errors=self._backend) from exc
 
     def write_at(self, offset: int, data: Buffer) -> None:
         if self._fd is None:
@@ -359,7 +369,7 @@ class _RangeFileWriter(RangeWriter):
                 n = os.pwrite(self._fd, view, offset)
                 view, offset = view[n:], offset + n
         except OSError as exc:  # a full disk or the file size limit: say which
-            raise storage_error(exc, f"write {self._path}") from exc
+            raise storage_error(exc, f"write {self._path}", errors=self._backend) from exc
 
     def commit(self) -> None:
         fd, self._fd = self._fd, None
@@ -369,7 +379,7 @@ class _RangeFileWriter(RangeWriter):
             try:
                 if os.fstat(fd).st_size != self._size:
                     raise StorageError(f"{self._tmp} changed size while being written")
-                if self._store.fsync:
+                if self._backend.fsync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
@@ -377,9 +387,9 @@ class _RangeFileWriter(RangeWriter):
         except BaseException as exc:
             _unlink(self._tmp)
             if isinstance(exc, OSError) and not isinstance(exc, StorageError):
-                raise storage_error(exc, f"write {self._path}") from exc
+                raise storage_error(exc, f"write {self._path}", errors=self._backend) from exc
             raise
-        self._store._sync_dir(self._path)
+        self._backend._sync_dir(self._path)
 
     def abort(self) -> None:
         fd, self._fd = self._fd, None

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import fsspec
 
 from cloudckpt.storage.base import Store
-from cloudckpt.storage.writers import BufferedRawWriter, RawWriter
+from cloudckpt.storage.primitives import FsspecBackend
 from cloudckpt.util.crc import Buffer
 
 log = logging.getLogger("cloudckpt.storage")
@@ -24,7 +24,7 @@ _warned: set[str] = set()
 _LOCK = threading.Lock()
 
 
-class FsspecStore(Store):
+class FsspecGenericBackend(FsspecBackend):
     """Fallback over any fsspec filesystem, with emulated conditional writes."""
 
     #: Any scheme: the ``protocol`` keyword names it (required), as open_store passes
@@ -43,30 +43,33 @@ class FsspecStore(Store):
                 "%s:// has no conditional writes; cloudckpt emulates them, which is not safe "
                 "against two writers committing the same checkpoint at once", self.protocol)
 
-    def _put(self, path: str, data: Buffer) -> str:
+    def put(self, path: str, data: Buffer) -> str:
         self.fs.pipe_file(path, bytes(data))
         return _version(bytes(data))
 
-    def _put_if_absent(self, path: str, data: Buffer) -> str:
+    def put_if_absent(self, path: str, data: Buffer) -> str:
         self._warn()
         with _LOCK:
             if self.fs.exists(path):
                 raise FileExistsError(path)
-            return self._put(path, data)
+            return self.put(path, data)
 
-    def _put_if_match(self, path: str, data: Buffer, version: str) -> str:
+    def put_if_match(self, path: str, data: Buffer, version: str) -> str:
         self._warn()
         with _LOCK:
             if _version(self.fs.cat_file(path)) != version:
                 raise FileExistsError(path)
-            return self._put(path, data)
+            return self.put(path, data)
 
-    def _get_versioned(self, path: str) -> tuple[bytes, str]:
+    def get_versioned(self, path: str) -> tuple[bytes, str]:
         data = self.fs.cat_file(path)
         return data, _version(data)
 
-    def _open_writer(self, path: str) -> RawWriter:
-        return BufferedRawWriter(self, path)
+
+class FsspecStore(Store):
+    """A :class:`Store` over a :class:`FsspecGenericBackend` (``protocol=`` required)."""
+
+    backend_class = FsspecGenericBackend
 
 
 def _version(data: bytes) -> str:

@@ -17,7 +17,8 @@ reach 60 GiB with the default 16 MiB parts.
 gcsfs retries requests itself (up to six tries with sleeps of 1 to 16 s),
 inside each attempt of our :class:`~cloudckpt.storage.RetryPolicy`, which
 then could not keep its deadline; this backend runs gcsfs with one try per
-request and retries under the policy alone, as the S3 backend does.
+request and retries under the policy alone, as the S3 backend does. What
+gcsfs's errors mean is in :mod:`.gcs_errors`.
 
 Set ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` before gcsfs is imported when
 talking to an emulator; this module sets that default itself.
@@ -31,7 +32,7 @@ import json
 import logging
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 from urllib.parse import quote
 
@@ -43,11 +44,13 @@ from gcsfs.retry import validate_response  # noqa: E402
 
 from cloudckpt.errors import AccessDeniedError, StorageError  # noqa: E402
 from cloudckpt.names import PART_SUFFIX  # noqa: E402
-from cloudckpt.storage import conditional  # noqa: E402
+from cloudckpt.storage import gcs_errors  # noqa: E402
+from cloudckpt.storage.backend import Backend, Host  # noqa: E402
 from cloudckpt.storage.base import Store  # noqa: E402
 from cloudckpt.storage.objects import ObjectInfo  # noqa: E402
 from cloudckpt.storage.options import init_options  # noqa: E402
 from cloudckpt.storage.parts import PartBody, PartWriter  # noqa: E402
+from cloudckpt.storage.primitives import FsspecBackend  # noqa: E402
 from cloudckpt.storage.ranges import read_upto  # noqa: E402
 from cloudckpt.storage.retry import describe, mask_secrets  # noqa: E402
 from cloudckpt.storage.writers import RawWriter  # noqa: E402
@@ -56,11 +59,13 @@ from cloudckpt.util.crc import Buffer, crc32c_hex  # noqa: E402
 log = logging.getLogger("cloudckpt")
 
 
-class GCSStore(Store):
+class GCSBackend(FsspecBackend):
     """Objects in a GCS bucket, below an optional prefix."""
 
     protocols: ClassVar[tuple[str, ...]] = ("gs", "gcs")
     native_conditional_writes: ClassVar[bool] = True
+    probe_stale_version: ClassVar[str | None] = "1"
+    classify = staticmethod(gcs_errors.classify)
 
     @classmethod
     def filesystem_options(cls) -> frozenset[str] | None:
@@ -120,10 +125,10 @@ class GCSStore(Store):
         )
         return str(resp["generation"])
 
-    def _put(self, path: str, data: Buffer) -> str:
+    def put(self, path: str, data: Buffer) -> str:
         return self._upload(path, data)
 
-    def _put_checked(self, path: str, data: Buffer, crc32c: str) -> str:
+    def put_checked(self, path: str, data: Buffer, crc32c: str) -> str:
         return self._upload(path, data, crc32c)
 
     def _compose(self, path: str, sources: list[str]) -> dict[str, Any]:
@@ -133,19 +138,16 @@ class GCSStore(Store):
         return sync(self.fs.loop, self.fs._call, "POST", "b/{}/o/{}/compose", bucket, key,
                     json_out=True, json=body)
 
-    def _put_if_absent(self, path: str, data: Buffer) -> str:
+    def put_if_absent(self, path: str, data: Buffer) -> str:
         return self._upload(path, data, ifGenerationMatch="0")
 
-    def _put_if_match(self, path: str, data: Buffer, version: str) -> str:
+    def put_if_match(self, path: str, data: Buffer, version: str) -> str:
         try:
             return self._upload(path, data, ifGenerationMatch=version)
         except FileNotFoundError:
             raise FileExistsError(path) from None
 
-    def _probe_conditionals(self) -> str:
-        return conditional.probe(self, "1")
-
-    def _get_versioned(self, path: str) -> tuple[bytes, str]:
+    def get_versioned(self, path: str) -> tuple[bytes, str]:
         bucket, key = self._split(path)
         # Read the generation first, then the bytes of exactly that generation,
         # so data and token always belong together.
@@ -156,11 +158,11 @@ class GCSStore(Store):
                        alt="media", generation=generation)
         return data, generation
 
-    def _version_of(self, info: dict[str, Any]) -> str | None:
+    def version_of(self, info: Mapping[str, Any]) -> str | None:
         gen = info.get("generation")
         return str(gen) if gen is not None else None
 
-    def _delete(self, paths: list[str]) -> None:
+    def delete(self, paths: list[str], root: str) -> None:
         # Literal names: gcsfs's rm() expands glob characters ("run[1]/a" is a pattern).
         if not paths:
             return
@@ -171,18 +173,18 @@ class GCSStore(Store):
         for p in paths:
             self.fs.invalidate_cache(p)
 
-    def _bucket_exists(self) -> bool | None:
+    def bucket_exists(self, root: str) -> bool | None:
         try:
-            sync(self.fs.loop, self.fs._call, "GET", "b/{}", self._split(self.root)[0],
+            sync(self.fs.loop, self.fs._call, "GET", "b/{}", self._split(root)[0],
                  json_out=True)
         except FileNotFoundError:
             return False
         return True
 
-    def _open_writer(self, path: str) -> RawWriter:
-        return _ComposeWriter(self, path)
+    def open_writer(self, path: str, host: Host) -> RawWriter:
+        return _ComposeWriter(self, host, path)
 
-    def _iter_range(self, path: str, start: int, end: int, chunk: int) -> Iterator[bytes]:
+    def iter_range(self, path: str, start: int, end: int, chunk: int) -> Iterator[bytes]:
         # One ranged GET whose body is read a piece at a time (gcsfs's own calls read
         # whole bodies): one request however long the range, one piece in memory.
         fs = self.fs
@@ -212,12 +214,12 @@ class GCSStore(Store):
         finally:
             sync(fs.loop, _release, resp)
 
-    def can_copy_from(self, src: Store) -> bool:
+    def can_copy_from(self, other: Backend) -> bool:
         # A rewrite reads the source with the destination's credentials: only on one
         # endpoint with the same ones is that sure to work.
-        return self._same_service(src)
+        return self.same_service(other)
 
-    def _copy(self, src_path: str, path: str, size: int) -> ObjectInfo:
+    def copy(self, src_path: str, path: str, size: int, host: Host) -> ObjectInfo:
         # objects.rewrite: one call within a location and storage class; GCS may ask
         # for more (rewriteToken) for large objects between locations or classes.
         # Each call is retried on its own; a token stays valid across retries.
@@ -226,12 +228,12 @@ class GCSStore(Store):
         token: str | None = None
         while True:
             params = {"rewriteToken": token} if token else {}
-            out = self.retry.call(
+            out = host.retry.call(
                 lambda params=params: sync(
                     self.fs.loop, self.fs._call, "POST", "b/{}/o/{}/rewriteTo/b/{}/o/{}",
                     src_bucket, src_key, bucket, key, json_out=True,
                     headers={"Content-Type": "application/json"}, **params),
-                op="copy", key=f"gs://{path}")
+                op="copy", key=f"gs://{path}", errors=self)
             if out.get("done"):
                 break
             token = out.get("rewriteToken")
@@ -265,9 +267,9 @@ class _ComposeWriter(PartWriter):
 
     MAX_PARTS = _MAX_COMPONENTS
 
-    def __init__(self, store: GCSStore, path: str) -> None:
-        super().__init__(store, path, max(store.part_size, 256 * 1024))
-        self._gcs = store
+    def __init__(self, backend: GCSBackend, host: Host, path: str) -> None:
+        super().__init__(backend, host, path, max(host.part_size, 256 * 1024))
+        self._gcs = backend
         self._id = uuid.uuid4().hex[:8]
         self._composed: list[str] = []  # intermediate objects of a compose tree
 
@@ -279,7 +281,7 @@ class _ComposeWriter(PartWriter):
 
     def _upload(self, number: int, part: memoryview) -> str:
         name = self._part_name(f"{number:04d}")
-        self._gcs._put_checked(name, part, crc32c_hex(part))
+        self._gcs.put_checked(name, part, crc32c_hex(part))
         return name
 
     def _finish(self, tokens: list[Any], size: int, crc32c: str) -> None:
@@ -293,7 +295,7 @@ class _ComposeWriter(PartWriter):
         meta = self._gcs._compose(self._path, sources)
         got_size, got_crc = int(meta.get("size", -1)), meta.get("crc32c")
         if got_size != size or (got_crc is not None and got_crc != _b64_crc(crc32c)):
-            self._gcs.delete([self._gcs_key(self._path)])  # a failed write leaves no object
+            self._store.delete([self._gcs_key(self._path)])  # a failed write leaves no object
             raise StorageError(
                 f"gs://{self._path} was composed with {got_size} bytes (CRC32C {got_crc}), "
                 f"but {size} bytes (CRC32C {_b64_crc(crc32c)}) were written: a part was "
@@ -306,23 +308,29 @@ class _ComposeWriter(PartWriter):
         return name
 
     def _single(self, data: memoryview, size: int, crc32c: str) -> None:
-        self._gcs._put_checked(self._path, data, crc32c)
+        self._gcs.put_checked(self._path, data, crc32c)
 
     def _cleanup(self, tokens: list[Any]) -> None:
         leftovers = list(tokens) + self._composed
         try:
-            self._gcs.delete([self._gcs_key(p) for p in leftovers])
+            self._store.delete([self._gcs_key(p) for p in leftovers])
         except Exception as exc:  # noqa: BLE001 - hidden from listings; only space is lost
             log.warning("could not delete the parts of gs://%s: %s", self._path, exc)
 
-    def _abort_upload(self, store: Store) -> None:
+    def _abort_upload(self, store: Host) -> None:
         # Every part that may exist (by its name, whatever became of its future) and
         # every intermediate of a compose tree.
         names = [self._part_name(f"{n:04d}") for n in range(1, len(self._parts) + 1)]
         store.delete([self._gcs_key(p) for p in names + self._composed])
 
     def _gcs_key(self, path: str) -> str:
-        return path[len(self._gcs.root) + 1:]
+        return path[len(self._store.root) + 1:]
+
+
+class GCSStore(Store):
+    """A :class:`Store` over a :class:`GCSBackend`."""
+
+    backend_class = GCSBackend
 
 
 def _searches_credentials(options: dict[str, Any]) -> bool:

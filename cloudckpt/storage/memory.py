@@ -14,13 +14,13 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from cloudckpt.storage.base import Store
 from cloudckpt.storage.options import refuse_options
-from cloudckpt.storage.writers import BufferedRawWriter, RawWriter
+from cloudckpt.storage.primitives import FsspecBackend
 from cloudckpt.util.crc import Buffer
 
 _LOCK = threading.RLock()
 
 
-class MemoryStore(Store):
+class MemoryBackend(FsspecBackend):
     """Objects in fsspec's process-global memory filesystem."""
 
     protocols: ClassVar[tuple[str, ...]] = ("memory",)
@@ -40,23 +40,22 @@ class MemoryStore(Store):
     def _filesystem(self, options: dict[str, Any]) -> MemoryFileSystem:
         return MemoryFileSystem()
 
-    @property
-    def uri(self) -> str:
-        return f"memory://{self.root.lstrip('/')}"
+    def uri_of(self, root: str) -> str:
+        return f"{self.protocol}://{root.lstrip('/')}"
 
-    def _put(self, path: str, data: Buffer) -> str:
+    def put(self, path: str, data: Buffer) -> str:
         data = bytes(data)
         with _LOCK:
             self.fs.pipe_file(path, data)
         return _version(data)
 
-    def _put_if_absent(self, path: str, data: Buffer) -> str:
+    def put_if_absent(self, path: str, data: Buffer) -> str:
         with _LOCK:
             if self.fs.isfile(path):
                 raise FileExistsError(path)
-            return self._put(path, data)
+            return self.put(path, data)
 
-    def _put_if_match(self, path: str, data: Buffer, version: str) -> str:
+    def put_if_match(self, path: str, data: Buffer, version: str) -> str:
         with _LOCK:
             try:
                 current = _version(self.fs.cat_file(path))
@@ -64,19 +63,22 @@ class MemoryStore(Store):
                 current = None
             if current != version:
                 raise FileExistsError(path)
-            return self._put(path, data)
+            return self.put(path, data)
 
-    def _get_versioned(self, path: str) -> tuple[bytes, str]:
+    def get_versioned(self, path: str) -> tuple[bytes, str]:
         with _LOCK:
             data = self.fs.cat_file(path)
         return data, _version(data)
 
-    def _open_writer(self, path: str) -> RawWriter:
-        return BufferedRawWriter(self, path)
-
-    def _strip_protocol(self, name: str) -> str:
-        name = super()._strip_protocol(name)
+    def strip_protocol(self, name: str) -> str:
+        name = super().strip_protocol(name)
         return name if name.startswith("/") else "/" + name
+
+
+class MemoryStore(Store):
+    """A :class:`Store` over a :class:`MemoryBackend`."""
+
+    backend_class = MemoryBackend
 
 
 def _version(data: bytes) -> str:

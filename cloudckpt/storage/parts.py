@@ -21,8 +21,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from cloudckpt.errors import StorageError
-from cloudckpt.storage.base import Store
-from cloudckpt.storage.retry import RetryPolicy
+from cloudckpt.storage.backend import Backend, Host
+from cloudckpt.storage.retry import ONE_TRY
 from cloudckpt.storage.window import ByteWindow, exported
 from cloudckpt.storage.writers import RawWriter
 from cloudckpt.util.crc import Buffer
@@ -32,7 +32,6 @@ _thread = threading.local()
 
 #: Clean-up after an abort: one try each, so a dead endpoint does not hold the
 #: caller's error back for another retry deadline.
-_ONE_TRY = RetryPolicy(max_attempts=1, deadline=10.0)
 
 
 def part_copy(data: Buffer, window: ByteWindow | None = None) -> memoryview:
@@ -166,19 +165,22 @@ class _Fill:
 
 
 class PartWriter(RawWriter):
-    """Parallel, retried part uploads; subclasses implement the hooks below."""
+    """Parallel, retried part uploads of ``backend``'s, for ``host`` (the store that
+    opened the writer: its retry policy, upload window and bucket check);
+    subclasses implement the hooks below."""
 
     #: Parts in flight per object (memory: this many parts, plus one being filled).
     IN_FLIGHT = 8
     #: The most parts one object may have (None: no limit of ours).
     MAX_PARTS: int | None = None
 
-    def __init__(self, store: Store, path: str, part_size: int) -> None:
-        self._store = store
+    def __init__(self, backend: Backend, host: Host, path: str, part_size: int) -> None:
+        self._backend = backend
+        self._store = host
         self._path = path
         self._part_size = part_size
         self._single_limit = 2 * part_size
-        self._buf = _Fill(self._single_limit, store.upload_window)
+        self._buf = _Fill(self._single_limit, host.upload_window)
         self._started = False
         self._parts: list[Future[Any]] = []
         self._pool: ThreadPoolExecutor | None = None
@@ -186,7 +188,7 @@ class PartWriter(RawWriter):
         # Window bytes held for the buffer: two parts until the upload starts (it may
         # still go up as one request), then one part at a time. A writer waits for
         # the window only when it holds none of it, so writers never deadlock.
-        self._window = store.upload_window
+        self._window = host.upload_window
         self._held = 0
 
     # ------------------------------------------------------------------ hooks
@@ -210,7 +212,7 @@ class PartWriter(RawWriter):
     def _single(self, data: memoryview, size: int, crc32c: str) -> None:
         """Store a small object in one request (one attempt)."""
 
-    def _abort_upload(self, store: Store) -> None:
+    def _abort_upload(self, store: Host) -> None:
         """Best effort: drop what the parts left on the server (through ``store``,
         which makes one try per request)."""
 
@@ -226,7 +228,7 @@ class PartWriter(RawWriter):
             return fn()
 
         try:
-            return self._store.retry.call(attempt, op=op, key=self._path)
+            return self._store.retry.call(attempt, op=op, key=self._path, errors=self._backend)
         except FileNotFoundError as exc:
             # Not found, on a write: the bucket is gone (check_bucket raises
             # BucketNotFoundError), or the store forgot the upload (a restart).
@@ -351,7 +353,7 @@ class PartWriter(RawWriter):
         self._shutdown()
         if self._started:
             try:
-                self._abort_upload(self._store.with_retry(_ONE_TRY))
+                self._abort_upload(self._store.with_retry(ONE_TRY))
             except Exception:  # noqa: BLE001 - best effort; lifecycle rules clean up the rest
                 pass
             self._started = False

@@ -1,55 +1,69 @@
-"""What a backend implements: the primitives a :class:`~cloudckpt.storage.Store` is
-built on, with defaults over any fsspec filesystem, and the hooks of the one
-constructor every backend shares.
+"""The backends' common base: every primitive of the
+:class:`~cloudckpt.storage.backend.Backend` protocol that an fsspec filesystem
+offers, and the construction every backend shares.
 
-A backend is a ``Store`` subclass. It names its URL schemes (:attr:`protocols`),
-builds its filesystem (:meth:`_filesystem`) from the storage options it checked
-(:meth:`_read_options`), and implements the abstract primitives below on full
-filesystem paths. Primitives may raise any exception; the public methods of the
-Store classify, retry and wrap them.
+A backend subclasses :class:`FsspecBackend`. It names its URL schemes
+(:attr:`~FsspecBackend.protocols`), builds its filesystem (``_filesystem``) from
+the storage options it checked (``_read_options``), and implements the abstract
+primitives on full filesystem paths. Primitives may raise any exception; the
+backend's ``classify`` says what they mean, and the Store holding the backend
+retries and wraps them.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import fsspec
 
 from cloudckpt.errors import ConfigError
 from cloudckpt.names import is_hidden
+from cloudckpt.storage.backend import Backend, Host
 from cloudckpt.storage.objects import ObjectInfo
-from cloudckpt.storage.options import check_filesystem_options
+from cloudckpt.storage.options import DEFAULT_CONCURRENCY, check_filesystem_options
+from cloudckpt.storage.retry import Classified, RetryPolicy
 from cloudckpt.storage.writers import RangeWriter, RawWriter
 from cloudckpt.util.crc import Buffer
 
-if TYPE_CHECKING:
-    from cloudckpt.storage.base import Store
 
+class FsspecBackend(ABC):
+    """A :class:`~cloudckpt.storage.backend.Backend` over an fsspec filesystem.
 
-class StorePrimitives(ABC):
-    """The backend's half of a :class:`~cloudckpt.storage.Store`."""
+    ``root`` is the store's root without the scheme; ``protocol`` the scheme it is
+    opened under (one of :attr:`protocols`; required only where the backend serves
+    any scheme); ``storage_options`` the filesystem's options and the backend's
+    own, checked by ``_read_options``; ``max_concurrency`` the requests the store
+    keeps in flight (for the filesystem's connection pool).
+    """
 
     #: The URL schemes the backend serves, its canonical one first (the one its URIs
     #: are written with). Empty: any scheme, named by the ``protocol`` keyword.
     protocols: ClassVar[tuple[str, ...]] = ()
-    #: Whether conditional writes are enforced by the server (vs. emulated).
     native_conditional_writes: ClassVar[bool] = False
-    #: Whether :meth:`open_write_at` works: ranges written in any order, in parallel.
     ranged_writes: ClassVar[bool] = False
+    probe_stale_version: ClassVar[str | None] = None
 
-    fs: fsspec.AbstractFileSystem
-    root: str
-    protocol: str
-    storage_options: dict[str, Any]
+    def __init__(self, root: str, *, protocol: str | None = None,
+                 storage_options: Mapping[str, Any] | None = None,
+                 max_concurrency: int = DEFAULT_CONCURRENCY) -> None:
+        self.protocol = self._protocol_of(protocol)
+        self.root = self._root_of(root).rstrip("/")
+        self.max_concurrency = max_concurrency
+        options = dict(storage_options or {})
+        self.storage_options = self._read_options(protocol or self.protocol, options)
+        self.fs = self._filesystem(self.storage_options)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.uri_of(self.root)!r})"
 
     # ------------------------------------------------------------ construction
-    # Store.__init__ calls these, in this order, before the store is used.
+    # __init__ calls these, in this order.
 
     @classmethod
     def _protocol_of(cls, protocol: str | None) -> str:
-        """The store's protocol given the ``protocol`` keyword: the canonical one of
+        """The backend's protocol given the ``protocol`` keyword: the canonical one of
         :attr:`protocols` (which ``protocol`` must be one of, when given)."""
         if not cls.protocols:
             if not protocol:
@@ -83,38 +97,46 @@ class StorePrimitives(ABC):
         """The filesystem, built from the options :meth:`_read_options` returned
         (``self.root``, ``self.protocol``, ``self.max_concurrency`` are set)."""
 
-    def _ready(self) -> None:
-        """Last step of construction: backend state beyond the filesystem (none by
-        default; the local backend records the root its children stay inside)."""
-        return None
+    # ------------------------------------------------------------------ naming
+
+    def uri_of(self, root: str) -> str:
+        if self.protocol in ("file", ""):
+            return root
+        return f"{self.protocol}://{root}"
+
+    def strip_protocol(self, name: str) -> str:
+        return name.split("://", 1)[1] if "://" in name else name
+
+    def cache_key(self, root: str) -> tuple[str, ...]:
+        return (type(self).__name__, repr(sorted(self.storage_options.items())),
+                root.split("/", 1)[0])
+
+    def is_hidden(self, path: str) -> bool:
+        # Writer claims, temporary files and upload parts: bookkeeping, on every backend.
+        return is_hidden(path)
 
     # -------------------------------------------------------------- primitives
 
     @abstractmethod
-    def _put(self, path: str, data: Buffer) -> str | None:
-        """Write a whole object; return its version token if cheaply known."""
+    def put(self, path: str, data: Buffer) -> str | None: ...
 
-    def _put_checked(self, path: str, data: Buffer, crc32c: str) -> str | None:
-        """``_put`` given the CRC32C (hex) the caller computed; backends that can
-        have the server verify it override this (S3 does)."""
-        return self._put(path, data)
+    def put_checked(self, path: str, data: Buffer, crc32c: str) -> str | None:
+        # Backends whose server can verify the CRC32C override this (S3, GCS).
+        return self.put(path, data)
 
-    def _get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+    def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         return self.fs.cat_file(path, start=start, end=end)
 
     @abstractmethod
-    def _put_if_absent(self, path: str, data: Buffer) -> str:
-        """Create ``path`` only if it does not exist; FileExistsError otherwise."""
+    def put_if_absent(self, path: str, data: Buffer) -> str: ...
 
     @abstractmethod
-    def _put_if_match(self, path: str, data: Buffer, version: str) -> str:
-        """Replace ``path`` only if its version is ``version``; FileExistsError otherwise."""
+    def put_if_match(self, path: str, data: Buffer, version: str) -> str: ...
 
     @abstractmethod
-    def _get_versioned(self, path: str) -> tuple[bytes, str]:
-        """Read a whole object together with its version token."""
+    def get_versioned(self, path: str) -> tuple[bytes, str]: ...
 
-    def _head(self, path: str) -> dict[str, Any] | None:
+    def head(self, path: str) -> dict[str, Any] | None:
         self.fs.invalidate_cache(path)
         try:
             info = self.fs.info(path)
@@ -122,14 +144,14 @@ class StorePrimitives(ABC):
             return None
         return info if info.get("type") == "file" else None
 
-    def _find(self, path: str) -> dict[str, dict[str, Any]]:
+    def find(self, path: str) -> dict[str, dict[str, Any]]:
         self.fs.invalidate_cache(path)
         try:
             return self.fs.find(path, detail=True)
         except FileNotFoundError:
             return {}
 
-    def _ls_dirs(self, path: str) -> list[str]:
+    def ls_dirs(self, path: str) -> list[str]:
         self.fs.invalidate_cache(path)
         try:
             entries = self.fs.ls(path, detail=True)
@@ -137,60 +159,74 @@ class StorePrimitives(ABC):
             return []
         return [e["name"] for e in entries if e.get("type") == "directory"]
 
-    def _delete(self, paths: list[str]) -> None:
+    def delete(self, paths: list[str], root: str) -> None:
         for p in paths:
             try:
                 self.fs.rm_file(p)
             except FileNotFoundError:
                 pass
 
-    @abstractmethod
-    def _open_writer(self, path: str) -> RawWriter:
-        """A writer for a large object, made durable only by ``commit()``."""
+    def open_writer(self, path: str, host: Host) -> RawWriter:
+        """Here: everything buffered, then one retried put on commit."""
+        return BufferedRawWriter(self, path, host.retry)
 
-    def _version_of(self, info: Mapping[str, Any]) -> str | None:
+    def version_of(self, info: Mapping[str, Any]) -> str | None:
         return None
 
-    def _bucket_exists(self) -> bool | None:
-        """Whether the store's bucket exists (one request); None where that means
-        nothing (local paths) or cannot be told."""
+    def bucket_exists(self, root: str) -> bool | None:
         return None
 
-    def _hidden(self, path: str) -> bool:
-        # Writer claims, temporary files and upload parts: bookkeeping, on every backend.
-        return is_hidden(path)
-
-    def _probe_conditionals(self) -> str:
-        """Try create-only and compare-and-swap writes on a probe object (one attempt;
-        the store's retry policy wraps it) and say whether the server enforced them:
-        :data:`~.conditional.NATIVE`, ``IGNORED`` or ``REFUSED``. Here: stores whose
-        conditional writes cannot fail to be enforced (local, memory)."""
-        return "native"
-
-    def _iter_range(self, path: str, start: int, end: int, chunk: int) -> Iterator[bytes]:
-        """Bytes ``[start, end)`` of ``path`` in pieces of at most ``chunk`` bytes (one
-        attempt). This default sends one ranged read per piece; backends that can
-        stream one response body do so."""
+    def iter_range(self, path: str, start: int, end: int, chunk: int) -> Iterator[bytes]:
+        """This default sends one ranged read per piece; backends that can stream one
+        response body do so."""
         for s in range(start, end, chunk):
-            data = self._get(path, s, min(s + chunk, end))
+            data = self.get(path, s, min(s + chunk, end))
             yield data
             if len(data) < min(chunk, end - s):
                 return  # the object ends here; the caller sees the read was short
 
-    def _copy(self, src_path: str, path: str, size: int) -> ObjectInfo:
-        """Copy ``src_path`` (of a store :meth:`can_copy_from` accepted) to ``path``
-        on the server. Returns the copy's size and CRC32C as the server reports
-        them (``crc32c`` None where it reports no whole-object CRC32C). A copy can
-        be many requests: this retries each itself, under :attr:`retry`."""
+    def can_copy_from(self, other: Backend) -> bool:
+        return False
+
+    def copy(self, src_path: str, path: str, size: int, host: Host) -> ObjectInfo:
         raise NotImplementedError(f"{type(self).__name__} has no server-side copy")
 
-    def _open_range_writer(self, path: str, size: int) -> RangeWriter:
-        """A writer taking ranges of a ``size``-byte object in any order (only where
-        :attr:`ranged_writes` is set)."""
+    def open_range_writer(self, path: str, size: int) -> RangeWriter:
         raise NotImplementedError(f"{type(self).__name__} takes no ranged writes")
 
-    def _same_service(self, other: Store) -> bool:
+    def same_service(self, other: Backend) -> bool:
         """Whether ``other`` reaches the same service with the same credentials:
         the same backend, and the same filesystem or the same options for one."""
         return type(other) is type(self) and (
-            other.fs is self.fs or other.storage_options == self.storage_options)
+            getattr(other, "fs", None) is self.fs
+            or other.storage_options == self.storage_options)
+
+    def classify(self, exc: BaseException) -> Classified | None:
+        """Nothing beyond the generic rules (see :mod:`.retry`)."""
+        return None
+
+
+class BufferedRawWriter(RawWriter):
+    """Collect everything, then one retried ``put_checked`` on commit.
+
+    Right for backends without a cheaper multipart path; memory use is the
+    object's size.
+    """
+
+    def __init__(self, backend: Backend, path: str, retry: RetryPolicy) -> None:
+        self._backend = backend
+        self._path = path
+        self._retry = retry
+        self._buf = bytearray()
+
+    def write(self, data: Buffer) -> None:
+        self._buf += data
+
+    def commit(self, size: int, crc32c: str) -> None:
+        data = bytes(self._buf)
+        self._buf = bytearray()
+        self._retry.call(lambda: self._backend.put_checked(self._path, data, crc32c),
+                         op="put", key=self._path, errors=self._backend)
+
+    def abort(self) -> None:
+        self._buf = bytearray()

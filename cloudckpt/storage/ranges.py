@@ -1,7 +1,7 @@
 """Ranged reads streamed to a sink a piece at a time, resumed where they stopped.
 
 :class:`RangeReadMixin` gives every :class:`~cloudckpt.storage.Store` its
-``read_range_to``, on top of the backend's ``_iter_range`` (one S3 or GCS GET
+``read_range_to``, on top of the backend's ``iter_range`` (one S3 or GCS GET
 read as it arrives; ranged reads of a piece elsewhere). :func:`read_upto` reads
 the pieces of a streamed response body.
 """
@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cloudckpt.errors import CloudCkptError, ConfigError, StorageError
+from cloudckpt.storage.backend import Backend
 from cloudckpt.storage.retry import describe, is_transient, status_of
 from cloudckpt.util.crc import Crc32c
 
@@ -39,8 +40,10 @@ class _Resume(_SinkError):
 
 
 class RangeReadMixin:
-    """``read_range_to`` over the store's ``path``, ``_iter_range``, ``_call`` and
+    """``read_range_to`` over the store's ``path``, ``backend``, ``_call`` and
     ``key_uri`` (see base.py)."""
+
+    backend: Backend
 
     def read_range_to(self, key: str, start: int, end: int,
                       sink: Callable[[int, bytes], Any], *, chunk: int = 8 << 20) -> None:
@@ -60,7 +63,7 @@ class RangeReadMixin:
         def attempt() -> None:
             nonlocal pos
             first = pos
-            pieces = self._iter_range(path, pos, end, min(chunk, end - pos))
+            pieces = self.backend.iter_range(path, pos, end, min(chunk, end - pos))
             try:
                 for data in pieces:
                     if not data:
@@ -76,9 +79,9 @@ class RangeReadMixin:
             except _SinkError:
                 raise
             except Exception as exc:
-                if status_of(exc) == 416:  # the object is shorter than the range
+                if status_of(exc, self.backend) == 416:  # shorter than the range
                     raise EOFError(f"{self.key_uri(key)} ends before byte {end}") from exc
-                if pos > first and is_transient(exc):
+                if pos > first and is_transient(exc, self.backend):
                     raise _Resume(exc) from exc
                 raise
             finally:
@@ -95,7 +98,8 @@ class RangeReadMixin:
                 self._call(attempt, "get_range", key)
             except _Resume as exc:
                 log.warning("resuming get_range %s at byte %d of [%d, %d) after: %s",
-                            self.key_uri(key), pos, start, end, describe(exc.error))
+                            self.key_uri(key), pos, start, end,
+                            describe(exc.error, self.backend))
             except _SinkError as exc:
                 failure = exc.error
                 break
@@ -112,7 +116,7 @@ class RangeReadMixin:
         total = sum(v.nbytes for v in views)
         if total == 0:
             return 0
-        readinto = getattr(self, "_readinto_range", None)
+        readinto = getattr(self.backend, "readinto_range", None)
         if readinto is not None:  # a local file: straight into the buffers
             path = self.path(key)
             self._call(lambda: readinto(path, start, views), "get_range", key)

@@ -1,37 +1,82 @@
-"""URI → Store: a small registry of backends keyed by URL scheme."""
+"""URI → Store: backends found by URL scheme.
+
+A scheme's backend is, in this order: one given to :func:`register_backend`, a
+built-in one (below), one a package declares as an entry point in the group
+``cloudckpt.backends`` (name: the scheme; value: ``"module:Class"``), or else
+the generic fsspec backend where fsspec knows the scheme. Targets are imported
+on first use, so that e.g. gcsfs loads only when a ``gs://`` URI is opened.
+
+A target is a backend class (:mod:`.backend`), held by a plain :class:`Store`;
+a :class:`Store` subclass naming its own (``backend_class``) is built as itself.
+"""
 
 from __future__ import annotations
 
 import difflib
 import importlib
 import os
+import threading
 from collections.abc import Mapping
+from importlib.metadata import entry_points
 from typing import Any
 
 from cloudckpt.errors import ConfigError
+from cloudckpt.storage import gcs_errors, retry, s3_errors
 from cloudckpt.storage.base import Store
 from cloudckpt.storage.keys import collapse_slashes
 from cloudckpt.storage.options import STORE_OPTIONS, own_options, parse_options
 
-__all__ = ["STORE_OPTIONS", "as_store", "open_store", "parse_options", "register_backend",
-           "split_uri"]
+__all__ = ["ENTRY_POINT_GROUP", "STORE_OPTIONS", "as_store", "open_store", "parse_options",
+           "register_backend", "schemes_like", "split_uri"]
 
-# scheme -> "module:Class"; imported lazily so that e.g. gcsfs loads only when used.
+#: The entry-point group third-party backends are declared in.
+ENTRY_POINT_GROUP = "cloudckpt.backends"
+
+# scheme -> "module:Class": the built-in backends, and those registered since.
 _BACKENDS: dict[str, str] = {
-    "file": "cloudckpt.storage.file:FileStore",
-    "local": "cloudckpt.storage.file:FileStore",
-    "memory": "cloudckpt.storage.memory:MemoryStore",
-    "s3": "cloudckpt.storage.s3:S3Store",
-    "s3a": "cloudckpt.storage.s3:S3Store",
-    "gs": "cloudckpt.storage.gcs:GCSStore",
-    "gcs": "cloudckpt.storage.gcs:GCSStore",
+    "file": "cloudckpt.storage.file:FileBackend",
+    "local": "cloudckpt.storage.file:FileBackend",
+    "memory": "cloudckpt.storage.memory:MemoryBackend",
+    "s3": "cloudckpt.storage.s3:S3Backend",
+    "s3a": "cloudckpt.storage.s3:S3Backend",
+    "gs": "cloudckpt.storage.gcs:GCSBackend",
+    "gcs": "cloudckpt.storage.gcs:GCSBackend",
 }
+
+# A failure whose backend is not named (cloudckpt.storage.is_transient(exc), the
+# description of an error from anywhere) is judged by the built-in backends' rules;
+# those modules import no client library.
+retry.add_fallback(s3_errors.classify)
+retry.add_fallback(gcs_errors.classify)
+
+_entry_points: dict[str, str] | None = None
+_entry_lock = threading.Lock()
 
 
 def register_backend(scheme: str, target: str) -> None:
-    """Register ``"module:Class"`` (a :class:`Store` subclass) for a URL scheme; the
-    class lists ``scheme`` in its ``protocols`` (or lists none: any scheme)."""
+    """Register ``"module:Class"`` for a URL scheme: a backend class (see
+    :mod:`cloudckpt.storage.backend`) that lists ``scheme`` in its ``protocols``
+    (or lists none: any scheme), or a :class:`Store` subclass naming one. Replaces
+    a built-in or entry-point backend of that scheme."""
     _BACKENDS[scheme] = target
+
+
+def _declared() -> dict[str, str]:
+    """scheme -> "module:Class" of the entry points in :data:`ENTRY_POINT_GROUP` of
+    every installed distribution (read once per process)."""
+    global _entry_points
+    with _entry_lock:
+        if _entry_points is None:
+            _entry_points = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+        return _entry_points
+
+
+def schemes_like(scheme: str) -> tuple[str, ...]:
+    """Every URL scheme the backend of ``scheme`` serves, ``scheme`` first
+    (``"s3"`` -> ``("s3", "s3a")``); for code that accepts one kind of store."""
+    table = {**_declared(), **_BACKENDS}
+    target = table.get(scheme)
+    return (scheme, *(s for s, t in table.items() if t == target and s != scheme))
 
 
 def split_uri(uri: str) -> tuple[str, str]:
@@ -75,9 +120,9 @@ def open_store(uri: str, storage_options: Mapping[str, Any] | None = None) -> St
     given here come from the standard places (``AWS_*`` variables, ``~/.aws``,
     ``STORAGE_EMULATOR_HOST``, application default credentials).
 
-    Every backend is built the same way: ``Backend(root, protocol=scheme,
-    storage_options=..., retry=..., max_concurrency=..., part_size=...)``, and
-    checks its own storage options.
+    Every store is built the same way: ``Store(root, Backend, protocol=scheme,
+    storage_options=..., retry=..., max_concurrency=..., part_size=...)``, and its
+    backend checks its own storage options.
 
     Raises :class:`ConfigError` for an unknown URL scheme, an option the backend
     does not know, or a value of the wrong type.
@@ -86,18 +131,21 @@ def open_store(uri: str, storage_options: Mapping[str, Any] | None = None) -> St
     options = dict(storage_options or {})
     own = own_options(options)
     cls = _backend(scheme, uri)
-    return cls(root, protocol=scheme, storage_options=options, **own)
+    if isinstance(cls, type) and issubclass(cls, Store):
+        return cls(root, protocol=scheme, storage_options=options, **own)
+    return Store(root, cls, protocol=scheme, storage_options=options, **own)
 
 
-def _backend(scheme: str, uri: str) -> type[Store]:
-    """The Store class for ``scheme``: a registered one, else the generic fsspec one
-    where fsspec knows the scheme."""
-    target = _BACKENDS.get(scheme)
+def _backend(scheme: str, uri: str) -> Any:
+    """The backend class (or Store subclass) for ``scheme``: a registered or built-in
+    one, one an entry point declares, else the generic fsspec one where fsspec knows
+    the scheme."""
+    target = _BACKENDS.get(scheme) or _declared().get(scheme)
     if target is None:
-        from cloudckpt.storage.fsspec_generic import FsspecStore
+        from cloudckpt.storage.fsspec_generic import FsspecGenericBackend
 
         _check_protocol(scheme, uri)
-        return FsspecStore
+        return FsspecGenericBackend
     module, _, name = target.partition(":")
     return getattr(importlib.import_module(module), name)
 
@@ -111,7 +159,8 @@ def _check_protocol(scheme: str, uri: str) -> None:
         raise ConfigError(f"{uri}: the {scheme}:// filesystem needs a package that is not "
                           f"installed ({exc})") from None
     except ValueError:
-        known = sorted(set(_BACKENDS) | {"hdfs", "abfs", "az", "sftp", "http", "https"})
+        known = sorted(set(_BACKENDS) | set(_declared())
+                       | {"hdfs", "abfs", "az", "sftp", "http", "https"})
         close = difflib.get_close_matches(scheme, known, n=1, cutoff=0.5)
         hint = f" Did you mean {close[0]}://?" if close else ""
         raise ConfigError(f"unknown URL scheme {scheme}:// in {uri}.{hint} cloudckpt stores "

@@ -5,17 +5,27 @@ connection resets, timeouts) are retried; anything else fails at once with a
 :class:`~cloudckpt.errors.StorageError` that says what to check. Missing
 objects are not failures of the store: ``FileNotFoundError`` passes through
 untouched so callers can turn it into their own error.
+
+What a failure *is* comes in two halves. The rules here know what any Python
+HTTP or file client raises (connection errors, timeouts, errnos, an aiohttp
+response's status). What only a backend knows (its SDK's error codes, how it
+reports a status or missing credentials) it says itself: every function below
+takes the backend as ``errors``, something with ``classify(exc)`` returning a
+:class:`Classified` for one exception of a chain (None: nothing to say). With
+no backend named, the rules the registry collected from the built-in backends
+apply (:func:`add_fallback`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import errno
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 from urllib.parse import quote, quote_plus
 
 import tenacity
@@ -34,18 +44,78 @@ log = logging.getLogger("cloudckpt.storage")
 T = TypeVar("T")
 
 _TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
-_TRANSIENT_CODES = {
-    "SlowDown",
-    "Throttling",
-    "ThrottlingException",
-    "TooManyRequests",
-    "RequestLimitExceeded",
-    "RequestTimeout",
-    "InternalError",
-    "ServiceUnavailable",
-    "OperationAborted",
-}
 _TRANSIENT_ERRNO = {errno.EBUSY, errno.EREMOTEIO, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET}
+#: Generic HTTP clients whose connection failures are named, not typed, alike.
+_HTTP_CLIENTS = ("aiohttp", "urllib3", "requests")
+_CONNECTION_WORDS = ("Connection", "Timeout", "Payload", "Disconnected", "IncompleteRead",
+                     "ReadTimeout", "ProxyError")
+
+
+class Failure(enum.Enum):
+    """What a backend knows one of its failures to be, beyond its HTTP status."""
+
+    #: Worth retrying, whatever the status says (throttling by code, a dropped
+    #: connection, a token service's hiccup behind a 401).
+    TRANSIENT = "transient"
+    #: Refused for the credentials or the permissions they carry.
+    DENIED = "denied"
+    #: No credentials were found, so no request was sent.
+    NO_CREDENTIALS = "no credentials"
+    #: The object (or bucket) does not exist: raised as ``FileNotFoundError``.
+    NOT_FOUND = "not found"
+    #: Refused by the client before sending (a malformed bucket name or option):
+    #: raised as :class:`~cloudckpt.errors.ConfigError`.
+    INVALID = "invalid"
+
+
+@dataclass(frozen=True)
+class Classified:
+    """A backend's word on one exception of a failure's chain."""
+
+    #: What it is, where the status alone does not tell (None: the generic rules decide).
+    failure: Failure | None = None
+    #: The HTTP status behind it, if the backend knows one.
+    status: int | None = None
+    #: The service's error code (``"SlowDown"``), for messages.
+    code: str | None = None
+    #: What to do about it, in the backend's words (said for ``NO_CREDENTIALS``).
+    hint: str | None = None
+
+
+class Classifier(Protocol):
+    """Anything that classifies its own exceptions: every backend."""
+
+    def classify(self, exc: BaseException) -> Classified | None: ...
+
+
+_fallback: list[Callable[[BaseException], Classified | None]] = []
+
+
+def add_fallback(classify: Callable[[BaseException], Classified | None]) -> None:
+    """Have ``classify`` judge failures whose backend is not named (the registry adds
+    the built-in backends' rules, so ``is_transient(exc)`` knows S3's and GCS's
+    errors wherever they come from)."""
+    if classify not in _fallback:
+        _fallback.append(classify)
+
+
+def _classify(e: BaseException, errors: Classifier | None) -> Classified | None:
+    if errors is not None:
+        return errors.classify(e)
+    for classify in _fallback:
+        verdict = classify(e)
+        if verdict is not None:
+            return verdict
+    return None
+
+
+def _verdicts(exc: BaseException, errors: Classifier | None) -> list[Classified]:
+    return [v for e in _chain(exc) if (v := _classify(e, errors)) is not None]
+
+
+def failures(exc: BaseException, errors: Classifier | None = None) -> set[Failure]:
+    """Every :class:`Failure` the backend sees in ``exc``'s chain."""
+    return {v.failure for v in _verdicts(exc, errors) if v.failure is not None}
 
 
 @dataclass(frozen=True)
@@ -67,8 +137,10 @@ class RetryPolicy:
         if self.deadline <= 0 or self.initial_backoff < 0 or self.max_backoff < 0:
             raise ValueError("RetryPolicy times must be positive")
 
-    def call(self, fn: Callable[[], T], *, op: str, key: str) -> T:
-        """Run ``fn`` under this policy; ``op`` and ``key`` name it in logs and errors."""
+    def call(self, fn: Callable[[], T], *, op: str, key: str,
+             errors: Classifier | None = None) -> T:
+        """Run ``fn`` under this policy; ``op`` and ``key`` name it in logs and errors,
+        and ``errors`` (the backend) classifies what it raises."""
         start = time.monotonic()
         retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(self.max_attempts)
@@ -76,8 +148,8 @@ class RetryPolicy:
             wait=tenacity.wait_random_exponential(
                 multiplier=self.initial_backoff, max=self.max_backoff
             ),
-            retry=tenacity.retry_if_exception(is_transient),
-            before_sleep=lambda rs: _log_retry(rs, op, key, self.max_attempts),
+            retry=tenacity.retry_if_exception(lambda exc: is_transient(exc, errors)),
+            before_sleep=lambda rs: _log_retry(rs, op, key, self.max_attempts, errors),
             reraise=True,
         )
 
@@ -90,13 +162,22 @@ class RetryPolicy:
         except (CloudCkptError, FileNotFoundError, FileExistsError, EOFError):
             raise
         except Exception as exc:  # noqa: BLE001 - every other failure is a storage failure
-            if type(exc).__name__ == "ParamValidationError":  # botocore, before sending
-                raise ConfigError(f"{op} {key}: {describe(exc)}; check the URI (bucket "
+            verdict = _classify(exc, errors)
+            failure = verdict.failure if verdict is not None else None
+            if failure is Failure.INVALID:  # refused by the client, before sending
+                raise ConfigError(f"{op} {key}: {describe(exc, errors)}; check the URI (bucket "
                                   "name) and the storage options") from exc
-            raise _storage_error(exc, op, key, time.monotonic() - start) from exc
+            if failure is Failure.NOT_FOUND:
+                raise FileNotFoundError(f"{key}: {describe(exc, errors)}") from exc
+            raise _storage_error(exc, op, key, time.monotonic() - start, errors) from exc
 
 
-def _log_retry(state: tenacity.RetryCallState, op: str, key: str, max_attempts: int) -> None:
+#: One attempt, bounded: for clean-ups after a failure, which must not hide it.
+ONE_TRY = RetryPolicy(max_attempts=1, deadline=10.0)
+
+
+def _log_retry(state: tenacity.RetryCallState, op: str, key: str, max_attempts: int,
+               errors: Classifier | None) -> None:
     exc = state.outcome.exception() if state.outcome else None
     log.warning(
         "retrying %s %s after attempt %d/%d failed: %s (sleeping %.2fs)",
@@ -104,33 +185,37 @@ def _log_retry(state: tenacity.RetryCallState, op: str, key: str, max_attempts: 
         key,
         state.attempt_number,
         max_attempts,
-        describe(exc),
+        describe(exc, errors),
         state.next_action.sleep if state.next_action else 0.0,
     )
 
 
-def _storage_error(exc: BaseException, op: str, key: str, elapsed: float) -> StorageError:
-    return storage_error(exc, f"{op} {key}", f"after {elapsed:.1f}s")
+def _storage_error(exc: BaseException, op: str, key: str, elapsed: float,
+                   errors: Classifier | None) -> StorageError:
+    return storage_error(exc, f"{op} {key}", f"after {elapsed:.1f}s", errors)
 
 
-def storage_error(exc: BaseException, what: str, when: str = "") -> StorageError:
+def storage_error(exc: BaseException, what: str, when: str = "",
+                  errors: Classifier | None = None) -> StorageError:
     """The cloudckpt error for a failure of ``what`` (e.g. ``"put s3://b/k"``): its
     class and hint say what to check, by what the failure was."""
-    cause = describe(exc)
+    cause = describe(exc, errors)
     failed = f"{what} failed{' ' + when if when else ''}: {cause}"
-    if _no_credentials(exc):
-        return AccessDeniedError(
-            f"{what}: no credentials were found, so no request was sent ({cause}). Set "
-            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, ~/.aws, an "
-            "instance role), or pass the key and secret storage options")
+    verdicts = _verdicts(exc, errors)
+    for v in verdicts:
+        if v.failure is Failure.NO_CREDENTIALS:
+            hint = v.hint or "Configure the credentials of the store"
+            return AccessDeniedError(
+                f"{what}: no credentials were found, so no request was sent ({cause}). {hint}")
     if any(isinstance(e, OSError) and e.errno in _DISK_FULL_ERRNO for e in _chain(exc)):
         return DiskFullError(
             f"{failed}; the local disk is full, a quota is reached, or a file exceeds the "
             "file size limit (ulimit -f). Free space, or write somewhere else")
-    if is_transient(exc):
+    if is_transient(exc, errors):
         hint = ("the store kept failing with transient errors; check that the endpoint is "
                 "reachable and not throttling, or raise RetryPolicy.deadline/max_attempts")
-    elif status_of(exc) in (401, 403) or isinstance(exc, PermissionError):
+    elif (status_of(exc, errors) in (401, 403) or isinstance(exc, PermissionError)
+          or any(v.failure is Failure.DENIED for v in verdicts)):
         return AccessDeniedError(f"{failed}; access was denied; check the credentials and "
                                  "the bucket's permissions")
     elif _unreachable(exc):
@@ -143,15 +228,10 @@ def storage_error(exc: BaseException, what: str, when: str = "") -> StorageError
 _DISK_FULL_ERRNO = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
 
 
-def _no_credentials(exc: BaseException) -> bool:
-    # botocore raises these before any request is sent.
-    return any(type(e).__name__ in ("NoCredentialsError", "PartialCredentialsError")
-               for e in _chain(exc))
-
-
 def _unreachable(exc: BaseException) -> bool:
+    # aiohttp's ClientConnectorError and ClientConnectorDNSError, and their like.
     return any("DNS" in type(e).__name__ or "Connector" in type(e).__name__
-               or "EndpointConnectionError" == type(e).__name__ for e in _chain(exc))
+               for e in _chain(exc))
 
 
 def _chain(exc: BaseException | None) -> Iterator[BaseException]:
@@ -162,80 +242,46 @@ def _chain(exc: BaseException | None) -> Iterator[BaseException]:
         exc = exc.__cause__ or exc.__context__
 
 
-def status_of(exc: BaseException) -> int | None:
-    """The HTTP status behind an error (botocore, gcsfs, aiohttp), if any."""
+def status_of(exc: BaseException, errors: Classifier | None = None) -> int | None:
+    """The HTTP status behind an error (the backend's word, or an aiohttp
+    response's status), if any."""
     for e in _chain(exc):
-        if _is_gcsfs_forbidden(e):
-            return 403
-        response = getattr(e, "response", None)
-        if isinstance(response, dict):
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if status:
-                return int(status)
-        code = getattr(e, "code", None)  # gcsfs HttpError
-        # (not aiohttp's HttpProcessingError family: a body cut short is
-        # ContentLengthError/ClientPayloadError with code=400, not an HTTP 400)
-        if _is_aiohttp(e):
-            code = None
-        if isinstance(code, int) and 100 <= code < 600:
-            return code
+        verdict = _classify(e, errors)
+        if verdict is not None and verdict.status is not None:
+            return verdict.status
         status = getattr(e, "status", None)  # aiohttp ClientResponseError
         if isinstance(status, int) and 100 <= status < 600:
             return status
     return None
 
 
-def _is_gcsfs_forbidden(exc: BaseException) -> bool:
-    # gcsfs answers a 403 with a bare OSError("Forbidden: <url>\n<message>").
-    return type(exc) is OSError and exc.errno is None and str(exc).startswith("Forbidden: ")
+def _error_code(exc: BaseException, errors: Classifier | None) -> str | None:
+    return next((v.code for v in _verdicts(exc, errors) if v.code), None)
 
 
-def _is_aiohttp(exc: BaseException) -> bool:
-    return type(exc).__module__.split(".")[0] == "aiohttp" and not hasattr(exc, "status")
-
-
-def _error_code(exc: BaseException) -> str | None:
-    for e in _chain(exc):
-        response = getattr(e, "response", None)
-        if isinstance(response, dict):
-            code = response.get("Error", {}).get("Code")
-            if code:
-                return str(code)
-    return None
-
-
-def is_transient(exc: BaseException) -> bool:
+def is_transient(exc: BaseException, errors: Classifier | None = None) -> bool:
     """True for failures worth retrying: throttling, 5xx, resets, timeouts."""
     if isinstance(exc, (CloudCkptError, FileNotFoundError, FileExistsError, PermissionError,
                         EOFError)):
         return False
-    if _token_refresh_failed(exc):
+    said = failures(exc, errors)
+    if Failure.TRANSIENT in said:
         return True
-    status = status_of(exc)
+    if said:  # denied, no credentials, not found, invalid: retrying changes nothing
+        return False
+    status = status_of(exc, errors)
     if status is not None:
         return status in _TRANSIENT_STATUS
-    if _error_code(exc) in _TRANSIENT_CODES:
-        return True
     for e in _chain(exc):
         if isinstance(e, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
             return True
-        if type(e).__module__.split(".")[0] in ("aiohttp", "botocore", "urllib3", "requests"):
+        if type(e).__module__.split(".")[0] in _HTTP_CLIENTS:
             name = type(e).__name__
-            if any(w in name for w in ("Connection", "Timeout", "Payload", "Disconnected",
-                                       "IncompleteRead", "ReadTimeout", "ProxyError")):
+            if any(w in name for w in _CONNECTION_WORDS):
                 return True
         if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNO:
             return True
     return False
-
-
-def _token_refresh_failed(exc: BaseException) -> bool:
-    # gcsfs turns a failed token refresh (metadata server or OAuth endpoint busy)
-    # into an HTTP 401, chained from google.auth's RefreshError or TransportError:
-    # that is the token service's hiccup, not bad credentials.
-    return any(type(e).__module__.startswith("google.auth")
-               and type(e).__name__ in ("RefreshError", "TransportError")
-               for e in _chain(exc))
 
 
 def mask_secrets(text: str, secrets: Iterable[str]) -> str:
@@ -247,12 +293,12 @@ def mask_secrets(text: str, secrets: Iterable[str]) -> str:
     return text
 
 
-def describe(exc: BaseException | None) -> str:
+def describe(exc: BaseException | None, errors: Classifier | None = None) -> str:
     """A one-line description of an error, with its HTTP status and code when known."""
     if exc is None:
         return "unknown error"
     parts = [type(exc).__name__]
-    status, code = status_of(exc), _error_code(exc)
+    status, code = status_of(exc, errors), _error_code(exc, errors)
     if status:
         parts.append(f"HTTP {status}")
     if code:

@@ -8,30 +8,33 @@ sent in parallel and retried one by one.
 Retries are ours alone (:mod:`cloudckpt.storage.retry`): botocore's and
 s3fs's own retry loops are set to a single attempt unless the caller
 configures them, so a failure is retried, logged and bounded in one place.
+What botocore's errors mean is in :mod:`.s3_errors`; the storage options s3fs
+gets, and the masking of credentials in botocore's logs, in :mod:`.s3_options`.
 """
 
 from __future__ import annotations
 
 import base64
-import copy
 import hashlib
 import logging
-import os
-import threading
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import s3fs
 from fsspec.asyn import sync
 
-from cloudckpt.errors import ConfigError, StorageError
-from cloudckpt.storage import conditional
+from cloudckpt.errors import StorageError
+from cloudckpt.storage import s3_errors
+from cloudckpt.storage.backend import Backend, Host
 from cloudckpt.storage.base import Store
 from cloudckpt.storage.objects import ObjectInfo
 from cloudckpt.storage.options import init_options
-from cloudckpt.storage.parts import _ONE_TRY, PartBody, PartWriter
+from cloudckpt.storage.parts import PartBody, PartWriter
+from cloudckpt.storage.primitives import FsspecBackend
 from cloudckpt.storage.ranges import read_upto
-from cloudckpt.storage.retry import mask_secrets, status_of
+from cloudckpt.storage.retry import ONE_TRY, status_of
+from cloudckpt.storage.s3_errors import error_code as _code
+from cloudckpt.storage.s3_options import create_only_header, mask_credentials, s3fs_options
 from cloudckpt.storage.writers import RawWriter
 from cloudckpt.util.crc import Buffer, Crc32c, crc32c_hex
 
@@ -45,50 +48,13 @@ MIN_PART_SIZE = 5 * 1024 * 1024
 #: The largest object one CopyObject copies, and the largest part.
 MAX_COPY_OBJECT = 5 * 1024 * 1024 * 1024
 
-# botocore's DEBUG lines carry the session token (the request headers it sends and
-# the canonical request it signs); these loggers get a filter that masks every
-# credential an S3Store was given, so `cloudckpt -vv` output is safe to share.
-_LEAKY_LOGGERS = ("botocore.auth", "botocore.endpoint", "aiobotocore.endpoint")
-_secrets: tuple[str, ...] = ()  # replaced whole under the lock, read without it
-_secrets_lock = threading.Lock()
-
-
-class _MaskSecrets(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        secrets = _secrets
-        if secrets:
-            message = record.getMessage()
-            masked = mask_secrets(message, secrets)
-            if masked != message:
-                record.msg, record.args = masked, None
-        return True
-
-
-_MASK = _MaskSecrets()
-
-
-def _mask_credentials(options: dict[str, Any]) -> None:
-    """Register the credentials in ``options`` (and the environment's) for masking."""
-    global _secrets
-    client = options.get("client_kwargs")
-    client = client if isinstance(client, dict) else {}
-    found = [options.get("secret"), options.get("token"),
-             client.get("aws_secret_access_key"), client.get("aws_session_token"),
-             os.environ.get("AWS_SECRET_ACCESS_KEY"), os.environ.get("AWS_SESSION_TOKEN")]
-    new = {v for v in found if isinstance(v, str) and len(v) >= 8} - set(_secrets)
-    if new:
-        with _secrets_lock:
-            if not _secrets:
-                for name in _LEAKY_LOGGERS:
-                    logging.getLogger(name).addFilter(_MASK)
-            _secrets = (*_secrets, *new)
-
-
-class S3Store(Store):
+class S3Backend(FsspecBackend):
     """Objects in an S3 bucket, below an optional key prefix."""
 
     protocols: ClassVar[tuple[str, ...]] = ("s3", "s3a")
     native_conditional_writes: ClassVar[bool] = True
+    probe_stale_version: ClassVar[str | None] = '"00000000000000000000000000000000"'
+    classify = staticmethod(s3_errors.classify)
 
     @classmethod
     def filesystem_options(cls) -> frozenset[str] | None:
@@ -97,12 +63,12 @@ class S3Store(Store):
     def _read_options(self, scheme: str, options: dict[str, Any]) -> dict[str, Any]:
         # The store's own create-only header (e.g. Alibaba OSS's
         # "x-oss-forbid-overwrite: true"), sent instead of If-None-Match: *.
-        self.create_only_header = _header(options.pop("create_only_header", None))
+        self.create_only_header = create_only_header(options.pop("create_only_header", None))
         return super()._read_options(scheme, options)
 
     def _filesystem(self, options: dict[str, Any]) -> s3fs.S3FileSystem:
-        _mask_credentials(options)
-        fs = s3fs.S3FileSystem(**_s3fs_options(options, self.max_concurrency))
+        mask_credentials(options)
+        fs = s3fs.S3FileSystem(**s3fs_options(options, self.max_concurrency))
         fs.retries = 1  # one attempt per s3fs call: retries are ours (see module doc)
         # For servers without flexible checksums, botocore's own switch turns ours off too.
         config = options.get("config_kwargs") or {}
@@ -117,44 +83,45 @@ class S3Store(Store):
         bucket, key = self._split(path)
         return sync(self.fs.loop, self.fs._call_s3, method, Bucket=bucket, Key=key, **kw)
 
-    def _put(self, path: str, data: Buffer, **cond: str) -> str:
+    def put(self, path: str, data: Buffer, **cond: str) -> str:
         # botocore takes bytes, bytearray or a file; a view goes as a file (no copy).
         body = PartBody(data) if isinstance(data, memoryview) else data
         return self._s3("put_object", path, Body=body, **cond)["ETag"]
 
-    def _put_checked(self, path: str, data: Buffer, crc32c: str) -> str:
+    def put_checked(self, path: str, data: Buffer, crc32c: str) -> str:
         # Send the CRC32C we already have: S3 verifies it against the bytes it
         # received (and keeps it), and botocore then skips hashing the body
         # again for its default CRC32 -- a full pass over the data saved.
-        key = self._probe_key()
+        key = self.cache_key(path)
         if not self._send_checksums or key in _CHECKSUM_REFUSED:
-            return self._put(path, data)
+            return self.put(path, data)
         try:
-            return self._put(path, data, ChecksumCRC32C=_b64_crc(crc32c))
+            return self.put(path, data, ChecksumCRC32C=_b64_crc(crc32c))
         except OSError as exc:
             code = _code(exc) or ""
-            if status_of(exc) != 400 or "Digest" in code or "Mismatch" in code:
+            if status_of(exc, self) != 400 or "Digest" in code or "Mismatch" in code:
                 raise  # a checksum that did not match is never retried without it
-            version = self._put(path, data)  # the store refuses the header, not the bytes
+            version = self.put(path, data)  # the store refuses the header, not the bytes
         if key not in _CHECKSUM_REFUSED:
             _CHECKSUM_REFUSED.add(key)
             log.warning("%s refuses the x-amz-checksum-crc32c header (HTTP 400: %s); writes "
                         "there go without it, and the CRC32C is kept in the manifest only "
-                        "(checked on every read)", self.bucket_uri(), code or "no code")
+                        "(checked on every read)", self.uri_of(self._split(path)[0]),
+                        code or "no code")
         return version
 
-    def _get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+    def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         if start is None and end is None:
             # One GET. s3fs's cat_file sends a HEAD first to learn the size (and
             # splits objects over 50 MiB into ranged GETs): two requests per object.
-            return self._get_versioned(path)[0]
-        return super()._get(path, start, end)
+            return self.get_versioned(path)[0]
+        return super().get(path, start, end)
 
-    def _probe_key(self) -> tuple[str, ...]:
+    def cache_key(self, root: str) -> tuple[str, ...]:
         # A store told to send its own create-only header is probed for that header.
-        return (*super()._probe_key(), repr(self.create_only_header))
+        return (*super().cache_key(root), repr(self.create_only_header))
 
-    def _put_if_absent(self, path: str, data: Buffer) -> str:
+    def put_if_absent(self, path: str, data: Buffer) -> str:
         if self.create_only_header is not None:
             self._own_create_only_header()
         return self._conditional_put(path, data, IfNoneMatch="*")
@@ -173,12 +140,12 @@ class S3Store(Store):
         client.meta.events.register("before-sign.s3.PutObject", swap,
                                     unique_id=f"cloudckpt-create-only-{name}")
 
-    def _put_if_match(self, path: str, data: Buffer, version: str) -> str:
+    def put_if_match(self, path: str, data: Buffer, version: str) -> str:
         return self._conditional_put(path, data, IfMatch=version)
 
     def _conditional_put(self, path: str, data: Buffer, **cond: str) -> str:
         try:
-            return self._put(path, data, **cond)
+            return self.put(path, data, **cond)
         except FileNotFoundError:
             if "IfMatch" in cond:  # the object vanished: the CAS lost
                 raise FileExistsError(path) from None
@@ -192,10 +159,7 @@ class S3Store(Store):
                 raise FileExistsError(path) from exc
             raise
 
-    def _probe_conditionals(self) -> str:
-        return conditional.probe(self, '"00000000000000000000000000000000"')
-
-    def _get_versioned(self, path: str) -> tuple[bytes, str]:
+    def get_versioned(self, path: str) -> tuple[bytes, str]:
         async def read() -> tuple[bytes, str]:
             bucket, key = self._split(path)
             resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
@@ -204,17 +168,17 @@ class S3Store(Store):
 
         return sync(self.fs.loop, read)
 
-    def _version_of(self, info: dict[str, Any]) -> str | None:
+    def version_of(self, info: Mapping[str, Any]) -> str | None:
         return info.get("ETag")
 
-    def _bucket_exists(self) -> bool | None:
+    def bucket_exists(self, root: str) -> bool | None:
         try:
-            sync(self.fs.loop, self.fs._call_s3, "head_bucket", Bucket=self._split(self.root)[0])
+            sync(self.fs.loop, self.fs._call_s3, "head_bucket", Bucket=self._split(root)[0])
         except FileNotFoundError:
             return False
         return True
 
-    def _delete(self, paths: list[str]) -> None:
+    def delete(self, paths: list[str], root: str) -> None:
         # DeleteObjects with literal keys: s3fs's rm() expands glob characters, so a
         # key like "exp[lr=0.1]/a.bin" would be taken for a pattern.
         by_bucket: dict[str, list[str]] = {}
@@ -234,17 +198,17 @@ class S3Store(Store):
         for p in paths:
             self.fs.invalidate_cache(p)
 
-    def _open_writer(self, path: str) -> RawWriter:
-        return _MultipartWriter(self, path)
+    def open_writer(self, path: str, host: Host) -> RawWriter:
+        return _MultipartWriter(self, host, path)
 
     # ------------------------------------------------ ranges, server-side copy
 
     #: Objects above this size are copied server-side as UploadPartCopy parts in
     #: parallel; smaller ones by one CopyObject (limit 5 GiB), whose speed is one
-    #: request's. Set on an instance to tune.
+    #: request's. Set on a store's backend (``store.backend``) to tune.
     copy_part_threshold: int = 512 * 1024 * 1024
 
-    def _iter_range(self, path: str, start: int, end: int, chunk: int) -> Iterator[bytes]:
+    def iter_range(self, path: str, start: int, end: int, chunk: int) -> Iterator[bytes]:
         # One ranged GET whose body is read a piece at a time: one request however
         # long the range, one piece in memory.
         bucket, key = self._split(path)
@@ -260,13 +224,13 @@ class S3Store(Store):
         finally:
             sync(self.fs.loop, _close_body, body)
 
-    def can_copy_from(self, src: Store) -> bool:
+    def can_copy_from(self, other: Backend) -> bool:
         # CopyObject reads the source with the destination's credentials: only on one
         # endpoint with the same ones is that sure to work.
-        return self._same_service(src)
+        return self.same_service(other)
 
-    def _copy(self, src_path: str, path: str, size: int) -> ObjectInfo:
-        return _ServerCopy(self, src_path, path, size).run()
+    def copy(self, src_path: str, path: str, size: int, host: Host) -> ObjectInfo:
+        return _ServerCopy(self, host, src_path, path, size).run()
 
 
 async def _close_body(body: Any) -> None:
@@ -285,21 +249,23 @@ class _ServerCopy:
     otherwise the CRC32C is reported as unknown and the caller reads the copy back.
     """
 
-    def __init__(self, store: S3Store, src_path: str, path: str, size: int) -> None:
-        self.store = store
+    def __init__(self, backend: S3Backend, host: Host, src_path: str, path: str,
+                 size: int) -> None:
+        self.backend = backend
+        self.host = host
         self.path = path
         self.size = size
-        bucket, key = store._split(src_path)
+        bucket, key = backend._split(src_path)
         self.source = {"Bucket": bucket, "Key": key}
-        self.checksum = {"ChecksumAlgorithm": "CRC32C"} if store._send_checksums else {}
+        self.checksum = {"ChecksumAlgorithm": "CRC32C"} if backend._send_checksums else {}
 
     def _retry(self, op: str, fn: Any) -> Any:
-        return self.store.retry.call(fn, op=op, key=f"s3://{self.path}")
+        return self.host.retry.call(fn, op=op, key=f"s3://{self.path}", errors=self.backend)
 
     def run(self) -> ObjectInfo:
-        s3 = self.store._s3
+        s3 = self.backend._s3
         parts: list[tuple[str | None, int]] | None = None
-        if self.size <= min(self.store.copy_part_threshold, MAX_COPY_OBJECT):
+        if self.size <= min(self.backend.copy_part_threshold, MAX_COPY_OBJECT):
             self._retry("copy", lambda: s3("copy_object", self.path, CopySource=self.source,
                                            **self.checksum))
         else:
@@ -310,7 +276,7 @@ class _ServerCopy:
                           _whole_crc32c(head, parts), head.get("ETag"))
 
     def _copy_parts(self) -> list[tuple[str | None, int]]:
-        store, s3 = self.store, self.store._s3
+        store, s3 = self.host, self.backend._s3
         # About one part per request in flight, within S3's limits: 5 MiB to 5 GiB
         # a part, 10,000 parts.
         part = max(store.part_size, MIN_PART_SIZE, -(-self.size // 10_000),
@@ -351,9 +317,9 @@ class _ServerCopy:
             self._retry("finish copy", complete)
         except BaseException:
             try:
-                _ONE_TRY.call(lambda: s3("abort_multipart_upload", self.path,
+                ONE_TRY.call(lambda: s3("abort_multipart_upload", self.path,
                                          UploadId=upload_id),
-                              op="abort copy", key=f"s3://{self.path}")
+                              op="abort copy", key=f"s3://{self.path}", errors=self.backend)
             except Exception:  # noqa: BLE001 - best effort; lifecycle rules clean up the rest
                 pass
             raise
@@ -394,52 +360,9 @@ def _hex_crc(b64: str) -> str:
     return raw.hex()
 
 
-def _code(exc: BaseException) -> str | None:
-    e: BaseException | None = exc
-    while e is not None:
-        response = getattr(e, "response", None)
-        if isinstance(response, dict):
-            return response.get("Error", {}).get("Code") or str(
-                response.get("ResponseMetadata", {}).get("HTTPStatusCode", "")
-            )
-        e = e.__cause__
-    return None
-
-
 def _b64_crc(crc_hex: str) -> str:
     """8 hex digits -> the base64 of the 4 big-endian bytes S3 headers carry."""
     return base64.b64encode(bytes.fromhex(crc_hex)).decode("ascii")
-
-
-def _header(value: Any) -> tuple[str, str] | None:
-    """``create_only_header``: ``"Name: value"`` or a mapping of one header."""
-    if value is None:
-        return None
-    if isinstance(value, str) and ":" in value:
-        name, _, val = value.partition(":")
-        pair = (name.strip(), val.strip())
-    elif isinstance(value, Mapping) and len(value) == 1:
-        ((name, val),) = value.items()
-        pair = (str(name).strip(), str(val).strip())
-    else:
-        pair = ("", "")
-    if not pair[0] or not pair[1]:
-        raise ConfigError(f"storage option create_only_header must look like "
-                          f"'x-oss-forbid-overwrite: true' (or a one-entry mapping), "
-                          f"got {value!r}")
-    return pair
-
-
-def _s3fs_options(options: dict[str, Any], max_concurrency: int) -> dict[str, Any]:
-    """s3fs options with our defaults filled in where the user set none."""
-    opts = copy.deepcopy(options)
-    config = dict(opts.pop("config_kwargs", None) or {})
-    config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
-    config.setdefault("connect_timeout", 10)
-    config.setdefault("read_timeout", 60)
-    config.setdefault("max_pool_connections", max(2 * max_concurrency, 10))
-    opts["config_kwargs"] = config
-    return opts
 
 
 class _MultipartWriter(PartWriter):
@@ -449,22 +372,22 @@ class _MultipartWriter(PartWriter):
     A small object goes up as one PUT with its CRC32C, which S3 verifies.
     """
 
-    def __init__(self, store: S3Store, path: str) -> None:
-        super().__init__(store, path, max(store.part_size, MIN_PART_SIZE))
-        self._s3store = store
+    def __init__(self, backend: S3Backend, host: Host, path: str) -> None:
+        super().__init__(backend, host, path, max(host.part_size, MIN_PART_SIZE))
+        self._s3backend = backend
         self._upload_id: str | None = None
 
     def _start(self) -> None:
-        self._upload_id = self._s3store._s3("create_multipart_upload", self._path)["UploadId"]
+        self._upload_id = self._s3backend._s3("create_multipart_upload", self._path)["UploadId"]
 
     def _upload(self, number: int, part: memoryview) -> dict[str, Any]:
-        resp = self._s3store._s3("upload_part", self._path, UploadId=self._upload_id,
+        resp = self._s3backend._s3("upload_part", self._path, UploadId=self._upload_id,
                                  PartNumber=number, Body=PartBody(part))
         return {"PartNumber": number, "ETag": resp["ETag"]}
 
     def _finish(self, tokens: list[Any], size: int, crc32c: str) -> None:
         try:
-            self._s3store._s3("complete_multipart_upload", self._path,
+            self._s3backend._s3("complete_multipart_upload", self._path,
                               UploadId=self._upload_id, MultipartUpload={"Parts": tokens})
         except Exception as exc:
             # A completion the server applied but whose response was lost: the retry
@@ -477,8 +400,8 @@ class _MultipartWriter(PartWriter):
         """Whether the object is the one our parts make (its ETag is the MD5 of their
         MD5s; with SSE-KMS ETags are not MD5s, and this says no: the safe answer)."""
         try:
-            head = self._s3store.retry.call(lambda: self._s3store._s3("head_object", self._path),
-                                            op="head", key=self._path)
+            head = self._store.retry.call(lambda: self._s3backend._s3("head_object", self._path),
+                                          op="head", key=self._path, errors=self._s3backend)
             digest = hashlib.md5(b"".join(bytes.fromhex(t["ETag"].strip('"')) for t in tokens),
                                  usedforsecurity=False).hexdigest()
         except Exception:  # noqa: BLE001 - then the original error stands
@@ -487,9 +410,15 @@ class _MultipartWriter(PartWriter):
                 and head.get("ETag", "").strip('"') == f"{digest}-{len(tokens)}")
 
     def _single(self, data: memoryview, size: int, crc32c: str) -> None:
-        self._s3store._put_checked(self._path, data, crc32c)
+        self._s3backend.put_checked(self._path, data, crc32c)
 
-    def _abort_upload(self, store: Store) -> None:
+    def _abort_upload(self, store: Host) -> None:
         if self._upload_id is not None:
-            self._s3store._s3("abort_multipart_upload", self._path, UploadId=self._upload_id)
+            self._s3backend._s3("abort_multipart_upload", self._path, UploadId=self._upload_id)
             self._upload_id = None
+
+
+class S3Store(Store):
+    """A :class:`Store` over an :class:`S3Backend`."""
+
+    backend_class = S3Backend

@@ -2,21 +2,20 @@
 
 :class:`ObjectWriter` is what :meth:`Store.open_write` returns: it counts size and
 CRC32C as data passes and hands the bytes to the backend's :class:`RawWriter`
-(a multipart upload, a temporary file, or :class:`BufferedRawWriter`). A
-:class:`RangeWriter` takes ranges at any offset (:meth:`Store.open_write_at`).
+(a multipart upload, a temporary file, or
+:class:`~cloudckpt.storage.primitives.BufferedRawWriter`), which the Store's
+backend opened. A :class:`RangeWriter` takes ranges at any offset
+(:meth:`Store.open_write_at`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cloudckpt.storage.objects import ObjectInfo, nbytes
 from cloudckpt.storage.stopping import check_stop
 from cloudckpt.util.crc import Buffer, Crc32c
-
-if TYPE_CHECKING:
-    from cloudckpt.storage.base import Store
 
 
 class RangeWriter(ABC):
@@ -89,10 +88,9 @@ class ObjectWriter(CloseOnExit):
     ``with`` block by an exception discards it.
     """
 
-    def __init__(self, store: Store, key: str) -> None:
-        self.store = store
+    def __init__(self, raw: RawWriter, key: str) -> None:
         self.key = key
-        self._raw = store._open_writer(store.path(key))
+        self._raw = raw
         self._crc = Crc32c()
         self.info: ObjectInfo | None = None
         self.closed = False
@@ -136,28 +134,3 @@ class ObjectWriter(CloseOnExit):
         if not self.closed:
             self.closed = True
             self._raw.abort()
-
-
-class BufferedRawWriter(RawWriter):
-    """Collect everything, then one retried ``put`` on commit.
-
-    Right for backends without a cheaper multipart path; memory use is the
-    object's size.
-    """
-
-    def __init__(self, store: Store, path: str) -> None:
-        self._store = store
-        self._path = path
-        self._buf = bytearray()
-
-    def write(self, data: Buffer) -> None:
-        self._buf += data
-
-    def commit(self, size: int, crc32c: str) -> None:
-        data = bytes(self._buf)
-        self._buf = bytearray()
-        self._store.retry.call(lambda: self._store._put_checked(self._path, data, crc32c),
-                               op="put", key=self._path)
-
-    def abort(self) -> None:
-        self._buf = bytearray()

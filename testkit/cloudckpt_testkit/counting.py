@@ -1,7 +1,7 @@
 """A store that counts its requests: ``count://bucket/prefix``, objects in memory.
 
-Every primitive a :class:`~cloudckpt.storage.Store` sends is recorded as the
-S3 request it stands for (``PUT``, ``GET``, ``HEAD``, ``LIST``, ``DELETE``,
+Every primitive a :class:`~cloudckpt.storage.Store` asks of its backend is
+recorded as the S3 request it stands for (``PUT``, ``GET``, ``HEAD``, ``LIST``, ``DELETE``,
 ``COPY``), with the key, the bytes it carried, whether it was conditional,
 the simulated rank that made it (:func:`~cloudckpt_testkit.threadranks.current_rank`)
 and a timestamp. A listing counts one ``LIST`` per page of 1,000 keys and a
@@ -10,6 +10,10 @@ a streamed ranged read is one ``GET`` however it is consumed.
 
 Conditional writes are enforced (the memory backend's), so the counts are
 those of a store that needs no probing.
+
+The ``count://`` scheme is registered by an entry point of this distribution
+(group ``cloudckpt.backends``, see its ``pyproject.toml``): ``open_store`` finds
+it without this module being imported first.
 """
 
 from __future__ import annotations
@@ -21,8 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from cloudckpt.storage import register_backend
-from cloudckpt.storage.memory import MemoryStore
+from cloudckpt.storage.memory import MemoryBackend
 from cloudckpt.util.crc import Buffer
 from cloudckpt_testkit.threadranks import current_rank
 
@@ -82,14 +85,10 @@ def recorder(bucket: str) -> Recorder:
     return _RECORDERS.setdefault(bucket, Recorder())
 
 
-class CountingStore(MemoryStore):
-    """A memory store that records every request it stands for (see the module)."""
+class CountingBackend(MemoryBackend):
+    """A memory backend that records every request it stands for (see the module)."""
 
     protocols: ClassVar[tuple[str, ...]] = ("count",)
-
-    @property
-    def uri(self) -> str:
-        return f"count://{self.root.lstrip('/')}"
 
     @property
     def bucket(self) -> str:
@@ -109,56 +108,53 @@ class CountingStore(MemoryStore):
         with _quietly():
             return fn(*args)
 
-    def _put(self, path: str, data: Buffer) -> str:
+    def put(self, path: str, data: Buffer) -> str:
         self._note("PUT", path, len(memoryview(data).cast("B")))
-        return self._inner(super()._put, path, data)
+        return self._inner(super().put, path, data)
 
-    def _put_if_absent(self, path: str, data: Buffer) -> str:
+    def put_if_absent(self, path: str, data: Buffer) -> str:
         self._note("PUT", path, len(memoryview(data).cast("B")), conditional=True)
-        return self._inner(super()._put_if_absent, path, data)
+        return self._inner(super().put_if_absent, path, data)
 
-    def _put_if_match(self, path: str, data: Buffer, version: str) -> str:
+    def put_if_match(self, path: str, data: Buffer, version: str) -> str:
         self._note("PUT", path, len(memoryview(data).cast("B")), conditional=True)
-        return self._inner(super()._put_if_match, path, data, version)
+        return self._inner(super().put_if_match, path, data, version)
 
-    def _get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
-        data = self._inner(super()._get, path, start, end)
+    def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        data = self._inner(super().get, path, start, end)
         self._note("GET", path, len(data))
         return data
 
-    def _get_versioned(self, path: str) -> tuple[bytes, str]:
-        data, version = self._inner(super()._get_versioned, path)
+    def get_versioned(self, path: str) -> tuple[bytes, str]:
+        data, version = self._inner(super().get_versioned, path)
         self._note("GET", path, len(data))
         return data, version
 
-    def _iter_range(self, path: str, start: int, end: int, chunk: int) -> Iterator[bytes]:
+    def iter_range(self, path: str, start: int, end: int, chunk: int) -> Iterator[bytes]:
         self._note("GET", path, end - start)  # one streamed GET, however many pieces
         with _quietly():
-            yield from super()._iter_range(path, start, end, chunk)
+            yield from super().iter_range(path, start, end, chunk)
 
-    def _head(self, path: str) -> dict[str, Any] | None:
+    def head(self, path: str) -> dict[str, Any] | None:
         self._note("HEAD", path)
-        return self._inner(super()._head, path)
+        return self._inner(super().head, path)
 
-    def _find(self, path: str) -> dict[str, dict[str, Any]]:
-        found = self._inner(super()._find, path)
+    def find(self, path: str) -> dict[str, dict[str, Any]]:
+        found = self._inner(super().find, path)
         self._note("LIST", path + "/", times=-(-len(found) // PAGE))
         return found
 
-    def _ls_dirs(self, path: str) -> list[str]:
-        found = self._inner(super()._ls_dirs, path)
+    def ls_dirs(self, path: str) -> list[str]:
+        found = self._inner(super().ls_dirs, path)
         self._note("LIST", path + "/", times=-(-len(found) // PAGE))
         return found
 
-    def _delete(self, paths: list[str]) -> None:
+    def delete(self, paths: list[str], root: str) -> None:
         for i in range(0, len(paths), PAGE):
             batch = paths[i:i + PAGE]
             self._note("DELETE", batch[0], len(batch))
-        self._inner(super()._delete, paths)
+        self._inner(super().delete, paths, root)
 
-    def _bucket_exists(self) -> bool | None:
+    def bucket_exists(self, root: str) -> bool | None:
         self._note("HEAD", f"/{self.bucket}")
         return True
-
-
-register_backend("count", "cloudckpt_testkit.counting:CountingStore")

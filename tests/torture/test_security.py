@@ -61,6 +61,7 @@ from cloudckpt import dcp as cdcp
 from cloudckpt.core.deletion import delete_checkpoint
 from cloudckpt.core.listing import latest_checkpoint
 from cloudckpt.core.manifest import FileEntry, Manifest, read_manifest_bytes
+from cloudckpt.dcp.metadata import pack_item_crcs
 from cloudckpt.errors import (
     CloudCkptError,
     ConfigError,
@@ -74,7 +75,7 @@ from cloudckpt.movement.transfer import copy_checkpoint
 from cloudckpt.runtime import state as state_module
 from cloudckpt.runtime.state import loads_state
 from cloudckpt.storage import Store
-from cloudckpt.storage.file import FileStore
+from cloudckpt.storage.file import FileBackend
 from cloudckpt.training import snapshot as training
 from cloudckpt.util.crc import crc32c_hex
 
@@ -594,18 +595,18 @@ def test_oversized_manifests_are_refused_unread(local, s3, record) -> None:
     t.report(record, "oversized manifests")
 
 
-class _NoSizeStore(FileStore):
-    """A local store that, like some fsspec backends, cannot tell an object's size."""
+class _NoSizeBackend(FileBackend):
+    """A local backend that, like some fsspec backends, cannot tell an object's size."""
 
-    def _head(self, path: str) -> dict[str, Any] | None:
+    def head(self, path: str) -> dict[str, Any] | None:
         return None
 
 
-class _ZeroSizeStore(FileStore):
-    """A local store whose listings and heads report every size as 0."""
+class _ZeroSizeBackend(FileBackend):
+    """A local backend whose listings and heads report every size as 0."""
 
-    def _head(self, path: str) -> dict[str, Any] | None:
-        raw = super()._head(path)
+    def head(self, path: str) -> dict[str, Any] | None:
+        raw = super().head(path)
         return None if raw is None else {**raw, "size": 0}
 
 
@@ -613,11 +614,11 @@ def test_manifest_read_is_bounded_when_the_store_reports_no_size(tmp_path, recor
     """Without a size to refuse it by, a huge manifest is still never read whole."""
     t = Tally()
     size = 256 * 1024 * 1024
-    for cls in (_NoSizeStore, _ZeroSizeStore):
+    for cls in (_NoSizeBackend, _ZeroSizeBackend):
         t.trials += 1
         root = tmp_path / cls.__name__
         _sparse(root / "huge" / MANIFEST_NAME, size)
-        store = cls(str(root), storage_options={"fsync": False})
+        store = Store(str(root), cls, storage_options={"fsync": False})
         huge = store.child("huge")
         _bounded(t, f"read_manifest_bytes ({cls.__name__})",
                  partial(read_manifest_bytes, huge), size)
@@ -830,7 +831,8 @@ def _evil_tensor_item(store: Store, marker: Path) -> None:
     def fix(doc: dict[str, Any]) -> None:
         for key, body in ((info.relative_path, evil), (cdcp.METADATA_NAME, raw_md)):
             doc["files"][key] = {"size": len(body), "crc32c": crc32c_hex(body)}
-        doc["metadata"]["dcp"]["items"] = {f"{info.relative_path}@0": crc32c_hex(evil)}
+        doc["metadata"]["dcp"]["item_crcs"] = pack_item_crcs(
+            [(info.relative_path, 0, crc32c_hex(evil))])
 
     _rewrite_manifest(store, "", fix)
 

@@ -1,0 +1,85 @@
+"""What the S3 backend makes of its storage options: s3fs's settings with cloudckpt's
+defaults, a store's own create-only header, and the credentials it was given,
+masked in botocore's debug logs.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from cloudckpt.errors import ConfigError
+from cloudckpt.storage.retry import mask_secrets
+
+# botocore's DEBUG lines carry the session token (the request headers it sends and
+# the canonical request it signs); these loggers get a filter that masks every
+# credential an S3 backend was given, so `cloudckpt -vv` output is safe to share.
+_LEAKY_LOGGERS = ("botocore.auth", "botocore.endpoint", "aiobotocore.endpoint")
+_secrets: tuple[str, ...] = ()  # replaced whole under the lock, read without it
+_secrets_lock = threading.Lock()
+
+
+class _MaskSecrets(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        secrets = _secrets
+        if secrets:
+            message = record.getMessage()
+            masked = mask_secrets(message, secrets)
+            if masked != message:
+                record.msg, record.args = masked, None
+        return True
+
+
+_MASK = _MaskSecrets()
+
+
+def mask_credentials(options: dict[str, Any]) -> None:
+    """Register the credentials in ``options`` (and the environment's) for masking."""
+    global _secrets
+    client = options.get("client_kwargs")
+    client = client if isinstance(client, dict) else {}
+    found = [options.get("secret"), options.get("token"),
+             client.get("aws_secret_access_key"), client.get("aws_session_token"),
+             os.environ.get("AWS_SECRET_ACCESS_KEY"), os.environ.get("AWS_SESSION_TOKEN")]
+    new = {v for v in found if isinstance(v, str) and len(v) >= 8} - set(_secrets)
+    if new:
+        with _secrets_lock:
+            if not _secrets:
+                for name in _LEAKY_LOGGERS:
+                    logging.getLogger(name).addFilter(_MASK)
+            _secrets = (*_secrets, *new)
+
+
+def create_only_header(value: Any) -> tuple[str, str] | None:
+    """``create_only_header``: ``"Name: value"`` or a mapping of one header."""
+    if value is None:
+        return None
+    if isinstance(value, str) and ":" in value:
+        name, _, val = value.partition(":")
+        pair = (name.strip(), val.strip())
+    elif isinstance(value, Mapping) and len(value) == 1:
+        ((name, val),) = value.items()
+        pair = (str(name).strip(), str(val).strip())
+    else:
+        pair = ("", "")
+    if not pair[0] or not pair[1]:
+        raise ConfigError(f"storage option create_only_header must look like "
+                          f"'x-oss-forbid-overwrite: true' (or a one-entry mapping), "
+                          f"got {value!r}")
+    return pair
+
+
+def s3fs_options(options: dict[str, Any], max_concurrency: int) -> dict[str, Any]:
+    """s3fs options with our defaults filled in where the user set none."""
+    opts = copy.deepcopy(options)
+    config = dict(opts.pop("config_kwargs", None) or {})
+    config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
+    config.setdefault("connect_timeout", 10)
+    config.setdefault("read_timeout", 60)
+    config.setdefault("max_pool_connections", max(2 * max_concurrency, 10))
+    opts["config_kwargs"] = config
+    return opts
