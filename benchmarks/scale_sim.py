@@ -86,8 +86,8 @@ from cloudckpt import CheckpointManager, ManagerOptions, StepInfo
 from cloudckpt.core.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
 from cloudckpt.dcp.metadata import METADATA_NAME, load_metadata
 from cloudckpt.dcp.reader import SHARED_ITEM_MAX, STREAM_MIN
-from cloudckpt.dcp.records import HEAD_BYTES
 from cloudckpt.dcp.writer import CloudStorageWriter
+from cloudckpt.serialization.records import HEAD_BYTES
 from cloudckpt.storage import Store, open_store
 from cloudckpt.storage.options import DEFAULT_PART_SIZE
 

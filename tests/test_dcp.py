@@ -271,9 +271,9 @@ def test_torch_async_save_with_our_writer(local):
     assert_state_equal(load_single(uri, local.options), sample_state())
 
 
-def test_item_checksums_are_packed_and_older_manifests_still_load(s3):
-    """Each file's item CRC32Cs are one packed string in the manifest; a manifest of
-    the older "file@offset" form loads alike, and a wrong or mangled CRC is refused."""
+def test_item_checksums_are_packed_and_a_wrong_one_is_refused(s3):
+    """Each file's item CRC32Cs are one packed string in the manifest; a wrong or
+    mangled CRC is refused."""
     import base64
     import struct
 
@@ -296,15 +296,16 @@ def test_item_checksums_are_packed_and_older_manifests_still_load(s3):
         store.delete([MANIFEST_NAME])
         store.put(MANIFEST_NAME, json.dumps(manifest).encode())
 
-    legacy = {f"{path}@{off}": crc.hex() for path, blob in packed.items()
-              for off, crc in struct.iter_unpack("<Q4s", base64.b64decode(blob))}
-    recommit({"items": legacy, "key_spread": 0})
+    recommit({"item_crcs": packed, "key_spread": 0})
     assert_state_equal(load_single(uri, s3.options), sample_state())
 
-    wrong = dict(legacy)
-    key = next(iter(wrong))
-    wrong[key] = "00000000" if wrong[key] != "00000000" else "11111111"
-    recommit({"items": wrong, "key_spread": 0})
+    path, blob = next(iter(packed.items()))
+    items = list(struct.iter_unpack("<Q4s", base64.b64decode(blob)))
+    off, crc = items[0]
+    items[0] = (off, b"\0\0\0\0" if crc != b"\0\0\0\0" else b"\1\1\1\1")
+    wrong = {**packed, path: base64.b64encode(
+        b"".join(struct.pack("<Q4s", o, c) for o, c in items)).decode()}
+    recommit({"item_crcs": wrong, "key_spread": 0})
     with pytest.raises(CorruptCheckpointError):
         load_single(uri, s3.options)
 

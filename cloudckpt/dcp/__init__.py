@@ -24,28 +24,26 @@ One module per job, each importing only those listed after it:
 - ``budget``: ``BudgetStager``, async saves' host staging within a budget;
 - ``reader``: ``CloudStorageReader``, tensors read straight into their
   destinations, small items coalesced, every item checked;
-- ``records``: where a tensor's bytes lie inside a ``torch.save`` record;
+- ``placement``: checked bytes into their destination tensors (straight, a few
+  rows at a time converted, or through ``weights_only`` loading);
+- ``readplan``: the items a load reads, and their grouping into ranged reads;
 - ``adoption``: ``adopt``, committing a DCP checkpoint written without cloudckpt;
 - ``base``: what the writer and the reader share;
-- ``metadata``: the format's names and the safe unpickling of ``.metadata``.
+- ``metadata``: the format's names, ``.metadata`` loaded safely, item checksums.
+
+Unpickling lives in :mod:`cloudckpt.serialization`: ``.metadata``'s allowlist,
+``weights_only`` loading, and where a tensor's bytes lie in a ``torch.save`` record.
 """
 
-# __all__, plus the constants other code has always found here (not in __all__).
 from cloudckpt.dcp.adoption import adopt
 from cloudckpt.dcp.api import async_save, load, save
 from cloudckpt.dcp.budget import BudgetStager, default_budget
-from cloudckpt.dcp.metadata import DCP_KIND as DCP_KIND
-from cloudckpt.dcp.metadata import METADATA_NAME as METADATA_NAME
-from cloudckpt.dcp.metadata import SUFFIX as SUFFIX
-from cloudckpt.dcp.metadata import load_metadata
-from cloudckpt.dcp.reader import COALESCE_GAP as COALESCE_GAP
-from cloudckpt.dcp.reader import DEFAULT_READ_WINDOW as DEFAULT_READ_WINDOW
+from cloudckpt.dcp.metadata import METADATA_NAME, load_metadata
 from cloudckpt.dcp.reader import CloudStorageReader
-from cloudckpt.dcp.writer import DEFAULT_FILE_SIZE as DEFAULT_FILE_SIZE
-from cloudckpt.dcp.writer import DEFAULT_MAX_FILES as DEFAULT_MAX_FILES
 from cloudckpt.dcp.writer import CloudStorageWriter
 
 __all__ = [
+    "METADATA_NAME",
     "BudgetStager",
     "CloudStorageReader",
     "CloudStorageWriter",

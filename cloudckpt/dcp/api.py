@@ -22,7 +22,8 @@ from cloudckpt.dcp.writer import CloudStorageWriter
 from cloudckpt.errors import CloudCkptError, ConfigError, StateMismatchError, StorageError
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.runtime.pending import SaveFuture, run_in_background
-from cloudckpt.runtime.state import check_state_dict, refusal, resolve_stateful
+from cloudckpt.runtime.state import check_state_dict, resolve_stateful
+from cloudckpt.serialization.torchload import refusal
 from cloudckpt.storage import Store
 
 

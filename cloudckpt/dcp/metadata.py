@@ -1,65 +1,32 @@
-"""DCP's on-store names, and ``.metadata`` unpickled safely.
+"""DCP's on-store names, ``.metadata`` loaded safely, and the items' checksums.
 
-``.metadata`` is a pickle; it is unpickled with an allowlist of DCP's own types,
-so nothing in a checkpoint can execute code when it is read.
+``.metadata`` is a pickle; it is unpickled with an allowlist of DCP's own types
+(:mod:`cloudckpt.serialization.dcpmeta`), so nothing in a checkpoint can execute
+code when it is read.
 """
 
 from __future__ import annotations
 
 import base64
-import io
-import pickle
 import struct
-import sys
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from cloudckpt.errors import CorruptCheckpointError
+from cloudckpt.serialization.dcpmeta import unpickle_metadata
 
 METADATA_NAME = ".metadata"
 SUFFIX = ".distcp"
 DCP_KIND = "dcp"
 
 
-_ALLOWED_GLOBALS = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP ``.metadata`` and nothing else: no callable outside an allowlist."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if "." in name:  # protocol 4 resolves dotted names: "os.system" via a module's imports
-            raise pickle.UnpicklingError(f"dotted global {module}.{name} is not allowed in "
-                                         "DCP metadata")
-        if module == "torch.distributed.checkpoint.metadata":
-            # Only the classes the module defines, not what it imports (os, torch, ...).
-            obj = getattr(sys.modules.get(module), name, None)
-            if isinstance(obj, type) and obj.__module__ == module:
-                return obj
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if (module, name) in _ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
-
-
 def load_metadata(data: bytes, *, source: str = METADATA_NAME) -> Metadata:
     """Unpickle DCP metadata without executing anything outside DCP's own types."""
     try:
-        md = _MetadataUnpickler(io.BytesIO(data)).load()
+        md = unpickle_metadata(data)
     except Exception as exc:  # noqa: BLE001 - any failure means: do not trust it
         raise CorruptCheckpointError(
             f"{source} is not safe DCP metadata ({exc}); refusing to load it", {source: str(exc)}
@@ -112,20 +79,18 @@ def pack_item_crcs(items: Iterable[tuple[str, int, str]]) -> dict[str, str]:
 
 
 class ItemCrcs:
-    """The CRC32C of each item, from a DCP manifest's metadata (packed ``item_crcs``,
-    or the ``items`` map of ``"file@offset"`` keys older manifests have); each file's
-    are unpacked when first asked for."""
+    """The CRC32C of each item, from a DCP manifest's metadata (packed ``item_crcs``);
+    each file's are unpacked when first asked for."""
 
     def __init__(self, dcp_metadata: Mapping[str, Any] | None) -> None:
         meta = dcp_metadata or {}
         self._packed: Mapping[str, str] = meta.get("item_crcs") or {}
-        self._legacy: Mapping[str, str] = meta.get("items") or {}
         self._files: dict[str, dict[int, str]] = {}
 
     def get(self, path: str, offset: int) -> str | None:
         if path not in self._files:
             self._files[path] = self._unpack(path)
-        return self._files[path].get(offset) or self._legacy.get(f"{path}@{offset}")
+        return self._files[path].get(offset)
 
     def _unpack(self, path: str) -> dict[int, str]:
         packed = self._packed.get(path)

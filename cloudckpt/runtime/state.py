@@ -9,16 +9,15 @@ from __future__ import annotations
 import io
 import json
 import random
-import re
-from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 from cloudckpt.errors import ConfigError, CorruptCheckpointError
+from cloudckpt.serialization.torchload import safe_torch_load, weights_only_refusal
 
 __all__ = [
     "Stateful",
@@ -27,17 +26,15 @@ __all__ = [
     "get_rng_state",
     "check_restorable",
     "loads_state",
-    "safe_torch_load",
     "set_rng_state",
 ]
 
 
 @dataclass(frozen=True)
 class StepInfo:
-    """Where training is: 0-based epoch, step within the epoch, global step.
-
-    The same fields and ``next()`` rule as AReaL's ``step_info.json``.
-    """
+    """Where training is: 0-based epoch, step within the epoch, global step, and the
+    steps an epoch has (``next()`` wraps into the next epoch after the last one).
+    ``steps_per_epoch`` may be 0: a dataset smaller than one batch."""
 
     epoch: int = 0
     epoch_step: int = 0
@@ -45,7 +42,6 @@ class StepInfo:
     steps_per_epoch: int = 1
 
     def __post_init__(self) -> None:
-        # 0 is AReaL's: a dataset smaller than one batch (FinetuneSpec allows it).
         if self.steps_per_epoch < 0:
             raise ConfigError("StepInfo.steps_per_epoch must be >= 0")
 
@@ -62,8 +58,7 @@ class StepInfo:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StepInfo:
         try:
-            return cls(**{k: int(d[k]) for k in ("epoch", "epoch_step", "global_step",
-                                                 "steps_per_epoch")})
+            return cls(**{f.name: int(d[f.name]) for f in fields(cls)})
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptCheckpointError(f"invalid step info {dict(d)!r}: {exc}") from None
 
@@ -154,54 +149,6 @@ def loads_state(data: bytes, *, source: str = "state") -> Any:
     raise CorruptCheckpointError(f"{source} has an unknown encoding", {source: "encoding"})
 
 
-def safe_torch_load(f: Any, source: str) -> Any:
-    """``torch.load(f, weights_only=True)`` on the CPU: tensors and plain data only.
-
-    Anything else (pickled code, unknown classes, a damaged file) raises
-    :class:`CorruptCheckpointError` naming ``source``, with torch's reason on one
-    line (terminal colour codes removed).
-    """
-    try:
-        return torch.load(f, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any failure: refuse the object
-        raise CorruptCheckpointError(
-            f"{source} cannot be loaded safely ({refusal(exc)}); checkpoints must hold only "
-            "tensors and plain data", {source: "unsafe or malformed"}) from None
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-
-
-_PLAIN_TYPES = (str, int, float, bool, type(None), torch.dtype, torch.device, torch.Size)
-
-
-def _plain(value: Any, depth: int = 0) -> bool:
-    """Whether ``value`` is, by its types alone, something ``weights_only`` loads:
-    plain scalars, tensors, and lists, tuples and dicts of them. (Anything else is
-    judged by a round trip through ``torch.save``.)"""
-    if depth > 64:
-        return False
-    if isinstance(value, _PLAIN_TYPES) or type(value) in (torch.Tensor, torch.nn.Parameter):
-        return True
-    if type(value) in (list, tuple):
-        return all(_plain(v, depth + 1) for v in value)
-    if type(value) in (dict, OrderedDict):
-        return all(_plain(k, depth + 1) and _plain(v, depth + 1) for k, v in value.items())
-    return False
-
-
-def refusal(exc: BaseException) -> str:
-    """The line of an error that says what is wrong, without terminal colour codes, at
-    most 200 chars. For torch's weights-only refusal that is its unpickler's reason
-    (the rest of that message is advice to load unsafely, which we do not give)."""
-    text = _ANSI.sub("", str(exc)).strip()
-    for line in text.splitlines():
-        if "WeightsUnpickler error:" in line:
-            reason = line.split("WeightsUnpickler error:", 1)[1].split(". Please use")[0]
-            return reason.strip()[:200]
-    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
-
-
 def check_restorable(where: str, value: Any, *, owner: Any = None) -> None:
     """Refuse, before anything is written, a value a restore could not load back.
 
@@ -210,25 +157,20 @@ def check_restorable(where: str, value: Any, *, owner: Any = None) -> None:
     :class:`ConfigError` naming ``where`` and the fix. ``owner`` is the object whose
     ``state_dict()`` gave ``value``, if it came from one.
     """
-    if _plain(value):
-        return  # the common case, without serialising tensors a second time
-    buf = io.BytesIO()
-    try:
-        torch.save(value, buf)
-        buf.seek(0)
-        torch.load(buf, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any failure: a restore would fail too
-        if owner is not None:
-            raise ConfigError(
-                f"{where}: the state_dict() of a {type(owner).__name__} holds what cannot be "
-                f"restored ({refusal(exc)}); a state_dict must hold only tensors and plain "
-                "data. Nothing was saved.") from None
+    reason = weights_only_refusal(value)
+    if reason is None:
+        return
+    if owner is not None:
         raise ConfigError(
-            f"{where} is a {type(value).__name__}, which cannot be restored: it has no "
-            "state_dict()/load_state_dict(), and it is not plain data or tensors "
-            f"({refusal(exc)}). Pass an object with state_dict() and load_state_dict() "
-            "(e.g. torchdata's StatefulDataLoader instead of a DataLoader), or its state as "
-            "plain data. Nothing was saved.") from None
+            f"{where}: the state_dict() of a {type(owner).__name__} holds what cannot be "
+            f"restored ({reason}); a state_dict must hold only tensors and plain "
+            "data. Nothing was saved.")
+    raise ConfigError(
+        f"{where} is a {type(value).__name__}, which cannot be restored: it has no "
+        "state_dict()/load_state_dict(), and it is not plain data or tensors "
+        f"({reason}). Pass an object with state_dict() and load_state_dict() "
+        "(e.g. torchdata's StatefulDataLoader instead of a DataLoader), or its state as "
+        "plain data. Nothing was saved.")
 
 
 def resolve_stateful(state_dict: Mapping[str, Any]) -> dict[str, Any]:

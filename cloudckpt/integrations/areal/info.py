@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import io
 import json
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from cloudckpt.errors import CorruptCheckpointError, WorldSizeError
 from cloudckpt.integrations.areal.config import areal_class
 from cloudckpt.runtime.state import StepInfo
+from cloudckpt.serialization.restricted import TENSOR_GLOBALS, restricted_loads
 from cloudckpt.util.text import plural
 
 JSON_FILES = ("saver_info", "evaluator_info", "stats_logger_info", "checkpoint_info")
@@ -65,27 +63,15 @@ def write(directory: Path, step_info: Any, infos: dict[str, Any], dataloader: An
         pickle.dump(dataloader, f)
 
 
-class _SafeUnpickler(pickle.Unpickler):
-    """Only what a dataloader state holds; anything else is refused."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return torch._utils._rebuild_tensor_v2
-        if (module, name) == ("torch.storage", "_load_from_bytes"):
-            return _storage_from_bytes
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a dataloader state")
-
-
-def _storage_from_bytes(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=True)
+#: What a dataloader state pickle may name: ``OrderedDict`` and CPU tensors.
+_DATALOADER_GLOBALS = {("collections", "OrderedDict"): collections.OrderedDict,
+                       **TENSOR_GLOBALS}
 
 
 def load_pickle(data: bytes, source: str) -> Any:
     """Decode AReaL's ``dataloader_info.pkl`` without running code it might carry."""
     try:
-        return _SafeUnpickler(io.BytesIO(data)).load()
+        return restricted_loads(data, _DATALOADER_GLOBALS, "a dataloader state")
     except Exception as exc:  # noqa: BLE001 - any refusal or damage is the same answer
         raise CorruptCheckpointError(
             f"{source} is not a dataloader state cloudckpt can read safely ({exc}); only "

@@ -254,7 +254,7 @@ class RLinfCheckpointer:
 
 def read_data_state(ckpt: Checkpoint) -> Any:
     """``data/data.pt``, checked against the manifest, loaded with ``weights_only=True``."""
-    from cloudckpt.runtime.state import safe_torch_load
+    from cloudckpt.serialization.torchload import safe_torch_load
 
     return safe_torch_load(io.BytesIO(ckpt.read(DATA_PATH)), f"{ckpt.uri}/{DATA_PATH}")
 

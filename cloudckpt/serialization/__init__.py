@@ -1,0 +1,1 @@
+"""The one home of unpickling: every torch.load and pickle.Unpickler allowance."""
