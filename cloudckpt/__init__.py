@@ -25,22 +25,15 @@ from cloudckpt.errors import (
     WorldSizeError,
 )
 from cloudckpt.storage import ObjectInfo, RetryPolicy, Store, open_store
+from cloudckpt.util.lazy import lazy_exports
 
 # Names that need torch load on first use, so that `cloudckpt ls` stays quick.
-_LAZY = {
+__getattr__ = lazy_exports(__name__, {
     "CheckpointManager": "training.manager",
     "ManagerOptions": "training.manager",
     "RecoverSlot": "training.slot",
     "StepInfo": "runtime.state",
-}
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module 'cloudckpt' has no attribute {name!r}")
+})
 
 __version__ = "0.1.0"
 

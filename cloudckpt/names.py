@@ -16,20 +16,12 @@ TMP_PREFIX = ".cloudckpt-tmp-"
 PART_SUFFIX = ".cloudckpt-part"
 #: Name fragments of backends' bookkeeping objects, hidden from listings.
 INTERNAL_MARKS = (TMP_PREFIX, PART_SUFFIX)
-#: A recover slot's pointer (cloudckpt.training.slot).
+#: A recover slot's pointer (cloudckpt.core.slots).
 SLOT_POINTER_NAME = "slot-pointer.json"
-#: Where ROLL's part markers (cloudckpt.integrations.roll) live inside a checkpoint.
-ROLL_PARTS_DIR = "_cloudckpt_parts"
+#: A training checkpoint's DCP part (cloudckpt.training.snapshot): a save's own
+#: committed sub-checkpoint, below its claim.
+MODEL_PART = "model"
 
-
-def is_reserved(key: str) -> bool:
-    """Whether ``key`` (relative to some prefix) names an object only cloudckpt writes:
-    a manifest, a writer claim, a slot pointer, a ROLL part marker, an upload part
-    or a temporary file."""
-    name = key.rsplit("/", 1)[-1]
-    return (name in (MANIFEST_NAME, CLAIM_NAME, SLOT_POINTER_NAME)
-            or any(m in name for m in INTERNAL_MARKS)
-            or key.startswith(ROLL_PARTS_DIR + "/") or f"/{ROLL_PARTS_DIR}/" in key)
 
 
 def is_hidden(name: str) -> bool:

@@ -160,17 +160,17 @@ def main() -> int:
 def _arm_mid_save_crash(at_step: int) -> None:
     """Kill the process after a checkpoint's DCP part is written but before its
     root manifest commits: the worst moment for a crash."""
-    from cloudckpt.training import snapshot as training
+    from cloudckpt.training import multipart
 
-    real = training._commit
+    real = multipart.commit
 
-    def commit_then_die(writer, captured, gathered):
+    def commit_then_die(writer, parts, written):
         if writer.step == at_step:
             print(f"crashing mid-save of step {writer.step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        return real(writer, captured, gathered)
+        return real(writer, parts, written)
 
-    training._commit = commit_then_die
+    multipart.commit = commit_then_die
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -168,3 +169,130 @@ def test_a_checkpoint_or_a_bare_name_where_a_root_belongs_says_what_to_pass(s3, 
     assert main(["ls", "my-bucket/run"]) == 3
     err = capsys.readouterr().err
     assert "taken as a local path" in err and "s3://my-bucket/run" in err, err
+
+
+# ------------------------------------------------------------------ framework commands
+
+FRAMEWORK_COMMANDS = {"areal": ["import", "adopt"], "roll": ["upload", "fetch"],
+                      "rlinf": ["convert", "latest", "adopt", "upload"]}
+
+
+def console_script(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The installed ``cloudckpt`` script, beside this interpreter."""
+    script = os.path.join(os.path.dirname(sys.executable), "cloudckpt")
+    return subprocess.run([script, *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=120)
+
+
+@pytest.mark.parametrize("framework", sorted(FRAMEWORK_COMMANDS))
+def test_a_frameworks_help_lists_its_commands(framework):
+    out = console_script(framework, "--help")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"usage: cloudckpt {framework} "), out.stdout
+    for command in FRAMEWORK_COMMANDS[framework]:
+        assert f"\n    {command} " in out.stdout, out.stdout
+        sub = console_script(framework, command, "--help")
+        assert sub.returncode == 0 and "-o KEY=VALUE" in sub.stdout, sub.stdout + sub.stderr
+
+
+def test_the_top_help_lists_the_frameworks():
+    from cloudckpt.core.plugins import frameworks
+
+    out = console_script("--help")
+    assert out.returncode == 0, out.stderr
+    for fw in frameworks():
+        assert f"\n    {fw.name} " in out.stdout and fw.summary.split()[0] in out.stdout
+    assert set(FRAMEWORK_COMMANDS) <= {fw.name for fw in frameworks()}
+
+
+def test_a_framework_command_without_its_subcommand_is_a_usage_error():
+    out = console_script("roll")
+    assert out.returncode == 2 and "cloudckpt roll: error:" in out.stderr, out.stderr
+
+
+def test_a_framework_commands_error_gets_the_shared_exit_code(s3, tmp_path):
+    out = console_script("roll", "fetch", s3.uri("no-such-run"), str(tmp_path / "dl"),
+                         env=s3.env)
+    assert out.returncode == 3, out.stderr
+    assert out.stderr.startswith("cloudckpt: error: ") and "Traceback" not in out.stderr
+    out = console_script("rlinf", "latest", "--output_dir", s3.uri("logs"),
+                         "--experiment_name", "none", env=s3.env)
+    assert out.returncode == 3 and "no committed checkpoint" in out.stderr, out.stderr
+    out = console_script("rlinf", "adopt", s3.uri("x", "global_step_1"), "-o", "nonsense",
+                         env=s3.env)
+    assert out.returncode == 2 and "KEY=VALUE" in out.stderr, out.stderr
+
+
+def test_options_reach_a_framework_command_from_every_level(s3, tmp_path, capsys):
+    key, secret, endpoint = s3_args(s3)[3], s3_args(s3)[5], s3_args(s3)[1]
+    argv = ["-o", endpoint, "roll", "--option", key, "fetch", s3.uri("none"),
+            str(tmp_path / "dl"), "--storage-option", secret]
+    assert main(argv) == 3
+    assert "no committed" in capsys.readouterr().err.lower()
+
+
+@pytest.fixture
+def demo_framework(monkeypatch):
+    """A framework of the test's own, registered as a plug-in would be: ``demo run``
+    records what it was given and fails as told."""
+    import types
+
+    from cloudckpt.core import plugins
+    from cloudckpt.errors import CorruptCheckpointError
+
+    seen: list = []
+
+    def run(args):
+        seen.append(args)
+        if args.fail == "corrupt":
+            raise CorruptCheckpointError("demo: a bad object")
+        return int(args.fail or 0)
+
+    def add_commands(parser):
+        from cloudckpt.util.cliargs import add_command
+
+        sub = parser.add_subparsers(dest="subcommand", required=True)
+        add_command(sub, "run", run, "run the demo").add_argument("--fail", default=None,
+                                                                   help="how to end")
+
+    module = types.ModuleType("cloudckpt_demo_commands")
+    module.add_commands = add_commands
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    plugins.frameworks()  # the entry points first: ours is added to them
+    monkeypatch.setitem(plugins._registered, "demo", plugins.Framework(
+        name="demo", summary="a demo framework", commands=f"{module.__name__}:add_commands"))
+    monkeypatch.setitem(plugins._registered, "broken", plugins.Framework(
+        name="broken", summary="fails to load", commands="cloudckpt_no_such_module:add"))
+    return seen
+
+
+def test_a_registered_frameworks_commands_follow_the_cli_contract(demo_framework, capsys):
+    seen = demo_framework
+    ours = logging.getLogger("cloudckpt")
+    level = ours.level
+    try:
+        assert main(["-v", "-o", "a=1", "demo", "-o", "b=2", "run", "-o", "a=3", "-v"]) == 0
+    finally:
+        ours.setLevel(level)  # -vv set it to DEBUG for the rest of the session
+    assert seen[-1].options == {"a": 3, "b": 2} and seen[-1].verbose == 2
+    assert main(["demo", "run", "--fail", "5"]) == 5
+    assert main(["demo", "run", "--fail", "corrupt"]) == 1  # exit_code(CorruptCheckpointError)
+    assert capsys.readouterr().err == "cloudckpt: error: demo: a bad object\n"
+    with pytest.raises(SystemExit) as exc:
+        main(["broken", "anything"])
+    assert exc.value.code == 2
+    assert "the commands of broken" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "a demo framework" in capsys.readouterr().out
+
+
+def test_other_commands_import_no_frameworks_commands(s3):
+    code = ("import sys\nfrom cloudckpt.cli import main\nfrom cloudckpt.core import plugins\n"
+            "for argv in (['--help'], ['ls', sys.argv[1]]):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "mods = {f.commands.partition(':')[0] for f in plugins.frameworks() if f.commands}\n"
+            "print('LOADED', sorted(mods & set(sys.modules)), 'TORCH', 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, s3.root], capture_output=True, text=True,
+                         env={**os.environ, **s3.env}, timeout=120)
+    assert "LOADED [] TORCH False" in out.stdout, out.stdout + out.stderr

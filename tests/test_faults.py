@@ -135,3 +135,17 @@ def test_truncated_responses_are_retried(proxied, s3):
     assert store.get_range("t1.bin", 1000, 90_000) == data["t1.bin"][1000:90_000]
     assert proxy.faults.get("truncate", 0) >= 2
 
+
+
+def test_a_manifest_committed_during_the_open_is_read(proxied, s3):
+    """A reader whose manifest GET lands just before a racing writer's commit (the
+    404 here), and whose listing lands just after, reads the checkpoint: it does not
+    fail on a checkpoint that is committed (ROLL's parts commit concurrently)."""
+    via, proxy = proxied
+    with CheckpointWriter(s3.uri("raced"), step=1, storage_options=s3.options) as w:
+        w.put("obj.bin", b"x" * 10)
+    proxy.set_plan(FaultPlan(permanent_status=404, match=MANIFEST_NAME, methods=("GET",),
+                             max_faults=1))
+    ckpt = open_checkpoint(via.uri("raced"), via.options)
+    assert ckpt.manifest.step == 1 and ckpt.read("obj.bin") == b"x" * 10
+    assert proxy.faults["permanent"] == 1

@@ -28,7 +28,6 @@ from cloudckpt import (
 )
 from cloudckpt import dcp as cloud_dcp
 from cloudckpt.cli import main as cli
-from cloudckpt.hf import hub as hub_module
 from cloudckpt.hf.hub import push, push_in_background, push_to_hub
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning",
@@ -79,10 +78,6 @@ def hub_model(hub_server, tmp_path: Path):
 def same_weights(a, b) -> bool:
     sa, sb = a.state_dict(), b.state_dict()
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-
-
-def test_the_hf_kind_is_the_exports(s3):
-    assert hub_module._HF_KIND == hf.KIND  # hub.py keeps a copy to stay torch-free
 
 
 def test_sharded_push_over_a_single_file_repo_needs_replace(hub_server, s3, tmp_path, caplog):

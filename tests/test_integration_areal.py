@@ -276,9 +276,9 @@ def test_torn_dump_areal_trusts_stale_info_cloudckpt_does_not(s3, tmp_path, monk
     def die(*args, **kwargs):
         raise Crash
 
-    from cloudckpt.training import slot, staging
+    from cloudckpt.training import multipart, slot
 
-    for target, name in ((slot.RecoverSlot, "_swap"), (staging, "_commit")):
+    for target, name in ((slot.RecoverSlot, "_swap"), (multipart, "commit")):
         with monkeypatch.context() as m:
             m.setattr(target, name, die)
             with pytest.raises(Crash):
@@ -402,8 +402,8 @@ def _areal_trial_in_bucket(s3, tmp_path, trial: str) -> tuple[str, dict]:
 
 
 def test_synced_areal_trial_is_refused_until_adopted(s3, tmp_path, caplog):
+    from cloudckpt.cli import main as cloudckpt_cli
     from cloudckpt.errors import IncompleteCheckpointError
-    from cloudckpt.integrations.areal.__main__ import main as areal_cli
 
     uri, weights = _areal_trial_in_bucket(s3, tmp_path, "synced")
     store = open_store(uri, s3.options)
@@ -412,9 +412,9 @@ def test_synced_areal_trial_is_refused_until_adopted(s3, tmp_path, caplog):
     saver_cfg, recover_cfg = configs(s3, "synced")
     with pytest.raises(IncompleteCheckpointError) as err:
         areal.RecoverHandler(recover_cfg, 6, storage_options=s3.options)
-    assert f"python -m cloudckpt.integrations.areal adopt {uri}" in str(err.value)
+    assert f"cloudckpt areal adopt {uri}" in str(err.value)
 
-    assert areal_cli(["adopt", uri, *_cli_opts(s3)]) == 0
+    assert cloudckpt_cli(["areal", "adopt", uri, *_cli_opts(s3)]) == 0
     assert {k: store.get(k) for k in theirs} == theirs  # AReaL's objects stay as they were
     fresh, fresh_optim = _tiny(seed=1)
     caplog.set_level(logging.WARNING, logger="cloudckpt")
@@ -424,12 +424,12 @@ def test_synced_areal_trial_is_refused_until_adopted(s3, tmp_path, caplog):
     assert "starting from scratch" not in caplog.text
     assert [c.uri.rsplit("/", 1)[1] for c in areal.list_exports(
         saver_cfg, storage_options=s3.options)] == ["epoch0epochstep2globalstep2"]
-    assert areal_cli(["adopt", uri, *_cli_opts(s3)]) == 2  # once is enough
+    assert cloudckpt_cli(["areal", "adopt", uri, *_cli_opts(s3)]) == 2  # once is enough
 
 
 def test_adopt_refuses_an_unfinished_areal_dump(s3, tmp_path):
+    from cloudckpt.cli import main as cloudckpt_cli
     from cloudckpt.errors import CorruptCheckpointError
-    from cloudckpt.integrations.areal.__main__ import main as areal_cli
     from cloudckpt.training.slot import RecoverSlot
 
     uri, _ = _areal_trial_in_bucket(s3, tmp_path, "torn")
@@ -442,7 +442,7 @@ def test_adopt_refuses_an_unfinished_areal_dump(s3, tmp_path):
     assert set(err.value.problems) == {shard, "recover_info/dataloader_info.pkl"}
     assert "short" in err.value.problems[shard]
     assert not RecoverSlot(uri, storage_options=s3.options).exists()
-    assert areal_cli(["adopt", s3.uri("nothing-here"), *_cli_opts(s3)]) == 3
+    assert cloudckpt_cli(["areal", "adopt", s3.uri("nothing-here"), *_cli_opts(s3)]) == 3
 
 
 def test_export_of_a_plain_module_needs_hf_config(s3):

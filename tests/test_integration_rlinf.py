@@ -25,6 +25,7 @@ from dist_run import run_ranks
 from training_runs import launcher, losses, run_and_kill
 
 from cloudckpt import IncompleteCheckpointError, list_checkpoints, open_checkpoint, open_store
+from cloudckpt.cli import main as cloudckpt_cli
 from cloudckpt.core.claim import CLAIM_NAME
 from cloudckpt.dcp import CloudStorageReader, adopt
 from cloudckpt.errors import CommitConflictError, ConfigError, CorruptCheckpointError
@@ -229,7 +230,7 @@ def test_two_ranks_sigkill_resume_explicit_uri_bit_exact_and_layout(s3, tmp_path
 
 def _copy(store, src: str, dst: str, *, skip=(), mutate=None) -> None:
     """A torn step as a crashed save leaves it: some objects, and the claim its
-    coordinator took before any rank wrote (see training.claim_prefix)."""
+    coordinator took before any rank wrote (see cloudckpt.training.multipart.claim)."""
     store.child(dst).put(CLAIM_NAME, json.dumps({"writer": "crashed", "host": "node-7",
                                                  "pid": 1, "since": 0}).encode())
     for obj in store.child(src).list():
@@ -312,9 +313,9 @@ def test_converter_on_two_rank_checkpoint(s3, tmp_path, caplog):
     full = torch.load(tmp_path / "full.pt", weights_only=True)
     step_uri = f"{rlinf.checkpoints_root(out_dir, 'conv')}/global_step_3"
 
-    # As a module, like RLinf's convert script: --dcp_path (whole step, trailing slash).
+    # As a command, like RLinf's convert script: --dcp_path (whole step, trailing slash).
     proc = subprocess.run(
-        [sys.executable, "-m", "cloudckpt.integrations.rlinf", "convert", "--dcp_path",
+        [str(Path(sys.executable).with_name("cloudckpt")), "rlinf", "convert", "--dcp_path",
          step_uri + "/", "--output_path", str(tmp_path / "model.pt"),
          "--storage-options", s3.options_json()],
         capture_output=True, text=True, env=child_env(), timeout=120)
@@ -323,16 +324,16 @@ def test_converter_on_two_rank_checkpoint(s3, tmp_path, caplog):
     assert converted.keys() == full.keys()
     assert all(torch.equal(converted[k], full[k]) for k in full)
 
-    # main(argv) in process: the DCP prefix itself, output to the bucket.
+    # cloudckpt.cli.main(argv) in process: the DCP prefix itself, output to the bucket.
     dst = s3.uri("exports", "model.pt")
     argv = ["convert", "--dcp_path", f"{step_uri}/actor/dcp_checkpoint", "--output_path", dst,
             "--storage-options", s3.options_json()]
-    assert rlinf.main(argv) == 0
+    assert cloudckpt_cli(["rlinf", *argv]) == 0
     remote = torch.load(io.BytesIO(open_store(s3.uri("exports"), s3.options).get("model.pt")),
                         weights_only=True)
     assert all(torch.equal(remote[k], full[k]) for k in full)
-    assert rlinf.main(["convert", "--dcp_path", s3.uri("nothing"), "--output_path", dst,
-                       "--storage-options", s3.options_json()]) == 3  # not found, as the CLI
+    assert cloudckpt_cli(["rlinf", "convert", "--dcp_path", s3.uri("nothing"), "--output_path",
+                          dst, "--storage-options", s3.options_json()]) == 3  # not found
 
     # Resharding: the 2-rank checkpoint loads into one process (per-rank RNG dropped).
     torch.manual_seed(5)

@@ -570,7 +570,7 @@ def test_sigkill_then_resume_from_bucket_is_bit_exact(s3, tmp_path):
     run(s3, s3.uri("b"), tmp_path / "b", kill_at=10)
     opts = [f"-o{k}={json.dumps(v) if not isinstance(v, str) else v}"
             for k, v in json.loads(s3.options_json()).items()]
-    fetched = subprocess.run([sys.executable, "-m", "cloudckpt.integrations.roll", *opts,
+    fetched = subprocess.run([str(Path(sys.executable).with_name("cloudckpt")), "roll", *opts,
                               "fetch", s3.uri("b"), str(tmp_path / "fetched")],
                              capture_output=True, text=True, env={**os.environ, **s3.env},
                              cwd=REPO, timeout=60)

@@ -1,9 +1,12 @@
 """The ``cloudckpt`` command: inspect, verify, copy and delete checkpoints.
 
-The parser and ``main`` live here, the commands in :mod:`.commands`, the exit
-codes (one per kind of failure, listed in docs/cli.md) in :mod:`.exits`, the
-printing helpers in :mod:`.output`. Every failure is a cloudckpt error with its
-exit code; a raw traceback is shown only with ``-vv``.
+The parser and ``main`` live here, the commands in :mod:`.commands`, the printing
+helpers in :mod:`.output`, the frameworks' commands (``cloudckpt NAME ...``, one per
+framework :mod:`cloudckpt.core.plugins` declares, loaded only when named) in
+:mod:`.frameworks`; the options every level takes (``-v``, ``-o``) are
+:mod:`cloudckpt.util.cliargs`'s, the exit codes (one per kind of failure, listed in
+docs/cli.md) :mod:`cloudckpt.errors`'s. Every failure, a framework command's too, is a
+cloudckpt error with its exit code; a raw traceback is shown only with ``-vv``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from cloudckpt.cli.commands import (
     cmd_rm,
     cmd_verify,
 )
+from cloudckpt.cli.frameworks import LazySubcommands, add_frameworks
 from cloudckpt.errors import (  # noqa: F401 - the exit codes are part of the command's interface
     EXIT_ACCESS,
     EXIT_CODES,
@@ -49,6 +53,14 @@ from cloudckpt.errors import (  # noqa: F401 - the exit codes are part of the co
 )
 from cloudckpt.storage import parse_options
 from cloudckpt.util import logsetup
+from cloudckpt.util.cliargs import (
+    COMMAND,
+    TOP,
+    add_command,
+    common_options,
+    option_pairs,
+    verbosity,
+)
 
 log = logging.getLogger("cloudckpt")
 
@@ -68,74 +80,88 @@ exit codes:
   130  interrupted
   141  the output was closed (e.g. piped into head)
 
-Storage options go with -o KEY=VALUE, before or after the command; the standard
-environment (AWS_*, STORAGE_EMULATOR_HOST, GOOGLE_APPLICATION_CREDENTIALS) works too.
-See docs/cli.md."""
+Storage options go with -o KEY=VALUE, before or after the command (and a framework's
+subcommand); the standard environment (AWS_*, STORAGE_EMULATOR_HOST,
+GOOGLE_APPLICATION_CREDENTIALS) works too. A framework's commands are listed by
+`cloudckpt NAME --help`. See docs/cli.md."""
 
 
-def _common(dest_suffix: str) -> argparse.ArgumentParser:
-    """-v and -o, taken before or after the command (merged in :func:`main`)."""
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("-v", "--verbose", action="count", default=0, dest=f"verbose{dest_suffix}",
-                   help="more logging (-v: progress, -vv: cloudckpt's debug and tracebacks, "
-                   "-vvv: every library's debug)")
-    p.add_argument("-o", "--storage-option", action="append", metavar="KEY=VALUE",
-                   dest=f"storage_option{dest_suffix}",
-                   help="storage option for the URI (repeatable), e.g. endpoint_url=http://...")
-    return p
-
-
-def build_parser() -> argparse.ArgumentParser:
+def _top() -> tuple[argparse.ArgumentParser, LazySubcommands]:
+    """The ``cloudckpt`` parser and its (still empty) commands."""
     p = argparse.ArgumentParser(
-        prog="cloudckpt", parents=[_common("")],
+        prog="cloudckpt", parents=[common_options(TOP)],
         description="Inspect, verify, copy and delete crash-safe PyTorch checkpoints on S3, "
         "GCS, local disk or any fsspec URL.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"cloudckpt {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
-                           help="what to do (COMMAND --help says more)")
-    common = _common("_sub")
+    sub = p.add_subparsers(action=LazySubcommands, dest="command", required=True,
+                           metavar="COMMAND", help="what to do (COMMAND --help says more)")
+    return p, sub
 
-    def add(name: str, fn: Any, help: str) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help, description=help, parents=[common])
-        sp.set_defaults(fn=fn)
-        return sp
 
-    sp = add("ls", cmd_ls, "list the checkpoints below ROOT, and what else lies there")
+def _add(sub: LazySubcommands, name: str, fn: Any, help: str) -> argparse.ArgumentParser:
+    return add_command(sub, name, fn, help, level=COMMAND)
+
+
+def _add_inspection(sub: LazySubcommands) -> None:
+    """ls, info, verify, latest."""
+    sp = _add(sub, "ls", cmd_ls, "list the checkpoints below ROOT, and what else lies there")
     sp.add_argument("root", help="the run directory, e.g. s3://bucket/run")
     sp.add_argument("--json", action="store_true", help="print the listing as JSON")
-    sp = add("info", cmd_info, "show a checkpoint's manifest")
+    sp = _add(sub, "info", cmd_info, "show a checkpoint's manifest")
     sp.add_argument("uri", help="the checkpoint, e.g. s3://bucket/run/step-100")
     sp.add_argument("--json", action="store_true", help="print the manifest itself")
     sp.add_argument("--all", action="store_true",
                     help=f"list every object (default: the first {_INFO_FILES})")
-    sp = add("verify", cmd_verify, "check a checkpoint's objects (sizes; --deep: CRC32C too)")
+    sp = _add(sub, "verify", cmd_verify, "check a checkpoint's objects (sizes; --deep: CRC32C "
+              "too)")
     sp.add_argument("uri", help="the checkpoint")
     sp.add_argument("--deep", action="store_true", help="download every object and check CRC32C")
-    sp = add("latest", cmd_latest, "print the URI of the newest committed checkpoint below ROOT")
+    sp = _add(sub, "latest", cmd_latest, "print the URI of the newest committed checkpoint "
+              "below ROOT")
     sp.add_argument("root", help="the run directory")
-    sp = add("cp", cmd_cp, "copy a committed checkpoint to DST (verified, then committed); "
-             "rerunning an interrupted copy resumes it")
+
+
+def _add_transfers(sub: LazySubcommands) -> None:
+    """cp, download."""
+    sp = _add(sub, "cp", cmd_cp, "copy a committed checkpoint to DST (verified, then "
+              "committed); rerunning an interrupted copy resumes it")
     sp.add_argument("src", help="the checkpoint to copy")
     sp.add_argument("dst", help="where the copy goes: a new URI, not a root holding checkpoints")
     sp.add_argument("--dst-option", action="append", metavar="KEY=VALUE",
                     help="storage option for DST (default: the -o options)")
-    sp = add("download", cmd_download, "download a committed checkpoint, or a run directory "
-             "(every checkpoint below it, each recover slot as its current generation), to a "
-             "local directory; rerunning an interrupted download resumes it")
+    sp = _add(sub, "download", cmd_download, "download a committed checkpoint, or a run "
+              "directory (every checkpoint below it, each recover slot as its current "
+              "generation), to a local directory; rerunning an interrupted download resumes it")
     sp.add_argument("uri", help="the checkpoint or run directory")
     sp.add_argument("dir", help="a new or empty local directory")
-    sp = add("adopt", cmd_adopt, "commit a DCP checkpoint written without cloudckpt, after "
-             "checking every object its .metadata references")
+
+
+def _add_upkeep(sub: LazySubcommands) -> None:
+    """adopt, gc, rm."""
+    sp = _add(sub, "adopt", cmd_adopt, "commit a DCP checkpoint written without cloudckpt, "
+              "after checking every object its .metadata references")
     sp.add_argument("uri", help="the DCP checkpoint's directory")
     sp.add_argument("--step", type=int, default=None, help="step number to record")
-    sp = add("gc", cmd_gc, "remove unfinished saves cloudckpt left below ROOT and orphan slot "
-             "generations, older than a grace period (dry run unless --yes)")
+    sp = _add(sub, "gc", cmd_gc, "remove unfinished saves cloudckpt left below ROOT and orphan "
+              "slot generations, older than a grace period (dry run unless --yes)")
     sp.add_argument("root", help="the run directory")
     sp.add_argument("--grace", type=float, default=6 * 3600.0, metavar="SECONDS",
                     help="only collect what is older than this (default: 6 hours)")
     sp.add_argument("--yes", action="store_true", help="really delete")
-    sp = add("push", cmd_push, "verify an HF export, then push it to the Hugging Face Hub")
+    sp = _add(sub, "rm", cmd_rm, "delete a committed checkpoint (manifest first, then its "
+              "objects)")
+    sp.add_argument("uri", help="the checkpoint (taken literally: no wildcards)")
+    sp.add_argument("--force", action="store_true",
+                    help="also delete an unfinished save that cloudckpt left there, or a "
+                    "checkpoint whose manifest cannot be read")
+    sp.add_argument("--recursive", action="store_true",
+                    help="on a root: delete every checkpoint below it (asks first)")
+    sp.add_argument("--yes", action="store_true", help="do not ask before --recursive deletes")
+
+
+def _add_push(sub: LazySubcommands) -> None:
+    sp = _add(sub, "push", cmd_push, "verify an HF export, then push it to the Hugging Face Hub")
     sp.add_argument("uri", help="the committed HF export")
     sp.add_argument("repo_id", help="the Hub repository, e.g. my-org/my-model")
     sp.add_argument("--revision", default="main", help="branch to commit to (default: main)")
@@ -150,32 +176,40 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Hub URL (default: HF_ENDPOINT, else huggingface.co)")
     sp.add_argument("--token", default=None,
                     help="Hub token with write access (default: HF_TOKEN or a saved login)")
-    sp = add("convert", cmd_convert, "convert a DCP checkpoint's model to HF or torch.save")
+
+
+def _add_convert(sub: LazySubcommands) -> None:
+    sp = _add(sub, "convert", cmd_convert, "convert a DCP checkpoint's model to HF or "
+              "torch.save")
     conv = sp.add_subparsers(dest="what", required=True, metavar="KIND",
                              help="dcp-to-hf or dcp-to-pt")
-    c = conv.add_parser("dcp-to-hf", help="DCP model tensors -> HF safetensors export",
-                        parents=[common])
+    c = add_command(conv, "dcp-to-hf", cmd_convert, "DCP model tensors -> HF safetensors "
+                    "export")
     c.add_argument("src", help="the DCP (or training) checkpoint")
     c.add_argument("dst", help="where the HF export goes")
     c.add_argument("--config", required=True, help="config.json of the model")
     c.add_argument("--key-prefix", default=None, help="model keys' prefix (default: auto)")
     c.add_argument("--dtype", default=None, help="bf16, fp16 or fp32")
     c.add_argument("--max-shard-size", default="5GB", help="largest shard (default: 5GB)")
-    c = conv.add_parser("dcp-to-pt", help="DCP model tensors -> torch.save state dict "
-                        "(RLinf's converter arguments)", parents=[common])
+    c = add_command(conv, "dcp-to-pt", cmd_convert, "DCP model tensors -> torch.save state "
+                    "dict (--dcp_path and --output_path, as converter scripts spell them)")
     c.add_argument("--dcp_path", "--dcp-path", dest="dcp_path", required=True,
                    help="the DCP checkpoint")
     c.add_argument("--output_path", "--output-path", dest="output_path", required=True,
                    help="the .pt file to write")
     c.add_argument("--key-prefix", default=None, help="model keys' prefix (default: auto)")
-    sp = add("rm", cmd_rm, "delete a committed checkpoint (manifest first, then its objects)")
-    sp.add_argument("uri", help="the checkpoint (taken literally: no wildcards)")
-    sp.add_argument("--force", action="store_true",
-                    help="also delete an unfinished save that cloudckpt left there, or a "
-                    "checkpoint whose manifest cannot be read")
-    sp.add_argument("--recursive", action="store_true",
-                    help="on a root: delete every checkpoint below it (asks first)")
-    sp.add_argument("--yes", action="store_true", help="do not ask before --recursive deletes")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``cloudckpt`` parser: its own commands, then one per framework (whose
+    arguments are added only once that framework's name is parsed)."""
+    p, sub = _top()
+    _add_inspection(sub)
+    _add_transfers(sub)
+    _add_upkeep(sub)
+    _add_push(sub)
+    _add_convert(sub)
+    add_frameworks(sub)
     return p
 
 
@@ -187,14 +221,13 @@ def _report(exc: CloudCkptError) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.verbose = args.verbose + getattr(args, "verbose_sub", 0)
+    args.verbose = verbosity(args)
     # -vv is ours only: the HTTP libraries' debug lines quote request headers.
     logsetup.configure(args.verbose)
     try:
         try:
-            args.options = parse_options((args.storage_option or [])
-                                         + (getattr(args, "storage_option_sub", None) or []))
-            code = int(args.fn(args))
+            args.options = parse_options(option_pairs(args))
+            code = int(args.func(args))
             sys.stdout.flush()  # a closed pipe shows here, not at exit
             return code
         except KeyboardInterrupt:

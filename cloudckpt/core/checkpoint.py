@@ -3,7 +3,7 @@
 A checkpoint is every object under one prefix plus the manifest at
 ``<prefix>/cloudckpt-manifest.json``. The manifest is written last and
 create-only, so a checkpoint is either complete and verifiable or invisible
-(DESIGN.md invariants 1 and 2).
+(invariants 1 and 2 of docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from cloudckpt.core import kinds
 from cloudckpt.core.claim import WriterClaim
 from cloudckpt.core.manifest import (
     MANIFEST_NAME,
@@ -22,7 +23,7 @@ from cloudckpt.core.manifest import (
     read_manifest_bytes,
     validate_path,
 )
-from cloudckpt.core.ownership import EMPTY, Survey, missing_manifest_error, survey
+from cloudckpt.core.ownership import COMMITTED, EMPTY, Survey, missing_manifest_error, survey
 from cloudckpt.errors import (
     CheckpointNotFoundError,
     CommitConflictError,
@@ -70,7 +71,7 @@ class CheckpointWriter:
         *,
         step: int | None = None,
         metadata: Mapping[str, Any] | None = None,
-        kind: str = "generic",
+        kind: str = kinds.GENERIC,
         storage_options: Mapping[str, Any] | None = None,
         takeover: bool = False,
         adopting: bool = False,
@@ -427,11 +428,13 @@ def read_manifest(store: Store) -> Manifest:
     return _manifest_and_bytes(store)[0]
 
 
-def _manifest_and_bytes(store: Store) -> tuple[Manifest, bytes]:
+def _manifest_and_bytes(store: Store, retry: bool = True) -> tuple[Manifest, bytes]:
     try:
         data = read_manifest_bytes(store)  # bounded: never more than MAX_MANIFEST_BYTES
     except FileNotFoundError:
         found = survey(store)
+        if found.kind == COMMITTED and retry:  # committed between the read and the listing
+            return _manifest_and_bytes(store, retry=False)
         if found.kind == EMPTY:
             store.check_bucket()
         raise missing_manifest_error(found) from None

@@ -47,11 +47,10 @@ from cloudckpt.core.ownership import (
 )
 from cloudckpt.errors import CommitConflictError, NotACheckpointError
 from cloudckpt.names import CLAIM_NAME
-from cloudckpt.storage import ObjectInfo, RetryPolicy, Store
+from cloudckpt.storage import ONE_TRY, ObjectInfo, Store
 
 log = logging.getLogger("cloudckpt")
 
-_ONE_TRY = RetryPolicy(max_attempts=1, deadline=10.0)
 
 _live: set[str] = set()  # claims held by writers of this process that are still open
 _live_lock = threading.Lock()
@@ -295,7 +294,7 @@ class WriterClaim:
     def _abandon(self) -> None:
         self._drop(delete=False, verify=False)
         self.abandoned = True
-        store = self.store.with_retry(_ONE_TRY)
+        store = self.store.with_retry(ONE_TRY)
         try:
             raw, version = store.get_with_version(CLAIM_NAME)
             record = _parse(raw)

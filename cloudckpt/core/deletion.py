@@ -1,4 +1,4 @@
-"""Deleting: only what cloudckpt can prove is its own (DESIGN.md invariant 7).
+"""Deleting: only what cloudckpt can prove is its own (invariant 7 of docs/architecture.md).
 
 A committed checkpoint loses its manifest first (it vanishes at once), then
 exactly the objects the manifest lists; an unfinished save of cloudckpt's
@@ -9,7 +9,7 @@ checkpoint by checkpoint. Nothing else is ever deleted.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 from cloudckpt.core.checkpoint import read_manifest
@@ -20,6 +20,7 @@ from cloudckpt.core.ownership import (
     Survey,
     classify,
     inside,
+    is_reserved,
     missing_manifest_error,
     survey,
 )
@@ -31,7 +32,7 @@ from cloudckpt.errors import (
     ManifestError,
     NotACheckpointError,
 )
-from cloudckpt.names import CLAIM_NAME, MANIFEST_NAME, is_reserved
+from cloudckpt.names import CLAIM_NAME, MANIFEST_NAME
 from cloudckpt.storage import Store, as_store
 
 log = logging.getLogger("cloudckpt")
@@ -83,6 +84,16 @@ def delete_checkpoint(uri: str | Store, storage_options: Mapping[str, Any] | Non
     return len(mine) + 1  # and the manifest
 
 
+def remove_leftovers(store: Store, keys: Iterable[str], keep: Collection[str] = ()) -> list[str]:
+    """Delete what a save that never committed left at ``store``, a prefix whose claim
+    this writer holds: every one of ``keys`` except the claim and ``keep``. The one
+    place torn saves are cleaned up; returns the keys deleted."""
+    stale = [k for k in keys if k != CLAIM_NAME and k not in keep]
+    if stale:
+        store.delete(stale)
+    return stale
+
+
 def delete_unfinished(store: Store, found: Survey) -> int:
     """Delete the unfinished save of cloudckpt's that ``found`` surveyed at ``store``.
 
@@ -98,8 +109,7 @@ def delete_unfinished(store: Store, found: Survey) -> int:
         raise CommitConflictError(
             f"another save took {store.uri} over while it was to be deleted; nothing was "
             "deleted")
-    keys = [o.key for o in store.list(internal=True) if o.key != CLAIM_NAME]
-    store.delete(keys)
+    keys = remove_leftovers(store, (o.key for o in store.list(internal=True)))
     if store.exists(MANIFEST_NAME):
         # Its writer passed its last check just before the claim was seized and
         # committed while the data went: hide the torn result rather than show it.

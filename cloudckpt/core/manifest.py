@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from cloudckpt.core import kinds
 from cloudckpt.errors import ManifestError
 from cloudckpt.names import (
     CLAIM_NAME,
@@ -66,7 +67,7 @@ class Manifest:
     files: Mapping[str, FileEntry]
     step: int | None = None
     metadata: Mapping[str, Any] = field(default_factory=dict)
-    kind: str = "generic"
+    kind: str = kinds.GENERIC
     created: float = field(default_factory=time.time)
     commit_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
@@ -136,7 +137,7 @@ class Manifest:
                 pass
         if not math.isfinite(created_at):
             raise ManifestError(f"{source}: bad 'created' time {_short(created)}")
-        kind, commit_id = doc.get("kind", "generic"), doc.get("commit_id", "")
+        kind, commit_id = doc.get("kind", kinds.GENERIC), doc.get("commit_id", "")
         for name, value in (("kind", kind), ("commit_id", commit_id)):
             if not isinstance(value, str) or _CONTROL_RE.search(value):
                 raise ManifestError(f"{source}: bad {name!r} {_short(value)}")

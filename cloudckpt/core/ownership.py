@@ -1,16 +1,17 @@
 """Whose objects lie under a prefix: what cloudckpt may delete, and what to call it.
 
-Deletes prove ownership (DESIGN.md invariant 7). A prefix with a manifest at its
+Deletes prove ownership (invariant 7 of docs/architecture.md). A prefix with a manifest at its
 top is a committed checkpoint. Any other prefix is, by one recursive listing:
 
 - **empty**: nothing is stored there;
 - **ours**: a save, copy or delete that cloudckpt started and did not finish. Its
   proof is a mark only cloudckpt writes at the prefix's top: the writer claim
   (kept after a failure, rewritten before a delete starts; a fresh claim is
-  never put on a prefix holding anything else), or ROLL's part markers; or every
-  object under it has a name cloudckpt reserves (upload parts, temporary files).
-  The committed parts of an unfinished save in :data:`PART_DIRS` (a training
-  checkpoint's ``model/``) belong to it;
+  never put on a prefix holding anything else), or a framework's marker directory
+  (:attr:`~cloudckpt.core.plugins.Framework.marker_dirs`); or every object under it
+  has a name cloudckpt reserves (upload parts, temporary files). The committed
+  parts of an unfinished save in :func:`part_dirs` (a training checkpoint's
+  ``model/``, a framework's declared parts) belong to it;
 - **root**: committed checkpoints, or other saves (their claims), lie below it (a
   run directory, a slot);
 - **foreign**: objects cloudckpt did not write (logs, datasets, a user's files).
@@ -24,16 +25,40 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from cloudckpt.core import plugins
 from cloudckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError, NotACheckpointError
-from cloudckpt.names import CLAIM_NAME, MANIFEST_NAME, ROLL_PARTS_DIR, is_reserved
+from cloudckpt.names import (
+    CLAIM_NAME,
+    INTERNAL_MARKS,
+    MANIFEST_NAME,
+    MODEL_PART,
+    SLOT_POINTER_NAME,
+)
 from cloudckpt.storage import ObjectInfo, Store
 
 EMPTY, OURS, ROOT, FOREIGN, COMMITTED = "empty", "ours", "root", "foreign", "committed"
 
-#: Where a save's own committed parts lie below its prefix: a training checkpoint's
-#: DCP part (cloudckpt.training.snapshot) and RLinf's actor/critic parts. A claimed prefix
-#: with checkpoints anywhere else is a root, not a save.
-PART_DIRS = frozenset({"model", "actor", "critic"})
+
+
+def part_dirs() -> frozenset[str]:
+    """Where a save's own committed parts lie below its prefix: a training
+    checkpoint's DCP part and the frameworks' declared parts. A claimed prefix with
+    checkpoints anywhere else is a root, not a save."""
+    return frozenset({MODEL_PART}) | plugins.part_dirs()
+
+
+def _marker(key: str, dirs: Iterable[str]) -> bool:
+    return any(key.startswith(d + "/") or f"/{d}/" in key for d in dirs)
+
+
+def is_reserved(key: str) -> bool:
+    """Whether ``key`` (relative to some prefix) names an object only cloudckpt writes:
+    a manifest, a writer claim, a slot pointer, a framework's marker, an upload part
+    or a temporary file."""
+    name = key.rsplit("/", 1)[-1]
+    return (name in (MANIFEST_NAME, CLAIM_NAME, SLOT_POINTER_NAME)
+            or any(m in name for m in INTERNAL_MARKS)
+            or _marker(key, plugins.marker_dirs()))
 
 
 @dataclass(frozen=True)
@@ -81,8 +106,10 @@ def classify(uri: str, objects: Sequence[ObjectInfo]) -> Survey:
                        if k.endswith("/" + CLAIM_NAME))
     units = _outermost([*nested, *saves])
     foreign = tuple(k for k in keys if not is_reserved(k) and not inside(k, units))
-    marked = CLAIM_NAME in keys or any(k.startswith(ROLL_PARTS_DIR + "/") for k in keys)
-    if marked and all(p.split("/", 1)[0] in PART_DIRS for p in units):
+    markers = plugins.marker_dirs()
+    marked = CLAIM_NAME in keys or any(k.startswith(d + "/") for d in markers for k in keys)
+    own_parts = part_dirs()
+    if marked and all(p.split("/", 1)[0] in own_parts for p in units):
         kind = OURS  # a save of cloudckpt's, its committed parts (model/, actor/...) its own
     elif nested or (saves and not marked):
         kind = ROOT

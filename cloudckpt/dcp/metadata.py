@@ -15,12 +15,13 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
+from cloudckpt.core import kinds
 from cloudckpt.errors import CorruptCheckpointError
 from cloudckpt.serialization.dcpmeta import unpickle_metadata
 
 METADATA_NAME = ".metadata"
 SUFFIX = ".distcp"
-DCP_KIND = "dcp"
+DCP_KIND = kinds.DCP
 
 
 def load_metadata(data: bytes, *, source: str = METADATA_NAME) -> Metadata:

@@ -7,15 +7,8 @@ The export functions load torch on first use, so that ``cloudckpt.hf.hub``
 
 from __future__ import annotations
 
-from typing import Any
+from cloudckpt.util.lazy import lazy_exports
 
 __all__ = ["download", "export", "from_pretrained", "load_state_dict", "parse_size"]
-_EXPORTING = {*__all__, "KIND", "cache_dir", "weight_files"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTING:
-        from cloudckpt.hf import exporting
-
-        return getattr(exporting, name)
-    raise AttributeError(f"module 'cloudckpt.hf' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, dict.fromkeys(
+    [*__all__, "KIND", "cache_dir", "weight_files"], "exporting"))

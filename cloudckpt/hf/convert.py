@@ -1,12 +1,11 @@
 """Conversions out of DCP training checkpoints: to a Hugging Face export, or to a
-``torch.save`` state dict (what RLinf's ``--dcp_path/--output_path`` tool writes).
+``torch.save`` state dict (what a framework's own DCP converter writes).
 
 Only the model's tensors are read: the keys under ``key_prefix`` are planned
 alone, so DCP never fetches optimizer state.
 
-Framework checkpoints are read through the layouts their integrations declare
-(:func:`cloudckpt.integrations.dcp_layouts`), asked for at call time: the integrations
-sit above this module.
+Framework checkpoints are read through the DCP layouts their plug-ins declare
+(:func:`cloudckpt.core.plugins.dcp_layouts`).
 """
 
 from __future__ import annotations
@@ -20,42 +19,29 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from cloudckpt import dcp as cdcp
+from cloudckpt.core import kinds, plugins
 from cloudckpt.core.checkpoint import open_checkpoint
 from cloudckpt.errors import ConfigError
+from cloudckpt.names import MODEL_PART
 from cloudckpt.storage import Store, as_store, open_store, split_uri
-from cloudckpt.training.snapshot import KIND as TRAINING_KIND
-from cloudckpt.training.snapshot import MODEL_PART
 
 log = logging.getLogger("cloudckpt")
-
-
-def framework_layouts() -> dict[str, tuple[str, str]]:
-    """The framework checkpoints a model can be read from: ``{manifest kind: (the DCP
-    part inside such a checkpoint, its model tensors' key prefix)}``."""
-    from cloudckpt.integrations import dcp_layouts  # at call time: integrations sit above
-
-    return dcp_layouts()
 
 
 def auto_prefixes() -> tuple[str, ...]:
     """Prefixes tried, in order, when none is given: cloudckpt's manager's, each
     framework layout's, then none."""
-    framework = dict.fromkeys(prefix for _, prefix in framework_layouts().values())
+    framework = dict.fromkeys(prefix for _, prefix in plugins.dcp_layouts().values())
     return ("model.", *framework, "")
 
-
-def __getattr__(name: str) -> Any:
-    if name == "AUTO_PREFIXES":  # was a constant; now the layouts are asked on use
-        return auto_prefixes()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _dcp_store(uri: str | Store, storage_options: Mapping[str, Any] | None) -> Store:
     store = as_store(uri, storage_options)
     kind = open_checkpoint(store).manifest.kind
-    if kind == TRAINING_KIND:
+    if kind == kinds.TRAINING:
         return store.child(MODEL_PART)  # a manager/slot checkpoint: its DCP part
-    layout = framework_layouts().get(kind)
+    layout = plugins.dcp_layouts().get(kind)
     if layout is not None:  # a framework's checkpoint: its model's DCP part
         return store.child(layout[0])
     return store

@@ -26,15 +26,16 @@ from typing import Any
 
 import torch
 
+from cloudckpt.core import kinds
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
 from cloudckpt.errors import ConfigError, CorruptCheckpointError
-from cloudckpt.movement.transfer import download  # noqa: F401 - the downloader, kept as hf.download
+from cloudckpt.movement.transfer import download  # noqa: F401 - public here as hf.download
 
 log = logging.getLogger("cloudckpt.hf")
 
 __all__ = ["download", "export", "from_pretrained", "load_state_dict", "parse_size"]
 
-KIND = "hf"
+KIND = kinds.HF
 #: Shards serialised and uploaded at once.
 SHARD_WORKERS = 4
 SINGLE = "model.safetensors"

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cloudckpt.core import kinds
 from cloudckpt.core.checkpoint import Checkpoint, open_checkpoint
 from cloudckpt.core.manifest import MANIFEST_NAME
 from cloudckpt.errors import AccessDeniedError, CommitConflictError, ConfigError, StorageError
@@ -46,7 +47,6 @@ __all__ = ["WEIGHT_PATTERNS", "PushJob", "PushResult", "push", "push_in_backgrou
 #: Names at a repo's root that ``from_pretrained`` may load weights from; a push
 #: never leaves ones the export does not have beside the new weights.
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.index.json")
-_HF_KIND = "hf"  # cloudckpt.hf.KIND; not imported, as that pulls in torch
 
 
 @dataclass(frozen=True)
@@ -122,9 +122,9 @@ def _export_files(ckpt: Checkpoint) -> list[str]:
     """The files of the HF export ``ckpt`` to push; anything else is refused here, so a
     training or DCP checkpoint never reaches a model repo."""
     kind = ckpt.manifest.kind
-    if kind != _HF_KIND:
+    if kind != kinds.HF:
         raise ConfigError(f"{ckpt.uri} is {_describe_kind(kind)}, not a Hugging Face export "
-                          f"(manifest kind {_HF_KIND!r}); push publishes HF exports only. "
+                          f"(manifest kind {kinds.HF!r}); push publishes HF exports only. "
                           f"{_what_to_pass(ckpt.uri, kind)}")
     files = [p for p in ckpt.files if p != MANIFEST_NAME]
     missing = [name for name, ok in (
@@ -147,15 +147,15 @@ def _stale_weights(repo_files: Iterable[str], export: Iterable[str]) -> list[str
 
 
 def _describe_kind(kind: str) -> str:
-    return {"training": "a training checkpoint (model and optimizer DCP shards, RNG and "
+    return {kinds.TRAINING: "a training checkpoint (model and optimizer DCP shards, RNG and "
                         "training state)",
-            "dcp": "a DCP checkpoint"}.get(kind, f"a checkpoint of kind {kind!r}")
+            kinds.DCP: "a DCP checkpoint"}.get(kind, f"a checkpoint of kind {kind!r}")
 
 
 def _what_to_pass(uri: str, kind: str) -> str:
     """How to get an HF export from a checkpoint of ``kind``."""
     convert = f"`cloudckpt convert dcp-to-hf {uri} DST --config config.json`"
-    if kind in ("training", "dcp"):
+    if kind in (kinds.TRAINING, kinds.DCP):
         return f"Convert its model to one first ({convert}), then push DST"
     return ("Pass an HF export: write one with cloudckpt.hf.export (a local model folder: "
             "cloudckpt.training.staging.upload_dir(folder, uri, kind='hf')), or convert a "

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter
 from cloudckpt.core.manifest import FileEntry
 from cloudckpt.errors import CorruptCheckpointError
-from cloudckpt.storage import ObjectInfo, RetryPolicy, Store
+from cloudckpt.storage import ONE_TRY, ObjectInfo, Store
 from cloudckpt.storage.writers import RangeWriter
 from cloudckpt.util.crc import Crc32c
 
@@ -47,7 +47,6 @@ PIECE = 4 << 20
 #: Large objects streamed between stores at once (each keeps its parts in flight).
 STREAMED_OBJECTS = 2
 
-_ONE_TRY = RetryPolicy(max_attempts=1, deadline=10.0)
 
 
 def copy_objects(ckpt: Checkpoint, writer: CheckpointWriter, paths: list[str],
@@ -154,7 +153,7 @@ def _check_server_copy(ckpt: Checkpoint, dst: Store, path: str, entry: FileEntry
                 return
             problem = f"crc32c {crc} != {entry.crc32c} in manifest"
     try:
-        dst.with_retry(_ONE_TRY).delete([path])  # a copy known bad is not left behind
+        dst.with_retry(ONE_TRY).delete([path])  # a copy known bad is not left behind
     except Exception as exc:  # noqa: BLE001 - unrecorded by any manifest either way
         log.warning("could not delete the bad copy %s: %s", dst.key_uri(path), exc)
     raise _corrupt(ckpt, path, problem)

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
-from cloudckpt.core.manifest import CLAIM_NAME, MANIFEST_NAME, FileEntry, Manifest
+from cloudckpt.core.deletion import remove_leftovers
+from cloudckpt.core.manifest import MANIFEST_NAME, FileEntry, Manifest
 from cloudckpt.core.ownership import COMMITTED, FOREIGN, OURS, ROOT, not_a_checkpoint, survey
 from cloudckpt.errors import CommitConflictError, CorruptCheckpointError, NotACheckpointError
 from cloudckpt.movement.copying import Progress, Report, checksum_object
@@ -105,9 +106,7 @@ def _resume(ckpt: Checkpoint, writer: CheckpointWriter, report: Report) -> set[s
     for key in sorted(kept):
         writer.add_existing(key, entries[key].size, entries[key].crc32c)
         report(entries[key].size)
-    stale = [o.key for o in found.objects if o.key not in kept and o.key != CLAIM_NAME]
-    if stale:
-        store.delete(stale)
+    stale = remove_leftovers(store, (o.key for o in found.objects), keep=kept)
     log.info("resuming the copy of %s into %s: %d of %d objects already there and checked, "
              "%d leftovers removed", ckpt.uri, store.uri, len(kept), len(entries), len(stale))
     return kept

@@ -3,7 +3,7 @@
 Every step that more than one rank takes part in goes through these helpers,
 so a failure on any rank is raised on every rank, promptly, as the same
 cloudckpt error class, and no rank is left waiting in a collective the others
-skipped (DESIGN.md invariant 8):
+skipped (invariant 8 of docs/architecture.md):
 
 - :func:`on_coordinator`: rank 0 does the work (storage I/O: claim, commit,
   pointer swap, listing); every rank gets its result or its error;

@@ -1,7 +1,7 @@
 """Background saves the process must not end without: finished, or reported.
 
 A save that was started either commits or is reported, loudly, before the
-process ends (DESIGN.md invariant 11). Every background save (an async DCP
+process ends (invariant 11 of docs/architecture.md). Every background save (an async DCP
 save, a manager's async save, a background Hub push) runs through
 :func:`run_in_background`, which tracks it until it ends and its outcome has
 been seen. Then:

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner
 
 from cloudckpt.core.checkpoint import Checkpoint
 from cloudckpt.core.listing import list_checkpoints
-from cloudckpt.core.retention import Managed, apply_retention, select_for_deletion  # noqa: F401 - re-exported
+from cloudckpt.core.retention import Managed, apply_retention
 from cloudckpt.dcp.budget import BudgetStager, StagedState
 from cloudckpt.errors import ConfigError, CorruptCheckpointError
 from cloudckpt.runtime import coordination as coord

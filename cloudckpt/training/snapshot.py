@@ -23,10 +23,11 @@ from typing import Any
 from torch.distributed.checkpoint.planner import LoadPlanner
 
 from cloudckpt import dcp as cdcp
-from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
-from cloudckpt.core.manifest import CLAIM_NAME
+from cloudckpt.core import kinds
+from cloudckpt.core.checkpoint import Checkpoint, open_checkpoint
 from cloudckpt.dcp.budget import StagedState
 from cloudckpt.errors import ConfigError, CorruptCheckpointError, WorldSizeError
+from cloudckpt.names import MODEL_PART
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.runtime.state import (
     Stateful,
@@ -40,12 +41,12 @@ from cloudckpt.runtime.state import (
     set_rng_state,
 )
 from cloudckpt.storage import Store, as_store
+from cloudckpt.training import multipart
 from cloudckpt.util.text import plural
 
 log = logging.getLogger("cloudckpt")
 
-KIND = "training"
-MODEL_PART = "model"
+KIND = kinds.TRAINING
 SHARED = "state/shared.bin"
 _STEP_INFO = "__step_info__"
 _RNG = "__rng__"
@@ -133,80 +134,15 @@ def write(
     failed; then nothing is committed.
     """
     store = as_store(uri, storage_options)
-    world = coord.world_size(group)
-    writer = claim_prefix(store, group, step=step, kind=KIND, metadata={
-        **dict(metadata or {}), "world_size": world, "parts": [MODEL_PART, "state"],
-        "step_info": captured.shared.get(_STEP_INFO)})
-    try:
-        return _write_parts(store, writer, app_state, captured, step, group, staged)
-    except BaseException:
-        if writer is not None:
-            writer.abandon()  # the claim stays, marked: the leftovers remain provably ours
-        raise
-
-
-def _write_parts(store: Store, writer: CheckpointWriter | None, app_state: Mapping[str, Any],
-                 captured: Captured, step: int | None, group: Any,
-                 staged: StagedState | None) -> Checkpoint | None:
-    cdcp.save(dict(app_state), store.child(MODEL_PART), process_group=group, step=step,
-              staged=staged, checked=captured.state_checked)
-
-    def mine() -> tuple[str, int, str]:  # this rank's state: every rank writes its own
-        info = store.put(_rank_key(coord.rank(group)), dumps_state(captured.per_rank))
-        assert info.crc32c is not None
-        return info.key, info.size, info.crc32c
-
-    parts = coord.each_rank(mine, group)
-    return coord.on_coordinator(
-        lambda: _commit(writer, captured, parts) if writer is not None else None,
-        group, share=False)
-
-
-def _commit(writer: CheckpointWriter, captured: Captured,
-            parts: list[tuple[str, int, str]]) -> Checkpoint:
-    """Rank 0, once every rank's part is durable: the shared state, then the root
-    manifest listing every object of every part."""
-    writer.add_part(MODEL_PART)
-    for key, size, crc in parts:
-        writer.add_existing(key, size, crc)
-    writer.put(SHARED, dumps_state(captured.shared))
-    return writer.commit()
-
-
-def claim_prefix(store: Store, group: Any = None, **writer_options: Any
-                 ) -> CheckpointWriter | None:
-    """Make ``store`` ready for a multi-part save, agreed on every rank.
-
-    On rank 0: a :class:`CheckpointWriter` for the root manifest (``writer_options``
-    go to it) claims the prefix before any rank writes, so whatever a crash leaves
-    there is provably cloudckpt's; leftovers of an earlier save that never
-    committed are deleted (they are invisible to every reader, and in the way of
-    the parts' create-only commits). Returns that writer on rank 0, None elsewhere.
-
-    Raises the same error on every rank when the prefix cannot be used: a
-    checkpoint is committed there (:class:`CommitConflictError`), another live
-    save holds it, or it holds data that is not an unfinished save of cloudckpt's
-    (:class:`NotACheckpointError`: a root, or objects cloudckpt did not write).
-    """
-
-    def prepare() -> CheckpointWriter:
-        # The writer refuses a committed prefix, and its claim one that holds a root or
-        # objects cloudckpt did not write; what the claim listed are the leftovers.
-        writer = CheckpointWriter(store, **writer_options)
-        try:
-            found = writer.claim()
-            assert found is not None
-            leftovers = [o.key for o in found.objects if o.key != CLAIM_NAME]
-            if leftovers:
-                log.warning("replacing the uncommitted leftovers of an earlier save at %s "
-                            "(%d objects)", store.uri, len(leftovers))
-                store.delete(leftovers)
-        except BaseException:
-            writer.abandon()
-            raise
-        return writer
-
-    return coord.on_coordinator(prepare, group, share=False)
+    parts = [
+        multipart.DcpPart(MODEL_PART, app_state, step,
+                          {"staged": staged, "checked": captured.state_checked}),
+        multipart.RankBytes(_rank_key, dumps_state(captured.per_rank)),
+        multipart.SharedBytes(SHARED, lambda: dumps_state(captured.shared)),
+    ]
+    return multipart.save(store, parts, group=group, step=step, kind=KIND, metadata={
+        **dict(metadata or {}), "world_size": coord.world_size(group),
+        "parts": [MODEL_PART, "state"], "step_info": captured.shared.get(_STEP_INFO)})
 
 
 @dataclass

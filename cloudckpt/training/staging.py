@@ -29,6 +29,7 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,8 @@ from cloudckpt.movement.transfer import download
 from cloudckpt.names import MANIFEST_NAME
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.storage import Store, as_store
-from cloudckpt.training.snapshot import claim_prefix
+from cloudckpt.training import multipart
+from cloudckpt.training.multipart import Entry
 
 log = logging.getLogger("cloudckpt")
 
@@ -191,6 +193,32 @@ def _send(store: Store, root: Path, rel: str) -> tuple[str, int, str]:
     return rel, info.size, info.crc32c
 
 
+@dataclass
+class LocalFiles:
+    """A :class:`~cloudckpt.training.multipart.Part`: every file under each host's
+    ``root`` (or only the relative paths in ``select``), each sent once, by the first
+    rank of the first host that holds it."""
+
+    root: Path
+    select: set[str] | None = None
+
+    def write(self, store: Store, group: Any) -> list[list[Entry]]:
+        leaders = _leaders(group)
+        me = coord.rank(group)
+        held = coord.each_rank(
+            lambda: _files(self.root, self.select) if leaders[me] == me else [], group)
+        owner: dict[str, int] = {}
+        for r, names in enumerate(held):
+            for rel in names:
+                if rel != MANIFEST_NAME:  # a downloaded copy's manifest is not data
+                    owner.setdefault(rel, r)
+        mine = [rel for rel, r in owner.items() if r == me]
+        return coord.each_rank(lambda: [_send(store, self.root, rel) for rel in mine], group)
+
+    def commit(self, writer: CheckpointWriter, written: list[list[Entry]]) -> None:
+        multipart.Stored(e for sent in written for e in sent).commit(writer, None)
+
+
 def upload_dir(local_dir: str | os.PathLike, dest: str | Store, *, group: Any = None,
                storage_options: Mapping[str, Any] | None = None,
                select: Iterable[str] | None = None,
@@ -198,38 +226,12 @@ def upload_dir(local_dir: str | os.PathLike, dest: str | Store, *, group: Any = 
     """Commit every file under each host's ``local_dir`` (or only the relative paths in
     ``select``) as one checkpoint at ``dest``; call on every rank. ``writer_options``
     (``step``, ``kind``, ``metadata``, ``takeover``) go to the :class:`CheckpointWriter`.
-    Returns the checkpoint on rank
-    0, None elsewhere; if any rank fails, every rank raises and nothing is committed
-    (the claim marks what was sent as cloudckpt's, for the next save or ``gc``)."""
-    store = as_store(dest, storage_options)
-    root = Path(local_dir)
-    writer = claim_prefix(store, group, **writer_options)
-    try:
-        leaders = _leaders(group)
-        me = coord.rank(group)
-        chosen = None if select is None else set(select)
-        held = coord.each_rank(lambda: _files(root, chosen) if leaders[me] == me else [],
-                               group)
-        owner: dict[str, int] = {}
-        for r, names in enumerate(held):
-            for rel in names:
-                if rel != MANIFEST_NAME:  # a downloaded copy's manifest is not data
-                    owner.setdefault(rel, r)
-        mine = [rel for rel, r in owner.items() if r == me]
-        sent = coord.each_rank(lambda: [_send(store, root, rel) for rel in mine], group)
-        return coord.on_coordinator(lambda: _commit(writer, sent) if writer else None,
-                                    group, share=False)
-    except BaseException:
-        if writer is not None:
-            writer.abandon()
-        raise
-
-
-def _commit(writer: CheckpointWriter, sent: list[list[tuple[str, int, str]]]) -> Checkpoint:
-    for part in sent:
-        for rel, size, crc in part:
-            writer.add_existing(rel, size, crc)
-    return writer.commit()
+    Returns the checkpoint on rank 0, None elsewhere; if any rank fails, every rank
+    raises and nothing is committed (the claim marks what was sent as cloudckpt's, for
+    the next save or ``gc``)."""
+    part = LocalFiles(Path(local_dir), None if select is None else set(select))
+    return multipart.save(as_store(dest, storage_options), [part], group=group,
+                          **writer_options)
 
 
 def download_dir(ckpt: Checkpoint, local_dir: str | os.PathLike, *, group: Any = None) -> Path:

@@ -132,7 +132,7 @@ def resume_dir(resume, uploader, rank: int, world: int) -> Path | None:
         if not Path(path).is_dir():
             raise SystemExit(f"resume_from_checkpoint={path!r} is not a local directory; ROLL "
                              "would send it to a model hub. Use `true`, or a directory from "
-                             "`python -m cloudckpt.integrations.roll fetch`.")
+                             "`cloudckpt roll fetch`.")
     else:
         return None
     return Path(path) if path else None

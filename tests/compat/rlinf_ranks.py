@@ -161,6 +161,7 @@ def rlinf_to_cloudckpt(rank: int, world: int, local_step: str, out_dir: str,
                        options_json: str) -> dict[str, Any]:
     """RLinf's own saver writes step 3 locally; rank 0 runs the one upload command;
     cloudckpt resumes (``resume_dir: auto``) into a fresh actor: bit-exact."""
+    from cloudckpt.cli import main as cli
     from cloudckpt.integrations import rlinf
 
     opts = json.loads(options_json)
@@ -173,7 +174,7 @@ def rlinf_to_cloudckpt(rank: int, world: int, local_step: str, out_dir: str,
     root = rlinf.checkpoints_root(out_dir, "compat")
     if rank == 0:
         flags = ["--storage-options", options_json]
-        assert rlinf.main(["upload", local_step, root, *flags]) == 0
+        assert cli(["rlinf", "upload", local_step, root, *flags]) == 0
     _barrier()
 
     model2, optim2, sched2 = build(world, seed=99)

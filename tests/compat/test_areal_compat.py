@@ -22,7 +22,6 @@ from areal_parts import FT_SPEC, Trainer, assert_same_state, first_step
 from cloudckpt.cli import main as cloudckpt_cli
 from cloudckpt.errors import BucketNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from cloudckpt.integrations import areal
-from cloudckpt.integrations.areal.__main__ import main as areal_cli
 from cloudckpt.integrations.areal.info import load_pickle
 
 STEPS, CUT = 8, 5  # train 8 steps; the interrupted run stops after step 4 (dumped at 3)
@@ -130,8 +129,9 @@ def test_areal_trial_imported_resumes_under_cloudckpt(s3, tmp_path, reference):
     first.train(first_step(), CUT)
 
     opts = [a for o in cli_options(s3) for a in ("-o", o)]
-    assert areal_cli(["import", str(tmp_path / "no-trial"), trial_dir(s3.root), *opts]) == 3
-    assert areal_cli(["import", trial_dir(local_root), trial_dir(s3.root), *opts]) == 0
+    missing = str(tmp_path / "no-trial")
+    assert cloudckpt_cli(["areal", "import", missing, trial_dir(s3.root), *opts]) == 3
+    assert cloudckpt_cli(["areal", "import", trial_dir(local_root), trial_dir(s3.root), *opts]) == 0
     _resumes_under_cloudckpt(s3, reference)
 
 
@@ -153,9 +153,9 @@ def test_areal_trial_synced_into_a_bucket_is_refused_then_adopted(s3, tmp_path, 
     with pytest.raises(IncompleteCheckpointError) as err:
         Trainer(areal.Saver, areal.RecoverHandler, saver_cfg, recover_cfg,
                 storage_options=s3.options)
-    assert f"python -m cloudckpt.integrations.areal adopt {uri}" in str(err.value)
+    assert f"cloudckpt areal adopt {uri}" in str(err.value)
     opts = [a for o in cli_options(s3) for a in ("-o", o)]
-    assert areal_cli(["adopt", uri, *opts]) == 0
+    assert cloudckpt_cli(["areal", "adopt", uri, *opts]) == 0
     _resumes_under_cloudckpt(s3, reference)
 
 

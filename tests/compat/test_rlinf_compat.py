@@ -27,6 +27,7 @@ import torch
 from dist_run import run_ranks
 
 from cloudckpt import open_checkpoint, open_store
+from cloudckpt.cli import main as cloudckpt_cli
 from cloudckpt.dcp import CloudStorageReader
 from cloudckpt.errors import ConfigError, IncompleteCheckpointError
 from cloudckpt.integrations import rlinf
@@ -123,8 +124,8 @@ def test_stock_step_in_gcs_adopted_with_one_command_then_resumes(gcs, tmp_path, 
         rlinf.resolve_resume_dir(bucket_step.uri, root, gcs.options)
 
     endpoint = gcs.options["endpoint_url"]
-    assert rlinf.main(["adopt", bucket_step.uri, "-o", f"endpoint_url={endpoint}",
-                       "-o", "token=anon"]) == 0
+    assert cloudckpt_cli(["rlinf", "adopt", bucket_step.uri, "-o", f"endpoint_url={endpoint}",
+                          "-o", "token=anon"]) == 0
     model2, optim2, sched2 = _single(99)
     ck = rlinf.RLinfCheckpointer(gcs.uri("logs"), "exp", resume_dir="auto",
                                  storage_options=gcs.options)

@@ -238,8 +238,8 @@ def test_cloudckpt_to_bucket_to_roll_resume(bucket, tmp_path, monkeypatch):
     assert_same(load_file(str(Path(path) / "model.safetensors")),
                 {k[len("model."):]: v for k, v in expected.items() if k.startswith("model.")})
     assert resumed.scheduler.state_dict() == expected_sched and expected_sched["last_epoch"] == 3
-    # a string resume value: the directory `python -m cloudckpt.integrations.roll fetch`
-    # prints, which download_model passes through unchanged
+    # a string resume value: the directory `cloudckpt roll fetch` prints, which
+    # download_model passes through unchanged
     assert roll_resume(path, cfg)[0] == path
     assert hub_calls == []
     # a bucket URI or "latest" as the value is what ROLL sends to the hub (why the docs
@@ -262,7 +262,7 @@ def test_roll_file_system_to_bucket_to_cloudckpt_resume(bucket, tmp_path):
 
     opts = [f"-o{k}={v if isinstance(v, str) else json.dumps(v)}"
             for k, v in json.loads(bucket.options_json()).items()]
-    proc = subprocess.run([sys.executable, "-m", "cloudckpt.integrations.roll", *opts,
+    proc = subprocess.run([str(Path(sys.executable).with_name("cloudckpt")), "roll", *opts,
                            "upload", ckpt_dir, bucket.root], capture_output=True, text=True,
                           cwd=REPO, env={**os.environ, **bucket.env}, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -14,35 +14,44 @@ uploaded), so the bytes are exactly AReaL's:
   crash mid-dump leaves the previous dump loadable.
 
 ``cloudckpt download`` of the trial directory writes AReaL's layout on local disk (AReaL's
-own ``RecoverHandler`` resumes from it); ``python -m cloudckpt.integrations.areal import``
-brings a trial AReaL wrote on local disk into a bucket, and ``... adopt`` commits one
+own ``RecoverHandler`` resumes from it); ``cloudckpt areal import`` brings a trial
+AReaL wrote on local disk into a bucket, and ``cloudckpt areal adopt`` commits one
 AReaL wrote that is already there (which the handler otherwise refuses to resume).
 
 One module per job: ``config`` (the sections and the paths they name), ``yaml_loader``,
 ``freq`` (when to save), ``engines`` (AReaL's engine interface, and an adapter for a
 plain model), ``info`` (the ``recover_info/`` files), ``saver``, ``recover``,
-``preflight`` (the checks before training), ``importer``, ``adoption`` and
-``relaunch`` (:func:`run_with_retries`).
+``preflight`` (the checks before training), ``importer``, ``adoption``, ``commands``
+(``cloudckpt areal ...``) and ``relaunch`` (:func:`run_with_retries`).
 """
 
-from cloudckpt.integrations.areal.adoption import adopt_trial
-from cloudckpt.integrations.areal.config import (
-    EXPORT_RE,
-    RecoverConfig,
-    SaverConfig,
-    export_name,
-    recover_checkpoint_uri,
-    recover_info_uri,
-    save_root,
-)
-from cloudckpt.integrations.areal.engines import Engine, ModuleEngine, SaveLoadMeta
-from cloudckpt.integrations.areal.freq import FreqCtl
-from cloudckpt.integrations.areal.importer import import_trial
-from cloudckpt.integrations.areal.info import RecoverInfo
-from cloudckpt.integrations.areal.recover import RecoverHandler, read_dataloader_info
-from cloudckpt.integrations.areal.relaunch import run_with_retries
-from cloudckpt.integrations.areal.saver import Saver, latest_export, list_exports
-from cloudckpt.integrations.areal.yaml_loader import load_yaml
+from cloudckpt.util.lazy import lazy_exports
+
+_WHERE = {
+    "EXPORT_RE": "config",
+    "Engine": "engines",
+    "FreqCtl": "freq",
+    "ModuleEngine": "engines",
+    "RecoverConfig": "config",
+    "RecoverHandler": "recover",
+    "RecoverInfo": "info",
+    "SaveLoadMeta": "engines",
+    "Saver": "saver",
+    "SaverConfig": "config",
+    "adopt_trial": "adoption",
+    "export_name": "config",
+    "import_trial": "importer",
+    "latest_export": "saver",
+    "list_exports": "saver",
+    "load_yaml": "yaml_loader",
+    "read_dataloader_info": "recover",
+    "recover_checkpoint_uri": "config",
+    "recover_info_uri": "config",
+    "run_with_retries": "relaunch",
+    "save_root": "config",
+}
+
+__getattr__ = lazy_exports(__name__, _WHERE)
 
 __all__ = [
     "EXPORT_RE",

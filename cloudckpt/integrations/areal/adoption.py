@@ -1,7 +1,7 @@
 """A trial AReaL wrote itself, already in a bucket (copied there with ``aws s3 sync``,
 say): check it and commit it, so that these classes resume it.
 
-``python -m cloudckpt.integrations.areal adopt URI``. Such a trial has AReaL's files
+``cloudckpt areal adopt URI``. Such a trial has AReaL's files
 and no cloudckpt manifest, so nothing tells it from a torn save; adopting it checks
 what can be checked and commits it:
 

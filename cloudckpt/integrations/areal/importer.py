@@ -1,6 +1,6 @@
 """Bring a trial that AReaL wrote on local disk into a bucket, resumable from there.
 
-``python -m cloudckpt.integrations.areal import LOCAL_TRIAL URI`` commits the recover
+``cloudckpt areal import LOCAL_TRIAL URI`` commits the recover
 state (every ``{name}/recover_checkpoint/`` and ``recover_info/``) as the trial slot's
 generation, and every ``{name}/epoch{E}epochstep{S}globalstep{G}/`` export as a
 committed export, each file checked on the way. Other files are not copied.

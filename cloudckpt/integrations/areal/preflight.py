@@ -17,7 +17,7 @@ from cloudckpt.integrations.areal.config import INFO_DIR, save_root
 from cloudckpt.names import SLOT_POINTER_NAME
 from cloudckpt.storage import Store, open_store
 
-ADOPT_HINT = "python -m cloudckpt.integrations.areal adopt"
+ADOPT_HINT = "cloudckpt areal adopt"
 
 
 def _prefixes(store: Store, config: Any) -> list[str]:

@@ -27,6 +27,7 @@ from cloudckpt.integrations.areal.info import (
     step_info_type,
     write,
 )
+from cloudckpt.integrations.areal.plugin import KIND
 from cloudckpt.integrations.areal.preflight import check_trial
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.runtime.state import dumps_state, get_rng_state, loads_state, set_rng_state
@@ -35,7 +36,6 @@ from cloudckpt.training.staging import download_dir, staging_dir, upload_dir
 
 log = logging.getLogger("cloudckpt")
 
-KIND = "areal-recover"
 _RNG = INFO_DIR + "/cloudckpt_rng_rank{:05d}.bin"  # beside AReaL's files, which it ignores
 
 

@@ -27,38 +27,44 @@ The package has one module per job: ``layout`` (RLinf's names and paths), ``conf
 (``runner.*`` keys, ``max_steps``, the ``save_interval`` rule), ``fsdp`` (the actor's
 state dict, RNG, full weights), ``checkpointer`` (:class:`RLinfCheckpointer`),
 ``resume`` (``runner.resume_dir``), ``adoption`` (steps RLinf wrote), ``converter``
-(RLinf's DCP -> ``torch.save`` tool) and ``command`` (``python -m
-cloudckpt.integrations.rlinf``).
+(RLinf's DCP -> ``torch.save`` tool) and ``command`` (``cloudckpt rlinf ...``).
 """
 
-# Public names outside __all__ (as before the split) are re-exported as ``X as X``;
-# CheckpointWriter is the class RLinfCheckpointer commits with (examples/rlinf patches it).
-from cloudckpt.core.checkpoint import CheckpointWriter as CheckpointWriter
-from cloudckpt.integrations.rlinf.adoption import adopt_step, upload_step
-from cloudckpt.integrations.rlinf.checkpointer import Resumed, RLinfCheckpointer
-from cloudckpt.integrations.rlinf.checkpointer import read_data_state as read_data_state
-from cloudckpt.integrations.rlinf.command import main
-from cloudckpt.integrations.rlinf.config import RunnerConfig, should_save, total_steps
-from cloudckpt.integrations.rlinf.converter import convert
-from cloudckpt.integrations.rlinf.fsdp import (
-    fsdp_state_dict,
-    get_rng_state,
-    load_fsdp_state_dict,
-    set_rng_state,
-)
-from cloudckpt.integrations.rlinf.layout import ACTOR as ACTOR
-from cloudckpt.integrations.rlinf.layout import CHECKPOINTS as CHECKPOINTS
-from cloudckpt.integrations.rlinf.layout import CRITIC as CRITIC
-from cloudckpt.integrations.rlinf.layout import DATA_PATH as DATA_PATH
-from cloudckpt.integrations.rlinf.layout import DCP_DIR as DCP_DIR
-from cloudckpt.integrations.rlinf.layout import FULL_WEIGHTS as FULL_WEIGHTS
-from cloudckpt.integrations.rlinf.layout import KEY_PREFIX, checkpoints_root, parse_step
-from cloudckpt.integrations.rlinf.layout import KIND as KIND
-from cloudckpt.integrations.rlinf.layout import ROOT_KEY as ROOT_KEY
-from cloudckpt.integrations.rlinf.layout import STEP_PREFIX as STEP_PREFIX
-from cloudckpt.integrations.rlinf.layout import step_name as step_name
-from cloudckpt.integrations.rlinf.resume import open_rlinf_checkpoint as open_rlinf_checkpoint
-from cloudckpt.integrations.rlinf.resume import resolve_resume_dir
+from cloudckpt.util.lazy import lazy_exports
+
+_WHERE = {
+    "ACTOR": "layout",
+    "CHECKPOINTS": "layout",
+    "CRITIC": "layout",
+    "CheckpointWriter": "cloudckpt.core.checkpoint",
+    "DATA_PATH": "layout",
+    "DCP_DIR": "layout",
+    "FULL_WEIGHTS": "layout",
+    "KEY_PREFIX": "layout",
+    "KIND": "layout",
+    "RLinfCheckpointer": "checkpointer",
+    "ROOT_KEY": "layout",
+    "Resumed": "checkpointer",
+    "RunnerConfig": "config",
+    "STEP_PREFIX": "layout",
+    "adopt_step": "adoption",
+    "checkpoints_root": "layout",
+    "convert": "converter",
+    "fsdp_state_dict": "fsdp",
+    "get_rng_state": "fsdp",
+    "load_fsdp_state_dict": "fsdp",
+    "open_rlinf_checkpoint": "resume",
+    "parse_step": "layout",
+    "read_data_state": "checkpointer",
+    "resolve_resume_dir": "resume",
+    "set_rng_state": "fsdp",
+    "should_save": "config",
+    "step_name": "layout",
+    "total_steps": "config",
+    "upload_step": "adoption",
+}
+
+__getattr__ = lazy_exports(__name__, _WHERE)
 
 __all__ = [
     "KEY_PREFIX",
@@ -71,7 +77,6 @@ __all__ = [
     "fsdp_state_dict",
     "get_rng_state",
     "load_fsdp_state_dict",
-    "main",
     "parse_step",
     "resolve_resume_dir",
     "set_rng_state",

@@ -35,7 +35,7 @@ from cloudckpt.integrations.rlinf.resume import (
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.runtime.state import resolve_stateful
 from cloudckpt.storage import Store, open_store
-from cloudckpt.training.snapshot import claim_prefix
+from cloudckpt.training import multipart
 
 log = logging.getLogger("cloudckpt.rlinf")
 
@@ -47,6 +47,44 @@ class Resumed:
     step: int
     checkpoint: Checkpoint
     data_state: Any
+
+
+@dataclass
+class _FsdpPart:
+    """One RLinf part (actor or critic) of a save: its DCP shards, then, unless
+    ``full_weights`` is off, its model gathered into ``model_state_dict/full_weights.pt``
+    after the DCP part (as RLinf's base.py), which rank 0 writes at commit."""
+
+    name: str
+    state: Mapping[str, Any]
+    step: int
+    full_weights: bool
+
+    def write(self, store: Store, group: Any) -> tuple[bool, bytes | None]:
+        from cloudckpt import dcp as cdcp
+
+        with numpy_rng_allowed():  # RLinf's rng.numpy, as its load allows it
+            cdcp.save(dict(self.state), store.child(f"{self.name}/{DCP_DIR}"),
+                      process_group=group, step=self.step)
+        model = model_part(self.state)
+        if not self.full_weights or model is None:
+            return False, None
+        return True, full_weights(model, rank=coord.rank(group))  # gathered on every rank
+
+    def commit(self, writer: CheckpointWriter, written: tuple[bool, bytes | None]) -> None:
+        writer.add_part(f"{self.name}/{DCP_DIR}")
+        wanted, data = written
+        if wanted:
+            assert data is not None
+            writer.put(f"{self.name}/{FULL_WEIGHTS}", data)
+
+
+def _torch_bytes(obj: Any) -> bytes:
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
 
 
 class RLinfCheckpointer:
@@ -150,14 +188,19 @@ class RLinfCheckpointer:
                 refused = exc
         coord.agree(refused, self.group)  # every rank stops, not only the one refused
         store = self.store.child(step_name(step))
-        world = coord.world_size(self.group)
         states = {ACTOR: resolve_stateful(actor)}  # RLinf's Checkpoint: taken once
         if critic is not None:
             states[CRITIC] = resolve_stateful(critic)
+        parts: list[multipart.Part] = [
+            _FsdpPart(name, part_state, step, self.save_full_model_weights)
+            for name, part_state in states.items()]
+        if data_state is not None:  # the last data object, as RLinf
+            parts.append(multipart.SharedBytes(DATA_PATH, lambda: _torch_bytes(data_state)))
+        meta = {**dict(metadata or {}), "world_size": coord.world_size(self.group),
+                "parts": list(states), "layout": "rlinf-fsdp", "key_prefix": KEY_PREFIX}
         try:
-            writer = claim_prefix(store, self.group, step=step, kind=KIND, metadata={
-                **dict(metadata or {}), "world_size": world, "parts": list(states),
-                "layout": "rlinf-fsdp", "key_prefix": KEY_PREFIX})
+            committed = multipart.save(store, parts, group=self.group, step=step, kind=KIND,
+                                       metadata=meta)
         except CommitConflictError as exc:  # raised alike on every rank
             if "already committed" not in str(exc):
                 raise
@@ -165,48 +208,9 @@ class RLinfCheckpointer:
                 f"{exc}. This run resumed from an earlier step than the newest one: delete "
                 f"the later steps first (cloudckpt rm {store.uri}) or resume with "
                 "resume_dir: auto") from None
-        try:
-            committed = self._write_parts(store, writer, states, data_state, step)
-        except BaseException:
-            if writer is not None:
-                writer.abandon()  # the claim stays, marked: the leftovers remain ours
-            raise
         if self.keep_last is not None:  # on rank 0; never fails the save just committed
             coord.on_coordinator(self._prune, self.group)
         return committed
-
-    def _write_parts(self, store: Store, writer: CheckpointWriter | None,
-                     states: Mapping[str, Mapping[str, Any]], data_state: Any,
-                     step: int) -> Checkpoint | None:
-        import torch
-
-        from cloudckpt import dcp as cdcp
-
-        extra: dict[str, bytes | None] = {}
-        for part, part_state in states.items():
-            with numpy_rng_allowed():  # RLinf's rng.numpy, as its load allows it
-                cdcp.save(dict(part_state), store.child(f"{part}/{DCP_DIR}"),
-                          process_group=self.group, step=step)
-            model = model_part(part_state)
-            if self.save_full_model_weights and model is not None:
-                # After the DCP part, as RLinf (base.py); gathered on every rank.
-                extra[f"{part}/{FULL_WEIGHTS}"] = full_weights(
-                    model, rank=coord.rank(self.group))
-
-        def commit() -> Checkpoint:
-            assert writer is not None
-            for part in states:
-                writer.add_part(f"{part}/{DCP_DIR}")
-            for path, data in extra.items():
-                assert data is not None
-                writer.put(path, data)
-            if data_state is not None:
-                buf = io.BytesIO()
-                torch.save(data_state, buf)
-                writer.put(DATA_PATH, buf.getvalue())  # last data object, as RLinf
-            return writer.commit()
-
-        return coord.on_coordinator(commit, self.group, share=False)
 
     def _prune(self) -> None:
         apply_retention(self.store, self.keep_last, number=_OWN_STEPS)

@@ -1,76 +1,97 @@
-"""``python -m cloudckpt.integrations.rlinf {convert,latest,adopt,upload} ...``: the command
-line."""
+"""``cloudckpt rlinf convert|latest|adopt|upload ...``: RLinf's steps outside a run.
+
+- ``convert --dcp_path STEP --output_path FILE``: RLinf's DCP -> ``torch.save``
+  converter, on any URI on either side (:func:`.converter.convert`);
+- ``latest --output_dir D --experiment_name E``: print the step ``resume_dir: auto``
+  resumes from;
+- ``adopt URI``: check and commit a ``global_step_N`` RLinf wrote (in a bucket or on
+  disk), so it resumes (:func:`.adoption.adopt_step`);
+- ``upload LOCAL_STEP DST``: put a ``global_step_N`` RLinf wrote on local disk into a
+  bucket, checked and committed (:func:`.adoption.upload_step`).
+
+Each also takes ``--storage-options JSON`` (as RLinf's YAML spells them), under the
+``cloudckpt`` command's ``-o KEY=VALUE`` (an ``-o`` wins a key both give); logging
+(``-v``) and exit codes are the ``cloudckpt`` command's.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
-from collections.abc import Sequence
 from typing import Any
 
-from cloudckpt.errors import CloudCkptError, exit_code
+from cloudckpt.errors import EXIT_OK, CheckpointNotFoundError, ConfigError
 from cloudckpt.integrations.rlinf.adoption import adopt_step, upload_step
 from cloudckpt.integrations.rlinf.converter import convert
 from cloudckpt.integrations.rlinf.layout import checkpoints_root
 from cloudckpt.integrations.rlinf.resume import resolve_resume_dir
-from cloudckpt.util import logsetup
+from cloudckpt.util.cliargs import add_command
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
-    from cloudckpt.storage import parse_options
+    """``--storage-options`` JSON, updated with the ``-o`` options."""
+    opts: Any = {}
+    if args.storage_options:
+        try:
+            opts = json.loads(args.storage_options)
+        except ValueError as exc:
+            raise ConfigError(f"--storage-options is not JSON: {exc}") from None
+        if not isinstance(opts, dict):
+            raise ConfigError("--storage-options must be a JSON object, e.g. "
+                              '\'{"endpoint_url": "http://..."}\'')
+    return {**opts, **args.options}
 
-    opts = json.loads(args.storage_options) if args.storage_options else {}
-    opts.update(parse_options(args.storage_option))
-    return opts
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    n = convert(args.dcp_path, args.output_path, storage_options=_options(args))
+    print(f"wrote {n} tensors to {args.output_path}")
+    return EXIT_OK
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m cloudckpt.integrations.rlinf {convert,latest,adopt,upload} ...``"""
-    p = argparse.ArgumentParser(prog="python -m cloudckpt.integrations.rlinf",
-                                description="RLinf checkpoints on object storage")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("convert", help="DCP actor checkpoint -> torch.save state dict")
+def cmd_latest(args: argparse.Namespace) -> int:
+    root = checkpoints_root(args.output_dir, args.experiment_name)
+    uri = resolve_resume_dir("auto", root, _options(args))
+    if uri is None:
+        raise CheckpointNotFoundError(f"no committed checkpoint under {root}")
+    print(uri)
+    return EXIT_OK
+
+
+def cmd_adopt(args: argparse.Namespace) -> int:
+    ckpt = adopt_step(args.uri, _options(args))
+    print(f"adopted {ckpt.uri} ({len(ckpt.files)} objects)")
+    return EXIT_OK
+
+
+def cmd_upload(args: argparse.Namespace) -> int:
+    ckpt = upload_step(args.local_step, args.dst, storage_options=_options(args))
+    print(f"uploaded {ckpt.uri} ({len(ckpt.files)} objects)")
+    return EXIT_OK
+
+
+def add_commands(parser: argparse.ArgumentParser) -> None:
+    """``cloudckpt rlinf``'s subcommands, added to ``parser``."""
+    sub = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND",
+                                help="what to do (COMMAND --help says more)")
+    c = add_command(sub, "convert", cmd_convert, "DCP actor checkpoint -> torch.save state dict")
     c.add_argument("--dcp_path", "--dcp-path", required=True,
                    help="global_step_N, its actor/ or actor/dcp_checkpoint (any URI)")
     c.add_argument("--output_path", "--output-path", required=True,
                    help="file to write (a local path or any URI)")
-    lt = sub.add_parser("latest", help="print the URI `resume_dir: auto` would resume from")
-    lt.add_argument("--output_dir", "--output-dir", required=True)
-    lt.add_argument("--experiment_name", "--experiment-name", required=True)
-    ad = sub.add_parser("adopt", help="check and commit a global_step_N written by RLinf "
-                        "itself (in a bucket or on disk), so it resumes")
+    lt = add_command(sub, "latest", cmd_latest, "print the URI `resume_dir: auto` would "
+                     "resume from")
+    lt.add_argument("--output_dir", "--output-dir", required=True,
+                    help="runner.output_dir, e.g. s3://bucket/rlinf-logs")
+    lt.add_argument("--experiment_name", "--experiment-name", required=True,
+                    help="runner.experiment_name")
+    ad = add_command(sub, "adopt", cmd_adopt, "check and commit a global_step_N written by "
+                     "RLinf itself (in a bucket or on disk), so it resumes")
     ad.add_argument("uri", help=".../checkpoints/global_step_N")
-    up = sub.add_parser("upload", help="put a global_step_N written by RLinf on local disk "
-                        "into a bucket, checked and committed")
+    up = add_command(sub, "upload", cmd_upload, "put a global_step_N written by RLinf on "
+                     "local disk into a bucket, checked and committed")
     up.add_argument("local_step", help="the local .../checkpoints/global_step_N")
     up.add_argument("dst", help="the run's checkpoints URI (or the step's URI there)")
     for sp in (c, lt, ad, up):
-        sp.add_argument("--storage-options", default=None, help="storage options as JSON")
-        sp.add_argument("-o", "--storage-option", action="append", metavar="KEY=VALUE")
-    args = p.parse_args(argv)
-    logsetup.configure(1)
-    try:
-        if args.cmd == "adopt":
-            ckpt = adopt_step(args.uri, _options(args))
-            print(f"adopted {ckpt.uri} ({len(ckpt.files)} objects)")
-            return 0
-        if args.cmd == "upload":
-            ckpt = upload_step(args.local_step, args.dst, storage_options=_options(args))
-            print(f"uploaded {ckpt.uri} ({len(ckpt.files)} objects)")
-            return 0
-        if args.cmd == "convert":
-            n = convert(args.dcp_path, args.output_path, storage_options=_options(args))
-            print(f"wrote {n} tensors to {args.output_path}")
-            return 0
-        uri = resolve_resume_dir("auto", checkpoints_root(args.output_dir,
-                                                          args.experiment_name),
-                                 _options(args))
-        if uri is None:
-            print("no committed checkpoint", file=sys.stderr)
-            return 1
-        print(uri)
-        return 0
-    except CloudCkptError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exit_code(exc)
+        sp.add_argument("--storage-options", default=None, metavar="JSON",
+                        help="storage options as a JSON object (the -o options win a key "
+                        "both give)")

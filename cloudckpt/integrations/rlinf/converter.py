@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from cloudckpt.core import kinds
 from cloudckpt.core.checkpoint import open_checkpoint
 from cloudckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError
 from cloudckpt.integrations.rlinf.layout import ACTOR, DCP_DIR, KEY_PREFIX
@@ -27,7 +28,7 @@ def _dcp_part(uri: str, storage_options: Mapping[str, Any] | None) -> str:
             ckpt = open_checkpoint(candidate, storage_options)
         except (CheckpointNotFoundError, IncompleteCheckpointError):
             continue
-        if ckpt.manifest.kind == "dcp":
+        if ckpt.manifest.kind == kinds.DCP:
             return candidate
     raise CheckpointNotFoundError(
         f"no committed DCP checkpoint at {uri} (nor at {uri}/{DCP_DIR} or "

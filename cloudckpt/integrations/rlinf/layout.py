@@ -25,10 +25,6 @@ ROOT_KEY = "fsdp_checkpoint"
 KEY_PREFIX = f"{ROOT_KEY}.model."
 _STEP_RE = re.compile(rf"^{STEP_PREFIX}(\d+)$")
 
-#: For :mod:`cloudckpt.hf.convert` (through :func:`cloudckpt.integrations.dcp_layouts`):
-#: an RLinf ``global_step_N`` converts from its actor's DCP part, whose model tensors'
-#: keys start with KEY_PREFIX. ``{manifest kind: (DCP part, model key prefix)}``.
-DCP_LAYOUTS = {KIND: (f"{ACTOR}/{DCP_DIR}", KEY_PREFIX)}
 
 
 def checkpoints_root(output_dir: str, experiment_name: str) -> str:

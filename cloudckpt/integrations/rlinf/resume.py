@@ -21,7 +21,7 @@ from cloudckpt.storage import Store, as_store
 
 log = logging.getLogger("cloudckpt.rlinf")
 
-ADOPT_HINT = "python -m cloudckpt.integrations.rlinf adopt"
+ADOPT_HINT = "cloudckpt rlinf adopt"
 
 
 def open_rlinf_checkpoint(uri: str | Store,

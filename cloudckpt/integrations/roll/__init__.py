@@ -35,23 +35,33 @@ swallows uploader exceptions, so nothing else would tell).
 ``get_latest_ckpt`` downloads the highest committed ``checkpoint-N`` (torn ones
 are invisible) and returns its local directory: ROLL hands that value to
 ``download_model``, which passes local directories through unchanged and sends
-anything else to a model hub. ``python -m cloudckpt.integrations.roll`` uploads
-a local checkpoint or fetches the latest one. See docs/integrations/roll.md.
+anything else to a model hub. ``cloudckpt roll upload|fetch`` uploads a local
+checkpoint or fetches the latest one. See docs/integrations/roll.md.
 
 The package: ``staging`` (a worker's local files and part name), ``parts`` (the part
 markers, and what ROLL's resume needs of them), ``uploader`` (the uploaders and the
 commit), ``resume`` (the latest committed checkpoint, downloaded),
-``registries`` (ROLL's registries) and ``cli`` (the module command).
+``registries`` (ROLL's registries) and ``cli`` (the ``cloudckpt roll`` commands).
 """
 
-from cloudckpt.integrations.roll.cli import upload_checkpoint, uploader_for
-from cloudckpt.integrations.roll.registries import register, wrap_model_downloaders
-from cloudckpt.integrations.roll.resume import CKPT_RE, download_checkpoint
-from cloudckpt.integrations.roll.uploader import DEFAULT_PARTS_TIMEOUT as DEFAULT_PARTS_TIMEOUT
-from cloudckpt.integrations.roll.uploader import (
-    DEFAULT_TORN_GRACE_SECONDS as DEFAULT_TORN_GRACE_SECONDS,
-)
-from cloudckpt.integrations.roll.uploader import PARTS_DIR, GcsUploader, RollUploader, S3Uploader
+from cloudckpt.util.lazy import lazy_exports
+
+_WHERE = {
+    "CKPT_RE": "resume",
+    "DEFAULT_PARTS_TIMEOUT": "uploader",
+    "DEFAULT_TORN_GRACE_SECONDS": "uploader",
+    "GcsUploader": "uploader",
+    "PARTS_DIR": "uploader",
+    "RollUploader": "uploader",
+    "S3Uploader": "uploader",
+    "download_checkpoint": "resume",
+    "register": "registries",
+    "upload_checkpoint": "cli",
+    "uploader_for": "cli",
+    "wrap_model_downloaders": "registries",
+}
+
+__getattr__ = lazy_exports(__name__, _WHERE)
 
 __all__ = [
     "CKPT_RE",

@@ -1,5 +1,5 @@
-"""``python -m cloudckpt.integrations.roll``: move ROLL checkpoints between local disk
-and a bucket outside a training run.
+"""``cloudckpt roll upload|fetch ...``: move ROLL checkpoints between local disk and a
+bucket outside a training run.
 
 - ``upload LOCAL_DIR OUTPUT_DIR``: a local ``checkpoint-N`` in ROLL's merged layout
   (e.g. what the ``file_system`` uploader wrote) becomes a committed
@@ -7,23 +7,27 @@ and a bucket outside a training run.
 - ``fetch SRC DIR``: download the latest committed checkpoint under ``SRC`` (or
   ``SRC`` itself, a ``.../checkpoint-N``) into ``DIR/checkpoint-N`` and print that
   path: a value for ``resume_from_checkpoint`` that ROLL's ``download_model`` takes.
+
+The storage options (``-o KEY=VALUE``, before or after the subcommand), logging
+(``-v``) and exit codes are the ``cloudckpt`` command's. From Python, ``upload`` is
+:func:`upload_checkpoint` and ``fetch`` is :func:`.resume.download_checkpoint`.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from cloudckpt.errors import CloudCkptError, ConfigError, exit_code
+from cloudckpt.errors import EXIT_OK, ConfigError
 from cloudckpt.integrations.roll.resume import CKPT_RE, download_checkpoint
-from cloudckpt.integrations.roll.uploader import GcsUploader, RollUploader, S3Uploader
-from cloudckpt.storage import parse_options
-from cloudckpt.util import logsetup
+from cloudckpt.util.cliargs import add_command
+
+if TYPE_CHECKING:  # the uploaders load torch: `cloudckpt roll --help` need not wait for it
+    from cloudckpt.integrations.roll.uploader import RollUploader
 
 log = logging.getLogger("cloudckpt.roll")
 
@@ -31,6 +35,8 @@ log = logging.getLogger("cloudckpt.roll")
 def uploader_for(output_dir: str, storage_options: Mapping[str, Any] | None = None,
                  **options: Any) -> RollUploader:
     """The uploader whose scheme ``output_dir`` uses (``s3://`` or ``gs://``)."""
+    from cloudckpt.integrations.roll.uploader import GcsUploader, S3Uploader
+
     scheme = output_dir.split("://", 1)[0] if "://" in output_dir else ""
     for cls in (S3Uploader, GcsUploader):
         if scheme in cls.schemes:
@@ -53,32 +59,24 @@ def upload_checkpoint(local_dir: str | Path, output_dir: str,
     return up.commit(src.name, expected_uploads=1, timeout=0)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cloudckpt.integrations.roll",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("-o", "--storage-option", action="append", metavar="KEY=VALUE",
-                   help="storage option (repeatable), e.g. endpoint_url=http://...")
-    sub = p.add_subparsers(dest="command", required=True)
-    up = sub.add_parser("upload", help="commit a local checkpoint-N into OUTPUT_DIR")
+def cmd_upload(args: argparse.Namespace) -> int:
+    print(upload_checkpoint(args.local_dir, args.output_dir, args.options))
+    return EXIT_OK
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    print(download_checkpoint(args.src, args.dir, args.options))
+    return EXIT_OK
+
+
+def add_commands(parser: argparse.ArgumentParser) -> None:
+    """``cloudckpt roll``'s subcommands, added to ``parser``."""
+    sub = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND",
+                                help="what to do (COMMAND --help says more)")
+    up = add_command(sub, "upload", cmd_upload, "commit a local checkpoint-N into OUTPUT_DIR")
     up.add_argument("local_dir", help="the local checkpoint-N directory")
     up.add_argument("output_dir", help="checkpoint_config.output_dir, e.g. s3://bucket/run")
-    fe = sub.add_parser("fetch", help="download the latest committed checkpoint; print its path")
+    fe = add_command(sub, "fetch", cmd_fetch, "download the latest committed checkpoint; "
+                     "print its path")
     fe.add_argument("src", help="checkpoint_config.output_dir, or a .../checkpoint-N URI")
     fe.add_argument("dir", help="local directory; the files land in DIR/checkpoint-N")
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    logsetup.configure(0)
-    try:
-        options = parse_options(args.storage_option)
-        if args.command == "upload":
-            out = upload_checkpoint(args.local_dir, args.output_dir, options)
-        else:
-            out = download_checkpoint(args.src, args.dir, options)
-    except CloudCkptError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exit_code(exc)
-    print(out)
-    return 0

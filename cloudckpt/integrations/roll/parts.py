@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from cloudckpt.errors import CorruptCheckpointError
-from cloudckpt.names import ROLL_PARTS_DIR
+from cloudckpt.integrations.roll.plugin import PARTS_DIR as ROLL_PARTS_DIR
 from cloudckpt.storage import Store
 
 log = logging.getLogger("cloudckpt.roll")

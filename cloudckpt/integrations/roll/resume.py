@@ -63,7 +63,7 @@ def _why_skipped(store: Store, info: CheckpointInfo, expected: int | None) -> st
     parts = part_names(read_markers(store.child(info.name)))
     if not parts:
         return ("not committed, and no cloudckpt part markers (not uploaded by the s3/gcs "
-                "uploader; `python -m cloudckpt.integrations.roll upload` commits a complete "
+                "uploader; `cloudckpt roll upload` commits a complete "
                 "local copy)")
     want = f"of expected_uploads={expected} " if expected else ""
     hint = (" expected_uploads higher than the processes that upload leaves every "

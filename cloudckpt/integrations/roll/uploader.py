@@ -16,21 +16,19 @@ import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
-from cloudckpt.core.retention import Managed, apply_retention
+from cloudckpt.core.checkpoint import Checkpoint
 from cloudckpt.errors import (
     CommitConflictError,
     ConfigError,
     IncompleteCheckpointError,
     StorageError,
 )
-from cloudckpt.integrations.roll.parts import part_names, read_markers, resume_problems, summary
+from cloudckpt.integrations.roll import commits
+from cloudckpt.integrations.roll.plugin import PARTS_DIR
 from cloudckpt.integrations.roll.resume import (
-    CKPT_RE,
     checkpoint_order,
     default_download_dir,
     download_checkpoint,
@@ -45,17 +43,14 @@ from cloudckpt.integrations.roll.staging import (
     _restore,
     _snapshot,
 )
-from cloudckpt.names import MANIFEST_NAME, ROLL_PARTS_DIR
+from cloudckpt.names import MANIFEST_NAME
 from cloudckpt.runtime.pending import run_in_background
-from cloudckpt.storage import Store, open_store
-from cloudckpt.util.text import plural
+from cloudckpt.storage import Store, open_store, schemes_like
 
 log = logging.getLogger("cloudckpt.roll")
 
 #: The manifest kind of a ROLL checkpoint.
-KIND = "roll"
 #: Where part markers live inside a checkpoint until it is committed.
-PARTS_DIR = ROLL_PARTS_DIR
 #: Torn checkpoints younger than this are never pruned (a save may be running).
 DEFAULT_TORN_GRACE_SECONDS = 6 * 3600.0
 #: A checkpoint that gets no new part for this long is reported as never committing.
@@ -329,77 +324,19 @@ class RollUploader:
 
     def _current_parts(self, store: Store) -> dict[str, dict[str, Any]]:
         """The markers of this attempt's parts (see ``attempt_id``), by key."""
-        parts: dict[str, dict[str, Any]] = {}
-        for key, marker in read_markers(store).items():
-            if self.attempt_id:
-                current = marker.get("attempt") == self.attempt_id
-            else:
-                current = float(marker.get("created", 0)) >= self._created
-            if current:
-                parts[key] = marker
-            else:
-                log.info("ignoring part %r of %s from an earlier attempt", marker.get("part"),
-                         store.uri)
-        return parts
+        return commits.current_parts(store, self.attempt_id, self._created)
 
     def _try_commit(self, ckpt_id: str, expected: int) -> Checkpoint | str:
         """Commit ``ckpt_id`` if ``expected`` current parts are in and hold all ROLL's
         resume reads; else say why not (a part still on its way, or one missing)."""
         store = self._checkpoint_store(ckpt_id)
         parts = self._current_parts(store)
-        if len(parts) < expected:
-            log.debug("%s: %d of %d parts present; not committing yet", store.uri, len(parts),
-                      expected)
-            return f"{len(parts)} of {expected} parts present"
-        files = self._merged_files(store, parts)
-        problems = resume_problems({k: size for k, (size, _) in files.items()}, store.get)
-        if problems:
-            why = (f"{plural(len(parts), 'part')} ({', '.join(part_names(parts))}) reached the "
-                   f"{expected} expected, but ROLL could not resume from them: "
-                   f"{summary(problems)}")
-            log.warning("%s is not committed yet: %s. Waiting for more parts; if none come, "
-                        "expected_uploads is too low or a part was lost.", store.uri, why)
-            return why
-        if len(parts) > expected:
-            log.warning("%s: %d parts arrived, more than expected_uploads=%d; committed once "
-                        "complete. Fix: set expected_uploads to %d (the pipeline + every "
-                        "uploading rank)", store.uri, len(parts), expected, len(parts))
-        return self._commit(store, ckpt_id, parts, files)
-
-    def _merged_files(self, store: Store, parts: Mapping[str, Mapping[str, Any]]
-                      ) -> dict[str, tuple[int, str]]:
-        """Every file the parts list, with its size and CRC32C, each one in the bucket."""
-        files: dict[str, tuple[int, str]] = {}
-        for marker in parts.values():
-            for key, e in marker["files"].items():
-                entry = (int(e["size"]), str(e["crc32c"]))
-                if files.setdefault(key, entry) != entry:
-                    raise CommitConflictError(
-                        f"{store.uri}: two parts uploaded different {key!r}; not committing")
-        present = {o.key: o.size for o in store.list()}
-        missing = [k for k, (size, _) in files.items() if present.get(k) != size]
-        if missing:
-            raise StorageError(f"{store.uri}: parts list objects that are missing or of the "
-                               f"wrong size: {sorted(missing)[:5]}; not committing")
-        return files
+        files = commits.ready(store, parts, expected)
+        return files if isinstance(files, str) else self._commit(store, ckpt_id, parts, files)
 
     def _commit(self, store: Store, ckpt_id: str, parts: Mapping[str, Mapping[str, Any]],
                 files: Mapping[str, tuple[int, str]]) -> Checkpoint:
-        m = CKPT_RE.match(ckpt_id)
-        meta = {"framework": "roll", "parts": sorted(p["part"] for p in parts.values()),
-                "attempt": self.attempt_id}
-        try:
-            writer = CheckpointWriter(store, step=int(m.group(1)) if m else None, kind=KIND,
-                                      metadata=meta)
-            for key, (size, crc) in files.items():
-                writer.add_existing(key, size, crc)
-            ckpt = writer.commit()
-        except CommitConflictError:
-            ckpt = open_checkpoint(store)  # a concurrent committer won; same parts
-            log.info("%s was committed concurrently by another part", store.uri)
-        else:
-            log.info("committed %s: %d parts, %d objects", store.uri, len(parts), len(files))
-        self._cleanup(store, ckpt)
+        ckpt = commits.commit(store, ckpt_id, parts, files, self.attempt_id)
         try:
             self._prune()
         except StorageError as exc:  # the checkpoint is committed; pruning retries next time
@@ -432,10 +369,10 @@ class RollUploader:
                 for ckpt_id, progress in waiting:
                     log.warning("waiting up to %.0f s for the other parts of %s: %s; if no "
                                 "other process uploads into it, expected_uploads is wrong",
-                                self.parts_timeout, ckpt_id, self._progress_text(progress))
+                                self.parts_timeout, ckpt_id, progress.text())
             time.sleep(_POLL_SECONDS)
 
-    def _check_open(self, exclude: str | None, waited: float) -> list[tuple[str, _Progress]]:
+    def _check_open(self, exclude: str | None, waited: float) -> list[tuple[str, commits.Progress]]:
         """Look at each open checkpoint (but ``exclude``): drop the committed, report the
         ones idle for ``parts_timeout`` (or after ``waited`` that long), return the rest."""
         with self._lock:
@@ -451,7 +388,7 @@ class RollUploader:
                 waiting.append((ckpt_id, progress))
         return waiting
 
-    def _progress(self, ckpt_id: str) -> _Progress | None:
+    def _progress(self, ckpt_id: str) -> commits.Progress | None:
         """Where an open checkpoint stands; None once committed (here, if its parts are
         complete now, as this process counts them), or gone (pruned)."""
         store = self._checkpoint_store(ckpt_id)
@@ -460,30 +397,13 @@ class RollUploader:
         parts = self._current_parts(store)
         if not parts:  # committed and cleaned up meanwhile, or pruned
             return None
-        expected = self.expected_uploads or 1
-        problems: list[str] = []
-        if len(parts) >= expected:
-            try:
-                files = self._merged_files(store, parts)
-            except (StorageError, CommitConflictError) as exc:
-                problems = [str(exc)]
-            else:
-                problems = resume_problems({k: s for k, (s, _) in files.items()}, store.get)
-                if not problems:
-                    self._commit(store, ckpt_id, parts, files)
-                    return None
-        newest = max(float(p.get("created", 0)) for p in parts.values())
-        return _Progress(part_names(parts), expected, max(0.0, time.time() - newest), problems)
+        state = commits.assess(store, parts, self.expected_uploads or 1)
+        if isinstance(state, commits.Progress):
+            return state
+        self._commit(store, ckpt_id, parts, state)
+        return None
 
-    def _progress_text(self, p: _Progress) -> str:
-        if p.problems:
-            return (f"{plural(len(p.parts), 'part')} ({', '.join(p.parts)}) reached "
-                    f"expected_uploads={p.expected}, but ROLL could not resume from them: "
-                    f"{summary(p.problems)}")
-        return (f"{len(p.parts)} of expected_uploads={p.expected} parts arrived "
-                f"({', '.join(p.parts)})")
-
-    def _declare_lost(self, ckpt_id: str, p: _Progress) -> None:
+    def _declare_lost(self, ckpt_id: str, p: commits.Progress) -> None:
         """One ERROR naming the checkpoint, its parts found and expected, and the fix."""
         if p.problems:
             fix = ("if more processes upload each checkpoint, expected_uploads is too low: "
@@ -493,7 +413,7 @@ class RollUploader:
                    "set checkpoint_config.expected_uploads to the number of processes that "
                    f"upload each checkpoint (the pipeline + every uploading rank; "
                    f"{len(p.parts)} if all of them arrived here)")
-        msg = (f"{ckpt_id} was NOT committed to {self.output_dir}: {self._progress_text(p)}, "
+        msg = (f"{ckpt_id} was NOT committed to {self.output_dir}: {p.text()}, "
                f"and no part came for {self.parts_timeout:.0f} s (parts_timeout), so "
                f"resume_from_checkpoint skips it. Fix: {fix}; otherwise see the ERROR of the "
                "part that failed.")
@@ -504,52 +424,20 @@ class RollUploader:
             self._lost[ckpt_id] = msg
         log.error("%s", msg)
 
-    def _cleanup(self, store: Store, ckpt: Checkpoint) -> None:
-        """Remove markers and objects that only a crashed earlier attempt wrote."""
-        keep = set(ckpt.manifest.files) | {MANIFEST_NAME}
-        extra = [o.key for o in store.list() if o.key not in keep]
-        if extra:
-            store.delete(extra)
-
     def _prune(self) -> None:
-        """``max_ckpt_to_keep`` committed checkpoints (by N), and torn saves older than
-        ``torn_grace_seconds`` removed by gc's rules (an upload still sending parts
-        counts as alive)."""
-        from cloudckpt.core.gc import collect, find_garbage
-
-        if self.max_ckpt_to_keep > 0:
-            apply_retention(self.store, self.max_ckpt_to_keep, number=_OWN_CHECKPOINTS)
-        torn = find_garbage(self.store, grace_seconds=self.torn_grace_seconds,
-                            names=CKPT_RE.match)
-        for g in torn:
-            log.info("deleting torn %s (untouched for %.0f s)", g.uri, g.age_seconds)
-        collect(torn, self.storage_options)
-
-
-@dataclass(frozen=True)
-class _Progress:
-    """An uncommitted checkpoint's current parts, how long since the newest arrived, and
-    (once ``expected`` are in) what ROLL's resume would miss."""
-
-    parts: list[str]
-    expected: int
-    idle: float
-    problems: list[str]
-
-
-#: Retention governs only ROLL's own checkpoints: kind ``roll``, named ``checkpoint-N``.
-_OWN_CHECKPOINTS = Managed(KIND, CKPT_RE)
+        commits.prune(self.store, self.max_ckpt_to_keep, self.torn_grace_seconds,
+                      self.storage_options)
 
 
 class S3Uploader(RollUploader):
     """``checkpoint_config: {type: s3, output_dir: s3://bucket/prefix}``."""
 
-    schemes = ("s3", "s3a")
+    schemes = schemes_like("s3")
     type_name = "s3"
 
 
 class GcsUploader(RollUploader):
     """``checkpoint_config: {type: gcs, output_dir: gs://bucket/prefix}``."""
 
-    schemes = ("gs", "gcs")
+    schemes = schemes_like("gs")
     type_name = "gcs"

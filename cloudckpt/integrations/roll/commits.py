@@ -1,0 +1,162 @@
+"""When a ROLL checkpoint commits: the markers of its current parts, merged and
+checked against what ROLL's resume reads, then committed as the last step of a
+multi-part save (:func:`cloudckpt.training.multipart.commit`). Each worker's
+uploaded files are one :class:`~cloudckpt.training.multipart.Stored` part."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
+from cloudckpt.core.deletion import remove_leftovers
+from cloudckpt.core.gc import collect, find_garbage
+from cloudckpt.core.retention import Managed, apply_retention
+from cloudckpt.errors import CommitConflictError, StorageError
+from cloudckpt.integrations.roll.parts import part_names, read_markers, resume_problems, summary
+from cloudckpt.integrations.roll.plugin import KIND
+from cloudckpt.integrations.roll.resume import CKPT_RE
+from cloudckpt.names import MANIFEST_NAME
+from cloudckpt.storage import Store
+from cloudckpt.training import multipart
+from cloudckpt.util.text import plural
+
+log = logging.getLogger("cloudckpt.roll")
+
+Markers = Mapping[str, Mapping[str, Any]]
+
+
+def current_parts(store: Store, attempt_id: str | None, since: float) -> dict[str, dict[str, Any]]:
+    """The markers of this attempt's parts, by key: those naming ``attempt_id``, or,
+    without one, those written at or after ``since``."""
+    parts: dict[str, dict[str, Any]] = {}
+    for key, marker in read_markers(store).items():
+        if attempt_id:
+            current = marker.get("attempt") == attempt_id
+        else:
+            current = float(marker.get("created", 0)) >= since
+        if current:
+            parts[key] = marker
+        else:
+            log.info("ignoring part %r of %s from an earlier attempt", marker.get("part"),
+                     store.uri)
+    return parts
+
+
+def merged_files(store: Store, parts: Markers) -> dict[str, tuple[int, str]]:
+    """Every file the parts list, with its size and CRC32C, each one in the bucket."""
+    files: dict[str, tuple[int, str]] = {}
+    for marker in parts.values():
+        for key, e in marker["files"].items():
+            entry = (int(e["size"]), str(e["crc32c"]))
+            if files.setdefault(key, entry) != entry:
+                raise CommitConflictError(
+                    f"{store.uri}: two parts uploaded different {key!r}; not committing")
+    present = {o.key: o.size for o in store.list()}
+    missing = [k for k, (size, _) in files.items() if present.get(k) != size]
+    if missing:
+        raise StorageError(f"{store.uri}: parts list objects that are missing or of the "
+                           f"wrong size: {sorted(missing)[:5]}; not committing")
+    return files
+
+
+def ready(store: Store, parts: Markers, expected: int) -> dict[str, tuple[int, str]] | str:
+    """The files to commit if ``expected`` parts are in and hold all ROLL's resume
+    reads; else why not (a part still on its way, or one missing)."""
+    if len(parts) < expected:
+        log.debug("%s: %d of %d parts present; not committing yet", store.uri, len(parts),
+                  expected)
+        return f"{len(parts)} of {expected} parts present"
+    files = merged_files(store, parts)
+    problems = resume_problems({k: size for k, (size, _) in files.items()}, store.get)
+    if problems:
+        why = (f"{plural(len(parts), 'part')} ({', '.join(part_names(parts))}) reached the "
+               f"{expected} expected, but ROLL could not resume from them: "
+               f"{summary(problems)}")
+        log.warning("%s is not committed yet: %s. Waiting for more parts; if none come, "
+                    "expected_uploads is too low or a part was lost.", store.uri, why)
+        return why
+    if len(parts) > expected:
+        log.warning("%s: %d parts arrived, more than expected_uploads=%d; committed once "
+                    "complete. Fix: set expected_uploads to %d (the pipeline + every "
+                    "uploading rank)", store.uri, len(parts), expected, len(parts))
+    return files
+
+
+@dataclass(frozen=True)
+class Progress:
+    """An uncommitted checkpoint's current parts, how long since the newest arrived, and
+    (once ``expected`` are in) what ROLL's resume would miss."""
+
+    parts: list[str]
+    expected: int
+    idle: float
+    problems: list[str]
+
+    def text(self) -> str:
+        if self.problems:
+            return (f"{plural(len(self.parts), 'part')} ({', '.join(self.parts)}) reached "
+                    f"expected_uploads={self.expected}, but ROLL could not resume from them: "
+                    f"{summary(self.problems)}")
+        return (f"{len(self.parts)} of expected_uploads={self.expected} parts arrived "
+                f"({', '.join(self.parts)})")
+
+
+def assess(store: Store, parts: Markers, expected: int
+           ) -> Progress | dict[str, tuple[int, str]]:
+    """The files to commit when the parts are complete (as this process counts them),
+    else where the checkpoint stands; quiet, unlike :func:`ready`."""
+    problems: list[str] = []
+    if len(parts) >= expected:
+        try:
+            files = merged_files(store, parts)
+        except (StorageError, CommitConflictError) as exc:
+            problems = [str(exc)]
+        else:
+            problems = resume_problems({k: s for k, (s, _) in files.items()}, store.get)
+            if not problems:
+                return files
+    newest = max(float(p.get("created", 0)) for p in parts.values())
+    return Progress(part_names(parts), expected, max(0.0, time.time() - newest), problems)
+
+
+def commit(store: Store, ckpt_id: str, parts: Markers, files: Mapping[str, tuple[int, str]],
+           attempt_id: str | None) -> Checkpoint:
+    """Commit the checkpoint the parts make (a concurrent committer of the same parts
+    may win), then remove what only a crashed earlier attempt wrote."""
+    m = CKPT_RE.match(ckpt_id)
+    meta = {"framework": "roll", "parts": sorted(p["part"] for p in parts.values()),
+            "attempt": attempt_id}
+    stored = multipart.Stored((key, size, crc) for key, (size, crc) in files.items())
+    try:
+        writer = CheckpointWriter(store, step=int(m.group(1)) if m else None, kind=KIND,
+                                  metadata=meta)
+        ckpt = multipart.commit(writer, [stored], [None])
+    except CommitConflictError:
+        ckpt = open_checkpoint(store)  # a concurrent committer won; same parts
+        log.info("%s was committed concurrently by another part", store.uri)
+    else:
+        log.info("committed %s: %d parts, %d objects", store.uri, len(parts), len(files))
+    remove_leftovers(store, (o.key for o in store.list()),
+                     keep={*ckpt.manifest.files, MANIFEST_NAME})
+    return ckpt
+
+
+#: Retention governs only ROLL's own checkpoints: kind ``roll``, named ``checkpoint-N``.
+_OWN_CHECKPOINTS = Managed(KIND, CKPT_RE)
+
+
+def prune(root: Store, keep: int, torn_grace_seconds: float,
+          storage_options: Mapping[str, Any]) -> None:
+    """``keep`` committed checkpoints (by N; 0 keeps all), and torn saves older than
+    ``torn_grace_seconds`` removed by gc's rules (an upload still sending parts counts
+    as alive)."""
+    if keep > 0:
+        apply_retention(root, keep, number=_OWN_CHECKPOINTS)
+    torn = find_garbage(root, grace_seconds=torn_grace_seconds, names=CKPT_RE.match)
+    for g in torn:
+        log.info("deleting torn %s (untouched for %.0f s)", g.uri, g.age_seconds)
+    collect(torn, storage_options)

@@ -1,0 +1,25 @@
+"""Package attributes imported on first use, so that importing a package stays cheap
+(``cloudckpt ls`` must not pay for torch, nor a framework plug-in's declaration for
+the framework's code)."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+def lazy_exports(package: str, where: Mapping[str, str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for ``package`` that imports ``name`` from the module
+    ``where[name]`` (a submodule of ``package``, or a ``cloudckpt.`` path) when it is
+    first asked for."""
+
+    def __getattr__(name: str) -> Any:
+        if name in where:
+            module = where[name]
+            if not module.startswith("cloudckpt."):
+                module = f"{package}.{module}"
+            return getattr(importlib.import_module(module), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__
