@@ -29,10 +29,9 @@ from cloudckpt.util.lazy import lazy_exports
 
 # Names that need torch load on first use, so that `cloudckpt ls` stays quick.
 __getattr__ = lazy_exports(__name__, {
-    "CheckpointManager": "training.manager",
-    "ManagerOptions": "training.manager",
-    "RecoverSlot": "training.slot",
-    "StepInfo": "runtime.state",
+    "training.manager": ("CheckpointManager", "ManagerOptions"),
+    "training.slot": ("RecoverSlot",),
+    "runtime.state": ("StepInfo",),
 })
 
 __version__ = "0.1.0"

@@ -10,5 +10,5 @@ from __future__ import annotations
 from cloudckpt.util.lazy import lazy_exports
 
 __all__ = ["download", "export", "from_pretrained", "load_state_dict", "parse_size"]
-__getattr__ = lazy_exports(__name__, dict.fromkeys(
-    [*__all__, "KIND", "cache_dir", "weight_files"], "exporting"))
+__getattr__ = lazy_exports(__name__, {
+    "exporting": (*__all__, "KIND", "cache_dir", "weight_files")})

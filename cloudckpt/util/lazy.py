@@ -5,14 +5,15 @@ the framework's code)."""
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 
-def lazy_exports(package: str, where: Mapping[str, str]) -> Callable[[str], Any]:
-    """A module ``__getattr__`` for ``package`` that imports ``name`` from the module
-    ``where[name]`` (a submodule of ``package``, or a ``cloudckpt.`` path) when it is
-    first asked for."""
+def lazy_exports(package: str, modules: Mapping[str, Iterable[str]]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for ``package`` that imports each name of
+    ``modules[module]`` from ``module`` (a submodule of ``package``, or a
+    ``cloudckpt.`` path) when it is first asked for."""
+    where = {name: module for module, names in modules.items() for name in names}
 
     def __getattr__(name: str) -> Any:
         if name in where:

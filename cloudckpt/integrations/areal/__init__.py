@@ -27,31 +27,26 @@ plain model), ``info`` (the ``recover_info/`` files), ``saver``, ``recover``,
 
 from cloudckpt.util.lazy import lazy_exports
 
-_WHERE = {
-    "EXPORT_RE": "config",
-    "Engine": "engines",
-    "FreqCtl": "freq",
-    "ModuleEngine": "engines",
-    "RecoverConfig": "config",
-    "RecoverHandler": "recover",
-    "RecoverInfo": "info",
-    "SaveLoadMeta": "engines",
-    "Saver": "saver",
-    "SaverConfig": "config",
-    "adopt_trial": "adoption",
-    "export_name": "config",
-    "import_trial": "importer",
-    "latest_export": "saver",
-    "list_exports": "saver",
-    "load_yaml": "yaml_loader",
-    "read_dataloader_info": "recover",
-    "recover_checkpoint_uri": "config",
-    "recover_info_uri": "config",
-    "run_with_retries": "relaunch",
-    "save_root": "config",
-}
-
-__getattr__ = lazy_exports(__name__, _WHERE)
+__getattr__ = lazy_exports(__name__, {
+    "adoption": ("adopt_trial",),
+    "config": (
+        "EXPORT_RE",
+        "RecoverConfig",
+        "SaverConfig",
+        "export_name",
+        "recover_checkpoint_uri",
+        "recover_info_uri",
+        "save_root",
+    ),
+    "engines": ("Engine", "ModuleEngine", "SaveLoadMeta"),
+    "freq": ("FreqCtl",),
+    "importer": ("import_trial",),
+    "info": ("RecoverInfo",),
+    "recover": ("RecoverHandler", "read_dataloader_info"),
+    "relaunch": ("run_with_retries",),
+    "saver": ("Saver", "latest_export", "list_exports"),
+    "yaml_loader": ("load_yaml",),
+})
 
 __all__ = [
     "EXPORT_RE",

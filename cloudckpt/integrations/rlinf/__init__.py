@@ -32,39 +32,30 @@ state dict, RNG, full weights), ``checkpointer`` (:class:`RLinfCheckpointer`),
 
 from cloudckpt.util.lazy import lazy_exports
 
-_WHERE = {
-    "ACTOR": "layout",
-    "CHECKPOINTS": "layout",
-    "CRITIC": "layout",
-    "CheckpointWriter": "cloudckpt.core.checkpoint",
-    "DATA_PATH": "layout",
-    "DCP_DIR": "layout",
-    "FULL_WEIGHTS": "layout",
-    "KEY_PREFIX": "layout",
-    "KIND": "layout",
-    "RLinfCheckpointer": "checkpointer",
-    "ROOT_KEY": "layout",
-    "Resumed": "checkpointer",
-    "RunnerConfig": "config",
-    "STEP_PREFIX": "layout",
-    "adopt_step": "adoption",
-    "checkpoints_root": "layout",
-    "convert": "converter",
-    "fsdp_state_dict": "fsdp",
-    "get_rng_state": "fsdp",
-    "load_fsdp_state_dict": "fsdp",
-    "open_rlinf_checkpoint": "resume",
-    "parse_step": "layout",
-    "read_data_state": "checkpointer",
-    "resolve_resume_dir": "resume",
-    "set_rng_state": "fsdp",
-    "should_save": "config",
-    "step_name": "layout",
-    "total_steps": "config",
-    "upload_step": "adoption",
-}
-
-__getattr__ = lazy_exports(__name__, _WHERE)
+__getattr__ = lazy_exports(__name__, {
+    "adoption": ("adopt_step", "upload_step"),
+    "checkpointer": ("RLinfCheckpointer", "Resumed", "read_data_state"),
+    "cloudckpt.core.checkpoint": ("CheckpointWriter",),
+    "config": ("RunnerConfig", "should_save", "total_steps"),
+    "converter": ("convert",),
+    "fsdp": ("fsdp_state_dict", "get_rng_state", "load_fsdp_state_dict", "set_rng_state"),
+    "layout": (
+        "ACTOR",
+        "CHECKPOINTS",
+        "CRITIC",
+        "DATA_PATH",
+        "DCP_DIR",
+        "FULL_WEIGHTS",
+        "KEY_PREFIX",
+        "KIND",
+        "ROOT_KEY",
+        "STEP_PREFIX",
+        "checkpoints_root",
+        "parse_step",
+        "step_name",
+    ),
+    "resume": ("open_rlinf_checkpoint", "resolve_resume_dir"),
+})
 
 __all__ = [
     "KEY_PREFIX",

@@ -69,21 +69,25 @@ def cmd_upload(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _flags(parser: argparse.ArgumentParser, **helps: str) -> None:
+    """Required ``--name`` options, spelled as RLinf's tool does (``--dcp_path``) and
+    with dashes (``--dcp-path``)."""
+    for name, text in helps.items():
+        parser.add_argument(f"--{name}", f"--{name.replace('_', '-')}", required=True,
+                            help=text)
+
+
 def add_commands(parser: argparse.ArgumentParser) -> None:
     """``cloudckpt rlinf``'s subcommands, added to ``parser``."""
     sub = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND",
                                 help="what to do (COMMAND --help says more)")
     c = add_command(sub, "convert", cmd_convert, "DCP actor checkpoint -> torch.save state dict")
-    c.add_argument("--dcp_path", "--dcp-path", required=True,
-                   help="global_step_N, its actor/ or actor/dcp_checkpoint (any URI)")
-    c.add_argument("--output_path", "--output-path", required=True,
-                   help="file to write (a local path or any URI)")
+    _flags(c, dcp_path="global_step_N, its actor/ or actor/dcp_checkpoint (any URI)",
+           output_path="file to write (a local path or any URI)")
     lt = add_command(sub, "latest", cmd_latest, "print the URI `resume_dir: auto` would "
                      "resume from")
-    lt.add_argument("--output_dir", "--output-dir", required=True,
-                    help="runner.output_dir, e.g. s3://bucket/rlinf-logs")
-    lt.add_argument("--experiment_name", "--experiment-name", required=True,
-                    help="runner.experiment_name")
+    _flags(lt, output_dir="runner.output_dir, e.g. s3://bucket/rlinf-logs",
+           experiment_name="runner.experiment_name")
     ad = add_command(sub, "adopt", cmd_adopt, "check and commit a global_step_N written by "
                      "RLinf itself (in a bucket or on disk), so it resumes")
     ad.add_argument("uri", help=".../checkpoints/global_step_N")

@@ -46,22 +46,19 @@ commit), ``resume`` (the latest committed checkpoint, downloaded),
 
 from cloudckpt.util.lazy import lazy_exports
 
-_WHERE = {
-    "CKPT_RE": "resume",
-    "DEFAULT_PARTS_TIMEOUT": "uploader",
-    "DEFAULT_TORN_GRACE_SECONDS": "uploader",
-    "GcsUploader": "uploader",
-    "PARTS_DIR": "uploader",
-    "RollUploader": "uploader",
-    "S3Uploader": "uploader",
-    "download_checkpoint": "resume",
-    "register": "registries",
-    "upload_checkpoint": "cli",
-    "uploader_for": "cli",
-    "wrap_model_downloaders": "registries",
-}
-
-__getattr__ = lazy_exports(__name__, _WHERE)
+__getattr__ = lazy_exports(__name__, {
+    "cli": ("upload_checkpoint", "uploader_for"),
+    "plugin": ("PARTS_DIR",),
+    "registries": ("register", "wrap_model_downloaders"),
+    "resume": ("CKPT_RE", "download_checkpoint"),
+    "uploader": (
+        "DEFAULT_PARTS_TIMEOUT",
+        "DEFAULT_TORN_GRACE_SECONDS",
+        "GcsUploader",
+        "RollUploader",
+        "S3Uploader",
+    ),
+})
 
 __all__ = [
     "CKPT_RE",
