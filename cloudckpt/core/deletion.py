@@ -12,6 +12,7 @@ import logging
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
+from cloudckpt.core import plugins
 from cloudckpt.core.checkpoint import read_manifest
 from cloudckpt.core.claim import mark_deleting, seize
 from cloudckpt.core.ownership import (
@@ -72,8 +73,9 @@ def delete_checkpoint(uri: str | Store, storage_options: Mapping[str, Any] | Non
     listed = [o for o in store.list(internal=True) if o.key != CLAIM_NAME]
     found = classify(store.uri, listed)
     units = (*found.checkpoints, *found.saves)
+    markers = plugins.marker_dirs()
     mine = [o.key for o in listed if o.key in manifest.files
-            or (is_reserved(o.key) and not inside(o.key, units))]
+            or (is_reserved(o.key, markers) and not inside(o.key, units))]
     left = sorted({o.key for o in listed} - set(mine))
     store.delete(mine)
     store.delete([CLAIM_NAME])  # the mark goes last

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from cloudckpt.core import plugins
-
 #: Any committed prefix (a :class:`~cloudckpt.core.checkpoint.CheckpointWriter`'s default).
 GENERIC = "generic"
 #: A DCP checkpoint (:mod:`cloudckpt.dcp`).
@@ -13,10 +11,3 @@ DCP = "dcp"
 TRAINING = "training"
 #: A Hugging Face export (:mod:`cloudckpt.hf`).
 HF = "hf"
-
-BUILTIN = (GENERIC, DCP, TRAINING, HF)
-
-
-def known() -> tuple[str, ...]:
-    """cloudckpt's own kinds, then every registered framework's."""
-    return (*BUILTIN, *plugins.kinds())

@@ -39,7 +39,6 @@ from cloudckpt.storage import ObjectInfo, Store
 EMPTY, OURS, ROOT, FOREIGN, COMMITTED = "empty", "ours", "root", "foreign", "committed"
 
 
-
 def part_dirs() -> frozenset[str]:
     """Where a save's own committed parts lie below its prefix: a training
     checkpoint's DCP part and the frameworks' declared parts. A claimed prefix with
@@ -51,14 +50,15 @@ def _marker(key: str, dirs: Iterable[str]) -> bool:
     return any(key.startswith(d + "/") or f"/{d}/" in key for d in dirs)
 
 
-def is_reserved(key: str) -> bool:
+def is_reserved(key: str, markers: Sequence[str] | None = None) -> bool:
     """Whether ``key`` (relative to some prefix) names an object only cloudckpt writes:
     a manifest, a writer claim, a slot pointer, a framework's marker, an upload part
-    or a temporary file."""
+    or a temporary file. ``markers``: the frameworks' marker directories, when a
+    caller judging many keys has asked :func:`plugins.marker_dirs` once."""
     name = key.rsplit("/", 1)[-1]
     return (name in (MANIFEST_NAME, CLAIM_NAME, SLOT_POINTER_NAME)
             or any(m in name for m in INTERNAL_MARKS)
-            or _marker(key, plugins.marker_dirs()))
+            or _marker(key, plugins.marker_dirs() if markers is None else markers))
 
 
 @dataclass(frozen=True)
@@ -105,8 +105,8 @@ def classify(uri: str, objects: Sequence[ObjectInfo]) -> Survey:
     saves = _outermost(k[: -len(CLAIM_NAME) - 1] for k in keys
                        if k.endswith("/" + CLAIM_NAME))
     units = _outermost([*nested, *saves])
-    foreign = tuple(k for k in keys if not is_reserved(k) and not inside(k, units))
     markers = plugins.marker_dirs()
+    foreign = tuple(k for k in keys if not is_reserved(k, markers) and not inside(k, units))
     marked = CLAIM_NAME in keys or any(k.startswith(d + "/") for d in markers for k in keys)
     own_parts = part_dirs()
     if marked and all(p.split("/", 1)[0] in own_parts for p in units):

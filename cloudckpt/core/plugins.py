@@ -82,11 +82,6 @@ def frameworks() -> tuple[Framework, ...]:
         return tuple(_registered[n] for n in sorted(_registered))
 
 
-def framework(name: str) -> Framework | None:
-    """The framework called ``name``, if one is registered."""
-    return next((f for f in frameworks() if f.name == name), None)
-
-
 def part_dirs() -> frozenset[str]:
     """Every framework's :attr:`Framework.part_dirs`."""
     return frozenset(d for f in frameworks() for d in f.part_dirs)

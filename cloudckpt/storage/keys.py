@@ -23,8 +23,3 @@ def validate_key(key: str) -> str:
     if any(p in ("", ".", "..") for p in parts):
         raise ConfigError(f"invalid object key {key!r}: empty, '.' or '..' path component")
     return key
-
-
-def join_key(*parts: str) -> str:
-    """Join key parts with '/', ignoring empty ones."""
-    return "/".join(p.strip("/") for p in parts if p and p.strip("/"))

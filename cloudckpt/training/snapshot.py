@@ -15,7 +15,6 @@ checkpoint, and nothing is visible until every rank's part is durable.
 from __future__ import annotations
 
 import copy
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,8 +42,6 @@ from cloudckpt.runtime.state import (
 from cloudckpt.storage import Store, as_store
 from cloudckpt.training import multipart
 from cloudckpt.util.text import plural
-
-log = logging.getLogger("cloudckpt")
 
 KIND = kinds.TRAINING
 SHARED = "state/shared.bin"

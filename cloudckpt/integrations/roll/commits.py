@@ -63,6 +63,11 @@ def merged_files(store: Store, parts: Markers) -> dict[str, tuple[int, str]]:
     return files
 
 
+def _resume_problems(store: Store, files: Mapping[str, tuple[int, str]]) -> list[str]:
+    """What ROLL's resume would miss in ``files`` (with their sizes), read from ``store``."""
+    return resume_problems({k: size for k, (size, _) in files.items()}, store.get)
+
+
 def ready(store: Store, parts: Markers, expected: int) -> dict[str, tuple[int, str]] | str:
     """The files to commit if ``expected`` parts are in and hold all ROLL's resume
     reads; else why not (a part still on its way, or one missing)."""
@@ -71,7 +76,7 @@ def ready(store: Store, parts: Markers, expected: int) -> dict[str, tuple[int, s
                   expected)
         return f"{len(parts)} of {expected} parts present"
     files = merged_files(store, parts)
-    problems = resume_problems({k: size for k, (size, _) in files.items()}, store.get)
+    problems = _resume_problems(store, files)
     if problems:
         why = (f"{plural(len(parts), 'part')} ({', '.join(part_names(parts))}) reached the "
                f"{expected} expected, but ROLL could not resume from them: "
@@ -116,7 +121,7 @@ def assess(store: Store, parts: Markers, expected: int
         except (StorageError, CommitConflictError) as exc:
             problems = [str(exc)]
         else:
-            problems = resume_problems({k: s for k, (s, _) in files.items()}, store.get)
+            problems = _resume_problems(store, files)
             if not problems:
                 return files
     newest = max(float(p.get("created", 0)) for p in parts.values())

@@ -49,8 +49,6 @@ from cloudckpt.storage import Store, open_store, schemes_like
 
 log = logging.getLogger("cloudckpt.roll")
 
-#: The manifest kind of a ROLL checkpoint.
-#: Where part markers live inside a checkpoint until it is committed.
 #: Torn checkpoints younger than this are never pruned (a save may be running).
 DEFAULT_TORN_GRACE_SECONDS = 6 * 3600.0
 #: A checkpoint that gets no new part for this long is reported as never committing.
