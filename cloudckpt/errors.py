@@ -43,6 +43,11 @@ class ConfigError(CloudCkptError, ValueError):
     """A URI, option or configuration value is invalid."""
 
 
+class UntestedVersionError(ConfigError, ImportError):
+    """Activation met a framework version (or source) its integration was not tested
+    with, and refused to bind into it; the message names the tested ones."""
+
+
 class ManifestError(CorruptCheckpointError):
     """A manifest is malformed or names a path that is not allowed."""
 

@@ -201,7 +201,8 @@ def test_the_top_help_lists_the_frameworks():
     out = console_script("--help")
     assert out.returncode == 0, out.stderr
     for fw in frameworks():
-        assert f"\n    {fw.name} " in out.stdout and fw.summary.split()[0] in out.stdout
+        if fw.commands:  # the test kit's toy framework (for activation) has none
+            assert f"\n    {fw.name} " in out.stdout and fw.summary.split()[0] in out.stdout
     assert set(FRAMEWORK_COMMANDS) <= {fw.name for fw in frameworks()}
 
 

@@ -34,6 +34,7 @@ from cloudckpt.cli.commands import (
     cmd_verify,
 )
 from cloudckpt.cli.frameworks import LazySubcommands, add_frameworks
+from cloudckpt.cli.run import add_run, cmd_run
 from cloudckpt.errors import (  # noqa: F401 - the exit codes are part of the command's interface
     EXIT_ACCESS,
     EXIT_CODES,
@@ -200,6 +201,12 @@ def _add_convert(sub: LazySubcommands) -> None:
     c.add_argument("--key-prefix", default=None, help="model keys' prefix (default: auto)")
 
 
+def _add_run(sub: LazySubcommands) -> None:
+    sp = _add(sub, "run", cmd_run, "run a launch command with the frameworks' integrations "
+              "activated in it and every Python process it starts")
+    add_run(sp)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``cloudckpt`` parser: its own commands, then one per framework (whose
     arguments are added only once that framework's name is parsed)."""
@@ -209,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_upkeep(sub)
     _add_push(sub)
     _add_convert(sub)
+    _add_run(sub)
     add_frameworks(sub)
     return p
 

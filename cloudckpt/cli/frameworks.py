@@ -9,13 +9,13 @@ line: ``cloudckpt ls`` or ``cloudckpt --help`` load no framework code (nor torch
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from cloudckpt.core.plugins import Framework, frameworks
 from cloudckpt.util.cliargs import COMMAND, common_options
+from cloudckpt.util.lazy import load_target
 
 log = logging.getLogger("cloudckpt")
 
@@ -57,9 +57,8 @@ def add_frameworks(sub: LazySubcommands) -> None:
 
 def _load(fw: Framework, parser: argparse.ArgumentParser) -> None:
     """Import ``fw.commands`` (``"module:function"``) and let it fill ``parser``."""
-    module, _, function = (fw.commands or "").partition(":")
     try:
-        add_commands = getattr(importlib.import_module(module), function)
+        add_commands = load_target(fw.commands or "")
     except (ImportError, AttributeError, ValueError) as exc:
         parser.error(f"the commands of {fw.name} ({fw.commands}) failed to load: "
                      f"{type(exc).__name__}: {exc}")

@@ -20,6 +20,21 @@ GROUP = "cloudckpt.frameworks"
 
 
 @dataclass(frozen=True)
+class Binding:
+    """Names cloudckpt binds into one of the framework's modules, only when the user
+    activates the integration (``cloudckpt run``, ``CLOUDCKPT_INTEGRATIONS``)."""
+
+    #: The framework's module; bound right after it is imported (or at once if it is).
+    module: str
+    #: ``"module:function"``: ``function(module)`` binds cloudckpt into the framework's
+    #: module and returns the names it bound there.
+    bind: str
+    #: Names in :attr:`module` (``"Class.method"`` too) whose source identifies the
+    #: framework's code where it has no version to read (a source tree).
+    fingerprint: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Framework:
     """One framework's declaration."""
 
@@ -41,6 +56,13 @@ class Framework:
     #: ``"module:function"``: ``function(parser)`` adds its ``cloudckpt <name>``
     #: subcommands to an ``argparse`` parser; imported only when that command runs.
     commands: str | None = None
+    #: What activation binds (see :class:`Binding`); nothing is bound otherwise.
+    bindings: tuple[Binding, ...] = ()
+    #: The installed distribution whose version activation checks, if it has one.
+    distribution: str | None = None
+    #: The versions of :attr:`distribution` the bindings were tested with; without a
+    #: distribution, the tested fingerprints of the bindings' code.
+    tested: tuple[str, ...] = ()
 
 
 _lock = threading.Lock()

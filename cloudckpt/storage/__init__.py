@@ -8,6 +8,7 @@ from cloudckpt.storage.options import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE
 from cloudckpt.storage.primitives import FsspecBackend
 from cloudckpt.storage.registry import (
     as_store,
+    is_remote,
     open_store,
     parse_options,
     register_backend,
@@ -33,5 +34,6 @@ __all__ = [
     "parse_options",
     "register_backend",
     "schemes_like",
+    "is_remote",
     "split_uri",
 ]

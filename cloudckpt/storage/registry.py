@@ -13,7 +13,6 @@ a :class:`Store` subclass naming its own (``backend_class``) is built as itself.
 from __future__ import annotations
 
 import difflib
-import importlib
 import os
 import threading
 from collections.abc import Mapping
@@ -25,6 +24,7 @@ from cloudckpt.storage import gcs_errors, retry, s3_errors
 from cloudckpt.storage.base import Store
 from cloudckpt.storage.keys import collapse_slashes
 from cloudckpt.storage.options import STORE_OPTIONS, own_options, parse_options
+from cloudckpt.util.lazy import load_target
 
 __all__ = ["ENTRY_POINT_GROUP", "STORE_OPTIONS", "as_store", "open_store", "parse_options",
            "register_backend", "schemes_like", "split_uri"]
@@ -101,6 +101,12 @@ def split_uri(uri: str) -> tuple[str, str]:
     return scheme, collapse_slashes(rest).strip("/")
 
 
+def is_remote(uri: str) -> bool:
+    """Whether ``uri`` names an object store rather than a local path (``s3://b/p``
+    yes; ``/data/run``, ``file:///data/run``, ``run`` no)."""
+    return split_uri(uri)[0] != "file"
+
+
 def as_store(uri_or_store: str | Store,
              storage_options: Mapping[str, Any] | None = None) -> Store:
     """``uri_or_store`` itself when it is a :class:`Store`, else :func:`open_store` of it:
@@ -146,8 +152,7 @@ def _backend(scheme: str, uri: str) -> Any:
 
         _check_protocol(scheme, uri)
         return FsspecGenericBackend
-    module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)
+    return load_target(target)
 
 
 def _check_protocol(scheme: str, uri: str) -> None:

@@ -24,3 +24,15 @@ def lazy_exports(package: str, modules: Mapping[str, Iterable[str]]) -> Callable
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
     return __getattr__
+
+
+def load_target(target: str) -> Any:
+    """The object a ``"module:name"`` string names (a plug-in's declaration), imported
+    now; ``name`` may be dotted (``"module:Class.attr"``)."""
+    module, sep, name = target.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"{target!r} is not a 'module:name' target")
+    obj: Any = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
