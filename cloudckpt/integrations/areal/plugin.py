@@ -1,14 +1,24 @@
 """AReaL, as the core sees it: the kind of its recover dumps. Plain data: importing
 it loads no torch."""
 
-from cloudckpt.core.plugins import Framework
+from cloudckpt.core.plugins import Binding, Framework
 
 #: The kind of a recover dump's generation (recover checkpoint and recover info).
 KIND = "areal-recover"
+
+#: AReaL's trainer modules (in ``areal.trainer``, whose ``__init__`` imports each), which
+#: build ``Saver(config.saver, ft_spec)`` and ``RecoverHandler(config.recover, ft_spec)``
+#: from names they imported.
+TRAINERS = ("sft_trainer", "rl_trainer", "dpo_trainer", "rw_trainer")
 
 FRAMEWORK = Framework(
     name="areal",
     summary="AReaL trials: import one from local disk, adopt one already in a bucket",
     kinds=(KIND,),
     commands="cloudckpt.integrations.areal.commands:add_commands",
+    # Bound once the package has imported its four trainers: one binding, one log line.
+    bindings=(Binding(module="areal.trainer",
+                      bind="cloudckpt.integrations.areal.binding:bind_trainers"),),
+    distribution="areal",
+    tested=("1.0.4",),
 )

@@ -37,6 +37,9 @@ from cloudckpt.training.staging import download_dir, staging_dir, upload_dir
 log = logging.getLogger("cloudckpt")
 
 _RNG = INFO_DIR + "/cloudckpt_rng_rank{:05d}.bin"  # beside AReaL's files, which it ignores
+#: Each engine's LR scheduler, which AReaL's engines do not checkpoint (its FSDP engine's
+#: ``_save_to_dcp`` saves model and optimizer only): a resume would restart the schedule.
+_SCHEDULER = INFO_DIR + "/cloudckpt_lr_scheduler_{}.bin"
 
 
 def _state(obj: Any, default: Any = None) -> Any:
@@ -105,6 +108,7 @@ class RecoverHandler(_Periodic):
             loaders = coord.each_rank(lambda: _state(dataloader), self.group)
             me = coord.rank(self.group)
             coord.each_rank(lambda: self._write_rng(local, me), self.group)
+            coord.on_coordinator(lambda: _write_schedulers(local, engines), self.group)
             infos = {"saver_info": _state(saver, {}), "evaluator_info": _state(evaluator, {}),
                      "stats_logger_info": _state(stats_logger,
                                                  {"last_commit_step": step_info.global_step}),
@@ -161,6 +165,7 @@ class RecoverHandler(_Periodic):
                 eng.load(save_load_meta(
                     path=str(local / name / "recover_checkpoint"), weight_format="dcp",
                     with_optim=not getattr(self.config, "no_load_optim", False)))
+            _load_schedulers(local, engines)
             rng = local / _RNG.format(coord.rank(self.group))
             if rng.exists():
                 set_rng_state(loads_state(rng.read_bytes(), source=str(rng)))
@@ -169,6 +174,24 @@ class RecoverHandler(_Periodic):
             _sync_inference(engines[inference_engine_update_from], inference_engine,
                             weight_update_meta, info.last_step_info.global_step + 1)
         return info
+
+
+def _schedulers(engines: Mapping[str, Any]) -> dict[str, Any]:
+    return {name: eng.lr_scheduler for name, eng in engines.items()
+            if hasattr(getattr(eng, "lr_scheduler", None), "state_dict")}
+
+
+def _write_schedulers(local: Path, engines: Mapping[str, Any]) -> None:
+    for name, sched in _schedulers(engines).items():
+        (local / _SCHEDULER.format(name)).write_bytes(dumps_state(sched.state_dict()))
+
+
+def _load_schedulers(local: Path, engines: Mapping[str, Any]) -> None:
+    """The schedulers a dump holds (a dump of AReaL's own has none: they restart)."""
+    for name, sched in _schedulers(engines).items():
+        path = local / _SCHEDULER.format(name)
+        if path.exists():
+            sched.load_state_dict(loads_state(path.read_bytes(), source=str(path)))
 
 
 def _sync_inference(update_engine: Any, inference_engine: Any, meta: Any,

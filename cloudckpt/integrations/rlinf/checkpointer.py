@@ -9,19 +9,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter
+from cloudckpt.core.checkpoint import Checkpoint
 from cloudckpt.core.manifest import MANIFEST_NAME
 from cloudckpt.core.retention import Managed, apply_retention
 from cloudckpt.errors import CommitConflictError, ConfigError
 from cloudckpt.integrations.rlinf.config import RunnerConfig, should_save
-from cloudckpt.integrations.rlinf.fsdp import full_weights, model_part, numpy_rng_allowed
+from cloudckpt.integrations.rlinf.fsdp import fsdp_parts, numpy_rng_allowed, torch_bytes
 from cloudckpt.integrations.rlinf.layout import (
     _STEP_RE,
     ACTOR,
     CRITIC,
     DATA_PATH,
     DCP_DIR,
-    FULL_WEIGHTS,
     KEY_PREFIX,
     KIND,
     ROOT_KEY,
@@ -34,7 +33,7 @@ from cloudckpt.integrations.rlinf.resume import (
 )
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.runtime.state import resolve_stateful
-from cloudckpt.storage import Store, open_store
+from cloudckpt.storage import open_store
 from cloudckpt.training import multipart
 
 log = logging.getLogger("cloudckpt.rlinf")
@@ -47,44 +46,6 @@ class Resumed:
     step: int
     checkpoint: Checkpoint
     data_state: Any
-
-
-@dataclass
-class _FsdpPart:
-    """One RLinf part (actor or critic) of a save: its DCP shards, then, unless
-    ``full_weights`` is off, its model gathered into ``model_state_dict/full_weights.pt``
-    after the DCP part (as RLinf's base.py), which rank 0 writes at commit."""
-
-    name: str
-    state: Mapping[str, Any]
-    step: int
-    full_weights: bool
-
-    def write(self, store: Store, group: Any) -> tuple[bool, bytes | None]:
-        from cloudckpt import dcp as cdcp
-
-        with numpy_rng_allowed():  # RLinf's rng.numpy, as its load allows it
-            cdcp.save(dict(self.state), store.child(f"{self.name}/{DCP_DIR}"),
-                      process_group=group, step=self.step)
-        model = model_part(self.state)
-        if not self.full_weights or model is None:
-            return False, None
-        return True, full_weights(model, rank=coord.rank(group))  # gathered on every rank
-
-    def commit(self, writer: CheckpointWriter, written: tuple[bool, bytes | None]) -> None:
-        writer.add_part(f"{self.name}/{DCP_DIR}")
-        wanted, data = written
-        if wanted:
-            assert data is not None
-            writer.put(f"{self.name}/{FULL_WEIGHTS}", data)
-
-
-def _torch_bytes(obj: Any) -> bytes:
-    import torch
-
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
 
 
 class RLinfCheckpointer:
@@ -192,10 +153,10 @@ class RLinfCheckpointer:
         if critic is not None:
             states[CRITIC] = resolve_stateful(critic)
         parts: list[multipart.Part] = [
-            _FsdpPart(name, part_state, step, self.save_full_model_weights)
-            for name, part_state in states.items()]
+            p for name, part_state in states.items()
+            for p in fsdp_parts(name, part_state, step, self.save_full_model_weights)]
         if data_state is not None:  # the last data object, as RLinf
-            parts.append(multipart.SharedBytes(DATA_PATH, lambda: _torch_bytes(data_state)))
+            parts.append(multipart.SharedBytes(DATA_PATH, lambda: torch_bytes(data_state)))
         meta = {**dict(metadata or {}), "world_size": coord.world_size(self.group),
                 "parts": list(states), "layout": "rlinf-fsdp", "key_prefix": KEY_PREFIX}
         try:

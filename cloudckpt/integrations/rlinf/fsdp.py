@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import io
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
+from cloudckpt.core.checkpoint import CheckpointWriter
 from cloudckpt.errors import ConfigError
-from cloudckpt.integrations.rlinf.layout import FSDP_VERSIONS, ROOT_KEY
+from cloudckpt.integrations.rlinf.layout import DCP_DIR, FSDP_VERSIONS, FULL_WEIGHTS, ROOT_KEY
+from cloudckpt.runtime import coordination as coord
+from cloudckpt.storage import Store
 
 
 def _options() -> Any:
@@ -164,3 +168,69 @@ def model_part(state: Mapping[str, Any]) -> Mapping[str, Any] | None:
     inner = state.get(ROOT_KEY)
     model = inner.get("model") if isinstance(inner, Mapping) else None
     return model if isinstance(model, Mapping) else None
+
+
+def torch_bytes(obj: Any) -> bytes:
+    """``obj`` as ``torch.save`` writes it, in memory."""
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+@dataclass
+class _RlinfDcp:
+    """A part's DCP shards below ``prefix``, RLinf's ``rng.numpy`` allowed."""
+
+    prefix: str
+    state: Mapping[str, Any]
+    step: int | None
+
+    def write(self, store: Store, group: Any) -> None:
+        from cloudckpt import dcp as cdcp
+
+        with numpy_rng_allowed():  # RLinf's rng.numpy, as its load allows it
+            cdcp.save(dict(self.state), store.child(self.prefix), process_group=group,
+                      step=self.step)
+
+    def commit(self, writer: CheckpointWriter, written: None) -> None:
+        writer.add_part(self.prefix)
+
+
+@dataclass
+class _FullWeights:
+    """The part's model gathered into ``full_weights.pt`` by ``gather`` (called on every
+    rank, after the DCP save, as RLinf's base.py; the bytes on rank 0), which rank 0
+    writes at commit."""
+
+    key: str
+    gather: Callable[[Any], bytes | None]
+
+    def write(self, store: Store, group: Any) -> bytes | None:
+        return self.gather(group)
+
+    def commit(self, writer: CheckpointWriter, written: bytes | None) -> None:
+        assert written is not None
+        writer.put(self.key, written)
+
+
+def fsdp_parts(prefix: str, state: Mapping[str, Any], step: int | None,
+               with_full_weights: bool, *,
+               gather: Callable[[Any], bytes | None] | None = None) -> list[Any]:
+    """The multi-part save handlers of one RLinf part (actor, critic) below ``prefix``
+    (``""``: the checkpoint itself): its DCP shards, then, unless
+    ``with_full_weights`` is off, ``model_state_dict/full_weights.pt``: what
+    ``gather(group)`` returns on rank 0 (called on every rank), by default the state's
+    own model tensors gathered (no file without a model)."""
+    join = (lambda key: f"{prefix}/{key}") if prefix else (lambda key: key)
+    parts: list[Any] = [_RlinfDcp(join(DCP_DIR), state, step)]
+    if with_full_weights:
+        model = model_part(state)
+        if gather is None and model is not None:
+            def gather(group: Any) -> bytes | None:
+                return full_weights(model, rank=coord.rank(group))
+
+        if gather is not None:
+            parts.append(_FullWeights(join(FULL_WEIGHTS), gather))
+    return parts

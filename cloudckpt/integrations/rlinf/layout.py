@@ -8,12 +8,16 @@ import re
 from cloudckpt.errors import ConfigError
 
 KIND = "rlinf"
+#: The kind of one part (actor, critic) that RLinf's strategy saved on a bucket.
+PART_KIND = "rlinf-part"
 CHECKPOINTS = "checkpoints"
 STEP_PREFIX = "global_step_"
 ACTOR = "actor"
 CRITIC = "critic"
 DCP_DIR = "dcp_checkpoint"
 DATA_PATH = "data/data.pt"
+#: Each rank's file of RLinf's ``local_shard`` format.
+LOCAL_SHARD = "local_shard_checkpoint/checkpoint_rank_{rank}.pt"
 #: RLinf's FSDP strategy also writes the gathered model of each part here (base.py,
 #: ``save_full_model_weights=True`` by default), on rank 0, with ``torch.save``.
 FULL_WEIGHTS = "model_state_dict/full_weights.pt"
@@ -36,6 +40,13 @@ def checkpoints_root(output_dir: str, experiment_name: str) -> str:
 
 def step_name(step: int) -> str:
     return f"{STEP_PREFIX}{int(step)}"
+
+
+def step_of_part(uri: str) -> int | None:
+    """The step of ``.../global_step_N/<part>`` (None when not named so)."""
+    parent = str(uri).rstrip("/").rpartition("/")[0].rpartition("/")[2]
+    m = _STEP_RE.match(parent)
+    return int(m.group(1)) if m else None
 
 
 def parse_step(uri: str) -> int:

@@ -1,7 +1,7 @@
 """ROLL, as the core sees it: its kind and the directory of its part markers.
 Plain data: importing it loads no torch."""
 
-from cloudckpt.core.plugins import Framework
+from cloudckpt.core.plugins import Binding, Framework
 
 KIND = "roll"
 #: Where each ROLL worker's part marker lies inside a checkpoint (one per part).
@@ -13,4 +13,12 @@ FRAMEWORK = Framework(
     kinds=(KIND,),
     marker_dirs=(PARTS_DIR,),
     commands="cloudckpt.integrations.roll.cli:add_commands",
+    # ROLL runs from its source tree: no version to read, so the code the binding
+    # relies on (where the registries are read) is fingerprinted instead.
+    bindings=(Binding(
+        module="roll.utils.checkpoint_manager",
+        bind="cloudckpt.integrations.roll.registries:bind_checkpoint_manager",
+        fingerprint=("CheckpointManager.__init__", "CheckpointManager.upload",
+                     "get_latest_ckpt", "download_model")),),
+    tested=("sha256:ef488f0ec2a1c723",),  # ROLL 8eb27cc (../shared/peers)
 )

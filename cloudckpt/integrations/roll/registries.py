@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, MutableMapping
+from types import ModuleType
 from typing import Any
 
 from cloudckpt.integrations.roll.resume import default_download_dir, download_checkpoint
@@ -46,3 +47,13 @@ def wrap_model_downloaders(registry: MutableMapping[str, Callable[..., str]],
 
         wrapped._cloudckpt_original = fn  # type: ignore[attr-defined]
         registry[key] = wrapped
+
+
+def bind_checkpoint_manager(module: ModuleType) -> tuple[str, ...]:
+    """What activation binds into ``roll.utils.checkpoint_manager`` in every process
+    that imports it (the driver and each Ray worker): :func:`register` on its
+    registries, so ``checkpoint_config.type: s3|gcs`` and a bucket
+    ``resume_from_checkpoint`` work with no user code."""
+    register(module.uploader_registry, module.model_download_registry)
+    return ("uploader_registry['s3']", "uploader_registry['gcs']",
+            "model_download_registry (bucket URIs)")
