@@ -80,7 +80,7 @@ class Evaluator:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(HERE / "config.yaml"))
-    p.add_argument("--fileroot", default=None, help="override cluster.fileroot")
+    p.add_argument("--fileroot", default=None, help="override the saver's and recover's fileroot")
     p.add_argument("--trial-name", default=None, help="override trial_name")
     p.add_argument("--storage-options", default="{}", help="JSON storage options")
     p.add_argument("--steps", type=int, default=14, help="total training steps")

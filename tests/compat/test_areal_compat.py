@@ -20,7 +20,12 @@ from areal.api.io_struct import FinetuneSpec, StepInfo, WeightUpdateMeta
 from areal_parts import FT_SPEC, Trainer, assert_same_state, first_step
 
 from cloudckpt.cli import main as cloudckpt_cli
-from cloudckpt.errors import BucketNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
+from cloudckpt.errors import (
+    BucketNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+)
 from cloudckpt.integrations import areal
 from cloudckpt.integrations.areal.info import load_pickle
 
@@ -274,3 +279,47 @@ def test_dataloader_pickle_allow_list(tmp_path):
     with pytest.raises(CorruptCheckpointError, match="posix.system|os.system|not allowed"):
         load_pickle(pickle.dumps([{"x": Evil()}]), "evil.pkl")
     assert not marker.exists()
+
+
+def areal_sections(text: str) -> dict[str, object]:
+    """``saver`` and ``recover`` of a YAML document as AReaL's own load_expr_config builds
+    them: OmegaConf reads and resolves it, AReaL's dataclasses validate each section."""
+    from omegaconf import OmegaConf
+
+    doc = OmegaConf.to_container(OmegaConf.create(text), resolve=True)
+    built = {}
+    for name, cls in (("saver", SaverConfig), ("recover", RecoverConfig)):
+        section = {"experiment_name": "e", "trial_name": "t", **doc[name]}
+        built[name] = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), section))
+    return built
+
+
+def test_the_documented_configs_are_what_areal_own_loader_accepts(tmp_path):
+    """examples/areal/config.yaml and the guide's YAML, as written: AReaL accepts them,
+    and cloudckpt's load_yaml reads the same values. A bare ``on`` is refused by both."""
+    repo = Path(__file__).resolve().parents[2]
+    guide = (repo / "docs/integrations/areal.md").read_text()
+    texts = [(repo / "examples/areal/config.yaml").read_text(),
+             guide.split("```yaml\n", 1)[1].split("```", 1)[0]]
+    for text in texts:
+        built = areal_sections(text)
+        assert built["recover"].mode == "on" and "://" in built["recover"].fileroot
+        assert "://" in built["saver"].fileroot
+        assert "://" not in cluster_fileroot(text)  # AReaL's logs stay local
+    saver, recover = areal.load_yaml(repo / "examples/areal/config.yaml")
+    built = areal_sections(texts[0])
+    assert (saver.fileroot, recover.fileroot, recover.mode) == (
+        built["saver"].fileroot, built["recover"].fileroot, built["recover"].mode)
+    bare = texts[0].replace('mode: "on"', "mode: on")
+    with pytest.raises(ValueError, match="Invalid recover mode 'True'"):
+        areal_sections(bare)
+    path = tmp_path / "bare.yaml"
+    path.write_text(bare)
+    with pytest.raises(ConfigError, match='quote it, mode: "on"'):
+        areal.load_yaml(path)
+
+
+def cluster_fileroot(text: str) -> str:
+    from omegaconf import OmegaConf
+
+    return str(OmegaConf.create(text).cluster.fileroot)

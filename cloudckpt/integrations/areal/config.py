@@ -64,8 +64,11 @@ class _Section:
         _validate_common(self)
         mode = getattr(self, "mode", None)
         if mode not in self.MODES:
+            hint = (f" (YAML reads a bare on/off as a boolean, as AReaL's loader does: "
+                    f"quote it, mode: \"{'on' if mode else 'off'}\")"
+                    if isinstance(mode, bool) else "")
             raise ConfigError(f"{type(self).__name__}.mode must be one of "
-                              f"{list(self.MODES)}, got {mode!r}")
+                              f"{list(self.MODES)}, got {mode!r}{hint}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Any:

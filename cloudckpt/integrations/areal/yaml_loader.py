@@ -1,5 +1,6 @@
-"""AReaL's experiment YAML, read as OmegaConf reads it, ``${a.b}`` interpolations
-resolved: the ``saver`` and ``recover`` sections as config objects."""
+"""AReaL's experiment YAML, read as AReaL's ``load_expr_config`` reads it (YAML 1.1
+scalars: a bare ``on`` is true), ``${a.b}`` interpolations resolved: the ``saver`` and
+``recover`` sections as config objects."""
 
 from __future__ import annotations
 
@@ -31,19 +32,11 @@ def load_yaml(path: str | os.PathLike) -> tuple[SaverConfig, RecoverConfig]:
 
 
 def _yaml_load(text: str) -> Any:
-    """YAML as OmegaConf (AReaL's loader) reads it: only true/false are booleans, so
-    ``mode: on`` stays the string "on" instead of YAML 1.1's True."""
+    """YAML as OmegaConf (AReaL's loader) reads it: YAML 1.1, so ``mode: on`` is True,
+    which AReaL refuses (and so does :class:`RecoverConfig`, saying to quote it)."""
     import yaml
 
-    class Loader(yaml.SafeLoader):
-        pass
-
-    Loader.yaml_implicit_resolvers = {
-        ch: [(tag, rx) for tag, rx in rs if tag != "tag:yaml.org,2002:bool"]
-        for ch, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-    Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|"
-                                 r"false|False|FALSE)$"), list("tTfF"))
-    return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader subclass
+    return yaml.safe_load(text)
 
 
 _INTERP = re.compile(r"\$\{([A-Za-z0-9_.]+)\}")
