@@ -1,7 +1,12 @@
-"""What activation binds into RLinf: ``FSDPStrategyBase.save_checkpoint`` and
-``load_checkpoint`` (its FSDP workers' checkpoint I/O, both formats) commit to and
-load from a bucket when the path is a bucket URI (:mod:`.strategy`); a local path
-runs RLinf's own code, unchanged."""
+"""What activation binds into RLinf, each for a bucket URI only (a local path runs
+RLinf's own code, unchanged):
+
+- ``FSDPStrategyBase.save_checkpoint`` / ``load_checkpoint`` (its FSDP workers'
+  checkpoint I/O, both formats) commit and load a part (:mod:`.strategy`);
+- ``ReasoningRunner._save_checkpoint`` commits the step (the parts and ``data.pt``),
+  ``init_workers`` resolves ``resume_dir`` (``auto``) among committed steps, and
+  ``init_actor_critic_workers`` loads ``data.pt`` from the bucket (:mod:`.runner`).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,45 @@ from cloudckpt.storage import is_remote
 
 def _remote(path: Any) -> bool:
     return isinstance(path, str) and is_remote(path)
+
+
+def bind_runner(module: ModuleType) -> tuple[str, ...]:
+    """Wrap three methods of ``rlinf.runners.reasoning_runner``'s ``ReasoningRunner``."""
+    cls = module.ReasoningRunner
+    own_save, own_init = cls._save_checkpoint, cls.init_workers
+    own_workers = cls.init_actor_critic_workers
+
+    @functools.wraps(own_save)
+    def _save_checkpoint(self: Any) -> None:
+        if not _remote(self.cfg.runner.output_dir):
+            return own_save(self)
+        from cloudckpt.integrations.rlinf.runner import save_step
+
+        save_step(self)
+        return None
+
+    @functools.wraps(own_init)
+    def init_workers(self: Any) -> Any:
+        if _remote(self.cfg.runner.output_dir) or _remote(self.cfg.runner.resume_dir):
+            from cloudckpt.integrations.rlinf.runner import resolve
+
+            resolve(self)
+        return own_init(self)
+
+    @functools.wraps(own_workers)
+    def init_actor_critic_workers(self: Any) -> Any:
+        result = own_workers(self)
+        if _remote(self.cfg.runner.resume_dir):
+            from cloudckpt.integrations.rlinf.runner import load_data
+
+            load_data(self)
+        return result
+
+    cls._save_checkpoint = _save_checkpoint
+    cls.init_workers = init_workers
+    cls.init_actor_critic_workers = init_actor_critic_workers
+    return ("ReasoningRunner._save_checkpoint", "ReasoningRunner.init_workers",
+            "ReasoningRunner.init_actor_critic_workers")
 
 
 def bind_strategy(module: ModuleType) -> tuple[str, ...]:

@@ -21,7 +21,9 @@ FRAMEWORK = Framework(
     dcp_layouts={KIND: (f"{ACTOR}/{DCP_DIR}", KEY_PREFIX)},
     commands="cloudckpt.integrations.rlinf.command:add_commands",
     bindings=(Binding(module="rlinf.hybrid_engines.fsdp.strategy.base",
-                      bind="cloudckpt.integrations.rlinf.binding:bind_strategy"),),
+                      bind="cloudckpt.integrations.rlinf.binding:bind_strategy"),
+              Binding(module="rlinf.runners.reasoning_runner",
+                      bind="cloudckpt.integrations.rlinf.binding:bind_runner")),
     distribution="rlinf",
     tested=("0.3.0",),
 )

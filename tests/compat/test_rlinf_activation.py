@@ -1,7 +1,11 @@
-"""RLinf 0.3.0's own ``FSDPStrategyBase.save_checkpoint`` / ``load_checkpoint`` (FSDP2,
-2 gloo ranks on CPU, rlinf_strategy_ranks.py), unchanged: under ``cloudckpt run``
-a bucket path commits the step's part there and resumes it bit-exact; without
-activation RLinf writes its local directory exactly as before.
+"""RLinf 0.3.0's own code, unchanged, under ``cloudckpt run`` and without it:
+
+- ``FSDPStrategyBase.save_checkpoint`` / ``load_checkpoint`` (FSDP2, 2 gloo ranks on
+  CPU, rlinf_strategy_ranks.py): a bucket path commits the part there and resumes it
+  bit-exact; without activation RLinf writes its local directory exactly as before;
+- ``ReasoningRunner._save_checkpoint`` and ``init_workers`` with ``resume_dir: auto``
+  (rlinf_runner_driver.py): with ``runner.output_dir`` in the bucket, one committed step
+  holding the parts and ``data/data.pt``, resumed with the dataloader's position.
 
 RLinf 0.3.0's ``local_shard`` format saves, but its own load fails on an FSDP2 model
 (``Checkpoint.load_state_dict`` hands the local shards to ``model.load_state_dict``:
@@ -80,3 +84,49 @@ def test_without_activation_rlinf_writes_its_local_directory_as_before(tmp_path)
                      "local_shard/global_step_2/actor/local_shard_checkpoint/checkpoint_rank_0.pt",
                      "local_shard/global_step_2/actor/local_shard_checkpoint/checkpoint_rank_1.pt",
                      "local_shard/global_step_2/actor/model_state_dict/full_weights.pt"}
+
+
+def run_runner(output_dir: str, out: Path, env: dict[str, str], *, activate: bool
+               ) -> tuple[dict, dict, str]:
+    out.mkdir()
+    launch = [sys.executable, str(HERE / "rlinf_runner_driver.py"), "--output-dir", output_dir,
+              "--out", str(out)]
+    if activate:
+        launch = [sys.executable, "-m", "cloudckpt", "run", "--", *launch]
+    r = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    saved, resumed = (json.loads((out / f"{p}.json").read_text()) for p in ("save", "resume"))
+    return saved, resumed, r.stderr
+
+
+def assert_resumed(saved: dict, resumed: dict) -> None:
+    assert resumed["global_steps"] == saved["global_steps"] == 2
+    assert resumed["resume_dir"].rstrip("/").endswith("exp/checkpoints/global_step_2")
+    assert resumed["state"] == saved["state"]  # model, optimizer, scheduler, RNG: bit-exact
+    assert resumed["next_batch"] == saved["next_batch"]  # the dataloader went on
+
+
+def test_rlinf_runner_commits_its_step_and_resumes_auto_from_the_bucket(s3, tmp_path):
+    """RLinf's own ReasoningRunner._save_checkpoint and init_workers (resume_dir: auto),
+    runner.output_dir in the bucket: one committed step with the actor's part and
+    data/data.pt; the resume finds it, loads the part and the dataloader position."""
+    saved, resumed, stderr = run_runner(s3.root, tmp_path / "out", {**os.environ, **s3.env},
+                                        activate=True)
+    assert_resumed(saved, resumed)
+    assert resumed["resume_dir"] == f"{s3.root}/exp/checkpoints/global_step_2"
+    step = open_checkpoint(resumed["resume_dir"], s3.options)
+    step.verify(deep=True)
+    assert step.manifest.kind == "rlinf" and step.step == 2
+    assert {"data/data.pt", "actor/cloudckpt-manifest.json",
+            "actor/dcp_checkpoint/.metadata", "actor/model_state_dict/full_weights.pt"
+            } <= set(step.files)
+    assert "RLinf step 2 committed" in stderr and "dataloader state loaded from" in stderr
+
+
+def test_without_activation_rlinf_runner_saves_and_resumes_locally_as_before(tmp_path):
+    root = tmp_path / "results"
+    saved, resumed, stderr = run_runner(str(root), tmp_path / "out", dict(os.environ),
+                                        activate=False)
+    assert_resumed(saved, resumed)  # RLinf's own, from its local directory
+    assert (root / "exp/checkpoints/global_step_2/data/data.pt").is_file()
+    assert not list(root.rglob("cloudckpt-manifest.json")) and "bound the rlinf" not in stderr

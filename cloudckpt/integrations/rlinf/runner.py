@@ -1,0 +1,90 @@
+"""RLinf's runner on a bucket: what ``ReasoningRunner`` does around its workers' saves
+(``rlinf/runners/reasoning_runner.py``) when ``runner.output_dir`` is a bucket URI.
+
+A step is one committed checkpoint ``{output_dir}/{experiment_name}/checkpoints/
+global_step_N`` (kind ``rlinf``): the driver claims it, RLinf's workers commit their
+parts below it (``actor/``, ``critic/``: :mod:`.strategy`), then the driver adds them
+and ``data/data.pt`` and commits. A crash before that leaves no step, so ``resume_dir:
+auto`` (the newest committed step of ``output_dir``) never resumes a torn one.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from cloudckpt.core.checkpoint import Checkpoint
+from cloudckpt.integrations.rlinf.checkpointer import read_data_state
+from cloudckpt.integrations.rlinf.fsdp import torch_bytes
+from cloudckpt.integrations.rlinf.layout import (
+    ACTOR,
+    CRITIC,
+    DATA_PATH,
+    KEY_PREFIX,
+    KIND,
+    checkpoints_root,
+    step_name,
+)
+from cloudckpt.integrations.rlinf.resume import open_rlinf_checkpoint, resolve_resume_dir
+from cloudckpt.storage import is_remote, open_store
+from cloudckpt.training import multipart
+
+log = logging.getLogger("cloudckpt.rlinf")
+
+
+def remote(path: Any) -> bool:
+    return isinstance(path, str) and is_remote(path)
+
+
+def save_step(runner: Any) -> Checkpoint:
+    """``ReasoningRunner._save_checkpoint`` for a bucket: the same worker calls, in
+    RLinf's order, inside one committed step."""
+    r = runner.cfg.runner
+    step = int(runner.global_steps)
+    store = open_store(f"{checkpoints_root(r.output_dir, r.experiment_name)}/{step_name(step)}")
+    workers = [(ACTOR, runner.actor)]
+    if getattr(runner, "critic", None):
+        workers.append((CRITIC, runner.critic))
+    meta = {"parts": [name for name, _ in workers], "layout": "rlinf-fsdp",
+            "key_prefix": KEY_PREFIX}
+    writer = multipart.claim(store, step=step, kind=KIND, metadata=meta)
+    assert writer is not None  # the driver is its own coordinator
+    try:
+        for name, worker in workers:  # every rank of the group commits its part
+            worker.save_checkpoint(store.child(name).uri, step).wait()
+        data = torch_bytes(runner.train_dataloader.state_dict())
+        for name, _ in workers:
+            writer.add_part(name)
+        writer.put(DATA_PATH, data)
+        committed = writer.commit()
+    except BaseException:
+        writer.abandon()
+        raise
+    log.info("RLinf step %d committed at %s", step, committed.uri)
+    return committed
+
+
+def resolve(runner: Any) -> None:
+    """``runner.resume_dir`` as ``init_workers`` then reads it: ``auto`` becomes the
+    newest committed step of the bucket (or None), a bucket URI a committed step."""
+    r = runner.cfg.runner
+    if r.resume_dir is None or not (r.resume_dir == "auto" or remote(r.resume_dir)):
+        return
+    root = checkpoints_root(r.output_dir, r.experiment_name)
+    r.resume_dir = resolve_resume_dir(r.resume_dir, root)
+    log.info("resume_dir resolved in %s: %s", root, r.resume_dir or "nothing committed, "
+             "a fresh start")
+
+
+def load_data(runner: Any) -> None:
+    """The ``data/data.pt`` of a bucket step, into the runner's dataloader (RLinf's own
+    loader checks a local path and skips a URI)."""
+    r = runner.cfg.runner
+    if r.resume_dir is None or not remote(r.resume_dir):
+        return
+    ckpt = open_rlinf_checkpoint(r.resume_dir)
+    if DATA_PATH not in ckpt.manifest.files:
+        log.warning("%s holds no %s: the dataloader starts from scratch", ckpt.uri, DATA_PATH)
+        return
+    runner.train_dataloader.load_state_dict(read_data_state(ckpt))
+    log.info("dataloader state loaded from %s/%s", ckpt.uri, DATA_PATH)
