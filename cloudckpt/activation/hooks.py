@@ -16,6 +16,7 @@ Callback = Callable[[ModuleType], None]
 
 _lock = threading.Lock()
 _waiting: dict[str, list[Callback]] = {}
+_asking = threading.local()  # the names this thread is asking the other finders about
 
 
 def when_imported(name: str, callback: Callback) -> None:
@@ -56,15 +57,20 @@ class _Finder(importlib.abc.MetaPathFinder):
 
     def find_spec(self, name: str, path: Sequence[str] | None = None,
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        if name not in _waiting:
+        asking = _asking.__dict__.setdefault("names", set())
+        if name not in _waiting or name in asking:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                break
-        else:
+        asking.add(name)
+        try:  # a finder that asks importlib again does not come back here
+            spec = None
+            for finder in sys.meta_path:
+                if finder is not self and hasattr(finder, "find_spec"):
+                    spec = finder.find_spec(name, path, target)
+                    if spec is not None:
+                        break
+        finally:
+            asking.discard(name)
+        if spec is None:
             return None
         with _lock:
             callbacks = _waiting.pop(name, [])
