@@ -462,3 +462,36 @@ def test_export_of_a_plain_module_needs_hf_config(s3):
                                    storage_options=s3.options)
     handler.dump(model, StepInfo(0, 0, 0, 4), None, None, None, None)
     assert handler.slot.info()["step"] == 0
+
+
+def test_the_bound_cycle_goes_on_from_the_resumed_epoch():
+    """AReaL's cycle_dataloader counts epochs from 0 on every launch; the one activation
+    binds counts from the epoch cloudckpt's handler restored, and is AReaL's otherwise."""
+    from cloudckpt.integrations.areal.dataorder import cycle_from_resumed_epoch, mark_resumed
+
+    class Sampler:
+        def __init__(self) -> None:
+            self.epochs: list[int] = []
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epochs.append(epoch)
+
+    class Loader(list):
+        def __init__(self) -> None:
+            super().__init__([1, 2])
+            self.sampler = Sampler()
+
+    def areal_cycle(dataloader, num_cycles=-1):  # AReaL 1.0.4's, areal/utils/data.py
+        epoch = 0
+        while True:
+            dataloader.sampler.set_epoch(epoch)
+            yield from dataloader
+            epoch += 1
+            if num_cycles > 0 and epoch >= num_cycles:
+                break
+
+    cycle = cycle_from_resumed_epoch(areal_cycle)
+    fresh, resumed = Loader(), Loader()
+    assert list(cycle(fresh, 2)) == [1, 2, 1, 2] and fresh.sampler.epochs == [0, 1]
+    mark_resumed(resumed, 3)
+    assert list(cycle(resumed, 2)) == [1, 2, 1, 2] and resumed.sampler.epochs == [3, 4]

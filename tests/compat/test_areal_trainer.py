@@ -6,8 +6,9 @@ users launch it (torchrun train.py --config config.yaml ...), unchanged:
 - under ``cloudckpt run`` with ``saver.fileroot``/``recover.fileroot`` a bucket URI, the
   same command trains, is SIGKILLed once a recover dump is committed in the bucket, and
   the relaunched command resumes from it: the step counter goes on, and the run ends
-  bit-exact with the reference (model, optimizer and the LR schedule, which AReaL's
-  engine does not checkpoint and cloudckpt's handler restores); its HF export loads
+  bit-exact with the reference (model, optimizer, the LR schedule, which AReaL's
+  engine does not checkpoint, and the second epoch's data order, which AReaL's
+  ``cycle_dataloader`` restarts at epoch 0: cloudckpt restores both); its HF export loads
   with ``from_pretrained`` through cloudckpt and equals AReaL's own;
 - with one rank and with two. AReaL's installed files are the same before and after.
 """
@@ -36,7 +37,7 @@ from cloudckpt.training.slot import RecoverSlot
 
 SFT = Path(__file__).resolve().parent / "areal_sft"
 TRIAL = f"checkpoints/{getpass.getuser()}/gsm8k-sft-cpu/trial0"
-STEPS = 8
+EPOCHS, STEPS = 2, 16  # 8 steps per epoch; the kill lands in the second epoch
 STEP_LINE = re.compile(r"Train step (\d+)/(\d+) done")
 AREAL = Path(importlib.util.find_spec("areal").submodule_search_locations[0])
 
@@ -73,7 +74,8 @@ class Launch:
             "--master-port", str(free_port()), str(SFT / "train.py"), "--config",
             str(SFT / "config.yaml"), f"cluster.fileroot={self.local}",
             f"actor.path={fixtures['model']}", f"train_dataset.path={fixtures['dataset']}",
-            f"actor.backend=fsdp:d{world}", "actor.optimizer.lr_scheduler_type=cosine"]
+            f"actor.backend=fsdp:d{world}", "actor.optimizer.lr_scheduler_type=cosine",
+            f"total_train_epochs={EPOCHS}"]
         if bucket:
             self.command += [f"saver.fileroot={bucket}", f"recover.fileroot={bucket}"]
             self.command = [sys.executable, "-m", "cloudckpt", "run", "--", *self.command]
@@ -177,9 +179,11 @@ def test_sft_trainer_killed_and_relaunched_resumes_from_the_bucket(world, fixtur
 
     proc = launch.start(tmp_path / "killed.log")
     deadline = time.monotonic() + 300
-    while slot.info() is None:  # the first recover dump, committed in the bucket
+    # A recover dump of the second epoch committed in the bucket: the relaunch must go on
+    # with that epoch's data order (AReaL's own cycle_dataloader restarts at epoch 0).
+    while (info := slot.info()) is None or info["step"] < STEPS // EPOCHS:
         assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-6000:]
-        assert time.monotonic() < deadline, "no recover dump was committed"
+        assert time.monotonic() < deadline, "no recover dump of the second epoch was committed"
         time.sleep(0.1)
     kill_tree(proc.pid)
     proc.wait(timeout=60)

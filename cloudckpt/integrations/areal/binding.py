@@ -1,7 +1,9 @@
 """What activation binds into AReaL: the ``Saver`` and ``RecoverHandler`` its trainer
 modules build become cloudckpt's for a bucket ``fileroot``; for a local one they stay
-AReaL's own. Nothing of AReaL's is edited: only those two names in each trainer
-module are replaced."""
+AReaL's own. Their ``cycle_dataloader`` counts epochs from the resumed one after
+cloudckpt's handler restored the dataloader (:mod:`.dataorder`), else as AReaL's own.
+Nothing of AReaL's is edited: only those three names in each trainer module are
+replaced."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import importlib
 from types import ModuleType
 from typing import Any
 
+from cloudckpt.integrations.areal.dataorder import cycle_from_resumed_epoch
 from cloudckpt.integrations.areal.plugin import TRAINERS
 from cloudckpt.storage import is_remote
 from cloudckpt.util.lazy import load_target
@@ -40,7 +43,8 @@ class ByFileroot:
 
 
 def bind_trainers(package: ModuleType) -> tuple[str, ...]:
-    """Replace ``Saver`` and ``RecoverHandler`` in each of AReaL's trainer modules."""
+    """Replace ``Saver``, ``RecoverHandler`` and ``cycle_dataloader`` in each of AReaL's
+    trainer modules."""
     bound = []
     for trainer in TRAINERS:
         module = importlib.import_module(f"{package.__name__}.{trainer}")
@@ -49,4 +53,9 @@ def bind_trainers(package: ModuleType) -> tuple[str, ...]:
             if not isinstance(own, ByFileroot):
                 setattr(module, name, ByFileroot(own, ours))
             bound.append(f"{trainer}.{name}")
+        own_cycle = getattr(module, "cycle_dataloader", None)  # the RL trainer has none
+        if own_cycle is not None:
+            if not hasattr(own_cycle, "__wrapped__"):
+                module.cycle_dataloader = cycle_from_resumed_epoch(own_cycle)
+            bound.append(f"{trainer}.cycle_dataloader")
     return tuple(bound)

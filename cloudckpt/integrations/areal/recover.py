@@ -18,6 +18,7 @@ from typing import Any
 
 from cloudckpt.core.checkpoint import open_checkpoint
 from cloudckpt.integrations.areal.config import INFO_DIR, recover_enabled, save_root
+from cloudckpt.integrations.areal.dataorder import mark_resumed
 from cloudckpt.integrations.areal.engines import engines_of, save_load_meta
 from cloudckpt.integrations.areal.freq import _Periodic
 from cloudckpt.integrations.areal.info import (
@@ -160,6 +161,8 @@ class RecoverHandler(_Periodic):
                                (dataloader, info.dataloader_info)):
                 if obj is not None:
                     obj.load_state_dict(state)
+            if dataloader is not None:
+                mark_resumed(dataloader, info.last_step_info.epoch)
             self.freq_ctl.load_state_dict(info.checkpoint_info)
             for name, eng in engines.items():
                 eng.load(save_load_meta(
