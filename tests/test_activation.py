@@ -101,7 +101,9 @@ def test_the_printed_environment_activates_workers_started_elsewhere(tmp_path, t
     assert r.returncode == 0, r.stderr
     env = dict(line.removeprefix("export ").split("=", 1) for line in r.stdout.split("\n")
                if line)
-    assert env == {"PYTHONPATH": activation.hook_directory(),
+    theirs = os.environ.get("PYTHONPATH")  # kept after the hook (a worktree's checkout)
+    assert env == {"PYTHONPATH": os.pathsep.join(filter(None, [activation.hook_directory(),
+                                                               theirs])),
                    activation.ENV_INTEGRATIONS: "toyfw"}
     a = tmp_path / "a"
     r = run([sys.executable, str(trainer), str(a)], env=clean_env(**env))
