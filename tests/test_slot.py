@@ -95,7 +95,7 @@ def test_sigkill_at_every_stage_of_a_slot_save(s3):
     rng = random.Random(1234)
     uri = s3.uri("recover")
     RecoverSlot(uri, storage_options=s3.options).save(state(1.0))
-    current, trials, outcomes = 1.0, 32, {"old": 0, "new": 0}
+    current, trials, outcomes = 1.0, 20, {"old": 0, "new": 0}  # 4 kills per stage
     for trial in range(trials):
         stage = STAGES[trial % len(STAGES)]
         new = float(trial + 2)
@@ -120,4 +120,4 @@ def test_sigkill_at_every_stage_of_a_slot_save(s3):
             assert value == current, (trial, stage)
         outcomes["new" if value == new else "old"] += 1
         current = value
-    assert outcomes["new"] >= 12 and outcomes["old"] >= 12, outcomes
+    assert outcomes["new"] >= 8 and outcomes["old"] >= 8, outcomes
