@@ -15,7 +15,12 @@ from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter, open_checkpo
 from cloudckpt.core.deletion import remove_leftovers
 from cloudckpt.core.gc import collect, find_garbage
 from cloudckpt.core.retention import Managed, apply_retention
-from cloudckpt.errors import CommitConflictError, StorageError
+from cloudckpt.errors import (
+    CheckpointNotFoundError,
+    CommitConflictError,
+    IncompleteCheckpointError,
+    StorageError,
+)
 from cloudckpt.integrations.roll.parts import part_names, read_markers, resume_problems, summary
 from cloudckpt.integrations.roll.plugin import KIND
 from cloudckpt.integrations.roll.resume import CKPT_RE
@@ -141,13 +146,33 @@ def commit(store: Store, ckpt_id: str, parts: Markers, files: Mapping[str, tuple
                                   metadata=meta)
         ckpt = multipart.commit(writer, [stored], [None])
     except CommitConflictError:
-        ckpt = open_checkpoint(store)  # a concurrent committer won; same parts
+        ckpt = _committed_by_another(store)  # a concurrent committer won; same parts
         log.info("%s was committed concurrently by another part", store.uri)
     else:
         log.info("committed %s: %d parts, %d objects", store.uri, len(parts), len(files))
     remove_leftovers(store, (o.key for o in store.list()),
                      keep={*ckpt.manifest.files, MANIFEST_NAME})
     return ckpt
+
+
+#: How long a part that lost the commit race waits for the winner's manifest.
+_WINNER_WAIT_SECONDS = 60.0
+
+
+def _committed_by_another(store: Store) -> Checkpoint:
+    """The checkpoint a concurrent committer of the same parts commits: it may still
+    hold the prefix's claim, its manifest not yet written (a slow store, a loaded
+    host), so wait for it; raise if it never appears."""
+    deadline = time.monotonic() + _WINNER_WAIT_SECONDS
+    while True:
+        try:
+            return open_checkpoint(store)
+        except (CheckpointNotFoundError, IncompleteCheckpointError):
+            if time.monotonic() > deadline:
+                raise CommitConflictError(
+                    f"another process was committing {store.uri} with the same parts and "
+                    f"did not finish within {_WINNER_WAIT_SECONDS:.0f} s") from None
+            time.sleep(0.2)
 
 
 #: Retention governs only ROLL's own checkpoints: kind ``roll``, named ``checkpoint-N``.

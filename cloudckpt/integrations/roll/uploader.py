@@ -72,7 +72,11 @@ class RollUploader:
       stands alone: a failure is logged as an ERROR naming the checkpoint (ROLL's
       manager would swallow an exception anyway) and raised by ``wait()`` or by
       ``commit`` of that checkpoint, never by a later ``upload``;
-    - ``keep_local_file`` (False): delete the local copy after a successful upload;
+    - ``keep_local_file`` (False): ROLL's key for its manager, which deletes the local
+      copy once ``upload`` returns. A synchronous upload leaves the copy to it (had it
+      deleted it first, ROLL's own ``os.remove`` would fail and log "upload failed"
+      for an upload that succeeded); a background one deletes it after its upload,
+      in case ROLL's manager did not, and puts it back if the upload fails;
     - ``expected_uploads``: parts per checkpoint (pipeline + every uploading
       rank); when set, the last part to arrive commits, once the parts hold all
       ROLL's resume reads; otherwise call ``commit``;
@@ -312,7 +316,7 @@ class RollUploader:
             else:
                 with self._lock:
                     self._open[ckpt_id] = None
-        if not self.keep_local_file:
+        if not self.keep_local_file and original != src:  # a background upload's copy
             _remove(original)
 
     def _put_file(self, store: Store, key: str, path: Path) -> tuple[str, int, str]:
