@@ -43,10 +43,16 @@ compat: $(VENV)/.compat
 	$(PY) -m pytest -q tests/compat
 
 # The reliability and security torture suite at full scale (about 10 minutes on
-# 2 cores); prints a summary table and writes it to torture-report.json.
-torture: setup
+# 2 cores); prints a summary table and writes it to torture-report.json. Then the
+# crash torture through the frameworks' own save paths under activation (the compat
+# packages; about 25 minutes), one JSON line per framework in torture-frameworks.jsonl.
+torture: setup $(VENV)/.compat
 	CLOUDCKPT_TORTURE=full CLOUDCKPT_TORTURE_REPORT=torture-report.json \
 		$(PY) -m pytest tests/torture -q -p no:cacheprovider -o timeout=1800
+	rm -f torture-frameworks.jsonl
+	CLOUDCKPT_TORTURE=full CLOUDCKPT_TORTURE_REPORT=torture-frameworks.jsonl \
+		$(PY) -m pytest tests/compat/test_framework_torture.py -q -s -p no:cacheprovider \
+		-o timeout=3600
 
 bench: setup
 	$(PY) benchmarks/storage_bench.py

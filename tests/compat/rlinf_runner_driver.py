@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path[:] = [p for p in sys.path if "shared/peers" not in p.replace(os.sep, "/")]
+sys.path[:] = [p for p in sys.path if "peers/rlinf" not in p.replace(os.sep, "/")]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

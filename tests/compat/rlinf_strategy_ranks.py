@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 
 # The PyPI package, not the partial upstream copy that tests/compat/conftest.py puts first.
-sys.path[:] = [p for p in sys.path if "shared/peers" not in p.replace(os.sep, "/")]
+sys.path[:] = [p for p in sys.path if "peers/rlinf" not in p.replace(os.sep, "/")]
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -236,7 +236,7 @@ def rank_main(rank: int, port: int, root: str, formats: list[str], out: str) -> 
         import rlinf
         from rlinf.scheduler import Worker
 
-        assert "shared/peers" not in rlinf.__file__, rlinf.__file__
+        assert "peers/rlinf" not in rlinf.__file__, rlinf.__file__
         # What Worker._env_setup_before_init sets on a real worker; None without accelerator.
         Worker.torch_platform = CpuPlatform()
         Worker.torch_device_type = "cpu"
