@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -112,12 +113,30 @@ def build_model(world: int, seed: int) -> torch.nn.Module:
     return model
 
 
-def make_uploader(checkpoint_config: dict):
-    """What ROLL's CheckpointManager does, with our backends registered."""
-    uploader_registry: dict = {}
-    register(uploader_registry)
-    cfg = copy.deepcopy(checkpoint_config)
-    return uploader_registry[cfg.pop("type", "file_system")](**cfg)
+class Manager:
+    """What ROLL's CheckpointManager does, with our backends registered: build the
+    uploader from ``checkpoint_config``; ``upload`` hands it a worker's directory, then
+    deletes that directory unless ``keep_local_file`` (ROLL's manager owns the local
+    copy; its uploaders never delete it)."""
+
+    def __init__(self, checkpoint_config: dict) -> None:
+        uploader_registry: dict = {}
+        register(uploader_registry)
+        cfg = copy.deepcopy(checkpoint_config)
+        self.uploader = uploader_registry[cfg.pop("type", "file_system")](**cfg)
+        self.keep_local_file = bool(checkpoint_config.get("keep_local_file", False))
+
+    def upload(self, ckpt_id: str, local_state_path: str) -> None:
+        self.uploader.upload(ckpt_id=ckpt_id, local_state_path=local_state_path)
+        if not self.keep_local_file:
+            shutil.rmtree(local_state_path, ignore_errors=True)
+
+    def __getattr__(self, name: str):  # get_latest_ckpt, wait: the uploader's
+        return getattr(self.uploader, name)
+
+
+def make_uploader(checkpoint_config: dict) -> Manager:
+    return Manager(checkpoint_config)
 
 
 def resume_dir(resume, uploader, rank: int, world: int) -> Path | None:
