@@ -52,20 +52,27 @@ def forks():
     return ctx
 
 
+def _in_child(name: str, *args: object) -> None:
+    """Run ``framework_workers.<name>`` in a forked child. The workers module is never
+    imported here: it activates cloudckpt and drops the peers' RLinf from sys.path,
+    which the other compat tests of this process need."""
+    import framework_workers
+
+    getattr(framework_workers, name)(*args)
+
+
 def _count(log: str, kind: str) -> int:
     return sum(k == kind for k, _ in read_events(log))
 
 
 def _trial(forks, framework: str, root: str, opts: dict, env: dict, log: str,
            rng: random.Random, window: float) -> list[str]:
-    import framework_workers as fw
-
     # At full scale the kill lands anywhere from the start; a short run waits for one
     # acknowledged save first, so that its one trial always checks a resume.
     kind = "ready" if FULL else "commit"
     seen = _count(log, kind)
-    proc = forks.Process(target=getattr(fw, f"{framework}_ops"),
-                         args=(root, opts, env, log, rng.randrange(2**31)))
+    proc = forks.Process(target=_in_child,
+                         args=(f"{framework}_ops", root, opts, env, log, rng.randrange(2**31)))
     proc.start()
     deadline = time.monotonic() + 120
     while _count(log, kind) == seen:
@@ -83,9 +90,7 @@ def _trial(forks, framework: str, root: str, opts: dict, env: dict, log: str,
 
 
 def _check(forks, framework: str, root: str, opts: dict, env: dict, out: str) -> dict:
-    import framework_workers as fw
-
-    proc = forks.Process(target=getattr(fw, f"{framework}_check"), args=(root, opts, env, out))
+    proc = forks.Process(target=_in_child, args=(f"{framework}_check", root, opts, env, out))
     proc.start()
     proc.join(240)
     if proc.exitcode != 0:
