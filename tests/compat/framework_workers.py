@@ -221,7 +221,7 @@ def areal_check(root: str, opts: dict[str, Any], env: dict[str, str], out: str) 
     """The bound RecoverHandler's ``load`` into a fresh engine."""
     os.environ.update(env)
     _init_gloo()
-    report: dict[str, Any] = {"visible": [], "latest": None, "problems": []}
+    report: dict[str, Any] = {"visible": [], "latest": None, "slot": None, "problems": []}
     engine = _areal_engine(10_000)
     info = _areal_handler(root, opts).load(dict(default=engine), None, None, None, None)
     if info is not None:

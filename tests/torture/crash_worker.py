@@ -211,6 +211,38 @@ def dcp_rank(rank: int, world: int, port: int, root: str, opts: dict[str, Any], 
     _guard(events, run)
 
 
+# ----------------------------------------------------------------- judging
+
+
+def steps(events: list[tuple[str, str]], kind: str) -> set[int]:
+    return {int(v) for k, v in events if k == kind}
+
+
+def judge(scenario: str, events: list[tuple[str, str]], report: dict[str, Any]) -> list[str]:
+    """Compare what a reader sees with what the workload acknowledged."""
+    problems = list(report["problems"])
+    if scenario in ("commits", "gc", "dcp", "async"):
+        acked, started = steps(events, "commit"), steps(events, "start")
+        delete_started, deleted = steps(events, "start-delete"), steps(events, "delete")
+        visible = {int(s) for s in report["visible"]}
+        must = acked - delete_started
+        may = started - deleted
+        if not must <= visible:
+            problems.append(f"acknowledged saves lost: {sorted(must - visible)}")
+        if not visible <= may:
+            problems.append(f"visible checkpoints never saved or deleted: {sorted(visible - may)}")
+        if visible and report["latest"] != max(visible):
+            problems.append(f"resume loads step {report['latest']}, newest is {max(visible)}")
+    if scenario in ("slot", "gc"):
+        kind = ("commit", "start") if scenario == "slot" else ("slot", "start-slot")
+        acked, started = steps(events, kind[0]), steps(events, kind[1])
+        last = max(acked, default=None)
+        allowed = {last} | {s for s in started if last is None or s > last}
+        if report["slot"] not in allowed:
+            problems.append(f"slot holds step {report['slot']}, expected one of {allowed}")
+    return problems
+
+
 # ------------------------------------------------------------------ checks
 
 

@@ -116,39 +116,10 @@ def _fresh_check(forks: Any, scenario: str, root: str, opts: dict[str, Any],
         return json.load(f)
 
 
-def _steps(events: list[tuple[str, str]], kind: str) -> set[int]:
-    return {int(v) for k, v in events if k == kind}
-
-
-def _judge(scenario: str, events: list[tuple[str, str]], report: dict[str, Any]) -> list[str]:
-    """Compare what a reader sees with what the workload acknowledged."""
-    problems = list(report["problems"])
-    if scenario in ("commits", "gc", "dcp", "async"):
-        acked, started = _steps(events, "commit"), _steps(events, "start")
-        delete_started, deleted = _steps(events, "start-delete"), _steps(events, "delete")
-        visible = {int(s) for s in report["visible"]}
-        must = acked - delete_started
-        may = started - deleted
-        if not must <= visible:
-            problems.append(f"acknowledged saves lost: {sorted(must - visible)}")
-        if not visible <= may:
-            problems.append(f"visible checkpoints never saved or deleted: {sorted(visible - may)}")
-        if visible and report["latest"] != max(visible):
-            problems.append(f"resume loads step {report['latest']}, newest is {max(visible)}")
-    if scenario in ("slot", "gc"):
-        kind = ("commit", "start") if scenario == "slot" else ("slot", "start-slot")
-        acked, started = _steps(events, kind[0]), _steps(events, kind[1])
-        last = max(acked, default=None)
-        allowed = {last} | {s for s in started if last is None or s > last}
-        if report["slot"] not in allowed:
-            problems.append(f"slot holds step {report['slot']}, expected one of {allowed}")
-    return problems
-
-
 def _mid_operation(scenario: str, events: list[tuple[str, str]]) -> bool:
     """Whether the kill landed while a save, delete or gc was running."""
     if scenario == "async":  # the upload runs in the background until the next save
-        return max(_steps(events, "start"), default=0) > max(_steps(events, "commit"),
+        return max(cw.steps(events, "start"), default=0) > max(cw.steps(events, "commit"),
                                                              default=0)
     kinds = [k for k, _ in events if k not in ("ready", "error")]
     return bool(kinds) and kinds[-1].startswith("start")
@@ -172,9 +143,9 @@ def test_crash_torture(scenario, forks, request, tmp_path, record):
         problems = _run_trial(forks, scenario, root, opts, log, rng, window)
         events = cw.read_events(log)
         tally.mid_operation += _mid_operation(scenario, events)
-        tally.acked += len(_steps(events, "commit")) if scenario == "async" else 0
+        tally.acked += len(cw.steps(events, "commit")) if scenario == "async" else 0
         report = _fresh_check(forks, scenario, root, opts, str(tmp_path / "report.json"))
-        problems += _judge(scenario, events, report)
+        problems += cw.judge(scenario, events, report)
         tally.trials += 1
         tally.kills += 1
         tally.backends[name] += 1
