@@ -10,13 +10,11 @@ previous kill. A few trials in ``make compat``; at full scale (``make torture``,
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import random
 import signal
 import sys
 import time
-from multiprocessing import forkserver
 from pathlib import Path
 
 import pytest
@@ -26,7 +24,7 @@ TORTURE = HERE.parent / "torture"
 sys.path.insert(0, str(TORTURE))
 
 from crash_worker import judge, read_events  # noqa: E402
-from knobs import FULL, scale  # noqa: E402
+from knobs import FULL, scale, start_forkserver  # noqa: E402
 
 ROLL_SRC = HERE.parents[2] / "shared" / "peers" / "roll" / "src"
 
@@ -37,19 +35,8 @@ SCENARIOS = {"roll": (1, 110, 3.0), "rlinf": (1, 110, 6.0), "areal": (1, 110, 4.
 @pytest.fixture(scope="module")
 def forks():
     """A forkserver that imported the frameworks once, with cloudckpt activated."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["framework_workers"])
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(HERE), str(TORTURE), str(HERE.parent), str(ROLL_SRC), *([saved] if saved else [])])
-    try:
-        forkserver.ensure_running()
-    finally:
-        if saved is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = saved
-    return ctx
+    return start_forkserver(["framework_workers"],
+                            [str(HERE), str(TORTURE), str(HERE.parent), str(ROLL_SRC)])
 
 
 def _in_child(name: str, *args: object) -> None:

@@ -12,16 +12,14 @@ is also written there as JSON (``docs/reliability.md`` quotes it).
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from multiprocessing import forkserver
 from typing import Any
 
 import pytest
-from knobs import FULL
+from knobs import FULL, start_forkserver
 
 
 @dataclass
@@ -48,22 +46,8 @@ PRELOAD = ["crash_worker", "race_worker", "cloudckpt.storage.s3", "cloudckpt.sto
 def forks() -> Any:
     """A multiprocessing context whose processes fork from a server that imported
     torch and cloudckpt once: a worker starts in milliseconds, not seconds."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    # Python < 3.12 imports the preload list before it applies our sys.path (and
-    # ignores failures): give the server the test directories through PYTHONPATH.
     here = os.path.dirname(__file__)
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [here, os.path.dirname(here), *([saved] if saved else [])])
-    try:
-        forkserver.ensure_running()
-    finally:
-        if saved is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = saved
-    return ctx
+    return start_forkserver(PRELOAD, [here, os.path.dirname(here)])
 
 
 @pytest.fixture
