@@ -1,5 +1,5 @@
-"""How big the torture suite runs: small in the regular test run, full under
-``make torture`` (``CLOUDCKPT_TORTURE=full``)."""
+"""How big the torture suite runs (small in the regular test run, full under
+``make torture``, ``CLOUDCKPT_TORTURE=full``), and the forkserver its workers fork from."""
 
 from __future__ import annotations
 
