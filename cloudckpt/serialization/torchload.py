@@ -10,6 +10,8 @@ from __future__ import annotations
 import io
 import re
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -34,6 +36,33 @@ def safe_torch_load(f: Any, source: str) -> Any:
         raise CorruptCheckpointError(
             f"{source} cannot be loaded safely ({refusal(exc)}); checkpoints must hold only "
             "tensors and plain data", {source: "unsafe or malformed"}) from None
+
+
+def _numpy_globals() -> list[Any]:
+    import numpy as np
+
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
+    return [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+@contextmanager
+def numpy_rng_allowed() -> Iterator[None]:
+    """Let :func:`safe_torch_load` (and DCP's loads) read a numpy RNG state: the tuple
+    ``np.random.get_state()`` returns, holding a ``uint32`` ndarray, which frameworks
+    keep in their checkpoints' ``rng``. Only numpy's array reconstruction is allowed
+    (no other callable), so loading still executes no code from the checkpoint."""
+    with torch.serialization.safe_globals(_numpy_globals()):
+        yield
+
+
+def torch_bytes(obj: Any) -> bytes:
+    """``obj`` as ``torch.save`` writes it, in memory."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
 
 
 def load_storage_bytes(data: bytes) -> Any:

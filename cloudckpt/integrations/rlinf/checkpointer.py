@@ -14,7 +14,7 @@ from cloudckpt.core.manifest import MANIFEST_NAME
 from cloudckpt.core.retention import Managed, apply_retention
 from cloudckpt.errors import CommitConflictError, ConfigError
 from cloudckpt.integrations.rlinf.config import RunnerConfig, should_save
-from cloudckpt.integrations.rlinf.fsdp import fsdp_parts, numpy_rng_allowed, torch_bytes
+from cloudckpt.integrations.rlinf.fsdp import fsdp_parts
 from cloudckpt.integrations.rlinf.layout import (
     _STEP_RE,
     ACTOR,
@@ -33,6 +33,7 @@ from cloudckpt.integrations.rlinf.resume import (
 )
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.runtime.state import resolve_stateful
+from cloudckpt.serialization.torchload import numpy_rng_allowed, torch_bytes
 from cloudckpt.storage import open_store
 from cloudckpt.training import multipart
 

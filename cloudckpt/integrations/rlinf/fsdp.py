@@ -9,10 +9,8 @@ module builds exactly that.
 
 from __future__ import annotations
 
-import io
 import random
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +18,7 @@ from cloudckpt.core.checkpoint import CheckpointWriter
 from cloudckpt.errors import ConfigError
 from cloudckpt.integrations.rlinf.layout import DCP_DIR, FSDP_VERSIONS, FULL_WEIGHTS, ROOT_KEY
 from cloudckpt.runtime import coordination as coord
+from cloudckpt.serialization.torchload import numpy_rng_allowed, torch_bytes
 from cloudckpt.storage import Store
 
 
@@ -135,32 +134,7 @@ def full_weights(model_state: Mapping[str, Any], *, rank: int) -> bytes | None:
                               "for full_weights.pt; pass save_full_model_weights=False")
         if rank == 0:
             full[key] = value.detach().cpu()
-    if rank != 0:
-        return None
-    buf = io.BytesIO()
-    torch.save(full, buf)
-    return buf.getvalue()
-
-
-def _numpy_globals() -> list[Any]:
-    import numpy as np
-
-    try:
-        from numpy._core.multiarray import _reconstruct
-    except ImportError:  # numpy < 2
-        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
-    return [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-
-
-@contextmanager
-def numpy_rng_allowed() -> Iterator[None]:
-    """Let ``torch.load(weights_only=True)`` read RLinf's ``rng.numpy`` item: a tuple
-    holding a ``uint32`` ndarray. Only numpy's array reconstruction is allowed (no
-    other callable), so loading still executes no code from the checkpoint."""
-    import torch
-
-    with torch.serialization.safe_globals(_numpy_globals()):
-        yield
+    return torch_bytes(full) if rank == 0 else None
 
 
 def model_part(state: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -168,15 +142,6 @@ def model_part(state: Mapping[str, Any]) -> Mapping[str, Any] | None:
     inner = state.get(ROOT_KEY)
     model = inner.get("model") if isinstance(inner, Mapping) else None
     return model if isinstance(model, Mapping) else None
-
-
-def torch_bytes(obj: Any) -> bytes:
-    """``obj`` as ``torch.save`` writes it, in memory."""
-    import torch
-
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
 
 
 @dataclass

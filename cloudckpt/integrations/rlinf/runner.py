@@ -15,7 +15,6 @@ from typing import Any
 
 from cloudckpt.core.checkpoint import Checkpoint
 from cloudckpt.integrations.rlinf.checkpointer import read_data_state
-from cloudckpt.integrations.rlinf.fsdp import torch_bytes
 from cloudckpt.integrations.rlinf.layout import (
     ACTOR,
     CRITIC,
@@ -26,6 +25,7 @@ from cloudckpt.integrations.rlinf.layout import (
     step_name,
 )
 from cloudckpt.integrations.rlinf.resume import open_rlinf_checkpoint, resolve_resume_dir
+from cloudckpt.serialization.torchload import torch_bytes
 from cloudckpt.storage import is_remote, open_store
 from cloudckpt.training import multipart
 

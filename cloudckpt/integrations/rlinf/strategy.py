@@ -18,11 +18,7 @@ from typing import Any
 
 from cloudckpt.core.checkpoint import Checkpoint, open_checkpoint
 from cloudckpt.errors import ConfigError, CorruptCheckpointError
-from cloudckpt.integrations.rlinf.fsdp import (
-    fsdp_parts,
-    numpy_rng_allowed,
-    torch_bytes,
-)
+from cloudckpt.integrations.rlinf.fsdp import fsdp_parts
 from cloudckpt.integrations.rlinf.layout import (
     DCP_DIR,
     LOCAL_SHARD,
@@ -32,6 +28,7 @@ from cloudckpt.integrations.rlinf.layout import (
 )
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.runtime.state import resolve_stateful
+from cloudckpt.serialization.torchload import numpy_rng_allowed, torch_bytes
 from cloudckpt.storage import open_store
 from cloudckpt.training import multipart
 
