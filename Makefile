@@ -28,14 +28,15 @@ lint: setup
 test: lint
 	$(PY) -m pytest -q --ignore=tests/compat
 
-# The frameworks' own code driving cloudckpt: AReaL and RLinf from PyPI (--no-deps: they
+# The frameworks' own code driving cloudckpt: AReaL, RLinf and verl from PyPI (--no-deps: they
 # declare GPU stacks and older torch; tests/compat/requirements.txt has what their
 # checkpoint, trainer and strategy modules import), ROLL's and RLinf's upstream code
 # from ../shared/peers. The torch pin is repeated so that nothing replaces it.
 AREAL_PIN ?= areal==1.0.4
 RLINF_PIN ?= rlinf==0.3.0
+VERL_PIN ?= verl==0.9.1
 $(VENV)/.compat: $(VENV)/.installed tests/compat/requirements.txt
-	$(PY) -m pip install -q --no-deps "$(AREAL_PIN)" "$(RLINF_PIN)"
+	$(PY) -m pip install -q --no-deps "$(AREAL_PIN)" "$(RLINF_PIN)" "$(VERL_PIN)"
 	$(PY) -m pip install -q "$(TORCH_PIN)" -r tests/compat/requirements.txt
 	touch $@
 

@@ -1,6 +1,6 @@
 """The compatibility suite: the frameworks' own classes drive cloudckpt.
 
-AReaL comes from PyPI (``make compat`` installs it); ROLL's and RLinf's upstream
+AReaL and verl come from PyPI (``make compat`` installs them); ROLL's and RLinf's upstream
 checkpoint code is read from ``../shared/peers/*/src``, put first on ``sys.path`` here.
 A missing piece fails the run with what to do; nothing is skipped.
 """
@@ -22,9 +22,10 @@ def _require() -> None:
     if missing:
         raise pytest.UsageError(f"the frameworks' code is missing: {missing} "
                                 "(expected ../shared/peers beside the project)")
-    if importlib.util.find_spec("areal") is None:
-        raise pytest.UsageError("AReaL is not installed: run `make compat`, which installs "
-                                "areal==1.0.4 and tests/compat/requirements.txt")
+    for name, pin in (("areal", "areal==1.0.4"), ("verl", "verl==0.9.1")):
+        if importlib.util.find_spec(name) is None:
+            raise pytest.UsageError(f"{name} is not installed: run `make compat`, which "
+                                    f"installs {pin} and tests/compat/requirements.txt")
 
 
 _require()

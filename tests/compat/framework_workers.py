@@ -10,7 +10,11 @@ code, bound, without paying for the imports:
 - ``rlinf_ops``: RLinf's ``ReasoningRunner._save_checkpoint`` (bound) with RLinf's
   FSDP2 strategy on one gloo rank commits ``global_step_N``;
 - ``areal_ops``: the ``RecoverHandler`` AReaL's ``sft_trainer`` module names (bound:
-  cloudckpt's for a bucket) dumps AReaL's FSDPEngine state of step N.
+  cloudckpt's for a bucket) dumps AReaL's FSDPEngine state of step N;
+- ``verl_ops``: verl's ``RayPPOTrainer._save_checkpoint`` (bound) with verl's
+  ``FSDPCheckpointManager`` (FSDP2, one gloo rank) commits ``global_step_N``; it can
+  also kill itself at a chosen point of step K (mid-upload, before the commit, between
+  the commit and the tracker).
 
 Each workload resumes from what the last kill left, as a relaunch would, and logs
 ``start N`` / ``commit N`` (crash_worker's event log) around each save; the state of
@@ -33,7 +37,7 @@ import torch  # noqa: E402
 
 from cloudckpt import activation  # noqa: E402
 
-activation.activate(["areal", "roll", "rlinf"])
+activation.activate(["areal", "roll", "rlinf", "verl"])
 
 import areal.trainer  # noqa: E402,F401 - binds the trainers' Saver/RecoverHandler
 import areal_parts  # noqa: E402
@@ -42,6 +46,9 @@ import rlinf.runners.reasoning_runner  # noqa: E402,F401 - binds the runner
 import rlinf_runner_driver as rd  # noqa: E402
 import rlinf_strategy_ranks as rs  # noqa: E402
 import roll.utils.checkpoint_manager as roll_cm  # noqa: E402 - binds the registries
+import verl.trainer.ppo.ray_trainer as verl_trainer  # noqa: E402 - binds the trainer
+import verl.utils.checkpoint.fsdp_checkpoint_manager  # noqa: E402,F401 - binds the manager
+import verl_parts  # noqa: E402
 from areal.api.cli_args import RecoverConfig  # noqa: E402
 from areal.api.io_struct import StepInfo  # noqa: E402
 from areal.trainer import sft_trainer  # noqa: E402
@@ -230,4 +237,143 @@ def areal_check(root: str, opts: dict[str, Any], env: dict[str, str], out: str) 
         want = _areal_engine(step).model.state_dict()
         if any(not torch.equal(t, want[k]) for k, t in engine.model.state_dict().items()):
             report["problems"].append(f"the dump of step {step} loaded another model")
+    Path(out).write_text(json.dumps(report))
+
+
+# --------------------------------------------------------------------- verl
+
+VERL_BATCHES = 4096  # dataloader items (batch 1): no epoch boundary within a torture run
+
+
+class VerlGroup:
+    """The worker group verl's trainer calls (``RayWorkerGroup``, ONE_TO_ALL), here one
+    worker in this process: verl's ``TrainingWorker`` checkpoint calls on its manager."""
+
+    world_size = 1
+
+    def __init__(self, trainable: Any) -> None:
+        self.trainable = trainable
+
+    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None):
+        return self.trainable.manager.save_checkpoint(
+            local_path=local_path, hdfs_path=hdfs_path, global_step=global_step,
+            max_ckpt_to_keep=max_ckpt_to_keep)
+
+    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False):
+        return self.trainable.manager.load_checkpoint(
+            local_path=local_path, hdfs_path=hdfs_path, del_local_after_load=del_local_after_load)
+
+
+def verl_trainer_for(root: str, step: int, *, async_save: bool = False) -> Any:
+    """verl's trainer (``__init__`` not run: it starts rollout servers) at step ``step``:
+    its actor's state and its dataloader's position are functions of ``step``."""
+    from omegaconf import OmegaConf
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    _init_gloo()
+    trainable = verl_parts.Trainable({})
+    if step:
+        trainable.train(1, step)
+    t = verl_trainer.RayPPOTrainer.__new__(verl_trainer.RayPPOTrainer)
+    t.config = OmegaConf.create({
+        "trainer": {"default_local_dir": root, "default_hdfs_dir": None, "resume_mode": "auto",
+                    "resume_from_path": None, "max_actor_ckpt_to_keep": None,
+                    "max_critic_ckpt_to_keep": None, "del_local_ckpt_after_load": False},
+        "actor_rollout_ref": {"actor": {"checkpoint": {"async_save": async_save}}}})
+    t.global_steps = step
+    t.actor_rollout_wg, t.use_critic, t.critic_wg = VerlGroup(trainable), False, None
+    t.train_dataloader = StatefulDataLoader(list(range(VERL_BATCHES)), batch_size=1)
+    it = iter(t.train_dataloader)
+    for _ in range(step % VERL_BATCHES):
+        next(it)
+    t.trainable = trainable
+    return t
+
+
+def _kill_at(point: str, step: int, current: list[int]) -> None:
+    """SIGKILL this process at ``point`` of step ``step``: ``upload`` (after the first
+    file of the actor's part went up), ``commit`` (every file up, before the step's
+    commit) or ``tracker`` (after the commit, before the tracker)."""
+    import signal
+
+    from cloudckpt.core.checkpoint import CheckpointWriter
+    from cloudckpt.integrations.verl import trainer as vt
+    from cloudckpt.training import staging
+
+    def die() -> None:
+        if current[0] == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    if point == "upload":
+        own_send = staging._send
+
+        def send(store, root, rel):
+            info = own_send(store, root, rel)
+            die()
+            return info
+        staging._send = send
+    elif point == "commit":
+        own_commit = CheckpointWriter.commit
+
+        def commit(self, *a, **kw):
+            if self.kind == "verl":
+                die()
+            return own_commit(self, *a, **kw)
+        CheckpointWriter.commit = commit
+    elif point == "tracker":
+        own_tracker = vt._write_tracker
+
+        def tracker(*a, **kw):
+            die()
+            return own_tracker(*a, **kw)
+        vt._write_tracker = tracker
+
+
+def verl_ops(root: str, opts: dict[str, Any], env: dict[str, str], log: str, seed: int,
+             kill: str | None = None, kill_step: int = 0, async_save: bool = False) -> None:
+    os.environ.update(env)  # the bound framework code takes credentials from there
+    events = Events(log)
+    current = [0]
+    if kill:
+        _kill_at(kill, kill_step, current)
+
+    def run() -> None:
+        step = max(_committed_steps(root, opts, "global_step_"), default=0) + 1
+        events.say("ready")
+        while True:
+            current[0] = step
+            events.say("start", step)
+            verl_trainer_for(root, step, async_save=async_save)._save_checkpoint()
+            events.say("commit", step)
+            step += 1
+
+    _guard(events, run)
+
+
+def verl_check(root: str, opts: dict[str, Any], env: dict[str, str], out: str) -> None:
+    """verl's own ``_load_checkpoint`` (bound; ``resume_mode: auto``) into a fresh
+    trainer; the tracker as it stands."""
+    from cloudckpt.storage import open_store
+
+    os.environ.update(env)
+    fresh = verl_trainer_for(root, 0)
+    fresh.global_steps = 0
+    report: dict[str, Any] = {"visible": _committed_steps(root, opts, "global_step_"),
+                              "latest": None, "problems": [], "tracker": None}
+    store = open_store(root, opts)
+    if store.exists("latest_checkpointed_iteration.txt"):
+        report["tracker"] = int(store.get("latest_checkpointed_iteration.txt"))
+    fresh._load_checkpoint()
+    if fresh.global_steps:
+        step = report["latest"] = fresh.global_steps
+        loaded = fresh.trainable.digests()  # before `want` reseeds the RNGs
+        want = verl_trainer_for(root, step)
+        if loaded != want.trainable.digests():
+            report["problems"].append(f"step {step} loaded another model, optimizer or RNG")
+        drawn = next(iter(fresh.train_dataloader)).tolist()
+        if drawn != [step % VERL_BATCHES]:  # batches of 1, in order: step N drew N of them
+            report["problems"].append(f"step {step}'s dataloader draws {drawn} next")
+    if report["tracker"] is not None and report["tracker"] not in report["visible"]:
+        report["problems"].append(f"the tracker names step {report['tracker']}, which is "
+                                  "not committed")
     Path(out).write_text(json.dumps(report))

@@ -1,10 +1,12 @@
 """Crash torture through the frameworks' own save paths under activation: ROLL's parts,
-RLinf's step, AReaL's recover dump (framework_workers.py), each SIGKILLed at a random
-instant, then checked from a fresh process with the framework's own resume: every
+RLinf's step, AReaL's recover dump, verl's step (framework_workers.py), each SIGKILLed
+at a random instant, then checked from a fresh process with the framework's own resume: every
 acknowledged save is visible, nothing unsaved is, and the resume loads the newest
 committed state, bit-exact. Trials reuse the root, so each also resumes after the
 previous kill. A few trials in ``make compat``; at full scale (``make torture``,
-``CLOUDCKPT_TORTURE=full``) at least 100 per framework.
+``CLOUDCKPT_TORTURE=full``) at least 100 per framework. verl's save is also killed at
+chosen points of a step: mid-upload, before its commit, between the commit and the
+tracker.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from knobs import FULL, scale, start_forkserver  # noqa: E402
 ROLL_SRC = HERE.parents[2] / "shared" / "peers" / "roll" / "src"
 
 # framework -> (trials in make compat, under make torture, kill window in s: a few saves)
-SCENARIOS = {"roll": (1, 110, 3.0), "rlinf": (1, 110, 6.0), "areal": (1, 110, 4.0)}
+SCENARIOS = {"roll": (1, 110, 3.0), "rlinf": (1, 110, 6.0), "areal": (1, 110, 4.0),
+             "verl": (1, 110, 4.0)}
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +90,9 @@ def _check(forks, framework: str, root: str, opts: dict, env: dict, out: str) ->
     return json.loads(Path(out).read_text())
 
 
-#: Judged as the crash torture judges its own workloads: ROLL's and RLinf's as
+#: Judged as the crash torture judges its own workloads: ROLL's, RLinf's and verl's as
 #: immutable commits (nothing deleted), AReaL's recover dump as a slot.
-JUDGED_AS = {"roll": "commits", "rlinf": "commits", "areal": "slot"}
+JUDGED_AS = {"roll": "commits", "rlinf": "commits", "areal": "slot", "verl": "commits"}
 
 
 @pytest.mark.parametrize("framework", list(SCENARIOS))
@@ -122,3 +125,31 @@ def test_framework_crash_torture(framework, forks, s3, tmp_path):
     assert acked >= 1, "no save was ever acknowledged: the kills landed too early"
     if FULL:
         assert mid_save >= trials // 4, row  # the kills landed inside saves too
+
+
+@pytest.mark.parametrize(("point", "async_save"), [("upload", False), ("upload", True),
+                                                   ("commit", False), ("tracker", False)])
+def test_verl_killed_inside_a_step_resumes_the_newest_committed_one(point, async_save, forks,
+                                                                    s3, tmp_path):
+    """verl's save of step 3 killed mid-upload (with verl's ``async_save`` too, which on
+    FSDP only makes verl skip its tracker), after its last file, or after its commit:
+    the tracker is never ahead of a commit, and ``resume_mode: auto`` loads the newest
+    committed step bit-exact (model, optimizer, scheduler, RNG, dataloader)."""
+    opts = json.loads(s3.options_json())
+    root, log = s3.uri("verl-kill"), str(tmp_path / "events.log")
+    proc = forks.Process(target=_in_child,
+                         args=("verl_ops", root, opts, s3.env, log, 0, point, 3, async_save))
+    proc.start()
+    proc.join(300)
+    if proc.exitcode is None:
+        proc.kill()
+    assert proc.exitcode == -signal.SIGKILL, read_events(log)[-3:]
+    events = read_events(log)
+    assert [v for k, v in events if k == "commit"] == ["1", "2"]
+    assert not [v for k, v in events if k == "error"]
+    report = _check(forks, "verl", root, opts, s3.env, str(tmp_path / "report.json"))
+    assert not report["problems"], report
+    committed = [1, 2, 3] if point == "tracker" else [1, 2]
+    assert report["visible"] == committed
+    assert report["latest"] == committed[-1]
+    assert report["tracker"] == 2  # written after step 2's commit; step 3's never

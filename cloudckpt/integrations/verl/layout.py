@@ -1,0 +1,62 @@
+"""verl's names: the ``global_step_N/`` layout of ``trainer.default_local_dir``, its
+role directories, each rank's files and the tracker (verl 0.9.1,
+``verl/trainer/ppo/ray_trainer.py`` and ``verl/utils/checkpoint/``)."""
+
+from __future__ import annotations
+
+import re
+
+from cloudckpt.errors import ConfigError
+
+#: A committed step: the roles' parts and ``data.pt``.
+KIND = "verl"
+#: One role's part (``actor/``, ``critic/``), committed by that role's workers.
+ROLE_KIND = "verl-role"
+STEP_PREFIX = "global_step_"
+ACTOR = "actor"
+CRITIC = "critic"
+#: The driver's dataloader state, at the step's root.
+DATA = "data.pt"
+#: verl's tracker at the root: the number of the newest step, as text.
+TRACKER = "latest_checkpointed_iteration.txt"
+#: Each rank's files in a role directory (``FSDPCheckpointManager``).
+RANK_FILES = {"model": "model_world_size_{world}_rank_{rank}.pt",
+              "optimizer": "optim_world_size_{world}_rank_{rank}.pt",
+              "extra": "extra_state_world_size_{world}_rank_{rank}.pt"}
+_RANK_FILE_RE = re.compile(r"^(?:model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
+STEP_RE = re.compile(rf"^{STEP_PREFIX}(\d+)$")
+
+
+def step_name(step: int) -> str:
+    return f"{STEP_PREFIX}{int(step)}"
+
+
+def rank_file(content: str, world: int, rank: int) -> str:
+    """The file of ``content`` (``model``, ``optimizer``, ``extra``) of one rank."""
+    return RANK_FILES[content].format(world=world, rank=rank)
+
+
+def rank_file_world(name: str) -> int | None:
+    """The world size a rank file was saved by, from its name (None: not one)."""
+    m = _RANK_FILE_RE.match(name.rpartition("/")[2])
+    return int(m.group(1)) if m else None
+
+
+def parse_step(uri: str) -> int:
+    """The step of ``.../global_step_N`` (a trailing slash is fine).
+
+    verl takes ``int(path.split("global_step_")[-1])``; the same names parse here,
+    anything else is refused by name instead of a bare ``ValueError``."""
+    name = str(uri).rstrip("/").rpartition("/")[2]
+    m = STEP_RE.match(name)
+    if not m:
+        raise ConfigError(f"{uri!r} does not end in {STEP_PREFIX}<N>: verl takes the resumed "
+                          "step from that name (trainer.resume_from_path must name a step)")
+    return int(m.group(1))
+
+
+def step_of_role(uri: str) -> int | None:
+    """The step of ``.../global_step_N/<role>`` (None when not named so)."""
+    parent = str(uri).rstrip("/").rpartition("/")[0].rpartition("/")[2]
+    m = STEP_RE.match(parent)
+    return int(m.group(1)) if m else None

@@ -1,0 +1,19 @@
+"""verl, as the core sees it: its kinds and its parts. Plain data: importing it loads
+no torch."""
+
+from cloudckpt.core.plugins import Binding, Framework
+from cloudckpt.integrations.verl.layout import ACTOR, CRITIC, KIND, ROLE_KIND
+
+FRAMEWORK = Framework(
+    name="verl",
+    summary="verl runs: global_step_N checkpoints committed to a bucket, resumed from it",
+    kinds=(KIND, ROLE_KIND),
+    # A verl step commits its roles' parts below its own claim.
+    part_dirs=(ACTOR, CRITIC),
+    bindings=(Binding(module="verl.utils.checkpoint.fsdp_checkpoint_manager",
+                      bind="cloudckpt.integrations.verl.binding:bind_fsdp_manager"),
+              Binding(module="verl.trainer.ppo.ray_trainer",
+                      bind="cloudckpt.integrations.verl.binding:bind_ppo_trainer")),
+    distribution="verl",
+    tested=("0.9.1",),
+)

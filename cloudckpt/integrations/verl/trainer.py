@@ -1,0 +1,195 @@
+"""verl's PPO trainer on a bucket: what ``RayPPOTrainer._save_checkpoint`` and
+``_load_checkpoint`` do (``verl/trainer/ppo/ray_trainer.py``) when the run's root is a
+bucket URI: ``trainer.default_local_dir`` itself, or ``trainer.default_hdfs_dir``
+beside a local ``default_local_dir``.
+
+A step is one committed checkpoint ``{root}/global_step_N`` (kind ``verl``): the driver
+claims it, verl's workers commit their roles below it (``actor/``, ``critic/``:
+:mod:`.workers`), then the driver adds them and ``data.pt`` and commits. Only then is
+``latest_checkpointed_iteration.txt`` written (async or not), and then verl's
+retention runs over whole committed steps. A crash before the commit leaves no step,
+so ``resume_mode: auto`` never resumes a torn one.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from cloudckpt.core.checkpoint import Checkpoint
+from cloudckpt.core.retention import Managed, apply_retention
+from cloudckpt.errors import ConfigError
+from cloudckpt.integrations.verl.layout import ACTOR, DATA, KIND, STEP_RE, TRACKER, step_name
+from cloudckpt.integrations.verl.resume import latest_step, open_step
+from cloudckpt.integrations.verl.workers import open_role
+from cloudckpt.serialization.torchload import numpy_rng_allowed, safe_torch_load, torch_bytes
+from cloudckpt.storage import Store, is_remote, open_store
+from cloudckpt.training import multipart
+
+log = logging.getLogger("cloudckpt.verl")
+
+MODES = ("auto", "disable", "resume_path")
+
+
+def remote(path: Any) -> bool:
+    return isinstance(path, str) and is_remote(path)
+
+
+def bucket_root(trainer_config: Any) -> str | None:
+    """The run's bucket root: ``default_local_dir`` when it is a bucket URI, else
+    ``default_hdfs_dir`` when that one is; None for a local run (verl's own code)."""
+    local = trainer_config.get("default_local_dir")
+    hdfs = trainer_config.get("default_hdfs_dir")
+    if remote(local):
+        if hdfs is not None:
+            raise ConfigError(f"trainer.default_local_dir is a bucket ({local}) and "
+                              f"trainer.default_hdfs_dir is set too ({hdfs}): set one of them")
+        return str(local).rstrip("/")
+    if remote(hdfs):
+        return str(hdfs).rstrip("/")
+    return None
+
+
+def keep_last(trainer_config: Any, use_critic: bool) -> int | None:
+    """How many newest committed steps verl's counts keep: a step stays while either
+    ``max_actor_ckpt_to_keep`` or ``max_critic_ckpt_to_keep`` keeps it (None: all)."""
+    if trainer_config.get("remove_previous_ckpt_in_save", False):
+        return 1
+    counts = [trainer_config.get("max_actor_ckpt_to_keep", None)]
+    if use_critic:
+        counts.append(trainer_config.get("max_critic_ckpt_to_keep", None))
+    if any(not (isinstance(c, int) and c > 0) for c in counts):
+        return None  # a role that keeps everything keeps every step
+    return max(counts)
+
+
+def _roles(trainer: Any, critic_dir: str) -> list[tuple[str, Any]]:
+    roles = [(ACTOR, trainer.actor_rollout_wg)]
+    if trainer.use_critic:
+        roles.append((critic_dir, trainer.critic_wg))
+    return roles
+
+
+def save_step(trainer: Any, critic_dir: str) -> Checkpoint:
+    """``_save_checkpoint`` for a bucket root: verl's worker calls, in verl's order,
+    inside one committed step; then the tracker, then retention."""
+    config = trainer.config.trainer
+    root = bucket_root(config)
+    assert root is not None
+    step = int(trainer.global_steps)
+    root_store = open_store(root)
+    store = root_store.child(step_name(step))
+    roles = _roles(trainer, critic_dir)
+    local = None if remote(config.default_local_dir) else \
+        os.path.join(config.default_local_dir, step_name(step))
+    meta = {"roles": [name for name, _ in roles], "layout": "verl-fsdp"}
+    writer = multipart.claim(store, step=step, kind=KIND, metadata=meta)
+    assert writer is not None  # the driver is its own coordinator
+    try:
+        for name, group in roles:  # every worker of the role commits its part
+            uri = store.child(name).uri
+            if local is None:
+                group.save_checkpoint(uri, None, step, max_ckpt_to_keep=None)
+            else:  # verl's local copy stays complete, with its own local retention
+                group.save_checkpoint(os.path.join(local, name), uri, step,
+                                      max_ckpt_to_keep=_local_keep(config, name, critic_dir))
+        data = torch_bytes(trainer.train_dataloader.state_dict())
+        if local is not None:
+            os.makedirs(local, exist_ok=True)
+            with open(os.path.join(local, DATA), "wb") as f:
+                f.write(data)
+        for name, _ in roles:
+            writer.add_part(name)
+        writer.put(DATA, data)
+        committed = writer.commit()
+    except BaseException:
+        writer.abandon()
+        raise
+    log.info("verl step %d committed at %s", step, committed.uri)
+    _write_tracker(root_store, step, None if local is None else config.default_local_dir)
+    keep = keep_last(config, trainer.use_critic)
+    apply_retention(root_store, keep, number=Managed(KIND, STEP_RE),
+                    keep=step_name(step))
+    return committed
+
+
+def _local_keep(config: Any, role: str, critic_dir: str) -> Any:
+    """verl's count for a role's local copies (``default_local_dir``)."""
+    if config.get("remove_previous_ckpt_in_save", False):
+        return 1
+    key = "max_critic_ckpt_to_keep" if role == critic_dir else "max_actor_ckpt_to_keep"
+    return config.get(key, None)
+
+
+def _write_tracker(root: Store, step: int, local_root: str | None) -> None:
+    """verl's tracker, after the commit: never ahead of a committed step."""
+    root.put(TRACKER, str(step).encode())
+    if local_root is not None:  # verl's own, for its local copy (tmp + rename)
+        path = os.path.join(local_root, TRACKER)
+        with open(path + ".tmp", "w") as f:
+            f.write(str(step))
+        os.replace(path + ".tmp", path)
+
+
+def resolve(trainer: Any) -> str | None:
+    """The committed step ``trainer.resume_mode`` resumes (None: a fresh start)."""
+    config = trainer.config.trainer
+    mode = config.resume_mode
+    if mode not in MODES:
+        raise ConfigError(f"trainer.resume_mode is {mode!r}; verl knows {', '.join(MODES)}")
+    if mode == "disable":
+        return None
+    if mode == "resume_path":
+        path = config.get("resume_from_path")
+        if not isinstance(path, str) or "global_step_" not in path:
+            raise ConfigError(f"trainer.resume_mode is resume_path and resume_from_path is "
+                              f"{path!r}: name a step, .../global_step_<N>")
+        return open_step(path).uri
+    root = bucket_root(config)
+    if root is None:
+        return None
+    return latest_step(root)
+
+
+def load_step(trainer: Any, critic_dir: str, step_uri: str) -> None:
+    """``_load_checkpoint`` from a committed step: the step number, each role's
+    workers' own files, then ``data.pt`` into the dataloader (as verl does)."""
+    config = trainer.config.trainer
+    ckpt = open_step(step_uri)
+    trainer.global_steps = int(ckpt.store.uri.rstrip("/").rpartition("_")[2])
+    log.info("resuming verl step %d from %s", trainer.global_steps, ckpt.uri)
+    for name, group in _roles(trainer, critic_dir):
+        role = open_role(ckpt.store.child(name).uri, getattr(group, "world_size", None))
+        group.load_checkpoint(role.uri, del_local_after_load=config.del_local_ckpt_after_load)
+    _load_data(trainer, ckpt)
+
+
+def _load_data(trainer: Any, ckpt: Checkpoint) -> None:
+    if DATA not in ckpt.manifest.files:
+        log.warning("%s holds no %s: the dataloader starts from scratch", ckpt.uri, DATA)
+        return
+    per_epoch = len(trainer.train_dataloader)
+    if per_epoch > 0 and trainer.global_steps % per_epoch == 0:
+        log.info("step %d is at an epoch boundary: the dataloader starts the next epoch "
+                 "from scratch, as verl does", trainer.global_steps)
+        return
+    with numpy_rng_allowed():
+        state = safe_torch_load(io.BytesIO(ckpt.read(DATA)), f"{ckpt.uri}/{DATA}")
+    trainer.train_dataloader.load_state_dict(state)
+
+
+def load(trainer: Any, critic_dir: str, own_load: Callable[[Any], Any]) -> Any:
+    """``_load_checkpoint``: from the bucket where the run's root or the resumed path
+    is one, else verl's own."""
+    config = trainer.config.trainer
+    if bucket_root(config) is None and not (config.resume_mode == "resume_path"
+                                            and remote(config.get("resume_from_path"))):
+        return own_load(trainer)
+    uri = resolve(trainer)
+    if uri is None:
+        return 0
+    load_step(trainer, critic_dir, uri)
+    return None

@@ -1,0 +1,159 @@
+"""verl's FSDP checkpoint manager on a bucket: what ``FSDPCheckpointManager.
+save_checkpoint`` / ``load_checkpoint`` do (``verl/utils/checkpoint/
+fsdp_checkpoint_manager.py``) for a role directory that is a bucket URI.
+
+A save runs verl's own ``save_checkpoint`` into a local directory (a staging one, or
+verl's ``default_local_dir`` when the bucket is ``default_hdfs_dir``), then every
+rank of the role's workers takes part in one upload that commits the directory as
+the role's part (``.../global_step_N/actor``, kind
+:data:`~cloudckpt.integrations.verl.layout.ROLE_KIND`). A crash before that leaves
+no committed part, so nothing resumes it.
+
+A load reads only the rank's own three files, loads them with ``weights_only=True``
+(verl's own loader uses ``weights_only=False``), and applies them as verl does.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from cloudckpt.core.checkpoint import Checkpoint, open_checkpoint
+from cloudckpt.errors import ConfigError, CorruptCheckpointError, IncompleteCheckpointError
+from cloudckpt.integrations.verl.layout import ROLE_KIND, rank_file, rank_file_world, step_of_role
+from cloudckpt.runtime import coordination as coord
+from cloudckpt.serialization.torchload import numpy_rng_allowed, safe_torch_load
+from cloudckpt.training.staging import staging_dir, upload_dir
+
+log = logging.getLogger("cloudckpt.verl")
+
+def _written_since(root: str, since: float) -> set[str]:
+    """The files under ``root`` modified at or after ``since`` (this save's), as
+    relative paths: a local role directory may hold older files of another world size."""
+    base = Path(root)
+    slack = 2.0  # timestamps of some file systems are coarse
+    return {p.relative_to(base).as_posix() for p in base.rglob("*")
+            if p.is_file() and p.stat().st_mtime >= since - slack}
+
+
+def save_role(own_save: Callable[..., None], manager: Any, uri: str, global_step: int, *,
+              local_path: str | None = None, max_ckpt_to_keep: int | None = None
+              ) -> Checkpoint | None:
+    """Commit one role's save at ``uri`` (a bucket URI); call on every rank of the
+    role's workers. ``own_save`` is verl's ``save_checkpoint``: it writes the files
+    into ``local_path`` (with verl's own local retention, ``max_ckpt_to_keep``), or
+    into a staging directory when there is none. Returns the part on rank 0."""
+    uri = uri.rstrip("/")
+    step = step_of_role(uri)
+    meta = {"world_size": manager.world_size, "layout": "verl-fsdp",
+            "contents": sorted(manager.checkpoint_save_contents)}
+    options = {"step": global_step if step is None else step, "kind": ROLE_KIND,
+               "metadata": meta}
+    if local_path is None:
+        with staging_dir() as stage:
+            own_save(manager, str(stage), None, global_step, None)
+            committed = upload_dir(stage, uri, **options)
+    else:
+        started = time.time()
+        own_save(manager, local_path, None, global_step, max_ckpt_to_keep)
+        committed = upload_dir(local_path, uri, select=_written_since(local_path, started),
+                               **options)
+    if committed is not None:
+        log.info("committed verl role %s (%d files, world size %d)", committed.uri,
+                 len(committed.files), manager.world_size)
+    return committed
+
+
+def open_role(uri: str, world_size: int | None = None) -> Checkpoint:
+    """A committed role part; with ``world_size``, refused unless it was saved by as
+    many ranks (verl's per-rank files cannot be resharded)."""
+    uri = uri.rstrip("/")
+    try:
+        ckpt = open_checkpoint(uri)
+    except IncompleteCheckpointError as exc:
+        raise IncompleteCheckpointError(
+            f"{uri} is not a committed verl role part ({exc}); resume from a committed "
+            "step (resume_mode: auto finds the newest)") from exc
+    if ckpt.manifest.kind != ROLE_KIND:
+        raise CorruptCheckpointError(f"{ckpt.uri} is a {ckpt.manifest.kind!r} checkpoint, "
+                                     f"not a verl role part ({ROLE_KIND!r})")
+    saved = saved_world_size(ckpt)
+    if world_size is not None and saved != world_size:
+        raise ConfigError(
+            f"{ckpt.uri} was saved by {saved} ranks and this run has {world_size}: verl's "
+            f"per-rank files cannot be resharded; resume with {saved} ranks")
+    return ckpt
+
+
+def saved_world_size(ckpt: Checkpoint) -> int:
+    """The world size a role part was saved by (its metadata, else its file names)."""
+    world = ckpt.metadata.get("world_size")
+    if isinstance(world, int) and world > 0:
+        return world
+    worlds = {w for f in ckpt.files if (w := rank_file_world(f)) is not None}
+    if len(worlds) != 1:
+        raise CorruptCheckpointError(f"{ckpt.uri}: cannot tell the world size it was saved "
+                                     f"by (rank files of sizes {sorted(worlds)})")
+    return worlds.pop()
+
+
+def _read_state(ckpt: Checkpoint, key: str, setting: str) -> Any:
+    if key not in ckpt.manifest.files:
+        raise ConfigError(f"{ckpt.uri} has no {key}: it was saved without it; leave "
+                          f"{setting!r} out of checkpoint.load_contents to resume without it")
+    with numpy_rng_allowed():
+        return safe_torch_load(io.BytesIO(ckpt.read(key)), f"{ckpt.uri}/{key}")
+
+
+def load_role(module: ModuleType, manager: Any, uri: str) -> Checkpoint:
+    """Load this rank's files of the role part at ``uri`` into verl's manager, as its
+    ``load_checkpoint`` does (``module`` is verl's ``fsdp_checkpoint_manager``);
+    call on every rank. A failure on any rank raises on every rank."""
+
+    loaded: list[Checkpoint] = []
+    coord.each_rank(lambda: loaded.append(_load_mine(module, manager, uri)))
+    return loaded[0]
+
+
+def _load_mine(module: ModuleType, manager: Any, uri: str) -> Checkpoint:
+    ckpt = open_role(uri, manager.world_size)
+    world, rank = manager.world_size, manager.rank
+    if manager.should_load_model:
+        assert manager.model is not None, "model must be provided to load 'model'"
+    if manager.should_load_optimizer:
+        assert manager.optimizer is not None, "optimizer must be provided to load 'optimizer'"
+    offload = bool(module.is_cuda_available)
+    model_cfg = (module.ShardedStateDictConfig(offload_to_cpu=offload)
+                 if manager.should_load_model else None)
+    optim_cfg = (module.ShardedOptimStateDictConfig(offload_to_cpu=offload)
+                 if manager.should_load_optimizer else None)
+    with module.get_fsdp_state_ctx(manager.model, module.StateDictType.SHARDED_STATE_DICT,
+                                   model_cfg, optim_cfg):
+        if manager.should_load_model:
+            state = _read_state(ckpt, rank_file("model", world, rank), "model")
+            if manager.is_lora_only_state_dict(state):
+                result = manager.model.load_state_dict(state, strict=False)
+                if result is not None and result.unexpected_keys:
+                    raise ConfigError(f"{ckpt.uri}: the LoRA-only checkpoint has keys this "
+                                      f"model lacks: {result.unexpected_keys[:5]}; configure "
+                                      "the same LoRA adapters as the run that saved it")
+            else:
+                manager.model.load_state_dict(state)
+        if manager.should_load_optimizer:
+            state = _read_state(ckpt, rank_file("optimizer", world, rank), "optimizer")
+            manager.optimizer.load_state_dict(manager._backfill_optimizer_state(state))
+    if manager.should_load_extra:
+        extra = _read_state(ckpt, rank_file("extra", world, rank), "extra")
+        if "rng" in extra:
+            manager.load_rng_state(extra["rng"])
+        scheduler = extra.get("lr_scheduler")
+        if scheduler is not None and manager.lr_scheduler is not None:
+            manager.lr_scheduler.load_state_dict(scheduler)
+    log.info("rank %d loaded its verl files of %s", rank, ckpt.uri)
+    return ckpt
+

@@ -1,0 +1,131 @@
+"""verl 0.9.1's own PPO checkpoint path on a bucket, under ``cloudckpt run``: verl's
+``RayPPOTrainer._save_checkpoint``/``_load_checkpoint``, its ``RayWorkerGroup`` on a
+real local Ray, and its ``FSDPCheckpointManager`` in the workers (verl_driver.py).
+Without activation, verl runs as before."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cloudckpt import list_checkpoints, open_checkpoint
+from cloudckpt.storage import open_store
+
+HERE = Path(__file__).resolve().parent
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def trainer_config(**trainer) -> dict:
+    base = {"default_local_dir": None, "default_hdfs_dir": None, "resume_mode": "auto",
+            "resume_from_path": None, "max_actor_ckpt_to_keep": None,
+            "max_critic_ckpt_to_keep": None, "del_local_ckpt_after_load": False}
+    return {"trainer": {**base, **trainer},
+            "actor_rollout_ref": {"actor": {"checkpoint": {"async_save": False}}}}
+
+
+def run_driver(tmp_path: Path, plan: dict, env: dict, *, activate: bool = True) -> dict:
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    out = tmp_path / "out.json"
+    env = {**os.environ, **env, "RAY_DEDUP_LOGS": "0",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
+    launch = [sys.executable, str(HERE / "verl_driver.py"), str(tmp_path / "plan.json"),
+              str(out)]
+    if activate:
+        launch = [sys.executable, "-m", "cloudckpt", "run", "--", *launch]
+    r = subprocess.run(launch, env=env, cwd=tmp_path, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    seen = json.loads(out.read_text())
+    assert "error" not in seen, seen.get("traceback")
+    seen["stderr"] = r.stderr
+    return seen
+
+
+def saved_at(phase: dict, step: int) -> dict:
+    return next(s for s in phase["saved"] if s["step"] == step)
+
+
+def assert_resumed(resumed: dict, saved: dict) -> None:
+    assert "error" not in resumed, resumed.get("traceback")
+    assert resumed["global_steps"] == saved["step"]
+    assert resumed["digests"] == saved["digests"]  # model, optimizer, scheduler, RNG, per rank
+    assert resumed["next"] == saved["next"]  # the dataloader draws what it would have
+
+
+def test_ppo_steps_commit_to_s3_resume_auto_and_by_path_and_prune(s3, tmp_path):
+    config = trainer_config(default_local_dir=s3.root, max_actor_ckpt_to_keep=2)
+    plan = {"config": config, "world": 2, "phases": [
+        {"save": [1, 2, 3]},
+        {"resume": True},
+        {"resume": True, "config": {"trainer": {"resume_mode": "resume_path",
+                                                "resume_from_path": f"{s3.root}/global_step_2"}}},
+        {"resume": True, "world": 1},
+    ]}
+    seen = run_driver(tmp_path, plan, s3.env)
+    saves, auto, by_path, other_world = seen["phases"]
+    # Every process bound the integration itself, one line each.
+    for pids in saves["saved"][0]["pids"].values():
+        for pid in pids:
+            assert f"pid {pid}: verl.utils.checkpoint.fsdp_checkpoint_manager." in seen["stderr"]
+    assert "verl.trainer.ppo.ray_trainer.RayPPOTrainer._save_checkpoint" in seen["stderr"]
+
+    # verl's retention, after each commit, over whole steps: the newest two stay.
+    assert [c.name for c in list_checkpoints(s3.root, s3.options)] == \
+        ["global_step_2", "global_step_3"]
+    step = open_checkpoint(f"{s3.root}/global_step_3", s3.options)
+    step.verify(deep=True)
+    assert step.manifest.kind == "verl"
+    assert {"data.pt", "actor/model_world_size_2_rank_0.pt", "actor/model_world_size_2_rank_1.pt",
+            "actor/optim_world_size_2_rank_1.pt", "actor/extra_state_world_size_2_rank_0.pt",
+            "actor/fsdp_config.json", "actor/huggingface/config.json"} <= set(step.files)
+    assert open_store(s3.root, s3.options).get(TRACKER) == b"3"
+
+    assert_resumed(auto, saved_at(saves, 3))
+    assert auto["returned"] is None  # as verl's own _load_checkpoint after a load
+    assert_resumed(by_path, saved_at(saves, 2))
+    assert "saved by 2 ranks and this run has 1" in other_world["error"]
+    assert "cannot be resharded" in other_world["error"]
+
+
+def test_critic_and_hdfs_dir_on_gcs_keep_a_local_copy_verl_itself_resumes(gcs, tmp_path):
+    local = tmp_path / "ckpts"
+    config = trainer_config(default_local_dir=str(local), default_hdfs_dir=gcs.root,
+                            max_actor_ckpt_to_keep=1, max_critic_ckpt_to_keep=2)
+    plan = {"config": config, "world": 1, "critic": True, "phases": [
+        {"save": [1, 2, 3]},
+        {"resume": True},
+    ]}
+    seen = run_driver(tmp_path, plan, gcs.env)
+    saves, resumed = seen["phases"]
+    # A step stays while either count keeps it: the critic's 2.
+    names = [c.name for c in list_checkpoints(gcs.root, gcs.options)]
+    assert names == ["global_step_2", "global_step_3"]
+    step = open_checkpoint(f"{gcs.root}/global_step_3", gcs.options)
+    assert {"actor/model_world_size_1_rank_0.pt", "critic/model_world_size_1_rank_0.pt",
+            "data.pt"} <= set(step.files)
+    assert_resumed(resumed, saved_at(saves, 3))  # from the bucket, both roles
+    # verl's own local copy is complete too: its files, data.pt, its tracker.
+    assert (local / TRACKER).read_text() == "3"
+    assert (local / "global_step_3" / "critic" / "optim_world_size_1_rank_0.pt").is_file()
+    assert (local / "global_step_3" / "data.pt").is_file()
+
+
+@pytest.mark.parametrize("activate", [True, False])
+def test_a_local_run_is_verls_own(tmp_path, activate):
+    local = tmp_path / "ckpts"
+    config = trainer_config(default_local_dir=str(local))
+    plan = {"config": config, "world": 1, "phases": [{"save": [1, 2]}, {"resume": True}]}
+    seen = run_driver(tmp_path, plan, {}, activate=activate)
+    saves, resumed = seen["phases"]
+    assert (local / TRACKER).read_text() == "2"  # verl's own tracker and layout
+    assert sorted(p.name for p in (local / "global_step_2" / "actor").iterdir()) == [
+        "extra_state_world_size_1_rank_0.pt", "fsdp_config.json", "huggingface",
+        "model_world_size_1_rank_0.pt", "optim_world_size_1_rank_0.pt"]
+    assert not list(local.rglob("cloudckpt-manifest.json"))  # nothing of ours
+    assert_resumed(resumed, saved_at(saves, 2))
+    assert ("bound the verl integration" in seen["stderr"]) is activate
