@@ -29,6 +29,10 @@ def _require() -> None:
 
 
 _require()
+# The torture's crash workers and knobs, shared with the frameworks' crash tests.
+_torture = str(Path(__file__).resolve().parent.parent / "torture")
+if _torture not in sys.path:
+    sys.path.insert(0, _torture)
 for _name in ("rlinf", "roll"):
     _src = str(PEERS / _name / "src")
     if _src not in sys.path:

@@ -46,29 +46,19 @@ import rlinf.runners.reasoning_runner  # noqa: E402,F401 - binds the runner
 import rlinf_runner_driver as rd  # noqa: E402
 import rlinf_strategy_ranks as rs  # noqa: E402
 import roll.utils.checkpoint_manager as roll_cm  # noqa: E402 - binds the registries
-import verl.trainer.ppo.ray_trainer as verl_trainer  # noqa: E402 - binds the trainer
+import verl.trainer.ppo.ray_trainer  # noqa: E402,F401 - binds the trainer
 import verl.utils.checkpoint.fsdp_checkpoint_manager  # noqa: E402,F401 - binds the manager
-import verl_parts  # noqa: E402
 from areal.api.cli_args import RecoverConfig  # noqa: E402
 from areal.api.io_struct import StepInfo  # noqa: E402
 from areal.trainer import sft_trainer  # noqa: E402
 from crash_worker import Events, _guard, tensor_for  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
+from verl_parts import BATCHES, digests_of, init_gloo, resumed, trainer_for  # noqa: E402
 
 from cloudckpt import list_checkpoints  # noqa: E402
 from cloudckpt.training.slot import RecoverSlot  # noqa: E402
 
 TRIAL = "exp/trial"  # AReaL's trial directory below fileroot: checkpoints/{user}/...
-
-
-def _init_gloo() -> None:
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        torch.set_num_threads(1)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(rs._free_port()),
-                          RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        dist.init_process_group("gloo", rank=0, world_size=1)
 
 
 def _committed_steps(root: str, opts: dict[str, Any], prefix: str) -> list[int]:
@@ -145,7 +135,7 @@ def rlinf_ops(root: str, opts: dict[str, Any], env: dict[str, str], log: str,
     events = Events(log)
 
     def run() -> None:
-        _init_gloo()
+        init_gloo()
         step = max(_committed_steps(f"{root}/exp/checkpoints", opts, "global_step_"),
                    default=0) + 1
         events.say("ready")
@@ -163,7 +153,7 @@ def rlinf_ops(root: str, opts: dict[str, Any], env: dict[str, str], log: str,
 def rlinf_check(root: str, opts: dict[str, Any], env: dict[str, str], out: str) -> None:
     """RLinf's own ``init_workers`` with ``resume_dir: auto`` into a fresh strategy."""
     os.environ.update(env)
-    _init_gloo()
+    init_gloo()
     visible = _committed_steps(f"{root}/exp/checkpoints", opts, "global_step_")
     report: dict[str, Any] = {"visible": visible, "latest": None, "problems": []}
     fresh = _rlinf_state(10_000)
@@ -206,7 +196,7 @@ def areal_ops(root: str, opts: dict[str, Any], env: dict[str, str], log: str,
     events = Events(log)
 
     def run() -> None:
-        _init_gloo()
+        init_gloo()
         handler = _areal_handler(root, opts)
         assert type(handler).__module__.startswith("cloudckpt."), type(handler)
         info = _slot(root, opts).info()
@@ -227,7 +217,7 @@ def areal_ops(root: str, opts: dict[str, Any], env: dict[str, str], log: str,
 def areal_check(root: str, opts: dict[str, Any], env: dict[str, str], out: str) -> None:
     """The bound RecoverHandler's ``load`` into a fresh engine."""
     os.environ.update(env)
-    _init_gloo()
+    init_gloo()
     report: dict[str, Any] = {"visible": [], "latest": None, "slot": None, "problems": []}
     engine = _areal_engine(10_000)
     info = _areal_handler(root, opts).load(dict(default=engine), None, None, None, None)
@@ -241,54 +231,6 @@ def areal_check(root: str, opts: dict[str, Any], env: dict[str, str], out: str) 
 
 
 # --------------------------------------------------------------------- verl
-
-VERL_BATCHES = 4096  # dataloader items (batch 1): no epoch boundary within a torture run
-
-
-class VerlGroup:
-    """The worker group verl's trainer calls (``RayWorkerGroup``, ONE_TO_ALL), here one
-    worker in this process: verl's ``TrainingWorker`` checkpoint calls on its manager."""
-
-    world_size = 1
-
-    def __init__(self, trainable: Any) -> None:
-        self.trainable = trainable
-
-    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None):
-        return self.trainable.manager.save_checkpoint(
-            local_path=local_path, hdfs_path=hdfs_path, global_step=global_step,
-            max_ckpt_to_keep=max_ckpt_to_keep)
-
-    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False):
-        return self.trainable.manager.load_checkpoint(
-            local_path=local_path, hdfs_path=hdfs_path, del_local_after_load=del_local_after_load)
-
-
-def verl_trainer_for(root: str, step: int, *, async_save: bool = False) -> Any:
-    """verl's trainer (``__init__`` not run: it starts rollout servers) at step ``step``:
-    its actor's state and its dataloader's position are functions of ``step``."""
-    from omegaconf import OmegaConf
-    from torchdata.stateful_dataloader import StatefulDataLoader
-
-    _init_gloo()
-    trainable = verl_parts.Trainable({})
-    if step:
-        trainable.train(1, step)
-    t = verl_trainer.RayPPOTrainer.__new__(verl_trainer.RayPPOTrainer)
-    t.config = OmegaConf.create({
-        "trainer": {"default_local_dir": root, "default_hdfs_dir": None, "resume_mode": "auto",
-                    "resume_from_path": None, "max_actor_ckpt_to_keep": None,
-                    "max_critic_ckpt_to_keep": None, "del_local_ckpt_after_load": False},
-        "actor_rollout_ref": {"actor": {"checkpoint": {"async_save": async_save}}}})
-    t.global_steps = step
-    t.actor_rollout_wg, t.use_critic, t.critic_wg = VerlGroup(trainable), False, None
-    t.train_dataloader = StatefulDataLoader(list(range(VERL_BATCHES)), batch_size=1)
-    it = iter(t.train_dataloader)
-    for _ in range(step % VERL_BATCHES):
-        next(it)
-    t.trainable = trainable
-    return t
-
 
 def _kill_at(point: str, step: int, current: list[int]) -> None:
     """SIGKILL this process at ``point`` of step ``step``: ``upload`` (after the first
@@ -343,7 +285,7 @@ def verl_ops(root: str, opts: dict[str, Any], env: dict[str, str], log: str, see
         while True:
             current[0] = step
             events.say("start", step)
-            verl_trainer_for(root, step, async_save=async_save)._save_checkpoint()
+            trainer_for(root, step, async_save=async_save)._save_checkpoint()
             events.say("commit", step)
             step += 1
 
@@ -356,7 +298,7 @@ def verl_check(root: str, opts: dict[str, Any], env: dict[str, str], out: str) -
     from cloudckpt.storage import open_store
 
     os.environ.update(env)
-    fresh = verl_trainer_for(root, 0)
+    fresh = trainer_for(root, 0)
     fresh.global_steps = 0
     report: dict[str, Any] = {"visible": _committed_steps(root, opts, "global_step_"),
                               "latest": None, "problems": [], "tracker": None}
@@ -366,14 +308,61 @@ def verl_check(root: str, opts: dict[str, Any], env: dict[str, str], out: str) -
     fresh._load_checkpoint()
     if fresh.global_steps:
         step = report["latest"] = fresh.global_steps
-        loaded = fresh.trainable.digests()  # before `want` reseeds the RNGs
-        want = verl_trainer_for(root, step)
-        if loaded != want.trainable.digests():
+        loaded = digests_of(fresh)  # before `want` reseeds the RNGs
+        want = trainer_for(root, step)
+        if loaded != digests_of(want):
             report["problems"].append(f"step {step} loaded another model, optimizer or RNG")
         drawn = next(iter(fresh.train_dataloader)).tolist()
-        if drawn != [step % VERL_BATCHES]:  # batches of 1, in order: step N drew N of them
+        if drawn != [step % BATCHES]:  # batches of 1, in order: step N drew N of them
             report["problems"].append(f"step {step}'s dataloader draws {drawn} next")
     if report["tracker"] is not None and report["tracker"] not in report["visible"]:
         report["problems"].append(f"the tracker names step {report['tracker']}, which is "
                                   "not committed")
+    Path(out).write_text(json.dumps(report))
+
+
+def verl_run(out: str, env: dict[str, str], root: str, steps: list[int],
+             trainer: dict[str, Any], critic: bool = False) -> None:
+    """verl's ``_save_checkpoint`` at each of ``steps``, then its ``_load_checkpoint`` in a
+    fresh trainer (``resume_mode: auto``), against the last step's state."""
+    os.environ.update(env)
+    for step in steps:
+        trainer_for(root, step, critic=critic, **trainer)._save_checkpoint()
+    report = resumed(trainer_for(root, 0, critic=critic, **trainer),
+                          lambda: trainer_for(root, steps[-1], critic=critic, **trainer))
+    Path(out).write_text(json.dumps(report))
+
+
+def verl_roundtrip(root: str, opts: dict[str, Any], env: dict[str, str], out: str,
+                   local: str) -> None:
+    """Both directions between verl's own local layout and the bucket:
+
+    - verl's own ``_save_checkpoint`` writes step 5 on local disk; ``cloudckpt verl
+      upload`` commits it under ``root``; the bound ``_load_checkpoint`` resumes it;
+    - the bound trainer commits step 6 in the bucket; ``cloudckpt verl download``
+      brings it into a local ``default_local_dir``; verl's own ``find_latest_ckpt_path``
+      finds it and verl's own ``_load_checkpoint`` (the manager's ``torch.load``)
+      resumes it.
+    """
+    from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
+
+    from cloudckpt.cli import main
+
+    os.environ.update(env)
+    report: dict[str, Any] = {}
+
+    def resume_at(at: str, step: int) -> dict[str, Any]:
+        return resumed(trainer_for(at, 0), lambda: trainer_for(at, step))
+
+    written = Path(local, "written")
+    trainer_for(str(written), 5)._save_checkpoint()  # verl's own code: a local path
+    report["local_tracker"] = (written / "latest_checkpointed_iteration.txt").read_text()
+    report["upload_rc"] = main(["verl", "upload", str(written / "global_step_5"), root])
+    report["up"] = resume_at(root, 5)
+
+    trainer_for(root, 6)._save_checkpoint()
+    fetched = Path(local, "fetched")
+    report["download_rc"] = main(["verl", "download", f"{root}/global_step_6", str(fetched)])
+    report["found"] = find_latest_ckpt_path(str(fetched))
+    report["down"] = resume_at(str(fetched), 6)
     Path(out).write_text(json.dumps(report))

@@ -15,20 +15,13 @@ import json
 import os
 import random
 import signal
-import sys
 import time
 from pathlib import Path
 
 import pytest
-
-HERE = Path(__file__).resolve().parent
-TORTURE = HERE.parent / "torture"
-sys.path.insert(0, str(TORTURE))
-
-from crash_worker import judge, read_events  # noqa: E402
-from knobs import FULL, scale, start_forkserver  # noqa: E402
-
-ROLL_SRC = HERE.parents[2] / "shared" / "peers" / "roll" / "src"
+from crash_worker import judge, read_events  # tests/torture, on sys.path through conftest
+from forked import forkserver, in_child
+from knobs import FULL, scale
 
 # framework -> (trials in make compat, under make torture, kill window in s: a few saves)
 SCENARIOS = {"roll": (1, 110, 3.0), "rlinf": (1, 110, 6.0), "areal": (1, 110, 4.0),
@@ -38,17 +31,7 @@ SCENARIOS = {"roll": (1, 110, 3.0), "rlinf": (1, 110, 6.0), "areal": (1, 110, 4.
 @pytest.fixture(scope="module")
 def forks():
     """A forkserver that imported the frameworks once, with cloudckpt activated."""
-    return start_forkserver(["framework_workers"],
-                            [str(HERE), str(TORTURE), str(HERE.parent), str(ROLL_SRC)])
-
-
-def _in_child(name: str, *args: object) -> None:
-    """Run ``framework_workers.<name>`` in a forked child. The workers module is never
-    imported here: it activates cloudckpt and drops the peers' RLinf from sys.path,
-    which the other compat tests of this process need."""
-    import framework_workers
-
-    getattr(framework_workers, name)(*args)
+    return forkserver()
 
 
 def _count(log: str, kind: str) -> int:
@@ -61,7 +44,7 @@ def _trial(forks, framework: str, root: str, opts: dict, env: dict, log: str,
     # acknowledged save first, so that its one trial always checks a resume.
     kind = "ready" if FULL else "commit"
     seen = _count(log, kind)
-    proc = forks.Process(target=_in_child,
+    proc = forks.Process(target=in_child,
                          args=(f"{framework}_ops", root, opts, env, log, rng.randrange(2**31)))
     proc.start()
     deadline = time.monotonic() + 120
@@ -80,7 +63,7 @@ def _trial(forks, framework: str, root: str, opts: dict, env: dict, log: str,
 
 
 def _check(forks, framework: str, root: str, opts: dict, env: dict, out: str) -> dict:
-    proc = forks.Process(target=_in_child, args=(f"{framework}_check", root, opts, env, out))
+    proc = forks.Process(target=in_child, args=(f"{framework}_check", root, opts, env, out))
     proc.start()
     proc.join(240)
     if proc.exitcode != 0:
@@ -137,7 +120,7 @@ def test_verl_killed_inside_a_step_resumes_the_newest_committed_one(point, async
     committed step bit-exact (model, optimizer, scheduler, RNG, dataloader)."""
     opts = json.loads(s3.options_json())
     root, log = s3.uri("verl-kill"), str(tmp_path / "events.log")
-    proc = forks.Process(target=_in_child,
+    proc = forks.Process(target=in_child,
                          args=("verl_ops", root, opts, s3.env, log, 0, point, 3, async_save))
     proc.start()
     proc.join(300)
@@ -153,3 +136,23 @@ def test_verl_killed_inside_a_step_resumes_the_newest_committed_one(point, async
     assert report["visible"] == committed
     assert report["latest"] == committed[-1]
     assert report["tracker"] == 2  # written after step 2's commit; step 3's never
+
+
+def test_verl_steps_go_both_ways_between_verls_disk_layout_and_the_bucket(forks, s3,
+                                                                         tmp_path):
+    """A step verl wrote on disk, uploaded with ``cloudckpt verl upload``, resumes through
+    cloudckpt; a step cloudckpt committed, fetched with ``cloudckpt verl download``,
+    resumes under verl's own ``find_latest_ckpt_path`` and checkpoint manager."""
+    opts = json.loads(s3.options_json())
+    out = tmp_path / "report.json"
+    proc = forks.Process(target=in_child, args=("verl_roundtrip", s3.uri("verl-both"), opts,
+                                                 s3.env, str(out), str(tmp_path)))
+    proc.start()
+    proc.join(300)
+    assert proc.exitcode == 0
+    report = json.loads(out.read_text())
+    assert report["local_tracker"] == "5"
+    assert report["upload_rc"] == 0 and report["download_rc"] == 0
+    assert report["up"] == {"step": 5, "same": True, "next": [5]}
+    assert report["found"] == str(tmp_path / "fetched" / "global_step_6")
+    assert report["down"] == {"step": 6, "same": True, "next": [6]}

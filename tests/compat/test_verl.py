@@ -1,7 +1,8 @@
 """verl 0.9.1's own PPO checkpoint path on a bucket, under ``cloudckpt run``: verl's
 ``RayPPOTrainer._save_checkpoint``/``_load_checkpoint``, its ``RayWorkerGroup`` on a
-real local Ray, and its ``FSDPCheckpointManager`` in the workers (verl_driver.py).
-Without activation, verl runs as before."""
+real local Ray, and its ``FSDPCheckpointManager`` in the workers (verl_driver.py); the
+same trainer methods with one worker in-process (verl_parts.trainer_for) for the
+critic, ``default_hdfs_dir`` and local runs. Without activation, verl runs as before."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from forked import forkserver, run_child
 
 from cloudckpt import list_checkpoints, open_checkpoint
 from cloudckpt.storage import open_store
@@ -92,40 +94,62 @@ def test_ppo_steps_commit_to_s3_resume_auto_and_by_path_and_prune(s3, tmp_path):
     assert "cannot be resharded" in other_world["error"]
 
 
-def test_critic_and_hdfs_dir_on_gcs_keep_a_local_copy_verl_itself_resumes(gcs, tmp_path):
+@pytest.fixture(scope="module")
+def forks():
+    """A forkserver that imported the frameworks once, with cloudckpt activated."""
+    return forkserver()
+
+
+def test_critic_and_hdfs_dir_on_gcs_keep_a_local_copy_verl_itself_resumes(forks, gcs,
+                                                                          tmp_path):
+    """``default_hdfs_dir`` on GCS beside a local ``default_local_dir``, with a critic:
+    each step commits both roles in the bucket, verl's local copy stays whole, and a
+    step stays while either role's count keeps it."""
     local = tmp_path / "ckpts"
-    config = trainer_config(default_local_dir=str(local), default_hdfs_dir=gcs.root,
-                            max_actor_ckpt_to_keep=1, max_critic_ckpt_to_keep=2)
-    plan = {"config": config, "world": 1, "critic": True, "phases": [
-        {"save": [1, 2, 3]},
-        {"resume": True},
-    ]}
-    seen = run_driver(tmp_path, plan, gcs.env)
-    saves, resumed = seen["phases"]
-    # A step stays while either count keeps it: the critic's 2.
+    keys = {"default_hdfs_dir": gcs.root, "max_actor_ckpt_to_keep": 1,
+            "max_critic_ckpt_to_keep": 2}
+    out = tmp_path / "report.json"
+    assert run_child(forks, "verl_run", str(out), gcs.env, str(local), [1, 2, 3], keys,
+                     True) == 0
+    assert json.loads(out.read_text()) == {"step": 3, "same": True, "next": [3]}
     names = [c.name for c in list_checkpoints(gcs.root, gcs.options)]
-    assert names == ["global_step_2", "global_step_3"]
+    assert names == ["global_step_2", "global_step_3"]  # the critic's count keeps 2
     step = open_checkpoint(f"{gcs.root}/global_step_3", gcs.options)
+    step.verify(deep=True)
     assert {"actor/model_world_size_1_rank_0.pt", "critic/model_world_size_1_rank_0.pt",
-            "data.pt"} <= set(step.files)
-    assert_resumed(resumed, saved_at(saves, 3))  # from the bucket, both roles
-    # verl's own local copy is complete too: its files, data.pt, its tracker.
+            "critic/optim_world_size_1_rank_0.pt", "data.pt"} <= set(step.files)
+    assert open_store(gcs.root, gcs.options).get(TRACKER) == b"3"
+    # verl's own local copy is whole too: its files, data.pt, its tracker.
     assert (local / TRACKER).read_text() == "3"
     assert (local / "global_step_3" / "critic" / "optim_world_size_1_rank_0.pt").is_file()
     assert (local / "global_step_3" / "data.pt").is_file()
 
 
+LOCAL_RUN = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from verl_parts import resumed, trainer_for
+root = sys.argv[2]
+for step in (1, 2):
+    trainer_for(root, step)._save_checkpoint()
+print(json.dumps(resumed(trainer_for(root, 0), lambda: trainer_for(root, 2))))
+"""
+
+
 @pytest.mark.parametrize("activate", [True, False])
 def test_a_local_run_is_verls_own(tmp_path, activate):
+    """A local ``default_local_dir`` runs verl's own code, activated or not."""
     local = tmp_path / "ckpts"
-    config = trainer_config(default_local_dir=str(local))
-    plan = {"config": config, "world": 1, "phases": [{"save": [1, 2]}, {"resume": True}]}
-    seen = run_driver(tmp_path, plan, {}, activate=activate)
-    saves, resumed = seen["phases"]
+    launch = [sys.executable, "-c", LOCAL_RUN, str(HERE), str(local)]
+    if activate:
+        launch = [sys.executable, "-m", "cloudckpt", "run", "--", *launch]
+    r = subprocess.run(launch, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.splitlines()[-1]) == {"step": 2, "same": True, "next": [2]}
     assert (local / TRACKER).read_text() == "2"  # verl's own tracker and layout
     assert sorted(p.name for p in (local / "global_step_2" / "actor").iterdir()) == [
         "extra_state_world_size_1_rank_0.pt", "fsdp_config.json", "huggingface",
         "model_world_size_1_rank_0.pt", "optim_world_size_1_rank_0.pt"]
+    assert (local / "global_step_2" / "data.pt").is_file()
     assert not list(local.rglob("cloudckpt-manifest.json"))  # nothing of ours
-    assert_resumed(resumed, saved_at(saves, 2))
-    assert ("bound the verl integration" in seen["stderr"]) is activate
+    assert ("bound the verl integration" in r.stderr) is activate

@@ -5,8 +5,9 @@ are verl's ``TrainingWorker.save_checkpoint``/``load_checkpoint`` (ONE_TO_ALL, e
 calling the manager). Used inside verl's own ``RayWorkerGroup`` (verl_driver.py) and
 in plain gloo processes (the crash tests).
 
-A digest per rank of every tensor of the model shard, the optimizer state, the LR
-scheduler and the RNG states is what "bit-exact" is checked on.
+``trainer_for`` is verl's ``RayPPOTrainer`` with one such worker in the process, for
+the checks that need no Ray. A digest per rank of every tensor of the model shard, the
+optimizer state, the LR scheduler and the RNG states is what "bit-exact" is checked on.
 """
 
 from __future__ import annotations
@@ -148,3 +149,90 @@ def worker_class() -> Any:
                 del_local_after_load=del_local_after_load)
 
     return CheckpointWorker
+
+
+# ------------------------------------------- verl's trainer, one worker in-process
+
+BATCHES = 4096  # dataloader items (batch 1): no epoch boundary within a torture run
+
+
+class VerlGroup:
+    """The worker group verl's trainer calls (``RayWorkerGroup``, ONE_TO_ALL), here one
+    worker in this process: verl's ``TrainingWorker`` checkpoint calls on its manager."""
+
+    world_size = 1
+
+    def __init__(self, trainable: Any) -> None:
+        self.trainable = trainable
+
+    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None):
+        return self.trainable.manager.save_checkpoint(
+            local_path=local_path, hdfs_path=hdfs_path, global_step=global_step,
+            max_ckpt_to_keep=max_ckpt_to_keep)
+
+    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False):
+        return self.trainable.manager.load_checkpoint(
+            local_path=local_path, hdfs_path=hdfs_path, del_local_after_load=del_local_after_load)
+
+
+def trainer_for(root: str, step: int, *, async_save: bool = False, critic: bool = False,
+                **trainer: Any) -> Any:
+    """verl's trainer (``__init__`` not run: it starts rollout servers) at step ``step``:
+    its roles' states and its dataloader's position are functions of ``step``.
+    ``trainer`` overrides ``trainer.*`` keys (``default_local_dir`` is ``root``)."""
+    from omegaconf import OmegaConf
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    init_gloo()
+    t = RayPPOTrainer.__new__(RayPPOTrainer)
+    keys = {"default_local_dir": root, "default_hdfs_dir": None, "resume_mode": "auto",
+            "resume_from_path": None, "max_actor_ckpt_to_keep": None,
+            "max_critic_ckpt_to_keep": None, "del_local_ckpt_after_load": False, **trainer}
+    checkpoint = {"async_save": async_save}
+    t.config = OmegaConf.create({"trainer": keys,
+                                 "actor_rollout_ref": {"actor": {"checkpoint": checkpoint}}})
+    t.global_steps = step
+    t.roles = {}
+    for role, offset in [("actor", 0)] + ([("critic", 500)] if critic else []):
+        t.roles[role] = Trainable({})
+        if step:
+            t.roles[role].train(1, step + offset)
+    t.trainable = t.roles["actor"]
+    t.actor_rollout_wg, t.use_critic = VerlGroup(t.trainable), critic
+    t.critic_wg = VerlGroup(t.roles["critic"]) if critic else None
+    t.train_dataloader = StatefulDataLoader(list(range(BATCHES)), batch_size=1)
+    it = iter(t.train_dataloader)
+    for _ in range(step % BATCHES):
+        next(it)
+    return t
+
+
+def digests_of(t: Any) -> dict[str, Any]:
+    """Each role's digests (the RNG last: the same process-wide state for all)."""
+    return {role: trainable.digests() for role, trainable in t.roles.items()}
+
+
+def resumed(fresh: Any, want: Any) -> dict[str, Any]:
+    """``fresh``'s own ``_load_checkpoint``, compared with the trainer ``want()`` makes
+    (the state an uninterrupted run has at the resumed step)."""
+    fresh._load_checkpoint()
+    got = digests_of(fresh)  # before `want` reseeds the RNGs
+    return {"step": fresh.global_steps, "same": got == digests_of(want()),
+            "next": next(iter(fresh.train_dataloader)).tolist()}
+
+
+def init_gloo() -> None:
+    """A one-rank gloo group for this process, if it has none."""
+    import socket
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        torch.set_num_threads(1)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
+                          WORLD_SIZE="1", LOCAL_RANK="0")
+        dist.init_process_group("gloo", rank=0, world_size=1)

@@ -10,6 +10,7 @@ FRAMEWORK = Framework(
     kinds=(KIND, ROLE_KIND),
     # A verl step commits its roles' parts below its own claim.
     part_dirs=(ACTOR, CRITIC),
+    commands="cloudckpt.integrations.verl.command:add_commands",
     bindings=(Binding(module="verl.utils.checkpoint.fsdp_checkpoint_manager",
                       bind="cloudckpt.integrations.verl.binding:bind_fsdp_manager"),
               Binding(module="verl.trainer.ppo.ray_trainer",

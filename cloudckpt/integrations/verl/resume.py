@@ -4,6 +4,8 @@ the one ``trainer.resume_from_path`` names, opened and checked."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 from cloudckpt.core.checkpoint import Checkpoint, open_checkpoint
 from cloudckpt.core.listing import list_checkpoints
@@ -20,13 +22,13 @@ log = logging.getLogger("cloudckpt.verl")
 UPLOAD_HINT = "cloudckpt verl upload"
 
 
-def open_step(uri: str) -> Checkpoint:
+def open_step(uri: str, storage_options: Mapping[str, Any] | None = None) -> Checkpoint:
     """A committed verl step (a trailing slash is fine); one verl wrote itself (no
     manifest) is refused with the command that commits it."""
     uri = uri.rstrip("/")
     step = parse_step(uri)
     try:
-        ckpt = open_checkpoint(uri)
+        ckpt = open_checkpoint(uri, storage_options)
     except (CheckpointNotFoundError, IncompleteCheckpointError) as exc:
         raise IncompleteCheckpointError(
             f"{uri} is not a committed verl step ({exc}). A step verl wrote itself is "
@@ -41,16 +43,20 @@ def open_step(uri: str) -> Checkpoint:
     return ckpt
 
 
-def latest_step(root: str) -> str | None:
+def latest_step(root: str, storage_options: Mapping[str, Any] | None = None) -> str | None:
     """The newest committed step under ``root`` (one listing), or None. Newer steps
     that never committed are skipped with a WARNING; one verl wrote itself is
     refused (resuming past it would later collide with its name)."""
-    store = open_store(root)
+    store = open_store(root, storage_options)
     infos = [i for i in list_checkpoints(store, include_uncommitted=True)
              if STEP_RE.match(i.name)]
     for info in sorted(infos, key=lambda i: parse_step(i.name), reverse=True):
         if info.committed and info.manifest is not None and info.manifest.kind == KIND:
             return info.uri
+        if info.committed:
+            log.warning("skipping %s: a %r checkpoint, not a verl step", info.uri,
+                        info.manifest.kind if info.manifest else None)
+            continue
         if info.status == "foreign":
             raise IncompleteCheckpointError(
                 f"resume_mode=auto: the newest step {info.uri} was written by verl itself "

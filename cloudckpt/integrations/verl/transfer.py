@@ -1,0 +1,130 @@
+"""verl steps between local disk and a bucket, both ways:
+
+- :func:`upload_step`: a ``global_step_N`` verl wrote on local disk (its own code, no
+  manifest) checked and committed in a bucket, as the bound trainer commits one, so it
+  resumes there;
+- :func:`download_step`: a committed step brought into a local ``default_local_dir``
+  with verl's tracker, so verl's own ``find_latest_ckpt_path`` and
+  ``FSDPCheckpointManager.load_checkpoint`` resume it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter
+from cloudckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from cloudckpt.integrations.verl.layout import (
+    ACTOR,
+    CRITIC,
+    DATA,
+    KIND,
+    RANK_FILES,
+    ROLE_KIND,
+    TRACKER,
+    parse_step,
+    rank_file,
+    rank_file_world,
+    step_name,
+)
+from cloudckpt.integrations.verl.resume import open_step
+from cloudckpt.movement.transfer import download
+from cloudckpt.names import MANIFEST_NAME
+from cloudckpt.storage import open_store
+from cloudckpt.training.staging import upload_dir
+
+log = logging.getLogger("cloudckpt.verl")
+
+
+def _check_role(role_dir: Path) -> int:
+    """The world size of a role directory verl wrote, after checking that every rank's
+    file of each content it holds is there and intact (each is a ``torch.save`` zip,
+    whose members carry CRC32s)."""
+    names = [p.name for p in role_dir.iterdir() if p.is_file()]
+    worlds = {w for n in names if (w := rank_file_world(n)) is not None}
+    if len(worlds) != 1:
+        raise CorruptCheckpointError(
+            f"{role_dir} holds rank files of world sizes {sorted(worlds) or 'none'}; a verl "
+            "role directory holds one save's files")
+    world = worlds.pop()
+    for content in RANK_FILES:
+        present = [r for r in range(world) if rank_file(content, world, r) in names]
+        if present and len(present) != world:
+            missing = sorted(set(range(world)) - set(present))
+            raise CorruptCheckpointError(f"{role_dir}: the {content} files of ranks {missing} "
+                                         "are missing; the save did not finish")
+        for r in present:
+            path = role_dir / rank_file(content, world, r)
+            try:
+                with zipfile.ZipFile(path) as z:
+                    bad = z.testzip()
+            except (OSError, zipfile.BadZipFile) as exc:
+                raise CorruptCheckpointError(f"{path} is not a whole torch.save file ({exc}); "
+                                             "the save did not finish") from None
+            if bad is not None:
+                raise CorruptCheckpointError(f"{path}: {bad} fails its CRC32")
+    return world
+
+
+def upload_step(local_step: str | os.PathLike, dst_root: str, *,
+                storage_options: Mapping[str, Any] | None = None) -> Checkpoint:
+    """Commit the ``global_step_N`` verl wrote at ``local_step`` under ``dst_root`` (the
+    run's root in the bucket), each role part and ``data.pt`` checked first."""
+    src = Path(local_step)
+    step = parse_step(str(src))
+    roles = [r for r in (ACTOR, CRITIC) if (src / r).is_dir()]
+    if ACTOR not in roles:
+        raise CheckpointNotFoundError(f"{src} has no {ACTOR}/: not a verl FSDP step (the "
+                                      "Megatron layout goes up with `cloudckpt upload`)")
+    worlds = {r: _check_role(src / r) for r in roles}
+    store = open_store(dst_root.rstrip("/"), storage_options).child(step_name(step))
+    writer = CheckpointWriter(store, step=step, kind=KIND, metadata={
+        "roles": roles, "layout": "verl-fsdp", "uploaded_from": "verl"})
+    writer.claim()
+    try:
+        for role in roles:
+            upload_dir(src / role, store.child(role), step=step, kind=ROLE_KIND,
+                       select=_files_but_manifests(src / role),
+                       metadata={"world_size": worlds[role], "layout": "verl-fsdp"})
+            writer.add_part(role)
+        if (src / DATA).is_file():
+            writer.put(DATA, (src / DATA).read_bytes())
+        else:
+            log.warning("%s has no %s: a resume restarts the dataloader (as verl does)",
+                        src, DATA)
+        committed = writer.commit()
+    except BaseException:
+        writer.abandon()
+        raise
+    log.info("uploaded verl step %s -> %s (%d objects)", src, committed.uri,
+             len(committed.files))
+    return committed
+
+
+def _files_but_manifests(root: Path) -> set[str]:
+    """Every file below ``root`` but a manifest of an earlier download."""
+    return {p.relative_to(root).as_posix() for p in root.rglob("*")
+            if p.is_file() and p.name != MANIFEST_NAME}
+
+
+def download_step(step_uri: str, local_root: str | os.PathLike, *,
+                  storage_options: Mapping[str, Any] | None = None) -> Path:
+    """Bring the committed step at ``step_uri`` into ``local_root/global_step_N`` and
+    point verl's tracker there at it, unless the tracker names a newer step."""
+    ckpt = open_step(step_uri, storage_options)
+    step = parse_step(ckpt.uri)
+    root = Path(local_root)
+    out = download(ckpt, root / step_name(step))
+    tracker = root / TRACKER
+    current = tracker.read_text().strip() if tracker.is_file() else ""
+    if not current.isdigit() or int(current) < step:
+        tmp = tracker.with_suffix(".tmp")
+        tmp.write_text(str(step))
+        os.replace(tmp, tracker)
+    log.info("downloaded verl step %d into %s", step, out)
+    return out
