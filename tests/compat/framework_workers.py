@@ -329,7 +329,9 @@ def verl_run(out: str, env: dict[str, str], root: str, steps: list[int],
     for step in steps:
         trainer_for(root, step, critic=critic, **trainer)._save_checkpoint()
     report = resumed(trainer_for(root, 0, critic=critic, **trainer),
-                          lambda: trainer_for(root, steps[-1], critic=critic, **trainer))
+                     lambda: trainer_for(root, steps[-1], critic=critic, **trainer))
+    trainer_class = verl.trainer.ppo.ray_trainer.RayPPOTrainer
+    report["bound"] = hasattr(trainer_class._save_checkpoint, "__wrapped__")
     Path(out).write_text(json.dumps(report))
 
 

@@ -111,7 +111,7 @@ def test_critic_and_hdfs_dir_on_gcs_keep_a_local_copy_verl_itself_resumes(forks,
     out = tmp_path / "report.json"
     assert run_child(forks, "verl_run", str(out), gcs.env, str(local), [1, 2, 3], keys,
                      True) == 0
-    assert json.loads(out.read_text()) == {"step": 3, "same": True, "next": [3]}
+    assert json.loads(out.read_text()) == {"step": 3, "same": True, "next": [3], "bound": True}
     names = [c.name for c in list_checkpoints(gcs.root, gcs.options)]
     assert names == ["global_step_2", "global_step_3"]  # the critic's count keeps 2
     step = open_checkpoint(f"{gcs.root}/global_step_3", gcs.options)
@@ -129,27 +129,38 @@ LOCAL_RUN = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 from verl_parts import resumed, trainer_for
+from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 root = sys.argv[2]
 for step in (1, 2):
     trainer_for(root, step)._save_checkpoint()
-print(json.dumps(resumed(trainer_for(root, 0), lambda: trainer_for(root, 2))))
+report = resumed(trainer_for(root, 0), lambda: trainer_for(root, 2))
+report["bound"] = hasattr(RayPPOTrainer._save_checkpoint, "__wrapped__")
+print(json.dumps(report))
 """
 
 
-@pytest.mark.parametrize("activate", [True, False])
-def test_a_local_run_is_verls_own(tmp_path, activate):
-    """A local ``default_local_dir`` runs verl's own code, activated or not."""
-    local = tmp_path / "ckpts"
-    launch = [sys.executable, "-c", LOCAL_RUN, str(HERE), str(local)]
-    if activate:
-        launch = [sys.executable, "-m", "cloudckpt", "run", "--", *launch]
-    r = subprocess.run(launch, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert json.loads(r.stdout.splitlines()[-1]) == {"step": 2, "same": True, "next": [2]}
+def assert_verls_own_layout(local: Path) -> None:
     assert (local / TRACKER).read_text() == "2"  # verl's own tracker and layout
     assert sorted(p.name for p in (local / "global_step_2" / "actor").iterdir()) == [
         "extra_state_world_size_1_rank_0.pt", "fsdp_config.json", "huggingface",
         "model_world_size_1_rank_0.pt", "optim_world_size_1_rank_0.pt"]
     assert (local / "global_step_2" / "data.pt").is_file()
     assert not list(local.rglob("cloudckpt-manifest.json"))  # nothing of ours
-    assert ("bound the verl integration" in r.stderr) is activate
+
+
+def test_a_local_run_without_activation_is_verls_own(tmp_path):
+    local = tmp_path / "ckpts"
+    r = subprocess.run([sys.executable, "-c", LOCAL_RUN, str(HERE), str(local)], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout.splitlines()[-1])
+    assert report == {"step": 2, "same": True, "next": [2], "bound": False}
+    assert_verls_own_layout(local)
+    assert "cloudckpt" not in r.stderr
+
+
+def test_a_local_run_under_activation_is_verls_own(forks, tmp_path):
+    local, out = tmp_path / "ckpts", tmp_path / "report.json"
+    assert run_child(forks, "verl_run", str(out), {}, str(local), [1, 2], {}) == 0
+    assert json.loads(out.read_text()) == {"step": 2, "same": True, "next": [2], "bound": True}
+    assert_verls_own_layout(local)
