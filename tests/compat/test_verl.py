@@ -164,3 +164,19 @@ def test_a_local_run_under_activation_is_verls_own(forks, tmp_path):
     assert run_child(forks, "verl_run", str(out), {}, str(local), [1, 2], {}) == 0
     assert json.loads(out.read_text()) == {"step": 2, "same": True, "next": [2], "bound": True}
     assert_verls_own_layout(local)
+
+
+def test_the_example_crashes_relaunches_and_resumes_bit_exact():
+    """examples/verl/train.py --demo as written: its config's bucket default_local_dir,
+    verl's own trainer calls, a SIGKILL at step 6 and a relaunch from step 4's commit."""
+    r = subprocess.run([sys.executable, str(HERE.parents[1] / "examples/verl/train.py"),
+                        "--demo"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    first, _, second = r.stdout.partition("(killed: exit -9)")
+    assert "starting at step 5" in second and "done" in second
+    losses = [dict(line.split(" loss ") for line in part.splitlines()
+                   if line.startswith("step ")) for part in (first, second)]
+    assert {"step 5", "step 6"} <= losses[0].keys() & losses[1].keys()
+    for step in ("step 5", "step 6"):  # the resumed run draws and trains as the first did
+        assert losses[0][step] == losses[1][step]
+    assert "global_step_12" in second and "global_step_4 " not in second  # kept: 8, 12
