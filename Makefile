@@ -43,10 +43,11 @@ $(VENV)/.compat: $(VENV)/.installed tests/compat/requirements.txt
 compat: $(VENV)/.compat
 	$(PY) -m pytest -q tests/compat
 
-# The reliability and security torture suite at full scale (about 10 minutes on
-# 2 cores); prints a summary table and writes it to torture-report.json. Then the
-# crash torture through the frameworks' own save paths under activation (the compat
-# packages; about 25 minutes), one JSON line per framework in torture-frameworks.jsonl.
+# The reliability and security torture suite at full scale (700 SIGKILLs among the rest;
+# 20-35 minutes on 2 cores); prints a summary table and writes it to torture-report.json.
+# Then the crash torture through the frameworks' own save paths under activation (the
+# compat packages; 110 SIGKILLs per framework, about 50 minutes), one JSON line per
+# framework in torture-frameworks.jsonl.
 torture: setup $(VENV)/.compat
 	CLOUDCKPT_TORTURE=full CLOUDCKPT_TORTURE_REPORT=torture-report.json \
 		$(PY) -m pytest tests/torture -q -p no:cacheprovider -o timeout=1800

@@ -368,3 +368,37 @@ def verl_roundtrip(root: str, opts: dict[str, Any], env: dict[str, str], out: st
     report["found"] = find_latest_ckpt_path(str(fetched))
     report["down"] = resume_at(str(fetched), 6)
     Path(out).write_text(json.dumps(report))
+
+
+class _Payload:
+    """Pickles to a call that creates ``path`` when unpickled: code, not data."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+def verl_hostile(root: str, opts: dict[str, Any], env: dict[str, str], out: str,
+                 local: str) -> None:
+    """A verl step whose extra state carries pickled code (a well-formed ``torch.save``
+    file, uploaded with ``cloudckpt verl upload``): the bound resume refuses it, and the
+    code never runs."""
+    from cloudckpt.cli import main
+
+    os.environ.update(env)
+    written = Path(local, "written")
+    trainer_for(str(written), 3)._save_checkpoint()  # verl's own code: a local path
+    marker = Path(local, "pwned")
+    extra = written / "global_step_3" / "actor" / "extra_state_world_size_1_rank_0.pt"
+    torch.save({"lr_scheduler": None, "rng": _Payload(str(marker))}, extra)
+    report: dict[str, Any] = {"upload_rc": main(["verl", "upload", str(extra.parents[1]),
+                                                 root])}
+    try:
+        trainer_for(root, 0)._load_checkpoint()
+        report["error"] = None
+    except Exception as exc:  # noqa: BLE001 - the test reads what was raised
+        report["error"] = f"{type(exc).__name__}: {exc}"
+    report["ran"] = marker.exists()
+    Path(out).write_text(json.dumps(report))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from crash_worker import judge, read_events  # tests/torture, on sys.path through conftest
-from forked import forkserver, in_child
+from forked import forkserver, in_child, run_child
 from knobs import FULL, scale
 
 # framework -> (trials in make compat, under make torture, kill window in s: a few saves)
@@ -156,3 +156,15 @@ def test_verl_steps_go_both_ways_between_verls_disk_layout_and_the_bucket(forks,
     assert report["up"] == {"step": 5, "same": True, "next": [5]}
     assert report["found"] == str(tmp_path / "fetched" / "global_step_6")
     assert report["down"] == {"step": 6, "same": True, "next": [6]}
+
+
+def test_pickled_code_in_a_verl_step_is_refused_and_never_runs(forks, s3, tmp_path):
+    opts = json.loads(s3.options_json())
+    out = tmp_path / "report.json"
+    assert run_child(forks, "verl_hostile", s3.uri("verl-hostile"), opts, s3.env, str(out),
+                     str(tmp_path)) == 0
+    report = json.loads(out.read_text())
+    assert report["upload_rc"] == 0  # a well-formed torch.save file
+    assert report["error"].startswith("CorruptCheckpointError")
+    assert "extra_state_world_size_1_rank_0.pt cannot be loaded safely" in report["error"]
+    assert report["ran"] is False
