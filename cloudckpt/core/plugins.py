@@ -53,6 +53,11 @@ class Framework:
     #: ``{manifest kind: (DCP part inside such a checkpoint, its model keys' prefix)}``,
     #: for converting a model out of one of its checkpoints.
     dcp_layouts: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    #: ``{manifest kind: sub-prefix}``: where one of its checkpoints of that kind holds an
+    #: HF export (committed on its own), for ``push`` to point at.
+    exports: Mapping[str, str] = field(default_factory=dict)
+    #: The framework setting that makes its saves hold that export, for ``push`` to name.
+    export_setting: str | None = None
     #: ``"module:function"``: ``function(parser)`` adds its ``cloudckpt <name>``
     #: subcommands to an ``argparse`` parser; imported only when that command runs.
     commands: str | None = None
@@ -117,6 +122,16 @@ def marker_dirs() -> tuple[str, ...]:
 def dcp_layouts() -> dict[str, tuple[str, str]]:
     """Every framework's :attr:`Framework.dcp_layouts`."""
     return {k: v for f in frameworks() for k, v in f.dcp_layouts.items()}
+
+
+def export_of(kind: str) -> tuple[str, str | None] | None:
+    """Where a checkpoint of ``kind`` holds an HF export, and the setting that makes it
+    (:attr:`Framework.exports`, :attr:`Framework.export_setting`); None if no framework
+    says."""
+    for f in frameworks():
+        if kind in f.exports:
+            return f.exports[kind], f.export_setting
+    return None
 
 
 def kinds() -> dict[str, str]:

@@ -34,7 +34,13 @@ from typing import Any
 from cloudckpt.core import kinds
 from cloudckpt.core.checkpoint import Checkpoint, open_checkpoint
 from cloudckpt.core.manifest import MANIFEST_NAME
-from cloudckpt.errors import AccessDeniedError, CommitConflictError, ConfigError, StorageError
+from cloudckpt.errors import (
+    AccessDeniedError,
+    CloudCkptError,
+    CommitConflictError,
+    ConfigError,
+    StorageError,
+)
 from cloudckpt.movement.transfer import download
 from cloudckpt.runtime.pending import run_in_background
 from cloudckpt.storage.retry import describe
@@ -92,7 +98,7 @@ def push(
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 
     ckpt = open_checkpoint(uri, storage_options)
-    files = _export_files(ckpt)  # not an HF export: refused before any download
+    files = _export_files(ckpt, storage_options)  # not an HF export: refused before any download
     with tempfile.TemporaryDirectory(prefix="cloudckpt-push-") as tmp:
         local = download(ckpt, tmp)  # checks every byte: corrupt exports stop here
         _check_indexes(local, files, ckpt.uri)
@@ -118,14 +124,15 @@ def push(
     return PushResult(str(url), tuple(files), tuple(stale))
 
 
-def _export_files(ckpt: Checkpoint) -> list[str]:
+def _export_files(ckpt: Checkpoint, storage_options: Mapping[str, Any] | None = None
+                  ) -> list[str]:
     """The files of the HF export ``ckpt`` to push; anything else is refused here, so a
     training or DCP checkpoint never reaches a model repo."""
     kind = ckpt.manifest.kind
     if kind != kinds.HF:
         raise ConfigError(f"{ckpt.uri} is {_describe_kind(kind)}, not a Hugging Face export "
                           f"(manifest kind {kinds.HF!r}); push publishes HF exports only. "
-                          f"{_what_to_pass(ckpt.uri, kind)}")
+                          f"{_what_to_pass(ckpt.uri, kind, storage_options)}")
     files = [p for p in ckpt.files if p != MANIFEST_NAME]
     missing = [name for name, ok in (
         ("config.json", "config.json" in files),
@@ -152,9 +159,23 @@ def _describe_kind(kind: str) -> str:
             kinds.DCP: "a DCP checkpoint"}.get(kind, f"a checkpoint of kind {kind!r}")
 
 
-def _what_to_pass(uri: str, kind: str) -> str:
+def _what_to_pass(uri: str, kind: str, storage_options: Mapping[str, Any] | None = None) -> str:
     """How to get an HF export from a checkpoint of ``kind``."""
+    from cloudckpt.core.plugins import export_of
+
     convert = f"`cloudckpt convert dcp-to-hf {uri} DST --config config.json`"
+    inside = export_of(kind)
+    if inside is not None:  # a framework's save that may hold one
+        sub, setting = inside
+        target = f"{uri.rstrip('/')}/{sub}"
+        try:
+            held = open_checkpoint(target, storage_options).manifest.kind == kinds.HF
+        except CloudCkptError:
+            held = False
+        if held:
+            return f"Its HF export is {target}: push that"
+        return (f"It holds no HF export at {sub}/" + (f": set {setting} and save again"
+                                                       if setting else ""))
     if kind in (kinds.TRAINING, kinds.DCP):
         return f"Convert its model to one first ({convert}), then push DST"
     return ("Pass an HF export: write one with cloudckpt.hf.export (a local model folder: "

@@ -402,3 +402,18 @@ def verl_hostile(root: str, opts: dict[str, Any], env: dict[str, str], out: str,
         report["error"] = f"{type(exc).__name__}: {exc}"
     report["ran"] = marker.exists()
     Path(out).write_text(json.dumps(report))
+
+
+def verl_hf(root: str, env: dict[str, str], out: str) -> None:
+    """Step 1 saved with ``hf_model`` in ``save_contents`` (verl gathers the model into
+    ``actor/huggingface/``), step 2 without; what each role's part holds."""
+    from cloudckpt import open_checkpoint
+
+    os.environ.update(env)
+    trainer_for(root, 1, contents=["model", "optimizer", "extra", "hf_model"])._save_checkpoint()
+    trainer_for(root, 2)._save_checkpoint()
+    report = {}
+    for step in (1, 2):
+        files = open_checkpoint(f"{root}/global_step_{step}").files
+        report[step] = sorted(f for f in files if "/huggingface/" in f)
+    Path(out).write_text(json.dumps(report))

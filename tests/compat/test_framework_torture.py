@@ -23,6 +23,9 @@ from crash_worker import judge, read_events  # tests/torture, on sys.path throug
 from forked import forkserver, in_child, run_child
 from knobs import FULL, scale
 
+from cloudckpt.errors import ConfigError
+from cloudckpt.hf.hub import push_to_hub
+
 # framework -> (trials in make compat, under make torture, kill window in s: a few saves)
 SCENARIOS = {"roll": (1, 110, 3.0), "rlinf": (1, 110, 6.0), "areal": (1, 110, 4.0),
              "verl": (1, 110, 4.0)}
@@ -168,3 +171,37 @@ def test_pickled_code_in_a_verl_step_is_refused_and_never_runs(forks, s3, tmp_pa
     assert report["error"].startswith("CorruptCheckpointError")
     assert "extra_state_world_size_1_rank_0.pt cannot be loaded safely" in report["error"]
     assert report["ran"] is False
+
+
+def test_a_verl_steps_hf_model_goes_to_the_hub_and_one_without_is_refused(forks, s3,
+                                                                          hub_server, tmp_path,
+                                                                          monkeypatch):
+    """With ``hf_model`` in ``save_contents`` the actor's ``huggingface/`` folder is an HF
+    export of its own, which ``cloudckpt push`` verifies and pushes in one commit; a step
+    saved without it is refused, naming the setting."""
+    from helpers import HUB_TOKEN
+
+    from cloudckpt.cli import main
+
+    root, report_path = s3.uri("verl-hf"), tmp_path / "report.json"
+    assert run_child(forks, "verl_hf", root, s3.env, str(report_path)) == 0
+    held = json.loads(report_path.read_text())
+    assert "actor/huggingface/model.safetensors" in held["1"]
+    assert "actor/huggingface/cloudckpt-manifest.json" in held["1"]  # an export of its own
+    assert not any(f.endswith(".safetensors") for f in held["2"])
+    for name, value in s3.env.items():  # the command finds the endpoint as a user's would
+        monkeypatch.setenv(name, value)
+    push = ["push", "--endpoint", hub_server.endpoint, "--token", HUB_TOKEN]
+    assert main([*push, f"{root}/global_step_1/actor/huggingface", "me/verl-tiny"]) == 0
+    files = hub_server.files("me/verl-tiny")
+    assert {"config.json", "model.safetensors"} <= set(files)
+    assert len(hub_server.commits("me/verl-tiny")) == 2  # the repo's creation, then one push
+    for uri, said in [(f"{root}/global_step_1", f"Its HF export is {root}/global_step_1/"
+                       "actor/huggingface: push that"),
+                      (f"{root}/global_step_2/actor", "It holds no HF export at huggingface/: "
+                       "set actor_rollout_ref.actor.checkpoint.save_contents")]:
+        with pytest.raises(ConfigError, match="not a Hugging Face export") as err:
+            push_to_hub(uri, "me/verl-tiny", token=HUB_TOKEN, endpoint=hub_server.endpoint,
+                        storage_options=s3.options)
+        assert said in str(err.value)
+    assert len(hub_server.commits("me/verl-tiny")) == 2  # nothing more reached the Hub

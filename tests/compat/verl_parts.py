@@ -176,10 +176,11 @@ class VerlGroup:
 
 
 def trainer_for(root: str, step: int, *, async_save: bool = False, critic: bool = False,
-                **trainer: Any) -> Any:
+                contents: list[str] | None = None, **trainer: Any) -> Any:
     """verl's trainer (``__init__`` not run: it starts rollout servers) at step ``step``:
     its roles' states and its dataloader's position are functions of ``step``.
-    ``trainer`` overrides ``trainer.*`` keys (``default_local_dir`` is ``root``)."""
+    ``trainer`` overrides ``trainer.*`` keys (``default_local_dir`` is ``root``);
+    ``contents`` is the checkpoint's ``save_contents``."""
     from omegaconf import OmegaConf
     from torchdata.stateful_dataloader import StatefulDataLoader
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
@@ -195,7 +196,7 @@ def trainer_for(root: str, step: int, *, async_save: bool = False, critic: bool 
     t.global_steps = step
     t.roles = {}
     for role, offset in [("actor", 0)] + ([("critic", 500)] if critic else []):
-        t.roles[role] = Trainable({})
+        t.roles[role] = Trainable({"save_contents": contents} if contents else {})
         if step:
             t.roles[role].train(1, step + offset)
     t.trainable = t.roles["actor"]

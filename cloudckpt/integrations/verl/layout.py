@@ -15,6 +15,8 @@ ROLE_KIND = "verl-role"
 STEP_PREFIX = "global_step_"
 ACTOR = "actor"
 CRITIC = "critic"
+#: Where a role's HF config, tokenizer and (with ``hf_model``) model go.
+HF_DIR = "huggingface"
 #: The driver's dataloader state, at the step's root.
 DATA = "data.pt"
 #: verl's tracker at the root: the number of the newest step, as text.

@@ -2,7 +2,7 @@
 no torch."""
 
 from cloudckpt.core.plugins import Binding, Framework
-from cloudckpt.integrations.verl.layout import ACTOR, CRITIC, KIND, ROLE_KIND
+from cloudckpt.integrations.verl.layout import ACTOR, CRITIC, HF_DIR, KIND, ROLE_KIND
 
 FRAMEWORK = Framework(
     name="verl",
@@ -11,6 +11,9 @@ FRAMEWORK = Framework(
     # A verl step commits its roles' parts below its own claim.
     part_dirs=(ACTOR, CRITIC),
     commands="cloudckpt.integrations.verl.command:add_commands",
+    # With hf_model in save_contents, a role holds the model as an HF export.
+    exports={KIND: f"{ACTOR}/{HF_DIR}", ROLE_KIND: HF_DIR},
+    export_setting="actor_rollout_ref.actor.checkpoint.save_contents: [..., hf_model]",
     bindings=(Binding(module="verl.utils.checkpoint.fsdp_checkpoint_manager",
                       bind="cloudckpt.integrations.verl.binding:bind_fsdp_manager"),
               Binding(module="verl.trainer.ppo.ray_trainer",

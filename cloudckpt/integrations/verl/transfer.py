@@ -33,10 +33,11 @@ from cloudckpt.integrations.verl.layout import (
     step_name,
 )
 from cloudckpt.integrations.verl.resume import open_step
+from cloudckpt.integrations.verl.workers import role_parts
 from cloudckpt.movement.transfer import download
 from cloudckpt.names import MANIFEST_NAME
 from cloudckpt.storage import open_store
-from cloudckpt.training.staging import upload_dir
+from cloudckpt.training import multipart
 
 log = logging.getLogger("cloudckpt.verl")
 
@@ -88,9 +89,10 @@ def upload_step(local_step: str | os.PathLike, dst_root: str, *,
     writer.claim()
     try:
         for role in roles:
-            upload_dir(src / role, store.child(role), step=step, kind=ROLE_KIND,
-                       select=_files_but_manifests(src / role),
-                       metadata={"world_size": worlds[role], "layout": "verl-fsdp"})
+            multipart.save(store.child(role),
+                           role_parts(src / role, _files_but_manifests(src / role)),
+                           step=step, kind=ROLE_KIND,
+                           metadata={"world_size": worlds[role], "layout": "verl-fsdp"})
             writer.add_part(role)
         if (src / DATA).is_file():
             writer.put(DATA, (src / DATA).read_bytes())

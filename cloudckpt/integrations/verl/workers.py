@@ -6,7 +6,9 @@ A save runs verl's own ``save_checkpoint`` into a local directory (a staging one
 verl's ``default_local_dir`` when the bucket is ``default_hdfs_dir``), then every
 rank of the role's workers takes part in one upload that commits the directory as
 the role's part (``.../global_step_N/actor``, kind
-:data:`~cloudckpt.integrations.verl.layout.ROLE_KIND`). A crash before that leaves
+:data:`~cloudckpt.integrations.verl.layout.ROLE_KIND`); a ``huggingface/`` folder
+holding the model (``hf_model`` in ``save_contents``) is committed inside it as an HF
+export of its own, which ``cloudckpt push`` takes. A crash before the commit leaves
 no committed part, so nothing resumes it.
 
 A load reads only the rank's own three files, loads them with ``weights_only=True``
@@ -19,16 +21,26 @@ import io
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from cloudckpt.core.checkpoint import Checkpoint, open_checkpoint
+from cloudckpt.core import kinds
+from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
 from cloudckpt.errors import ConfigError, CorruptCheckpointError, IncompleteCheckpointError
-from cloudckpt.integrations.verl.layout import ROLE_KIND, rank_file, rank_file_world, step_of_role
+from cloudckpt.integrations.verl.layout import (
+    HF_DIR,
+    ROLE_KIND,
+    rank_file,
+    rank_file_world,
+    step_of_role,
+)
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.serialization.torchload import numpy_rng_allowed, safe_torch_load
-from cloudckpt.training.staging import staging_dir, upload_dir
+from cloudckpt.storage import Store, open_store
+from cloudckpt.training import multipart
+from cloudckpt.training.staging import LocalFiles, staging_dir, upload_dir
 
 log = logging.getLogger("cloudckpt.verl")
 
@@ -54,19 +66,59 @@ def save_role(own_save: Callable[..., None], manager: Any, uri: str, global_step
             "contents": sorted(manager.checkpoint_save_contents)}
     options = {"step": global_step if step is None else step, "kind": ROLE_KIND,
                "metadata": meta}
+    store = open_store(uri)
     if local_path is None:
         with staging_dir() as stage:
             own_save(manager, str(stage), None, global_step, None)
-            committed = upload_dir(stage, uri, **options)
+            committed = multipart.save(store, role_parts(stage, None), **options)
     else:
         started = time.time()
         own_save(manager, local_path, None, global_step, max_ckpt_to_keep)
-        committed = upload_dir(local_path, uri, select=_written_since(local_path, started),
-                               **options)
+        committed = multipart.save(store, role_parts(Path(local_path),
+                                                 _written_since(local_path, started)),
+                                   **options)
     if committed is not None:
         log.info("committed verl role %s (%d files, world size %d)", committed.uri,
                  len(committed.files), manager.world_size)
     return committed
+
+
+def role_parts(root: Path, select: set[str] | None = None) -> list[Any]:
+    """A role's files as parts: its ``huggingface/`` folder an HF export committed on
+    its own when verl saved the model there (``hf_model``), so ``push`` takes it."""
+    hf = root / HF_DIR
+    if not any(_is_weight(p.name) for p in (hf.iterdir() if hf.is_dir() else ())):
+        return [LocalFiles(root, select)]
+    rest = {f for f in (select if select is not None else _all_files(root))
+            if not f.startswith(f"{HF_DIR}/")}
+    inner = None if select is None else {f.removeprefix(f"{HF_DIR}/") for f in select
+                                         if f.startswith(f"{HF_DIR}/")}
+    return [LocalFiles(root, rest), _Export(hf, inner)]
+
+
+def _is_weight(name: str) -> bool:
+    return name.endswith(".safetensors") or (name.startswith("pytorch_model")
+                                             and name.endswith(".bin"))
+
+
+def _all_files(root: Path) -> set[str]:
+    return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
+
+
+@dataclass
+class _Export:
+    """A :class:`~cloudckpt.training.multipart.Part`: verl's ``huggingface/`` folder,
+    committed below the role as an HF export (kind ``hf``)."""
+
+    root: Path
+    select: set[str] | None
+
+    def write(self, store: Store, group: Any) -> None:
+        upload_dir(self.root, store.child(HF_DIR), group=group, select=self.select,
+                   kind=kinds.HF)
+
+    def commit(self, writer: CheckpointWriter, written: None) -> None:
+        writer.add_part(HF_DIR)
 
 
 def open_role(uri: str, world_size: int | None = None) -> Checkpoint:
