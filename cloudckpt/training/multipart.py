@@ -106,6 +106,30 @@ def save(store: Store, parts: Sequence[Part], *, group: Any = None,
         raise
 
 
+def drive(store: Store, parts: Sequence[tuple[str, Callable[[str], Any]]],
+          shared: Mapping[str, bytes | Callable[[], bytes]], **writer_options: Any
+          ) -> Checkpoint:
+    """One save that a driver process commits and worker groups fill: the driver
+    claims ``store``; each ``(prefix, save)`` of ``parts`` is called with the URI of
+    its prefix, where that group's workers commit their own part; then the driver
+    writes ``shared`` (bytes, or a callable giving them, called after every part) and
+    commits, adding the parts. Any failure abandons the claim and raises."""
+    writer = claim(store, **writer_options)
+    assert writer is not None  # the driver is its own coordinator
+    try:
+        for prefix, save_part in parts:
+            save_part(store.child(prefix).uri)
+        blobs = {key: data() if callable(data) else data for key, data in shared.items()}
+        for prefix, _ in parts:
+            writer.add_part(prefix)
+        for key, data in blobs.items():
+            writer.put(key, data)
+        return writer.commit()
+    except BaseException:
+        writer.abandon()
+        raise
+
+
 # ------------------------------------------------------------------ the handlers
 
 

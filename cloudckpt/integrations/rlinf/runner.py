@@ -47,19 +47,14 @@ def save_step(runner: Any) -> Checkpoint:
         workers.append((CRITIC, runner.critic))
     meta = {"parts": [name for name, _ in workers], "layout": "rlinf-fsdp",
             "key_prefix": KEY_PREFIX}
-    writer = multipart.claim(store, step=step, kind=KIND, metadata=meta)
-    assert writer is not None  # the driver is its own coordinator
-    try:
-        for name, worker in workers:  # every rank of the group commits its part
-            worker.save_checkpoint(store.child(name).uri, step).wait()
-        data = torch_bytes(runner.train_dataloader.state_dict())
-        for name, _ in workers:
-            writer.add_part(name)
-        writer.put(DATA_PATH, data)
-        committed = writer.commit()
-    except BaseException:
-        writer.abandon()
-        raise
+
+    def saver(worker: Any) -> Any:  # every rank of the group commits its part
+        return lambda uri: worker.save_checkpoint(uri, step).wait()
+
+    committed = multipart.drive(
+        store, [(name, saver(worker)) for name, worker in workers],
+        {DATA_PATH: lambda: torch_bytes(runner.train_dataloader.state_dict())},
+        step=step, kind=KIND, metadata=meta)
     log.info("RLinf step %d committed at %s", step, committed.uri)
     return committed
 

@@ -22,7 +22,15 @@ from typing import Any
 from cloudckpt.core.checkpoint import Checkpoint
 from cloudckpt.core.retention import Managed, apply_retention
 from cloudckpt.errors import ConfigError
-from cloudckpt.integrations.verl.layout import ACTOR, DATA, KIND, STEP_RE, TRACKER, step_name
+from cloudckpt.integrations.verl.layout import (
+    ACTOR,
+    DATA,
+    KIND,
+    STEP_RE,
+    TRACKER,
+    parse_step,
+    step_name,
+)
 from cloudckpt.integrations.verl.resume import latest_step, open_step
 from cloudckpt.integrations.verl.workers import open_role
 from cloudckpt.serialization.torchload import numpy_rng_allowed, safe_torch_load, torch_bytes
@@ -86,28 +94,25 @@ def save_step(trainer: Any, critic_dir: str) -> Checkpoint:
     local = None if remote(config.default_local_dir) else \
         os.path.join(config.default_local_dir, step_name(step))
     meta = {"roles": [name for name, _ in roles], "layout": "verl-fsdp"}
-    writer = multipart.claim(store, step=step, kind=KIND, metadata=meta)
-    assert writer is not None  # the driver is its own coordinator
-    try:
-        for name, group in roles:  # every worker of the role commits its part
-            uri = store.child(name).uri
-            if local is None:
-                group.save_checkpoint(uri, None, step, max_ckpt_to_keep=None)
-            else:  # verl's local copy stays complete, with its own local retention
-                group.save_checkpoint(os.path.join(local, name), uri, step,
-                                      max_ckpt_to_keep=_local_keep(config, name, critic_dir))
-        data = torch_bytes(trainer.train_dataloader.state_dict())
+
+    def saver(name: str, group: Any) -> Any:  # every worker of the role commits its part
+        if local is None:
+            return lambda uri: group.save_checkpoint(uri, None, step, max_ckpt_to_keep=None)
+        # verl's local copy stays complete, with its own local retention
+        return lambda uri: group.save_checkpoint(
+            os.path.join(local, name), uri, step,
+            max_ckpt_to_keep=_local_keep(config, name, critic_dir))
+
+    def data() -> bytes:
+        blob = torch_bytes(trainer.train_dataloader.state_dict())
         if local is not None:
             os.makedirs(local, exist_ok=True)
             with open(os.path.join(local, DATA), "wb") as f:
-                f.write(data)
-        for name, _ in roles:
-            writer.add_part(name)
-        writer.put(DATA, data)
-        committed = writer.commit()
-    except BaseException:
-        writer.abandon()
-        raise
+                f.write(blob)
+        return blob
+
+    committed = multipart.drive(store, [(name, saver(name, group)) for name, group in roles],
+                                {DATA: data}, step=step, kind=KIND, metadata=meta)
     log.info("verl step %d committed at %s", step, committed.uri)
     _write_tracker(root_store, step, None if local is None else config.default_local_dir)
     keep = keep_last(config, trainer.use_critic)
@@ -159,7 +164,7 @@ def load_step(trainer: Any, critic_dir: str, step_uri: str) -> None:
     workers' own files, then ``data.pt`` into the dataloader (as verl does)."""
     config = trainer.config.trainer
     ckpt = open_step(step_uri)
-    trainer.global_steps = int(ckpt.store.uri.rstrip("/").rpartition("_")[2])
+    trainer.global_steps = parse_step(ckpt.uri)
     log.info("resuming verl step %d from %s", trainer.global_steps, ckpt.uri)
     for name, group in _roles(trainer, critic_dir):
         role = open_role(ckpt.store.child(name).uri, getattr(group, "world_size", None))
