@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -22,6 +23,9 @@ from cloudckpt import CheckpointManager, StepInfo
 
 
 def main() -> None:
+    # Python's own Ctrl-C handling, even where this process was started with SIGINT
+    # ignored (a background job of a non-interactive shell inherits that).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     how, uri = sys.argv[1], sys.argv[2]
     options = json.loads(os.environ.get("CKPT_OPTIONS", "{}"))
     state = {f"t{i}": torch.full((512, 1024), float(i)) for i in range(16)}  # 32 MiB
