@@ -101,10 +101,11 @@ def split_uri(uri: str) -> tuple[str, str]:
     return scheme, collapse_slashes(rest).strip("/")
 
 
-def is_remote(uri: str) -> bool:
-    """Whether ``uri`` names an object store rather than a local path (``s3://b/p``
-    yes; ``/data/run``, ``file:///data/run``, ``run`` no)."""
-    return split_uri(uri)[0] != "file"
+def is_remote(uri: object) -> bool:
+    """Whether ``uri`` is a string naming an object store rather than a local path
+    (``s3://b/p`` yes; ``/data/run``, ``file:///data/run``, ``run``, a ``Path``, None
+    no): what a framework's config value says about where it saves."""
+    return isinstance(uri, str) and split_uri(uri)[0] != "file"
 
 
 def as_store(uri_or_store: str | Store,

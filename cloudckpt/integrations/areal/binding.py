@@ -31,8 +31,7 @@ class ByFileroot:
 
     def __call__(self, config: Any, *args: Any, **kwargs: Any) -> Any:
         fileroot = getattr(config, "fileroot", None)
-        cls = load_target(self.ours) if isinstance(fileroot, str) and is_remote(fileroot) \
-            else self.own
+        cls = load_target(self.ours) if is_remote(fileroot) else self.own
         return cls(config, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:

@@ -17,10 +17,6 @@ from typing import Any
 from cloudckpt.storage import is_remote
 
 
-def _remote(path: Any) -> bool:
-    return isinstance(path, str) and is_remote(path)
-
-
 def bind_runner(module: ModuleType) -> tuple[str, ...]:
     """Wrap three methods of ``rlinf.runners.reasoning_runner``'s ``ReasoningRunner``."""
     cls = module.ReasoningRunner
@@ -29,7 +25,7 @@ def bind_runner(module: ModuleType) -> tuple[str, ...]:
 
     @functools.wraps(own_save)
     def _save_checkpoint(self: Any) -> None:
-        if not _remote(self.cfg.runner.output_dir):
+        if not is_remote(self.cfg.runner.output_dir):
             return own_save(self)
         from cloudckpt.integrations.rlinf.runner import save_step
 
@@ -38,7 +34,7 @@ def bind_runner(module: ModuleType) -> tuple[str, ...]:
 
     @functools.wraps(own_init)
     def init_workers(self: Any) -> Any:
-        if _remote(self.cfg.runner.output_dir) or _remote(self.cfg.runner.resume_dir):
+        if is_remote(self.cfg.runner.output_dir) or is_remote(self.cfg.runner.resume_dir):
             from cloudckpt.integrations.rlinf.runner import resolve
 
             resolve(self)
@@ -47,7 +43,7 @@ def bind_runner(module: ModuleType) -> tuple[str, ...]:
     @functools.wraps(own_workers)
     def init_actor_critic_workers(self: Any) -> Any:
         result = own_workers(self)
-        if _remote(self.cfg.runner.resume_dir):
+        if is_remote(self.cfg.runner.resume_dir):
             from cloudckpt.integrations.rlinf.runner import load_data
 
             load_data(self)
@@ -78,7 +74,7 @@ def bind_strategy(module: ModuleType) -> tuple[str, ...]:
     def save_checkpoint(strategy: Any, model: Any, optimizers: Any, lr_schedulers: Any,
                         save_path: str, save_full_model_weights: bool = True,
                         checkpoint_format: str = "dcp") -> None:
-        if not _remote(save_path):
+        if not is_remote(save_path):
             return own_save(strategy, model, optimizers, lr_schedulers, save_path,
                             save_full_model_weights, checkpoint_format)
         from cloudckpt.integrations.rlinf.strategy import save_part
@@ -97,7 +93,7 @@ def bind_strategy(module: ModuleType) -> tuple[str, ...]:
     @functools.wraps(own_load)
     def load_checkpoint(strategy: Any, model: Any, optimizers: Any, lr_schedulers: Any,
                         load_path: str, checkpoint_format: str = "dcp") -> None:
-        if not _remote(load_path):
+        if not is_remote(load_path):
             return own_load(strategy, model, optimizers, lr_schedulers, load_path,
                             checkpoint_format)
         from cloudckpt.integrations.rlinf.strategy import load_part

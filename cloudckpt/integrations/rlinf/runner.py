@@ -32,10 +32,6 @@ from cloudckpt.training import multipart
 log = logging.getLogger("cloudckpt.rlinf")
 
 
-def remote(path: Any) -> bool:
-    return isinstance(path, str) and is_remote(path)
-
-
 def save_step(runner: Any) -> Checkpoint:
     """``ReasoningRunner._save_checkpoint`` for a bucket: the same worker calls, in
     RLinf's order, inside one committed step."""
@@ -63,7 +59,7 @@ def resolve(runner: Any) -> None:
     """``runner.resume_dir`` as ``init_workers`` then reads it: ``auto`` becomes the
     newest committed step of the bucket (or None), a bucket URI a committed step."""
     r = runner.cfg.runner
-    if r.resume_dir is None or not (r.resume_dir == "auto" or remote(r.resume_dir)):
+    if not (r.resume_dir == "auto" or is_remote(r.resume_dir)):
         return
     root = checkpoints_root(r.output_dir, r.experiment_name)
     r.resume_dir = resolve_resume_dir(r.resume_dir, root)
@@ -75,7 +71,7 @@ def load_data(runner: Any) -> None:
     """The ``data/data.pt`` of a bucket step, into the runner's dataloader (RLinf's own
     loader checks a local path and skips a URI)."""
     r = runner.cfg.runner
-    if r.resume_dir is None or not remote(r.resume_dir):
+    if not is_remote(r.resume_dir):
         return
     ckpt = open_rlinf_checkpoint(r.resume_dir)
     if DATA_PATH not in ckpt.manifest.files:

@@ -17,10 +17,6 @@ from typing import Any
 from cloudckpt.storage import is_remote
 
 
-def _remote(path: Any) -> bool:
-    return isinstance(path, str) and is_remote(path)
-
-
 def bind_fsdp_manager(module: ModuleType) -> tuple[str, ...]:
     """Wrap ``verl.utils.checkpoint.fsdp_checkpoint_manager.FSDPCheckpointManager``."""
     cls = module.FSDPCheckpointManager
@@ -29,11 +25,11 @@ def bind_fsdp_manager(module: ModuleType) -> tuple[str, ...]:
     @functools.wraps(own_save)
     def save_checkpoint(self: Any, local_path: str, hdfs_path: str | None = None,
                         global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
-        if local_path is None or not (_remote(local_path) or _remote(hdfs_path)):
+        if local_path is None or not (is_remote(local_path) or is_remote(hdfs_path)):
             return own_save(self, local_path, hdfs_path, global_step, max_ckpt_to_keep)
         from cloudckpt.integrations.verl.workers import save_role
 
-        if _remote(local_path):
+        if is_remote(local_path):
             save_role(own_save, self, local_path, global_step)
         else:
             save_role(own_save, self, str(hdfs_path), global_step, local_path=local_path,
@@ -43,7 +39,7 @@ def bind_fsdp_manager(module: ModuleType) -> tuple[str, ...]:
     @functools.wraps(own_load)
     def load_checkpoint(self: Any, local_path: str, hdfs_path: str | None = None,
                         del_local_after_load: bool = False) -> None:
-        if not _remote(local_path):
+        if not is_remote(local_path):
             return own_load(self, local_path, hdfs_path, del_local_after_load)
         from cloudckpt.integrations.verl.workers import load_role
 

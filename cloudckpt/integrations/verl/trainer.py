@@ -42,21 +42,17 @@ log = logging.getLogger("cloudckpt.verl")
 MODES = ("auto", "disable", "resume_path")
 
 
-def remote(path: Any) -> bool:
-    return isinstance(path, str) and is_remote(path)
-
-
 def bucket_root(trainer_config: Any) -> str | None:
     """The run's bucket root: ``default_local_dir`` when it is a bucket URI, else
     ``default_hdfs_dir`` when that one is; None for a local run (verl's own code)."""
     local = trainer_config.get("default_local_dir")
     hdfs = trainer_config.get("default_hdfs_dir")
-    if remote(local):
+    if is_remote(local):
         if hdfs is not None:
             raise ConfigError(f"trainer.default_local_dir is a bucket ({local}) and "
                               f"trainer.default_hdfs_dir is set too ({hdfs}): set one of them")
         return str(local).rstrip("/")
-    if remote(hdfs):
+    if is_remote(hdfs):
         return str(hdfs).rstrip("/")
     return None
 
@@ -91,7 +87,7 @@ def save_step(trainer: Any, critic_dir: str) -> Checkpoint:
     root_store = open_store(root)
     store = root_store.child(step_name(step))
     roles = _roles(trainer, critic_dir)
-    local = None if remote(config.default_local_dir) else \
+    local = None if is_remote(config.default_local_dir) else \
         os.path.join(config.default_local_dir, step_name(step))
     meta = {"roles": [name for name, _ in roles], "layout": "verl-fsdp"}
 
@@ -191,7 +187,7 @@ def load(trainer: Any, critic_dir: str, own_load: Callable[[Any], Any]) -> Any:
     is one, else verl's own."""
     config = trainer.config.trainer
     if bucket_root(config) is None and not (config.resume_mode == "resume_path"
-                                            and remote(config.get("resume_from_path"))):
+                                            and is_remote(config.get("resume_from_path"))):
         return own_load(trainer)
     uri = resolve(trainer)
     if uri is None:
