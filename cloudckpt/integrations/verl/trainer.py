@@ -57,14 +57,20 @@ def bucket_root(trainer_config: Any) -> str | None:
     return None
 
 
+def _count(trainer_config: Any, key: str) -> Any:
+    """verl's count for one role (``max_actor_ckpt_to_keep``, ``max_critic_...``), 1
+    under its deprecated ``remove_previous_ckpt_in_save``."""
+    if trainer_config.get("remove_previous_ckpt_in_save", False):
+        return 1
+    return trainer_config.get(key, None)
+
+
 def keep_last(trainer_config: Any, use_critic: bool) -> int | None:
     """How many newest committed steps verl's counts keep: a step stays while either
     ``max_actor_ckpt_to_keep`` or ``max_critic_ckpt_to_keep`` keeps it (None: all)."""
-    if trainer_config.get("remove_previous_ckpt_in_save", False):
-        return 1
-    counts = [trainer_config.get("max_actor_ckpt_to_keep", None)]
+    counts = [_count(trainer_config, "max_actor_ckpt_to_keep")]
     if use_critic:
-        counts.append(trainer_config.get("max_critic_ckpt_to_keep", None))
+        counts.append(_count(trainer_config, "max_critic_ckpt_to_keep"))
     if any(not (isinstance(c, int) and c > 0) for c in counts):
         return None  # a role that keeps everything keeps every step
     return max(counts)
@@ -119,10 +125,8 @@ def save_step(trainer: Any, critic_dir: str) -> Checkpoint:
 
 def _local_keep(config: Any, role: str, critic_dir: str) -> Any:
     """verl's count for a role's local copies (``default_local_dir``)."""
-    if config.get("remove_previous_ckpt_in_save", False):
-        return 1
-    key = "max_critic_ckpt_to_keep" if role == critic_dir else "max_actor_ckpt_to_keep"
-    return config.get(key, None)
+    return _count(config, "max_critic_ckpt_to_keep" if role == critic_dir
+                  else "max_actor_ckpt_to_keep")
 
 
 def _write_tracker(root: Store, step: int, local_root: str | None) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter
+from cloudckpt.core.checkpoint import Checkpoint
 from cloudckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from cloudckpt.integrations.verl.layout import (
     ACTOR,
@@ -33,9 +33,8 @@ from cloudckpt.integrations.verl.layout import (
     step_name,
 )
 from cloudckpt.integrations.verl.resume import open_step
-from cloudckpt.integrations.verl.workers import role_parts
+from cloudckpt.integrations.verl.workers import files_under, role_parts
 from cloudckpt.movement.transfer import download
-from cloudckpt.names import MANIFEST_NAME
 from cloudckpt.storage import open_store
 from cloudckpt.training import multipart
 
@@ -83,35 +82,24 @@ def upload_step(local_step: str | os.PathLike, dst_root: str, *,
         raise CheckpointNotFoundError(f"{src} has no {ACTOR}/: not a verl FSDP step (the "
                                       "Megatron layout goes up with `cloudckpt upload`)")
     worlds = {r: _check_role(src / r) for r in roles}
+    shared = {DATA: (src / DATA).read_bytes()} if (src / DATA).is_file() else {}
+    if not shared:
+        log.warning("%s has no %s: a resume restarts the dataloader (as verl does)", src, DATA)
+
+    def saver(role: str) -> Any:
+        return lambda uri: multipart.save(
+            open_store(uri, storage_options), role_parts(src / role, files_under(src / role)),
+            step=step, kind=ROLE_KIND,
+            metadata={"world_size": worlds[role], "layout": "verl-fsdp"})
+
     store = open_store(dst_root.rstrip("/"), storage_options).child(step_name(step))
-    writer = CheckpointWriter(store, step=step, kind=KIND, metadata={
-        "roles": roles, "layout": "verl-fsdp", "uploaded_from": "verl"})
-    writer.claim()
-    try:
-        for role in roles:
-            multipart.save(store.child(role),
-                           role_parts(src / role, _files_but_manifests(src / role)),
-                           step=step, kind=ROLE_KIND,
-                           metadata={"world_size": worlds[role], "layout": "verl-fsdp"})
-            writer.add_part(role)
-        if (src / DATA).is_file():
-            writer.put(DATA, (src / DATA).read_bytes())
-        else:
-            log.warning("%s has no %s: a resume restarts the dataloader (as verl does)",
-                        src, DATA)
-        committed = writer.commit()
-    except BaseException:
-        writer.abandon()
-        raise
+    committed = multipart.drive(store, [(role, saver(role)) for role in roles], shared,
+                                step=step, kind=KIND, metadata={
+                                    "roles": roles, "layout": "verl-fsdp",
+                                    "uploaded_from": "verl"})
     log.info("uploaded verl step %s -> %s (%d objects)", src, committed.uri,
              len(committed.files))
     return committed
-
-
-def _files_but_manifests(root: Path) -> set[str]:
-    """Every file below ``root`` but a manifest of an earlier download."""
-    return {p.relative_to(root).as_posix() for p in root.rglob("*")
-            if p.is_file() and p.name != MANIFEST_NAME}
 
 
 def download_step(step_uri: str, local_root: str | os.PathLike, *,

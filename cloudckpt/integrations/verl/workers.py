@@ -36,6 +36,7 @@ from cloudckpt.integrations.verl.layout import (
     rank_file_world,
     step_of_role,
 )
+from cloudckpt.names import MANIFEST_NAME
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.serialization.torchload import numpy_rng_allowed, safe_torch_load
 from cloudckpt.storage import Store, open_store
@@ -44,13 +45,15 @@ from cloudckpt.training.staging import LocalFiles, staging_dir, upload_dir
 
 log = logging.getLogger("cloudckpt.verl")
 
-def _written_since(root: str, since: float) -> set[str]:
-    """The files under ``root`` modified at or after ``since`` (this save's), as
-    relative paths: a local role directory may hold older files of another world size."""
+def files_under(root: str | Path, since: float | None = None) -> set[str]:
+    """The files below ``root`` as relative paths, but the manifests of an earlier
+    download; with ``since``, only those modified at or after it (this save's: a local
+    role directory may hold older files of another world size)."""
     base = Path(root)
     slack = 2.0  # timestamps of some file systems are coarse
     return {p.relative_to(base).as_posix() for p in base.rglob("*")
-            if p.is_file() and p.stat().st_mtime >= since - slack}
+            if p.is_file() and p.name != MANIFEST_NAME
+            and (since is None or p.stat().st_mtime >= since - slack)}
 
 
 def save_role(own_save: Callable[..., None], manager: Any, uri: str, global_step: int, *,
@@ -75,7 +78,7 @@ def save_role(own_save: Callable[..., None], manager: Any, uri: str, global_step
         started = time.time()
         own_save(manager, local_path, None, global_step, max_ckpt_to_keep)
         committed = multipart.save(store, role_parts(Path(local_path),
-                                                 _written_since(local_path, started)),
+                                                     files_under(local_path, started)),
                                    **options)
     if committed is not None:
         log.info("committed verl role %s (%d files, world size %d)", committed.uri,
@@ -89,7 +92,7 @@ def role_parts(root: Path, select: set[str] | None = None) -> list[Any]:
     hf = root / HF_DIR
     if not any(_is_weight(p.name) for p in (hf.iterdir() if hf.is_dir() else ())):
         return [LocalFiles(root, select)]
-    rest = {f for f in (select if select is not None else _all_files(root))
+    rest = {f for f in (select if select is not None else files_under(root))
             if not f.startswith(f"{HF_DIR}/")}
     inner = None if select is None else {f.removeprefix(f"{HF_DIR}/") for f in select
                                          if f.startswith(f"{HF_DIR}/")}
@@ -99,10 +102,6 @@ def role_parts(root: Path, select: set[str] | None = None) -> list[Any]:
 def _is_weight(name: str) -> bool:
     return name.endswith(".safetensors") or (name.startswith("pytorch_model")
                                              and name.endswith(".bin"))
-
-
-def _all_files(root: Path) -> set[str]:
-    return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
 
 
 @dataclass
