@@ -263,12 +263,12 @@ def _kill_at(point: str, step: int, current: list[int]) -> None:
             return own_commit(self, *a, **kw)
         CheckpointWriter.commit = commit
     elif point == "tracker":
-        own_tracker = vt._write_tracker
+        own_tracker = vt.write_tracker
 
         def tracker(*a, **kw):
             die()
             return own_tracker(*a, **kw)
-        vt._write_tracker = tracker
+        vt.write_tracker = tracker
 
 
 def verl_ops(root: str, opts: dict[str, Any], env: dict[str, str], log: str, seed: int,

@@ -3,23 +3,72 @@ through verl's own code, unchanged):
 
 - ``FSDPCheckpointManager.save_checkpoint`` / ``load_checkpoint`` (its workers'
   checkpoint I/O) commit and load a role part (:mod:`.workers`);
+- ``MegatronCheckpointManager.save_checkpoint`` / ``load_checkpoint`` likewise, by
+  local staging: verl's own save and load run on a local directory, which is
+  uploaded and committed, or downloaded (:func:`.workers.load_staged`);
 - ``RayPPOTrainer._save_checkpoint`` commits the step (the roles, ``data.pt``), then
   writes the tracker and applies retention; ``_load_checkpoint`` resumes a committed
-  step (:mod:`.trainer`).
+  step (:mod:`.trainer`);
+- the SFT trainer's ``CheckpointHandler.save_checkpoint`` / ``load_checkpoint`` do the
+  same for its steps, on every rank (:mod:`.sft`).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from cloudckpt.errors import ConfigError
 from cloudckpt.storage import is_remote
 
 
 def bind_fsdp_manager(module: ModuleType) -> tuple[str, ...]:
     """Wrap ``verl.utils.checkpoint.fsdp_checkpoint_manager.FSDPCheckpointManager``."""
-    cls = module.FSDPCheckpointManager
+
+    def save(own_save: Any, manager: Any, *args: Any) -> None:
+        from cloudckpt.integrations.verl.layout import FSDP_LAYOUT
+        from cloudckpt.integrations.verl.workers import save_manager
+
+        save_manager(own_save, manager, *args, layout=FSDP_LAYOUT)
+
+    def load(own_load: Any, manager: Any, uri: str) -> None:
+        from cloudckpt.integrations.verl.workers import load_role
+
+        load_role(module, manager, uri)  # nothing is stored locally to delete
+
+    return _wrap_manager(module.FSDPCheckpointManager, save, load)
+
+
+def bind_megatron_manager(module: ModuleType) -> tuple[str, ...]:
+    """Wrap ``verl.utils.checkpoint.megatron_checkpoint_manager.MegatronCheckpointManager``
+    (its own save and load run on local staging directories)."""
+
+    def save(own_save: Any, manager: Any, *args: Any) -> None:
+        from cloudckpt.integrations.verl.layout import MEGATRON_LAYOUT
+        from cloudckpt.integrations.verl.workers import save_manager
+
+        if getattr(manager.checkpoint_config, "async_save", False):
+            raise ConfigError(
+                "verl's Megatron async_save cannot save to a bucket with cloudckpt: its "
+                "files are uploaded once written, so set actor_rollout_ref.actor.checkpoint."
+                "async_save: false (and the critic's), or keep the checkpoint dirs local")
+        save_manager(own_save, manager, *args, layout=MEGATRON_LAYOUT)
+
+    def load(own_load: Any, manager: Any, uri: str) -> None:
+        from cloudckpt.integrations.verl.workers import load_staged
+
+        load_staged(own_load, manager, uri)  # the staging copy is removed afterwards
+
+    return _wrap_manager(module.MegatronCheckpointManager, save, load)
+
+
+def _wrap_manager(cls: type, save: Callable[..., None], load: Callable[..., None]
+                  ) -> tuple[str, ...]:
+    """Route a verl checkpoint manager's ``save_checkpoint`` / ``load_checkpoint`` to
+    ``save(own_save, manager, local_path, hdfs_path, global_step, max_ckpt_to_keep)`` /
+    ``load(own_load, manager, uri)`` when a path is a bucket URI; verl's own otherwise."""
     own_save, own_load = cls.save_checkpoint, cls.load_checkpoint
 
     @functools.wraps(own_save)
@@ -27,13 +76,7 @@ def bind_fsdp_manager(module: ModuleType) -> tuple[str, ...]:
                         global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
         if local_path is None or not (is_remote(local_path) or is_remote(hdfs_path)):
             return own_save(self, local_path, hdfs_path, global_step, max_ckpt_to_keep)
-        from cloudckpt.integrations.verl.workers import save_role
-
-        if is_remote(local_path):
-            save_role(own_save, self, local_path, global_step)
-        else:
-            save_role(own_save, self, str(hdfs_path), global_step, local_path=local_path,
-                      max_ckpt_to_keep=max_ckpt_to_keep)
+        save(own_save, self, local_path, hdfs_path, global_step, max_ckpt_to_keep)
         return None
 
     @functools.wraps(own_load)
@@ -41,14 +84,12 @@ def bind_fsdp_manager(module: ModuleType) -> tuple[str, ...]:
                         del_local_after_load: bool = False) -> None:
         if not is_remote(local_path):
             return own_load(self, local_path, hdfs_path, del_local_after_load)
-        from cloudckpt.integrations.verl.workers import load_role
-
-        load_role(module, self, local_path)  # nothing is stored locally to delete
+        load(own_load, self, local_path)
         return None
 
     cls.save_checkpoint = save_checkpoint
     cls.load_checkpoint = load_checkpoint
-    return ("FSDPCheckpointManager.save_checkpoint", "FSDPCheckpointManager.load_checkpoint")
+    return (f"{cls.__name__}.save_checkpoint", f"{cls.__name__}.load_checkpoint")
 
 
 def bind_ppo_trainer(module: ModuleType) -> tuple[str, ...]:
@@ -75,3 +116,28 @@ def bind_ppo_trainer(module: ModuleType) -> tuple[str, ...]:
     cls._save_checkpoint = _save_checkpoint
     cls._load_checkpoint = _load_checkpoint
     return ("RayPPOTrainer._save_checkpoint", "RayPPOTrainer._load_checkpoint")
+
+
+def bind_sft_handler(module: ModuleType) -> tuple[str, ...]:
+    """Wrap ``verl.utils.checkpoint.checkpoint_handler.CheckpointHandler``."""
+    cls = module.CheckpointHandler
+    own_save, own_load = cls.save_checkpoint, cls.load_checkpoint
+
+    @functools.wraps(own_save)
+    def save_checkpoint(self: Any, step: int) -> None:
+        from cloudckpt.integrations.verl.sft import handler_root, save_step
+
+        if handler_root(self) is None:
+            return own_save(self, step)
+        save_step(self, step)
+        return None
+
+    @functools.wraps(own_load)
+    def load_checkpoint(self: Any) -> Any:
+        from cloudckpt.integrations.verl.sft import load
+
+        return load(self, own_load)
+
+    cls.save_checkpoint = save_checkpoint
+    cls.load_checkpoint = load_checkpoint
+    return ("CheckpointHandler.save_checkpoint", "CheckpointHandler.load_checkpoint")

@@ -1,6 +1,7 @@
 """``cloudckpt verl upload|download|latest ...``: verl's steps outside a run.
 
-- ``upload LOCAL_STEP ROOT``: a ``global_step_N`` verl wrote on local disk, checked
+- ``upload LOCAL_STEP ROOT``: a ``global_step_N`` verl wrote on local disk (its PPO
+  trainer's or its SFT trainer's), checked
   and committed under the run's root in a bucket (:func:`.transfer.upload_step`);
 - ``download STEP_URI LOCAL_ROOT``: a committed step into a local
   ``default_local_dir``, with verl's tracker (:func:`.transfer.download_step`);
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 
 from cloudckpt.errors import EXIT_OK, CheckpointNotFoundError
+from cloudckpt.integrations.verl.layout import STEP_KINDS
 from cloudckpt.integrations.verl.resume import latest_step
 from cloudckpt.integrations.verl.transfer import download_step, upload_step
 from cloudckpt.util.cliargs import add_command
@@ -33,7 +35,7 @@ def cmd_download(args: argparse.Namespace) -> int:
 
 
 def cmd_latest(args: argparse.Namespace) -> int:
-    uri = latest_step(args.root, args.options)
+    uri = latest_step(args.root, args.options, kinds=STEP_KINDS)
     if uri is None:
         raise CheckpointNotFoundError(f"no committed verl step under {args.root}")
     print(uri)

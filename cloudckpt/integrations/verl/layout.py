@@ -12,6 +12,12 @@ from cloudckpt.errors import ConfigError
 KIND = "verl"
 #: One role's part (``actor/``, ``critic/``), committed by that role's workers.
 ROLE_KIND = "verl-role"
+#: A step of verl's SFT trainer (``CheckpointHandler``): the engine's checkpoint
+#: manager's files at the step's root, beside each data-parallel rank's
+#: ``data_{dp_rank}.pt``.
+SFT_KIND = "verl-sft"
+#: What a ``global_step_N`` of a run's root is: a PPO step or an SFT one.
+STEP_KINDS = (KIND, SFT_KIND)
 STEP_PREFIX = "global_step_"
 ACTOR = "actor"
 CRITIC = "critic"
@@ -19,6 +25,17 @@ CRITIC = "critic"
 HF_DIR = "huggingface"
 #: The driver's dataloader state, at the step's root.
 DATA = "data.pt"
+#: How a role's files were written (the part's ``layout`` metadata): per-rank
+#: ``torch.save`` files of the FSDP manager, which cannot be resharded, or the Megatron
+#: manager's ``dist_ckpt`` directories, which its own load reshards.
+FSDP_LAYOUT = "verl-fsdp"
+MEGATRON_LAYOUT = "verl-megatron"
+#: What verl's Megatron manager writes last in a role directory: its contents.
+MEGATRON_CONTENTS = "ckpt_contents.json"
+#: The SFT trainer's dataloader state, one per data-parallel rank.
+SFT_DATA = "data_{dp_rank}.pt"
+#: The SFT trainer's LoRA rank and alpha, when it trains LoRA adapters.
+LORA_META = "lora_train_meta.json"
 #: verl's tracker at the root: the number of the newest step, as text.
 TRACKER = "latest_checkpointed_iteration.txt"
 #: Each rank's files in a role directory (``FSDPCheckpointManager``).

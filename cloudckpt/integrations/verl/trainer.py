@@ -21,7 +21,6 @@ from typing import Any
 
 from cloudckpt.core.checkpoint import Checkpoint
 from cloudckpt.core.retention import Managed, apply_retention
-from cloudckpt.errors import ConfigError
 from cloudckpt.integrations.verl.layout import (
     ACTOR,
     DATA,
@@ -31,7 +30,8 @@ from cloudckpt.integrations.verl.layout import (
     parse_step,
     step_name,
 )
-from cloudckpt.integrations.verl.resume import latest_step, open_step
+from cloudckpt.integrations.verl.resume import open_step, run_root
+from cloudckpt.integrations.verl.resume import resolve as _resolve
 from cloudckpt.integrations.verl.workers import open_role
 from cloudckpt.serialization.torchload import numpy_rng_allowed, safe_torch_load, torch_bytes
 from cloudckpt.storage import Store, is_remote, open_store
@@ -39,22 +39,11 @@ from cloudckpt.training import multipart
 
 log = logging.getLogger("cloudckpt.verl")
 
-MODES = ("auto", "disable", "resume_path")
-
 
 def bucket_root(trainer_config: Any) -> str | None:
-    """The run's bucket root: ``default_local_dir`` when it is a bucket URI, else
-    ``default_hdfs_dir`` when that one is; None for a local run (verl's own code)."""
-    local = trainer_config.get("default_local_dir")
-    hdfs = trainer_config.get("default_hdfs_dir")
-    if is_remote(local):
-        if hdfs is not None:
-            raise ConfigError(f"trainer.default_local_dir is a bucket ({local}) and "
-                              f"trainer.default_hdfs_dir is set too ({hdfs}): set one of them")
-        return str(local).rstrip("/")
-    if is_remote(hdfs):
-        return str(hdfs).rstrip("/")
-    return None
+    """The run's bucket root (:func:`~.resume.run_root` of its ``trainer`` config)."""
+    return run_root(trainer_config.get("default_local_dir"),
+                    trainer_config.get("default_hdfs_dir"))
 
 
 def _count(trainer_config: Any, key: str) -> Any:
@@ -71,9 +60,15 @@ def keep_last(trainer_config: Any, use_critic: bool) -> int | None:
     counts = [_count(trainer_config, "max_actor_ckpt_to_keep")]
     if use_critic:
         counts.append(_count(trainer_config, "max_critic_ckpt_to_keep"))
-    if any(not (isinstance(c, int) and c > 0) for c in counts):
+    if any(kept(c) is None for c in counts):
         return None  # a role that keeps everything keeps every step
     return max(counts)
+
+
+def kept(count: Any) -> int | None:
+    """How many steps one of verl's ``max_*_ckpt_to_keep`` keeps (None: all, as verl
+    reads a missing, zero or negative count)."""
+    return count if isinstance(count, int) and count > 0 else None
 
 
 def _roles(trainer: Any, critic_dir: str) -> list[tuple[str, Any]]:
@@ -95,7 +90,7 @@ def save_step(trainer: Any, critic_dir: str) -> Checkpoint:
     roles = _roles(trainer, critic_dir)
     local = None if is_remote(config.default_local_dir) else \
         os.path.join(config.default_local_dir, step_name(step))
-    meta = {"roles": [name for name, _ in roles], "layout": "verl-fsdp"}
+    meta = {"roles": [name for name, _ in roles]}
 
     def saver(name: str, group: Any) -> Any:  # every worker of the role commits its part
         if local is None:
@@ -116,7 +111,7 @@ def save_step(trainer: Any, critic_dir: str) -> Checkpoint:
     committed = multipart.drive(store, [(name, saver(name, group)) for name, group in roles],
                                 {DATA: data}, step=step, kind=KIND, metadata=meta)
     log.info("verl step %d committed at %s", step, committed.uri)
-    _write_tracker(root_store, step, None if local is None else config.default_local_dir)
+    write_tracker(root_store, step, None if local is None else config.default_local_dir)
     keep = keep_last(config, trainer.use_critic)
     apply_retention(root_store, keep, number=Managed(KIND, STEP_RE),
                     keep=step_name(step))
@@ -129,7 +124,7 @@ def _local_keep(config: Any, role: str, critic_dir: str) -> Any:
                   else "max_actor_ckpt_to_keep")
 
 
-def _write_tracker(root: Store, step: int, local_root: str | None) -> None:
+def write_tracker(root: Store, step: int, local_root: str | None) -> None:
     """verl's tracker, after the commit: never ahead of a committed step."""
     root.put(TRACKER, str(step).encode())
     if local_root is not None:  # verl's own, for its local copy (tmp + rename)
@@ -142,21 +137,7 @@ def _write_tracker(root: Store, step: int, local_root: str | None) -> None:
 def resolve(trainer: Any) -> str | None:
     """The committed step ``trainer.resume_mode`` resumes (None: a fresh start)."""
     config = trainer.config.trainer
-    mode = config.resume_mode
-    if mode not in MODES:
-        raise ConfigError(f"trainer.resume_mode is {mode!r}; verl knows {', '.join(MODES)}")
-    if mode == "disable":
-        return None
-    if mode == "resume_path":
-        path = config.get("resume_from_path")
-        if not isinstance(path, str) or "global_step_" not in path:
-            raise ConfigError(f"trainer.resume_mode is resume_path and resume_from_path is "
-                              f"{path!r}: name a step, .../global_step_<N>")
-        return open_step(path).uri
-    root = bucket_root(config)
-    if root is None:
-        return None
-    return latest_step(root)
+    return _resolve(config.resume_mode, config.get("resume_from_path"), bucket_root(config))
 
 
 def load_step(trainer: Any, critic_dir: str, step_uri: str) -> None:

@@ -1,6 +1,7 @@
-"""verl's FSDP checkpoint manager on a bucket: what ``FSDPCheckpointManager.
+"""verl's checkpoint managers on a bucket: what ``FSDPCheckpointManager.
 save_checkpoint`` / ``load_checkpoint`` do (``verl/utils/checkpoint/
-fsdp_checkpoint_manager.py``) for a role directory that is a bucket URI.
+fsdp_checkpoint_manager.py``) for a role directory that is a bucket URI, and the
+Megatron manager's local-staging path.
 
 A save runs verl's own ``save_checkpoint`` into a local directory (a staging one, or
 verl's ``default_local_dir`` when the bucket is ``default_hdfs_dir``), then every
@@ -11,8 +12,11 @@ holding the model (``hf_model`` in ``save_contents``) is committed inside it as 
 export of its own, which ``cloudckpt push`` takes. A crash before the commit leaves
 no committed part, so nothing resumes it.
 
-A load reads only the rank's own three files, loads them with ``weights_only=True``
-(verl's own loader uses ``weights_only=False``), and applies them as verl does.
+An FSDP load reads only the rank's own three files, loads them with
+``weights_only=True`` (verl's own loader uses ``weights_only=False``), and applies
+them as verl does. A Megatron load (:func:`load_staged`) downloads the part once per
+host into a staging directory and runs verl's own load there: its ``dist_ckpt``
+shards are read by whichever ranks the load's sharding needs.
 """
 
 from __future__ import annotations
@@ -30,8 +34,11 @@ from cloudckpt.core import kinds
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
 from cloudckpt.errors import ConfigError, CorruptCheckpointError, IncompleteCheckpointError
 from cloudckpt.integrations.verl.layout import (
+    FSDP_LAYOUT,
     HF_DIR,
+    MEGATRON_LAYOUT,
     ROLE_KIND,
+    SFT_KIND,
     rank_file,
     rank_file_world,
     step_of_role,
@@ -39,9 +46,9 @@ from cloudckpt.integrations.verl.layout import (
 from cloudckpt.names import MANIFEST_NAME
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.serialization.torchload import numpy_rng_allowed, safe_torch_load
-from cloudckpt.storage import Store, open_store
+from cloudckpt.storage import Store, is_remote, open_store
 from cloudckpt.training import multipart
-from cloudckpt.training.staging import LocalFiles, staging_dir, upload_dir
+from cloudckpt.training.staging import LocalFiles, download_dir, staging_dir, upload_dir
 
 log = logging.getLogger("cloudckpt.verl")
 
@@ -56,16 +63,27 @@ def files_under(root: str | Path, since: float | None = None) -> set[str]:
             and (since is None or p.stat().st_mtime >= since - slack)}
 
 
+def save_manager(own_save: Callable[..., None], manager: Any, local_path: str,
+                 hdfs_path: str | None, global_step: int, max_ckpt_to_keep: int | None, *,
+                 layout: str) -> Checkpoint | None:
+    """A manager's ``save_checkpoint`` where a path is a bucket URI: ``local_path``
+    itself (staged), or ``hdfs_path`` beside a local ``local_path`` (verl's own copy)."""
+    if is_remote(local_path):
+        return save_role(own_save, manager, local_path, global_step, layout=layout)
+    return save_role(own_save, manager, str(hdfs_path), global_step, local_path=local_path,
+                     max_ckpt_to_keep=max_ckpt_to_keep, layout=layout)
+
+
 def save_role(own_save: Callable[..., None], manager: Any, uri: str, global_step: int, *,
-              local_path: str | None = None, max_ckpt_to_keep: int | None = None
-              ) -> Checkpoint | None:
+              local_path: str | None = None, max_ckpt_to_keep: int | None = None,
+              layout: str = FSDP_LAYOUT) -> Checkpoint | None:
     """Commit one role's save at ``uri`` (a bucket URI); call on every rank of the
     role's workers. ``own_save`` is verl's ``save_checkpoint``: it writes the files
     into ``local_path`` (with verl's own local retention, ``max_ckpt_to_keep``), or
     into a staging directory when there is none. Returns the part on rank 0."""
     uri = uri.rstrip("/")
     step = step_of_role(uri)
-    meta = {"world_size": manager.world_size, "layout": "verl-fsdp",
+    meta = {"world_size": manager.world_size, "layout": layout,
             "contents": sorted(manager.checkpoint_save_contents)}
     options = {"step": global_step if step is None else step, "kind": ROLE_KIND,
                "metadata": meta}
@@ -120,9 +138,13 @@ class _Export:
         writer.add_part(HF_DIR)
 
 
+#: What holds one checkpoint manager's files: a PPO role part, an SFT step.
+MANAGER_KINDS = (ROLE_KIND, SFT_KIND)
+
+
 def open_role(uri: str, world_size: int | None = None) -> Checkpoint:
-    """A committed role part; with ``world_size``, refused unless it was saved by as
-    many ranks (verl's per-rank files cannot be resharded)."""
+    """A committed role part (or SFT step); with ``world_size``, refused unless it was
+    saved by as many ranks (verl's per-rank files cannot be resharded)."""
     uri = uri.rstrip("/")
     try:
         ckpt = open_checkpoint(uri)
@@ -130,9 +152,12 @@ def open_role(uri: str, world_size: int | None = None) -> Checkpoint:
         raise IncompleteCheckpointError(
             f"{uri} is not a committed verl role part ({exc}); resume from a committed "
             "step (resume_mode: auto finds the newest)") from exc
-    if ckpt.manifest.kind != ROLE_KIND:
+    if ckpt.manifest.kind not in MANAGER_KINDS:
         raise CorruptCheckpointError(f"{ckpt.uri} is a {ckpt.manifest.kind!r} checkpoint, "
-                                     f"not a verl role part ({ROLE_KIND!r})")
+                                     f"not a verl role part ({ROLE_KIND!r}) or SFT step "
+                                     f"({SFT_KIND!r})")
+    if ckpt.metadata.get("layout") == MEGATRON_LAYOUT:
+        return ckpt  # verl's Megatron load reshards its dist_ckpt
     saved = saved_world_size(ckpt)
     if world_size is not None and saved != world_size:
         raise ConfigError(
@@ -151,6 +176,18 @@ def saved_world_size(ckpt: Checkpoint) -> int:
         raise CorruptCheckpointError(f"{ckpt.uri}: cannot tell the world size it was saved "
                                      f"by (rank files of sizes {sorted(worlds)})")
     return worlds.pop()
+
+
+def load_staged(own_load: Callable[..., None], manager: Any, uri: str) -> Checkpoint:
+    """Load the role part at ``uri`` with verl's own ``load_checkpoint`` (``own_load``)
+    from a copy downloaded once per host into a staging directory, removed afterwards;
+    call on every rank. A failure on any rank raises on every rank."""
+    ckpt = open_role(uri)
+    with staging_dir() as stage:
+        download_dir(ckpt, stage)
+        coord.each_rank(lambda: own_load(manager, str(stage), None, False))
+    log.info("rank %d loaded verl's %s from %s", manager.rank, MEGATRON_LAYOUT, ckpt.uri)
+    return ckpt
 
 
 def _read_state(ckpt: Checkpoint, key: str, setting: str) -> Any:
