@@ -3,6 +3,8 @@ gloo ranks (CPU), under ``cloudckpt run``.
 
     python tests/compat/verl_megatron_ranks.py ROLE_URI OUT_DIR
 
+(or :func:`check` on the ranks of verl_sft_ranks.py, whose launch it shares).
+
 verl's ``MegatronCheckpointManager`` needs CUDA (its model, its RNG tracker, Megatron-
 Core's writer), and Megatron-Core 0.16.1's ``dist_checkpointing`` does not run on CPU
 either: its torch_dist writer calls ``torch.cuda.synchronize()`` before writing and
@@ -128,6 +130,39 @@ def both_ways(cls: Any, saved: dict, role_uri: str, out: str) -> list[bool]:
     return results
 
 
+def check(role_uri: str, out: str) -> dict[str, Any]:
+    """This rank's part of the checks (call on both ranks of a gloo group)."""
+    from verl.utils.checkpoint import megatron_checkpoint_manager as verls
+
+    from cloudckpt.integrations.verl.binding import bind_megatron_manager
+
+    rank = dist.get_rank()
+    report: dict[str, Any] = {
+        "verl_class_bound": hasattr(verls.MegatronCheckpointManager.save_checkpoint,
+                                    "__wrapped__")}
+    cls = layout_class()
+    bind_megatron_manager(SimpleNamespace(MegatronCheckpointManager=cls))
+    g = torch.Generator().manual_seed(rank)
+    saved = {p: torch.randn(64, generator=g) for p in PARTS}
+    cls(dict(saved)).save_checkpoint(role_uri, None, 2, None)
+    if rank == 0:
+        from cloudckpt import open_checkpoint
+
+        part = open_checkpoint(role_uri)
+        part.verify(deep=True)
+        report.update(kind=part.manifest.kind, metadata=part.metadata,
+                      files=sorted(part.files))
+    fresh = cls({p: torch.zeros(64) for p in PARTS})
+    fresh.load_checkpoint(role_uri)
+    report["same"] = all(torch.equal(fresh.state[p], saved[p]) for p in PARTS)
+    report["both_ways"] = both_ways(cls, saved, role_uri, out)
+    try:
+        cls(dict(saved), async_save=True).save_checkpoint(role_uri + "-async", None, 3)
+    except Exception as exc:  # noqa: BLE001 - reported
+        report["async_error"] = f"{type(exc).__name__}: {exc}"
+    return report
+
+
 def rank_main(rank: int, port: int, role_uri: str, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
@@ -135,32 +170,7 @@ def rank_main(rank: int, port: int, role_uri: str, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     report: dict[str, Any] = {"rank": rank}
     try:
-        from verl.utils.checkpoint import megatron_checkpoint_manager as verls
-
-        from cloudckpt.integrations.verl.binding import bind_megatron_manager
-
-        report["verl_class_bound"] = hasattr(verls.MegatronCheckpointManager.save_checkpoint,
-                                             "__wrapped__")
-        cls = layout_class()
-        bind_megatron_manager(SimpleNamespace(MegatronCheckpointManager=cls))
-        g = torch.Generator().manual_seed(rank)
-        saved = {p: torch.randn(64, generator=g) for p in PARTS}
-        cls(dict(saved)).save_checkpoint(role_uri, None, 2, None)
-        if rank == 0:
-            from cloudckpt import open_checkpoint
-
-            part = open_checkpoint(role_uri)
-            part.verify(deep=True)
-            report.update(kind=part.manifest.kind, metadata=part.metadata,
-                          files=sorted(part.files))
-        fresh = cls({p: torch.zeros(64) for p in PARTS})
-        fresh.load_checkpoint(role_uri)
-        report["same"] = all(torch.equal(fresh.state[p], saved[p]) for p in PARTS)
-        report["both_ways"] = both_ways(cls, saved, role_uri, out)
-        try:
-            cls(dict(saved), async_save=True).save_checkpoint(role_uri + "-async", None, 3)
-        except Exception as exc:  # noqa: BLE001 - reported
-            report["async_error"] = f"{type(exc).__name__}: {exc}"
+        report.update(check(role_uri, out))
     except BaseException as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
         report["traceback"] = traceback.format_exc()

@@ -6,9 +6,12 @@
 
 PLAN: ``root`` (``trainer.default_local_dir``), ``hdfs`` (``default_hdfs_dir``),
 ``keep`` (``max_ckpt_to_keep``), ``steps`` to save, then ``resumes``: each a
-``[resume_mode, resume_from_path]`` that a fresh handler loads. Each rank writes
+``[resume_mode, resume_from_path]`` that a fresh handler loads, or a dict of ``mode``,
+``path``, its own ``root`` and ``hdfs``, and ``before``: ``cloudckpt verl`` command
+lines rank 0 runs first, in a process of its own (the other rank waits). Each rank writes
 ``OUT_DIR/rank{R}.json``: the digests and the next dataloader item at every saved
-step, and what each resume brought back.
+step, and what each resume brought back; with ``megatron`` (a role URI), also the
+report of verl_megatron_ranks' checks, run on the same ranks.
 
 The engine is verl's own ``FSDPEngine`` (``verl/workers/engine/fsdp/transformer_impl.py``),
 made with ``__new__`` over verl_parts' FSDP2 model and verl's ``FSDPCheckpointManager``:
@@ -23,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -83,6 +87,14 @@ def handler_for(plan: dict, engine: Any, dl: Any, mode: str = "auto",
                              resume_from_path=path)
 
 
+def cli(args: list[str]) -> None:
+    if dist.get_rank() == 0:
+        r = subprocess.run([sys.executable, "-m", "cloudckpt", "verl", *args],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+    dist.barrier()
+
+
 def rank_main(rank: int, port: int, plan: dict, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
@@ -103,13 +115,23 @@ def rank_main(rank: int, port: int, plan: dict, out: str) -> None:
             next(it)
             report["saved"][step] = {"digests": trainable.digests(), "next": peek(dl)}
             handler.save_checkpoint(step)
-        for mode, path in plan["resumes"]:
+        for resume in plan["resumes"]:
+            if isinstance(resume, list):
+                resume = {"mode": resume[0], "path": resume[1]}
+            for args in resume.get("before", []):
+                cli(args)
             fresh = Trainable({})
             fresh.train(1, 99)  # other state everywhere
             fresh_dl = loader(rank, 7)
-            step = handler_for(plan, engine_for(fresh), fresh_dl, mode, path).load_checkpoint()
+            where = {**plan, **{k: resume[k] for k in ("root", "hdfs") if k in resume}}
+            step = handler_for(where, engine_for(fresh), fresh_dl, resume["mode"],
+                               resume.get("path")).load_checkpoint()
             report["resumed"].append({"step": step, "digests": fresh.digests(),
                                       "next": next(iter(fresh_dl)).tolist()})
+        if plan.get("megatron"):  # verl_megatron_ranks' checks, in the same launch
+            from verl_megatron_ranks import check
+
+            report["megatron"] = check(plan["megatron"], out)
     except BaseException as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
         report["traceback"] = traceback.format_exc()
