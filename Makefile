@@ -47,7 +47,8 @@ compat: $(VENV)/.compat
 # 20-35 minutes on 2 cores); prints a summary table and writes it to torture-report.json.
 # Then the crash torture through the frameworks' own save paths under activation (the
 # compat packages; 110 SIGKILLs per framework, about 50 minutes), one JSON line per
-# framework in torture-frameworks.jsonl.
+# framework in torture-frameworks.jsonl; and AReaL's SFTTrainer killed and relaunched at
+# one rank too (the regular compat run launches it at two).
 torture: setup $(VENV)/.compat
 	CLOUDCKPT_TORTURE=full CLOUDCKPT_TORTURE_REPORT=torture-report.json \
 		$(PY) -m pytest tests/torture -q -p no:cacheprovider -o timeout=1800
@@ -55,6 +56,8 @@ torture: setup $(VENV)/.compat
 	CLOUDCKPT_TORTURE=full CLOUDCKPT_TORTURE_REPORT=torture-frameworks.jsonl \
 		$(PY) -m pytest tests/compat/test_framework_torture.py -q -s -p no:cacheprovider \
 		-o timeout=3600
+	CLOUDCKPT_TORTURE=full $(PY) -m pytest -q -p no:cacheprovider \
+		"tests/compat/test_areal_trainer.py::test_sft_trainer_killed_and_relaunched_resumes_from_the_bucket"
 
 bench: setup
 	$(PY) benchmarks/storage_bench.py
