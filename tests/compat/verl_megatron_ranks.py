@@ -1,9 +1,8 @@
 """The local-staging path of verl 0.9.1's Megatron checkpoint manager on a bucket, on 2
 gloo ranks (CPU), under ``cloudckpt run``.
 
-    python tests/compat/verl_megatron_ranks.py ROLE_URI OUT_DIR
-
-(or :func:`check` on the ranks of verl_sft_ranks.py, whose launch it shares).
+:func:`check` runs on the ranks of verl_sft_ranks.py (plan key ``megatron``), whose
+launch it shares.
 
 verl's ``MegatronCheckpointManager`` needs CUDA (its model, its RNG tracker, Megatron-
 Core's writer), and Megatron-Core 0.16.1's ``dist_checkpointing`` does not run on CPU
@@ -19,7 +18,7 @@ what Megatron's torch_dist format holds: torch DCP's ``.metadata`` and
 a module holding the stand-in, as activation applies it to verl's module (whose class
 the report shows bound too).
 
-Each rank writes ``OUT_DIR/rank{R}.json``: whether the loaded tensors equal the saved
+Each rank reports: whether the loaded tensors equal the saved
 ones, the role part's files (rank 0), the same after ``cloudckpt verl upload`` and
 ``download`` of a step, and the error an ``async_save`` gets.
 """
@@ -27,11 +26,6 @@ ones, the role part's files (rank 0), the same after ``cloudckpt verl upload`` a
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import traceback
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -39,7 +33,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 
 WORLD = 2
 PARTS = ("model", "optimizer", "extra")
@@ -101,29 +94,21 @@ def layout_class() -> Any:
     return MegatronLayout
 
 
-def cli(*args: str) -> None:
-    """``cloudckpt verl ...`` on rank 0, in a process of its own (outside the ranks'
-    process group), the other rank waiting."""
-    if dist.get_rank() == 0:
-        r = subprocess.run([sys.executable, "-m", "cloudckpt", "verl", *args],
-                           capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-3000:]
-    dist.barrier()
-
-
 def both_ways(cls: Any, saved: dict, role_uri: str, out: str) -> list[bool]:
     """A step verl wrote on local disk, committed with ``cloudckpt verl upload``, loads
     from the bucket; the committed step, after ``cloudckpt verl download``, loads under
     verl's own (unbound: local) path."""
+    from verl_sft_ranks import cli
+
     root = role_uri.rsplit("/", 2)[0]
     local = Path(out, "verl-local", "global_step_3")
     cls(dict(saved)).save_checkpoint(str(local / "actor"), None, 3, None)  # verl's own
-    cli("upload", str(local), root)
+    cli(["upload", str(local), root])
     results = []
     fresh = cls({p: torch.zeros(64) for p in PARTS})
     fresh.load_checkpoint(f"{root}/global_step_3/actor")
     results.append(all(torch.equal(fresh.state[p], saved[p]) for p in PARTS))
-    cli("download", f"{root}/global_step_3", str(Path(out, "downloaded")))
+    cli(["download", f"{root}/global_step_3", str(Path(out, "downloaded"))])
     fresh = cls({p: torch.zeros(64) for p in PARTS})
     fresh.load_checkpoint(str(Path(out, "downloaded", "global_step_3", "actor")))
     results.append(all(torch.equal(fresh.state[p], saved[p]) for p in PARTS))
@@ -161,33 +146,3 @@ def check(role_uri: str, out: str) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - reported
         report["async_error"] = f"{type(exc).__name__}: {exc}"
     return report
-
-
-def rank_main(rank: int, port: int, role_uri: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    report: dict[str, Any] = {"rank": rank}
-    try:
-        report.update(check(role_uri, out))
-    except BaseException as exc:
-        report["error"] = f"{type(exc).__name__}: {exc}"
-        report["traceback"] = traceback.format_exc()
-    finally:
-        Path(out, f"rank{rank}.json").write_text(json.dumps(report))
-        dist.destroy_process_group()
-
-
-def main() -> int:
-    role_uri, out = sys.argv[1], sys.argv[2]
-    os.makedirs(out, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(rank_main, args=(port, role_uri, out), nprocs=WORLD, join=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

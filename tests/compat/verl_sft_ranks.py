@@ -88,6 +88,8 @@ def handler_for(plan: dict, engine: Any, dl: Any, mode: str = "auto",
 
 
 def cli(args: list[str]) -> None:
+    """``cloudckpt verl ARGS`` on rank 0, in a process of its own (outside the ranks'
+    process group), the other rank waiting."""
     if dist.get_rank() == 0:
         r = subprocess.run([sys.executable, "-m", "cloudckpt", "verl", *args],
                            capture_output=True, text=True, timeout=300)
