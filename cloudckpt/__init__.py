@@ -30,6 +30,7 @@ from cloudckpt.util.lazy import lazy_exports
 # Names that need torch load on first use, so that `cloudckpt ls` stays quick.
 __getattr__ = lazy_exports(__name__, {
     "training.manager": ("CheckpointManager", "ManagerOptions"),
+    "training.tiers": ("LocalTier",),
     "training.slot": ("RecoverSlot",),
     "runtime.state": ("StepInfo",),
 })
@@ -51,6 +52,7 @@ __all__ = [
     "CorruptCheckpointError",
     "DiskFullError",
     "IncompleteCheckpointError",
+    "LocalTier",
     "Manifest",
     "ManagerOptions",
     "ManifestError",

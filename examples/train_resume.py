@@ -9,6 +9,11 @@ Run it again after a crash (``--crash-at-step 9`` kills it on purpose) and it
 resumes from the newest committed checkpoint under ``--root``: same losses,
 same final parameters as a run that never stopped. Per-step losses go to
 stdout as ``step N loss <float.hex()>`` so runs compare exactly.
+
+With a node-local tier in front of the bucket (local saves every 2 steps, every
+3rd of them drained to the bucket, no direct bucket saves):
+    python examples/train_resume.py --root s3://bucket/run --every 0 \
+        --local-dir /dev/shm/ckpt --local-every 2 --drain-every 3
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from cloudckpt import CheckpointManager, ManagerOptions, StepInfo
+from cloudckpt import CheckpointManager, LocalTier, ManagerOptions, StepInfo
 
 CONFIG = {"d_in": 16, "hidden": 64, "d_out": 4, "dropout": 0.1}
 
@@ -87,13 +92,20 @@ def main() -> int:
     p.add_argument("--root", required=True, help="checkpoint root URI, e.g. s3://bucket/run")
     p.add_argument("--storage-options", default="{}", help="JSON storage options")
     p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--every", type=int, default=4, help="checkpoint every N steps")
+    p.add_argument("--every", type=int, default=4,
+                   help="checkpoint to the bucket every N steps (0: only by draining)")
     p.add_argument("--keep-last", type=int, default=2)
     p.add_argument("--async-save", action="store_true")
     p.add_argument("--crash-at-step", type=int, default=None,
                    help="SIGKILL this process right after this step's update")
     p.add_argument("--crash-mid-save", type=int, default=None,
                    help="SIGKILL during this step's checkpoint, before it commits")
+    p.add_argument("--local-dir", default=None, help="a node-local tier in this directory")
+    p.add_argument("--local-every", type=int, default=2, help="a local save every N steps")
+    p.add_argument("--drain-every", type=int, default=None,
+                   help="drain every Nth local save to the bucket")
+    p.add_argument("--crash-mid-drain", type=int, default=None,
+                   help="SIGKILL during the drain of this step, before it commits")
     p.add_argument("--out", default=None, help="write the final parameters here (torch.save)")
     args = p.parse_args()
 
@@ -104,14 +116,18 @@ def main() -> int:
     torch.set_num_threads(1)
     if args.crash_mid_save is not None:
         _arm_mid_save_crash(args.crash_mid_save)
+    if args.crash_mid_drain is not None:
+        _arm_mid_drain_crash(args.crash_mid_drain)
 
     model = build_model(world)
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=5, gamma=0.7)
     loader = SyntheticLoader(n=256, batch=8, rank=rank, world=world)
-    mgr = CheckpointManager(args.root, ManagerOptions(every_steps=args.every,
+    local = (LocalTier(args.local_dir, every_steps=args.local_every, drain_every=args.drain_every)
+             if args.local_dir else None)
+    mgr = CheckpointManager(args.root, ManagerOptions(every_steps=args.every or None,
                                                       keep_last=args.keep_last,
-                                                      async_save=args.async_save),
+                                                      async_save=args.async_save, local=local),
                             storage_options=json.loads(args.storage_options))
 
     def app_state() -> dict:
@@ -125,7 +141,7 @@ def main() -> int:
                        optim_state_dict=state["optim"])
         start = info.next()
         if rank == 0:
-            print(f"resumed at step {start.global_step} from {mgr.latest().uri}", flush=True)
+            print(f"resumed at step {start.global_step}", flush=True)
     else:
         start = StepInfo(steps_per_epoch=len(loader))
 
@@ -171,6 +187,22 @@ def _arm_mid_save_crash(at_step: int) -> None:
         return real(writer, parts, written)
 
     multipart.commit = commit_then_die
+
+
+def _arm_mid_drain_crash(at_step: int) -> None:
+    """Kill the process once every rank has sent its files of a drain to the bucket,
+    before the drained checkpoint commits there."""
+    from cloudckpt.training import tiers
+
+    real = tiers.Drained.commit
+
+    def commit_then_die(self, writer, written):
+        if writer.step == at_step:
+            print(f"crashing mid-drain of step {writer.step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(self, writer, written)
+
+    tiers.Drained.commit = commit_then_die
 
 
 if __name__ == "__main__":

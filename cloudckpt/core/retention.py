@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import re
 import string
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from cloudckpt.core.deletion import delete_checkpoint
@@ -69,12 +69,12 @@ class Managed:
 
 def apply_retention(store: Store, keep_last: int | None, keep_every: int | None = None, *,
                     number: Callable[[CheckpointInfo], int | None],
-                    keep: str | None = None) -> list[str]:
+                    keep: str | Collection[str] = ()) -> list[str]:
     """Delete the committed checkpoints directly below ``store`` that the policy drops.
 
     ``number`` gives each checkpoint's number, or None for one the policy does
     not govern (a :class:`Managed` rule: another kind, or a name the saver does
-    not make); ``keep`` is a name never deleted (the save just made). Returns
+    not make); ``keep`` names what is never deleted (the save just made). Returns
     the URIs deleted; failures are WARNINGs, never raised.
     """
     if keep_last is None:
@@ -86,9 +86,10 @@ def apply_retention(store: Store, keep_last: int | None, keep_every: int | None 
                     store.uri, exc)
         return []
     drop = set(select_for_deletion([n for n, _ in governed], keep_last, keep_every))
+    spared = {keep} if isinstance(keep, str) else set(keep)
     deleted = []
     for n, c in governed:
-        if n not in drop or c.name == keep:
+        if n not in drop or c.name in spared:
             continue
         try:
             delete_checkpoint(store.child(c.name))

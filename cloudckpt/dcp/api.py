@@ -116,10 +116,11 @@ def checked_state(state_dict: Mapping[str, Any], group: Any = None) -> dict[str,
     return plain
 
 
-def _no_dist() -> bool:
-    import torch.distributed as dist
-
-    return not (dist.is_available() and dist.is_initialized())
+def _dist_args(group: Any) -> dict[str, Any]:
+    """DCP's ``process_group``/``no_dist`` for ``group`` (no collectives for
+    :data:`~cloudckpt.runtime.coordination.SOLO`, this rank alone)."""
+    alone = coord.alone(group)
+    return {"process_group": None if alone else group, "no_dist": alone}
 
 
 def save(
@@ -151,7 +152,7 @@ def save(
     try:
         with _unwrapped(f"saving {writer.uri}", process_group):
             dcp.save(state_dict, storage_writer=writer, planner=planner,
-                     process_group=process_group, no_dist=_no_dist())
+                     **_dist_args(process_group))
     except BaseException:
         writer.release_claim()
         raise
@@ -180,7 +181,7 @@ def load(
     reader.read_metadata()  # manifest and metadata problems surface as our own errors
     with _unwrapped(f"loading {reader.uri}", process_group):
         dcp.load(state_dict, storage_reader=reader, planner=planner,
-                 process_group=process_group, no_dist=_no_dist())
+                 **_dist_args(process_group))
 
 
 # ----------------------------------------------------------------------- async
@@ -226,7 +227,7 @@ def async_save(
         try:
             with _unwrapped(f"saving {writer.uri}", process_group):
                 dcp.save(staged.state_dict, storage_writer=writer, planner=planner,
-                         process_group=process_group, no_dist=_no_dist())
+                         **_dist_args(process_group))
         except BaseException:
             writer.release_claim()
             raise

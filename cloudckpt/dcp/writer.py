@@ -99,6 +99,9 @@ class CloudStorageWriter(_OnStore, StorageWriter):
     ``staged`` (from :class:`~cloudckpt.dcp.budget.BudgetStager`, for async saves)
     makes the writer upload the tensors that were not staged first, in files of
     their own, and release them (:meth:`StagedState.release`) before the rest.
+
+    ``files_of_rank`` names a one-rank save's files as that rank's of a larger job
+    (``__3_0.distcp``), so they can join a job-wide checkpoint under the same names.
     """
 
     def __init__(
@@ -112,6 +115,7 @@ class CloudStorageWriter(_OnStore, StorageWriter):
         step: int | None = None,
         metadata: Mapping[str, Any] | None = None,
         staged: StagedState | None = None,
+        files_of_rank: int | None = None,
     ) -> None:
         super().__init__()
         if file_size <= 0 or max_files < 1 or (key_spread is not None and key_spread < 0):
@@ -125,6 +129,7 @@ class CloudStorageWriter(_OnStore, StorageWriter):
         self.step = step
         self.user_metadata = dict(metadata or {})
         self.staged = staged
+        self.files_of_rank = files_of_rank
         self.is_coordinator = False
         self.rank = 0
         self._spread = key_spread or 0  # the coordinator's choice, once it has planned
@@ -160,6 +165,12 @@ class CloudStorageWriter(_OnStore, StorageWriter):
         self._writer.claim()
         # Each rank's files are named after its position, as stock DCP does.
         self._spread = auto_spread(len(plans)) if self.key_spread is None else self.key_spread
+        if self.files_of_rank is not None:
+            if len(plans) != 1:
+                raise ConfigError("files_of_rank names the files of a one-rank save; this "
+                                  f"save has {len(plans)} ranks")
+            return [dataclasses.replace(plans[0], storage_data=_RankFiles(
+                f"__{self.files_of_rank}_", self._spread))]
         return [dataclasses.replace(p, storage_data=_RankFiles(f"__{i}_", self._spread))
                 for i, p in enumerate(plans)]
 

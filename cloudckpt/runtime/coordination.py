@@ -13,9 +13,10 @@ skipped (invariant 8 of docs/architecture.md):
 - :func:`agree`: every rank has checked something of its own; if any refused,
   every rank raises.
 
-In a single process (no process group) each is a plain call. A failing rank
-raises its own exception; the others raise the same class with its message,
-prefixed by the failing rank.
+In a single process (no process group), or with :data:`SOLO` as the group
+(this rank alone, inside a job: its own local-tier save), each is a plain
+call. A failing rank raises its own exception; the others raise the same class
+with its message, prefixed by the failing rank.
 """
 
 from __future__ import annotations
@@ -34,6 +35,21 @@ def initialized() -> bool:
     return module is not None and module.is_available() and module.is_initialized()
 
 
+class _Solo:
+    def __repr__(self) -> str:
+        return "SOLO"
+
+
+#: The group of this process alone: every helper acts as in a single process, even
+#: inside a job (a rank saving to or restoring from its own node-local tier).
+SOLO: Any = _Solo()
+
+
+def alone(group: Any = None) -> bool:
+    """Whether ``group`` is this process alone: no process group is up, or :data:`SOLO`."""
+    return group is SOLO or not initialized()
+
+
 def _dist() -> Any:
     import torch.distributed
 
@@ -41,11 +57,11 @@ def _dist() -> Any:
 
 
 def rank(group: Any = None) -> int:
-    return _dist().get_rank(group) if initialized() else 0
+    return 0 if alone(group) else _dist().get_rank(group)
 
 
 def world_size(group: Any = None) -> int:
-    return _dist().get_world_size(group) if initialized() else 1
+    return 1 if alone(group) else _dist().get_world_size(group)
 
 
 def new_cpu_group() -> Any:
@@ -58,7 +74,7 @@ def new_cpu_group() -> Any:
 
 def all_reduce_max(value: float, group: Any = None) -> float:
     """The largest ``value`` over the ranks (so every rank decides alike)."""
-    if not initialized():
+    if alone(group):
         return value
     import torch
 
@@ -69,7 +85,7 @@ def all_reduce_max(value: float, group: Any = None) -> float:
 
 
 def _gather(obj: Any, group: Any) -> list[Any]:
-    if not initialized():
+    if alone(group):
         return [obj]
     dist = _dist()
     out: list[Any] = [None] * dist.get_world_size(group)
@@ -78,7 +94,7 @@ def _gather(obj: Any, group: Any) -> list[Any]:
 
 
 def _broadcast(obj: Any, group: Any) -> Any:
-    if not initialized():
+    if alone(group):
         return obj
     box = [obj]
     dist = _dist()
@@ -119,7 +135,7 @@ def _raise_first(mine: BaseException | None, summaries: list[Any]) -> None:
 def agree(error: BaseException | None, group: Any = None) -> None:
     """Every rank says whether its check failed (``error``); if any did, every rank
     raises (a failed rank its own error, the others the same class)."""
-    if not initialized():
+    if alone(group):
         if error is not None:
             raise error
         return
@@ -129,7 +145,7 @@ def agree(error: BaseException | None, group: Any = None) -> None:
 def each_rank(fn: Callable[[], T], group: Any = None) -> list[T]:
     """Run ``fn()`` on every rank (its own part of a step); return every rank's result,
     by rank, on every rank, or raise on every rank if any rank's ``fn`` failed."""
-    if not initialized():
+    if alone(group):
         return [fn()]
     result: Any = None
     error: BaseException | None = None

@@ -20,12 +20,14 @@ from cloudckpt.core.checkpoint import Checkpoint
 from cloudckpt.core.listing import list_checkpoints
 from cloudckpt.core.retention import Managed, apply_retention
 from cloudckpt.dcp.budget import BudgetStager, StagedState
-from cloudckpt.errors import ConfigError, CorruptCheckpointError
+from cloudckpt.errors import CloudCkptError, ConfigError, CorruptCheckpointError
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.runtime.pending import SaveFuture, run_in_background
 from cloudckpt.runtime.state import StepInfo
 from cloudckpt.storage import Store, as_store, open_store
 from cloudckpt.training import snapshot as training
+from cloudckpt.training import tiers
+from cloudckpt.training.tiers import LocalTier
 
 log = logging.getLogger("cloudckpt")
 
@@ -41,6 +43,8 @@ class ManagerOptions:
     step is a multiple of ``keep_every``; ``async_save`` blocks only for staging
     at most ``staging_budget`` bytes of tensors in host memory (None: a quarter of
     the host's memory per local rank) and for uploading what does not fit.
+    ``local`` puts a node-local tier in front of the bucket (:class:`LocalTier`):
+    its saves run on their own schedule, and some of them drain to the bucket.
     """
 
     every_steps: int | None = None
@@ -52,6 +56,7 @@ class ManagerOptions:
     staging_budget: int | None = None
     name_format: str = "step-{step}"
     strict: bool = False
+    local: LocalTier | None = None
 
     def __post_init__(self) -> None:
         if self.staging_budget is not None and self.staging_budget < 0:
@@ -105,6 +110,26 @@ class SaveSchedule:
         self._start = time.monotonic() - float(state["elapsed"])
 
 
+class _Schedules:
+    """The manager's schedules, saved as one state: the bucket's, and the local
+    tier's with its count of local saves (which decides the drains)."""
+
+    def __init__(self, bucket: SaveSchedule, local: SaveSchedule | None) -> None:
+        self.bucket, self.local, self.local_saves = bucket, local, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        out = self.bucket.state_dict()
+        if self.local is not None:
+            out["local"] = {**self.local.state_dict(), "saves": self.local_saves}
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.bucket.load_state_dict(state)
+        if self.local is not None and "local" in state:
+            self.local.load_state_dict(state["local"])
+            self.local_saves = int(state["local"]["saves"])
+
+
 class CheckpointManager:
     """Saves training checkpoints below ``root`` when due, keeps what the policy
     says, and restores the newest good one.
@@ -132,8 +157,14 @@ class CheckpointManager:
         self.managed = Managed.from_format(training.KIND, self.options.name_format)
         self.schedule = SaveSchedule(self.options.every_steps, self.options.every_epochs,
                                      self.options.every_seconds, group=process_group)
-        # Background saves run collectives on a group of their own.
-        self._io_group = coord.new_cpu_group() if self.options.async_save else process_group
+        tier = self.options.local
+        self._local = tiers.LocalCopies(tier, self.managed, process_group) if tier else None
+        self._schedules = _Schedules(self.schedule, SaveSchedule(tier.every_steps)
+                                     if tier else None)
+        # Background saves and drains run collectives on a group of their own.
+        background = self.options.async_save or bool(tier and tier.drain_every)
+        self._io_group = coord.new_cpu_group() if background else process_group
+        self._draining: str | None = None
         self._stager: BudgetStager | None = None
         self._pending: SaveFuture | None = None
         self._closed = False
@@ -152,18 +183,29 @@ class CheckpointManager:
     def save(self, step_info: StepInfo, state_dict: Mapping[str, Any], *,
              extra: Mapping[str, Any] | None = None, per_rank: Mapping[str, Any] | None = None,
              rng: bool = True, force: bool = False) -> bool:
-        """Save if the schedule says so (or ``force``); return whether a save started."""
+        """Save if a schedule says so (or ``force``); return whether a save started.
+
+        With a local tier, a step the bucket's schedule does not take but the tier's
+        does is saved locally (see :class:`LocalTier`)."""
         if self._closed:
             raise ConfigError("this CheckpointManager is closed")
-        due = self.should_save(step_info)
-        if not (due or force):
+        due = self.should_save(step_info) or force
+        local_due = self._schedules.local is not None and self._schedules.local.check(
+            steps=1, epochs=0)
+        if not (due or local_due):
             return False
-        self.wait()  # one save at a time; surfaces the previous one's error
+        if due or (self._pending is not None and self._pending.done()):
+            self.wait()  # one bucket write at a time; surfaces the previous one's error
+        if not due:  # counted before the capture, so that a resume counts on from it
+            self._schedules.local_saves += 1
         captured = training.capture_together(
             app_state=state_dict, step_info=step_info,
-            shared={**dict(extra or {}), _SCHEDULE: self.schedule}, per_rank=per_rank, rng=rng,
-            group=self.group)
+            shared={**dict(extra or {}), _SCHEDULE: self._schedules}, per_rank=per_rank,
+            rng=rng, group=self.group)
         name = self.options.name_format.format(step=step_info.global_step)
+        if not due:
+            self._save_local(name, state_dict, captured, step_info.global_step)
+            return True
         if not self.options.async_save:
             self._write(name, state_dict, captured, step_info.global_step)
             return True
@@ -181,16 +223,54 @@ class CheckpointManager:
                step: int, staged: StagedState | None = None) -> Checkpoint | None:
         ckpt = training.write(self.store.child(name), state_dict, captured, step=step,
                                group=self._io_group, staged=staged)
-        # Retention never fails a committed save: it warns and the next save retries.
+        self._retain(name)
+        return ckpt
+
+    def _retain(self, name: str) -> None:
+        """Retention in the bucket after ``name`` committed there; it never fails the
+        save: it warns and the next save retries."""
         coord.on_coordinator(lambda: apply_retention(
             self.store, self.options.keep_last, self.options.keep_every, number=self.managed,
             keep=name),
             self._io_group)
+
+    def _save_local(self, name: str, state_dict: Mapping[str, Any],
+                    captured: training.Captured, step: int) -> None:
+        """Every rank commits its own local checkpoint; every rank learns whether all
+        did. Every ``drain_every``-th one then drains to the bucket in the background."""
+        local = self._local
+        assert local is not None and self._schedules.local is not None
+        t0 = time.monotonic()
+        saved: list[Checkpoint] = []
+        try:
+            coord.each_rank(lambda: saved.append(local.save(name, state_dict, captured, step)),
+                            self.group)
+        except BaseException:
+            self._schedules.local_saves -= 1  # the failed save does not count to a drain
+            raise
+        ckpt = saved[0]
+        drain_every = local.tier.drain_every
+        drain = bool(drain_every) and self._schedules.local_saves % drain_every == 0
+        if drain:
+            self.wait()  # the previous drain or async save, before this drain starts
+        local.retain({name} | ({self._draining} if self._draining else set()))
+        log.info("local tier: %s committed on every rank in %.2f s%s", name,
+                 time.monotonic() - t0, "; draining it to the bucket" if drain else "")
+        if drain:
+            self._draining = name
+            self._pending = run_in_background(
+                lambda: self._drain(ckpt, name),
+                f"drain of the local checkpoint {name} to {self.store.child(name).uri}")
+
+    def _drain(self, local: Checkpoint, name: str) -> Checkpoint | None:
+        ckpt = tiers.drain(local, self.store.child(name), group=self._io_group)
+        self._retain(name)
         return ckpt
 
     def wait(self) -> None:
-        """Block until the pending async save is committed; raise its error if it failed."""
-        pending, self._pending = self._pending, None
+        """Block until the pending async save (or drain) is committed; raise its error
+        if it failed."""
+        pending, self._pending, self._draining = self._pending, None, None
         if pending is not None:
             pending.result()
 
@@ -230,19 +310,43 @@ class CheckpointManager:
         Returns None when there is nothing to resume from. Torn checkpoints
         (no manifest) are skipped with a WARNING; a corrupt one falls back to
         the previous with a WARNING, or raises with ``strict``.
+
+        With a local tier, the newest step committed in the bucket or in the local
+        tier of every rank wins (the local copy, on a tie); any rank lacking a step,
+        or unable to read it, sends every rank on to an older one, then to the
+        bucket. Local checkpoints newer than the step resumed from are deleted.
         """
+        info = self._restore(state_dict, uri=uri, extra=extra, per_rank=per_rank, rng=rng,
+                             planner=planner)
+        local = self._local
+        if local is not None:
+            step = info.global_step if info is not None else None
+            coord.each_rank(lambda: local.prune_after(step), self.group)
+        return info
+
+    def _restore(self, state_dict: Mapping[str, Any], *, uri: str | None = None,
+                 extra: Mapping[str, Any] | None = None,
+                 per_rank: Mapping[str, Any] | None = None, rng: bool = True,
+                 planner: LoadPlanner | None = None) -> StepInfo | None:
+        """The restore itself; :meth:`restore` then aligns the local tier."""
         listed: dict[str, Checkpoint] = {}  # rank 0: the manifests its listing read
         if uri is not None:
             candidates = [uri]
         else:  # one listing, on rank 0; its result or its error on every rank
             candidates = coord.on_coordinator(lambda: self._candidates(listed), self.group)
+            newest = self.managed.number(candidates[0]) if candidates else None
+            shared = {**dict(extra or {}), _SCHEDULE: self._schedules}
+            local = self._restore_local(state_dict, newest, shared=shared, per_rank=per_rank,
+                                        rng=rng, planner=planner)
+            if local is not None:
+                return local
         for i, cand in enumerate(candidates or []):
             restored, err = None, None
             try:
                 where: Store | Checkpoint = (open_store(cand, self._storage_options) if uri
                                              else listed.get(cand) or self.store.child(cand))
                 restored = training.read(where, state_dict,
-                                          shared={**dict(extra or {}), _SCHEDULE: self.schedule},
+                                          shared={**dict(extra or {}), _SCHEDULE: self._schedules},
                                           per_rank=per_rank, rng=rng, group=self.group,
                                           planner=planner)
             except CorruptCheckpointError as exc:
@@ -258,6 +362,33 @@ class CheckpointManager:
             assert restored is not None
             log.info("resumed from %s (step %s)", restored.checkpoint.uri,
                      restored.checkpoint.step)
+            return restored.step_info
+        return None
+
+    def _restore_local(self, state_dict: Mapping[str, Any], newest: int | None,
+                       **read: Any) -> StepInfo | None:
+        """Resume from the local tier when every rank holds a step at least as new as
+        the bucket's ``newest``; None (every rank alike) to go on to the bucket."""
+        if self._local is None:
+            return None
+        mine = self._local.steps()
+        for step in tiers.common_steps(mine, self.group):
+            if newest is not None and step < newest:
+                break
+            restored, err = None, None
+            try:
+                restored = self._local.restore(mine[step], state_dict, **read)
+            except CloudCkptError as exc:
+                err = exc
+            try:
+                coord.agree(err, self.group)
+            except CloudCkptError as exc:
+                log.warning("local checkpoint %s cannot be resumed from (%s); trying an "
+                            "older one, then the bucket", mine[step], exc)
+                continue
+            assert restored is not None
+            log.info("resumed from the local tier: %s (step %s)", restored.checkpoint.uri,
+                     step)
             return restored.step_info
         return None
 

@@ -121,6 +121,7 @@ def write(
     storage_options: Mapping[str, Any] | None = None,
     group: Any = None,
     staged: StagedState | None = None,
+    as_rank: int | None = None,
 ) -> Checkpoint | None:
     """Write and commit one training checkpoint; call on every rank.
 
@@ -129,12 +130,19 @@ def write(
     written first (see :mod:`cloudckpt.dcp.budget`). Returns the committed
     checkpoint on rank 0, None elsewhere. Raises on every rank if any rank
     failed; then nothing is committed.
+
+    ``as_rank``, with ``group=SOLO`` (this rank alone), names the DCP files and the
+    per-rank state as that rank's of the job, so that the checkpoint's objects can
+    join a job-wide one under the same names (:mod:`cloudckpt.training.tiers`).
     """
     store = as_store(uri, storage_options)
+    dcp_options: dict[str, Any] = {"staged": staged, "checked": captured.state_checked}
+    if as_rank is not None:
+        dcp_options["files_of_rank"] = as_rank
     parts = [
-        multipart.DcpPart(MODEL_PART, app_state, step,
-                          {"staged": staged, "checked": captured.state_checked}),
-        multipart.RankBytes(_rank_key, dumps_state(captured.per_rank)),
+        multipart.DcpPart(MODEL_PART, app_state, step, dcp_options),
+        multipart.RankBytes(_rank_key if as_rank is None else lambda _: _rank_key(as_rank),
+                            dumps_state(captured.per_rank)),
         multipart.SharedBytes(SHARED, lambda: dumps_state(captured.shared)),
     ]
     return multipart.save(store, parts, group=group, step=step, kind=KIND, metadata={
@@ -161,13 +169,15 @@ def read(
     storage_options: Mapping[str, Any] | None = None,
     group: Any = None,
     planner: LoadPlanner | None = None,
+    as_rank: int | None = None,
 ) -> Restored:
     """Load a training checkpoint: ``app_state`` in place (DCP, any world size),
     stateful ``shared``/``per_rank`` objects via ``load_state_dict``, and RNG.
 
     Call on every rank of ``group``. Rank 0 alone reads the manifests, DCP's
     ``.metadata`` and the shared state, and shares them; every rank reads its own
-    per-rank state and its shards. ``planner`` is DCP's load planner.
+    per-rank state and its shards. ``planner`` is DCP's load planner; ``as_rank``
+    the per-rank state to read, for a checkpoint :func:`write` saved with one.
     """
 
     def opened() -> tuple[Checkpoint, dict[str, Any]]:
@@ -193,7 +203,7 @@ def read(
                 f"{plural(saved_world, 'rank')}, or restore "
                 "without per-rank state (per_rank=None, rng=False): model, optimizer and "
                 "shared state reshard freely.")
-        key = _rank_key(rank)
+        key = _rank_key(rank if as_rank is None else as_rank)
         saved = loads_state(ckpt.read(key), source=f"{ckpt.uri}/{key}")
         _restore_into(per_rank or {}, saved, ckpt.uri)
         if rng and _RNG in saved:

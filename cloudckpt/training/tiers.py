@@ -1,0 +1,276 @@
+"""A node-local tier in front of the bucket: frequent cheap saves, some drained.
+
+A local save is each rank's own: DCP with this rank alone (:data:`~cloudckpt.
+runtime.coordination.SOLO`), so every rank holds whole copies of the tensors it
+replicates and reads back nothing of another node's. It is committed like any
+checkpoint (claim, CRC32C per object, manifest last), at
+``<path>/rank-<r>/<name>``. Its files are named as rank ``r``'s of a job-wide save
+(``model/__r_0.distcp``, ``state/rank-r.bin``), so a **drain** copies them into the
+bucket under the same names: every rank sends its own, rank 0 merges the ranks'
+DCP metadata (one copy of each replicated tensor; only the files that copy lives
+in are sent) and commits a standard training checkpoint, which any world size
+can load.
+
+Resuming takes the newest step that is committed in the bucket or in the local
+tier of *every* rank (:func:`common_steps`): one rank without it (a replaced
+node) sends the whole job to the bucket, never to a mix of steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+
+from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
+from cloudckpt.core.deletion import delete_checkpoint
+from cloudckpt.core.listing import list_checkpoints
+from cloudckpt.core.retention import Managed, apply_retention
+from cloudckpt.dcp.metadata import DCP_KIND, METADATA_NAME, load_metadata
+from cloudckpt.errors import ConfigError, CorruptCheckpointError
+from cloudckpt.names import MANIFEST_NAME, MODEL_PART
+from cloudckpt.runtime import coordination as coord
+from cloudckpt.storage import Store, as_store
+from cloudckpt.training import multipart
+from cloudckpt.training import snapshot as training
+
+log = logging.getLogger("cloudckpt")
+
+#: The manifest metadata key of a local-tier checkpoint: the job it belongs to.
+TIER_KEY = "local_tier"
+
+
+@dataclass(frozen=True)
+class LocalTier:
+    """A node-local directory in front of the bucket (local NVMe, or ``/dev/shm``).
+
+    A local save every ``every_steps`` steps; every ``drain_every``-th of them is
+    then copied to the bucket in the background (None: none is); each rank keeps its
+    newest ``keep_last`` local checkpoints, and one still draining. ``fsync`` makes
+    each local file durable against a power loss, not only a killed process.
+    """
+
+    path: str
+    every_steps: int
+    drain_every: int | None = None
+    keep_last: int = 2
+    fsync: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.path or "://" in self.path:
+            raise ConfigError(f"LocalTier.path must be a local directory, got {self.path!r}")
+        for name in ("every_steps", "keep_last", "drain_every"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"LocalTier.{name} must be positive, got {value}")
+
+
+class LocalCopies:
+    """This rank's local tier: where its checkpoints go, which are committed, and its
+    retention (only checkpoints of the manager's kind and naming, ``managed``)."""
+
+    def __init__(self, tier: LocalTier, managed: Managed, group: Any = None) -> None:
+        self.tier = tier
+        self.managed = managed
+        self.rank, self.world = coord.rank(group), coord.world_size(group)
+        self.store = as_store(os.path.join(os.path.abspath(tier.path), f"rank-{self.rank:05d}"),
+                              {"fsync": tier.fsync})
+
+    def save(self, name: str, state: Mapping[str, Any], captured: training.Captured,
+             step: int) -> Checkpoint:
+        """Commit this rank's local checkpoint ``name`` (no collective)."""
+        ckpt = training.write(
+            self.store.child(name), state, captured, step=step, group=coord.SOLO,
+            as_rank=self.rank, metadata={TIER_KEY: {
+                "world_size": self.world, "rank": self.rank, "host": socket.gethostname()}})
+        assert ckpt is not None
+        return ckpt
+
+    def steps(self) -> dict[int, str]:
+        """This rank's committed local checkpoints of this job's shape: step -> name."""
+        if not os.path.isdir(self.store.root):
+            return {}
+        found = {}
+        for c in list_checkpoints(self.store):
+            n = self.managed(c)
+            job = (c.manifest.metadata.get(TIER_KEY) if c.manifest else None) or {}
+            if n is not None and job.get("world_size") == self.world \
+                    and job.get("rank") == self.rank:
+                found[n] = c.name
+        return found
+
+    def open(self, name: str) -> Checkpoint:
+        return open_checkpoint(self.store.child(name))
+
+    def restore(self, name: str, state: Mapping[str, Any], **read: Any) -> training.Restored:
+        """Load this rank's local checkpoint ``name`` in place (no collective)."""
+        return training.read(self.open(name), state, group=coord.SOLO, as_rank=self.rank,
+                             **read)
+
+    def prune_after(self, step: int | None) -> list[str]:
+        """Delete this rank's local checkpoints newer than ``step`` (every one, for
+        None), once the job resumed from ``step``: they belong to an abandoned run
+        of steps, and their names are the ones the coming saves need."""
+        pruned = []
+        for n, name in sorted(self.steps().items()):
+            if step is None or n > step:
+                delete_checkpoint(self.store.child(name))
+                log.info("local tier: deleted %s (step %d, newer than the resumed step %s)",
+                         self.store.child(name).uri, n, step)
+                pruned.append(name)
+        return pruned
+
+    def retain(self, keep: set[str]) -> list[str]:
+        """Apply ``keep_last`` to this rank's local checkpoints, never deleting
+        ``keep`` (the newest, and one still draining: not yet durable elsewhere)."""
+        return apply_retention(self.store, self.tier.keep_last, number=self.managed, keep=keep)
+
+
+def common_steps(mine: dict[int, str], group: Any = None) -> list[int]:
+    """The steps every rank of ``group`` holds locally, newest first (agreed)."""
+    held = coord.each_rank(lambda: sorted(mine), group)
+    common = set(held[0]).intersection(*held[1:])
+    newest = max((s for steps in held for s in steps), default=None)
+    if newest is not None and newest not in common:
+        lacking = [r for r, steps in enumerate(held) if newest not in steps]
+        log.warning("local step %d is missing from the local tier of rank(s) %s (a replaced "
+                    "node, or a save that died): the job resumes from an older step every "
+                    "rank holds, or from the bucket", newest, lacking)
+    return sorted(common, reverse=True)
+
+
+# ------------------------------------------------------------------- draining
+
+
+def merge_metadata(ranks: list[Metadata]) -> tuple[Metadata, set[str]]:
+    """One job-wide DCP metadata from every rank's own: each tensor chunk (by offset)
+    and each non-tensor item taken from the first rank that has it. Returns it with
+    the files it refers to."""
+    state: dict[str, Any] = {}
+    storage: dict[MetadataIndex, Any] = {}
+    planner: dict[str, Any] = {}
+    for md in ranks:
+        planner.update(md.planner_data or {})
+        sd = md.storage_data or {}
+        for fqn, item in md.state_dict_metadata.items():
+            if not isinstance(item, TensorStorageMetadata):
+                if fqn not in state:
+                    state[fqn] = item
+                    storage[MetadataIndex(fqn)] = sd[MetadataIndex(fqn)]
+                continue
+            merged = state.setdefault(fqn, TensorStorageMetadata(item.properties, item.size, []))
+            if not isinstance(merged, TensorStorageMetadata) or merged.size != item.size:
+                raise CorruptCheckpointError(f"the ranks' local checkpoints disagree about "
+                                             f"{fqn!r}; it cannot be drained", {fqn: "differs"})
+            for chunk in item.chunks:
+                index = MetadataIndex(fqn, chunk.offsets)
+                if index not in storage:
+                    merged.chunks.append(chunk)
+                    storage[index] = sd[index]
+    out = Metadata(state_dict_metadata=state, planner_data=planner, storage_data=storage)
+    if ranks and getattr(ranks[0], "version", None) is not None:
+        out.version = ranks[0].version
+    return out, {info.relative_path for info in storage.values()}
+
+
+@dataclass
+class _RankLocal:
+    """What a rank's local checkpoint holds, as the drain needs it."""
+
+    metadata: Metadata
+    item_crcs: dict[str, str]
+
+
+@dataclass
+class Drained:
+    """A :class:`~cloudckpt.training.multipart.Part`: each rank's committed local
+    checkpoint ``local``, sent into the bucket checkpoint under the same names."""
+
+    local: Checkpoint
+    step: int | None = None
+
+    def write(self, store: Store, group: Any) -> Any:
+        model = self.local.store.child(MODEL_PART)
+        dcp = open_checkpoint(model)
+        mine = _RankLocal(load_metadata(dcp.read(METADATA_NAME), source=model.key_uri(
+            METADATA_NAME)), dict((dcp.metadata.get("dcp") or {}).get("item_crcs") or {}))
+        ranks = coord.each_rank(lambda: mine, group)
+        merged, used = merge_metadata([r.metadata for r in ranks])
+        # The DCP part is claimed before any rank writes into it, as a DCP save does.
+        part = coord.on_coordinator(lambda: self._claim(store), group, share=False)
+        keys = [k for k in self.local.manifest.files if _sent_by_rank(k, used)]
+        try:
+            sent = coord.each_rank(lambda: self._send(store, keys), group)
+        except BaseException:
+            if part is not None:
+                part.abandon()
+            raise
+        crcs = {path: packed for r in ranks for path, packed in r.item_crcs.items()
+                if path in used}
+        return part, merged, crcs, [e for entries in sent for e in entries]
+
+    def _claim(self, store: Store) -> CheckpointWriter:
+        part = CheckpointWriter(store.child(MODEL_PART), step=self.step, kind=DCP_KIND)
+        part.claim()
+        return part
+
+    def _send(self, store: Store, keys: list[str]) -> list[multipart.Entry]:
+        def one(key: str) -> multipart.Entry:
+            entry = self.local.entry(key)
+            info = store.put_file(key, self.local.store.path(key))
+            if info.size != entry.size or info.crc32c != entry.crc32c:
+                raise CorruptCheckpointError(
+                    f"{self.local.store.key_uri(key)} changed after its local commit "
+                    f"(crc32c {info.crc32c}, {info.size} bytes; the manifest says "
+                    f"{entry.crc32c}, {entry.size}); this drain stops, nothing is committed",
+                    {key: "differs"})
+            return key, entry.size, entry.crc32c
+
+        return store.map(one, keys)
+
+    def commit(self, writer: CheckpointWriter, written: Any) -> None:
+        part, merged, crcs, entries = written
+        shared = self.local.read(training.SHARED)
+        for key, size, crc in entries:
+            if key.startswith(f"{MODEL_PART}/"):
+                part.add_existing(key[len(MODEL_PART) + 1:], size, crc)
+        part.metadata = {"dcp": {"item_crcs": crcs, "key_spread": 0}}
+        merged.storage_meta = StorageMeta(checkpoint_id=part.uri)
+        part.put(METADATA_NAME, pickle.dumps(merged))
+        part.commit()
+        writer.add_part(MODEL_PART)
+        multipart.Stored(e for e in entries if not e[0].startswith(f"{MODEL_PART}/")
+                         ).commit(writer, None)
+        writer.put(training.SHARED, shared)
+
+
+def _sent_by_rank(key: str, used: set[str]) -> bool:
+    """Whether ``key`` of a rank's local checkpoint goes into the drained one: its DCP
+    files that the merged metadata refers to, and its per-rank state."""
+    if key.startswith(f"{MODEL_PART}/"):
+        return key[len(MODEL_PART) + 1:] in used
+    return key.startswith("state/") and key != training.SHARED and \
+        not key.endswith(MANIFEST_NAME)
+
+
+def drain(local: Checkpoint, dest: Store, *, group: Any = None) -> Checkpoint | None:
+    """Commit each rank's local checkpoint ``local`` as one training checkpoint at
+    ``dest``; call on every rank. Returns it on rank 0, None elsewhere; if any rank
+    fails, every rank raises and nothing is committed."""
+    meta = local.metadata
+    return multipart.save(dest, [Drained(local, local.step)], group=group, step=local.step,
+                          kind=training.KIND, metadata={
+                              "world_size": coord.world_size(group),
+                              "parts": [MODEL_PART, "state"],
+                              "step_info": meta.get("step_info"), "drained": True})

@@ -1,0 +1,227 @@
+"""The local tier in front of the bucket: local saves, drains, resume from the nearest
+complete tier, and what a crash at each moment leaves.
+
+On this one machine a "node" is a directory: each rank's local tier is its own
+``<local-dir>/rank-<r>`` (on a cluster, the node's NVMe or ``/dev/shm``), and wiping
+one stands for a replaced node.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from test_resume import EXAMPLE, assert_same_params, assert_same_run, env
+from training_runs import launcher, losses, run_and_kill
+
+from cloudckpt import CheckpointManager, ConfigError, LocalTier, ManagerOptions, StepInfo
+from cloudckpt.core.listing import list_checkpoints
+from cloudckpt.errors import CorruptCheckpointError
+from cloudckpt.storage import open_store
+from cloudckpt.training import tiers
+
+STEPS = 12
+#: Local saves at steps 1, 3, 5, 7, 9, 11; every 2nd drained: 3, 7, 11.
+TIER_ARGS = ("--every", "0", "--local-every", "2", "--drain-every", "2")
+
+
+def command(backend, root: str, local: Path, *extra: str) -> list[str]:
+    return [*launcher(2), EXAMPLE, "--root", root, "--storage-options", backend.options_json(),
+            "--steps", str(STEPS), "--local-dir", str(local), *TIER_ARGS, *extra]
+
+
+def run_to_end(backend, root: str, local: Path, out: Path, *extra: str) -> str:
+    proc = subprocess.run(command(backend, root, local, "--out", str(out), *extra),
+                          capture_output=True, text=True, env=env(backend), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "done" in proc.stdout
+    return proc.stdout
+
+
+def committed(backend, root: str) -> list[int]:
+    store = open_store(root, backend.options)
+    return [c.step for c in list_checkpoints(store) if c.committed]
+
+
+def local_steps(local: Path, rank: int) -> list[int]:
+    d = local / f"rank-{rank:05d}"
+    return sorted(int(p.name.split("-")[1]) for p in d.iterdir()
+                  if (p / "cloudckpt-manifest.json").exists()) if d.exists() else []
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """A run that never stopped (with the same tiers, on local disk): its losses and
+    its final parameters."""
+    from conftest import Backend
+
+    tmp = tmp_path_factory.mktemp("tier-ref")
+    backend = Backend("file", str(tmp / "bucket"))
+    out = run_to_end(backend, backend.root, tmp / "local", tmp / "ref.pt")
+    assert sorted(losses(out)) == list(range(STEPS))
+    return losses(out), tmp / "ref.pt"
+
+
+def test_sigkill_during_a_drain_resumes_the_newer_local_step(s3, tmp_path, reference):
+    ref_losses, ref_params = reference
+    root, local = s3.uri("drain-kill"), tmp_path / "nodes"
+    crash = subprocess.run(command(s3, root, local, "--crash-mid-drain", "7"),
+                           capture_output=True, text=True, env=env(s3), timeout=300)
+    assert crash.returncode != 0 and "crashing mid-drain of step 7" in crash.stdout
+    # The bucket keeps the previous drained step; step 7's drain never committed.
+    assert committed(s3, root) == [3]
+    common = set(local_steps(local, 0)) & set(local_steps(local, 1))
+    assert 7 in common and max(common) > 3
+
+    resumed = run_to_end(s3, root, local, tmp_path / "a.pt")
+    assert f"resumed at step {max(common) + 1}" in resumed  # the local tier, not the bucket
+    assert_same_run(ref_losses, crash.stdout, resumed)
+    assert_same_params(ref_params, tmp_path / "a.pt")
+    assert committed(s3, root)[-1] == 11  # and the drains go on
+
+
+def test_one_rank_without_its_local_tier_sends_the_job_to_the_bucket(s3, tmp_path, reference):
+    ref_losses, ref_params = reference
+    root, local = s3.uri("node-lost"), tmp_path / "nodes"
+    first = run_and_kill(command(s3, root, local), env(s3), kill_at_step=10)
+    bucket = committed(s3, root)
+    assert bucket and max(bucket) < max(local_steps(local, 1))  # local is newer
+    shutil.rmtree(local / "rank-00001")  # rank 1's node was replaced
+
+    resumed = run_to_end(s3, root, local, tmp_path / "b.pt")
+    assert f"resumed at step {max(bucket) + 1}" in resumed  # every rank from the bucket
+    assert_same_run(ref_losses, first, resumed)
+    assert_same_params(ref_params, tmp_path / "b.pt")
+
+
+def test_sigkill_during_a_local_save_resumes_the_previous_local_step(s3, tmp_path, reference):
+    ref_losses, ref_params = reference
+    root, local = s3.uri("local-kill"), tmp_path / "nodes"
+    crash = subprocess.run(command(s3, root, local, "--crash-mid-save", "9"),
+                           capture_output=True, text=True, env=env(s3), timeout=300)
+    assert crash.returncode != 0 and "crashing mid-save of step 9" in crash.stdout
+    assert 9 not in local_steps(local, 0) and 7 in local_steps(local, 0)
+    assert (local / "rank-00000" / "step-9").exists()  # torn: written, never committed
+
+    resumed = run_to_end(s3, root, local, tmp_path / "c.pt")
+    assert "resumed at step 8" in resumed
+    assert_same_run(ref_losses, crash.stdout, resumed)
+    assert_same_params(ref_params, tmp_path / "c.pt")
+
+
+# ------------------------------------------------------------ one process
+
+
+def _train(mgr: CheckpointManager, model: torch.nn.Linear, steps: range
+           ) -> dict[int, torch.Tensor]:
+    """A save (when due) after each step's update; the weight after each step."""
+    weights = {}
+    for step in steps:
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        weights[step] = model.weight.detach().clone()
+        mgr.save(StepInfo(epoch_step=step, global_step=step, steps_per_epoch=100),
+                 {"model": model.state_dict()})
+    return weights
+
+
+def _weight_after_restore(mgr: CheckpointManager) -> tuple[StepInfo | None, torch.Tensor]:
+    model = torch.nn.Linear(4, 4)
+    state = {"model": model.state_dict()}
+    info = mgr.restore(state)
+    return info, state["model"]["weight"]
+
+
+def test_retention_per_tier_and_the_drained_checkpoint_is_standard(s3, tmp_path):
+    tier = LocalTier(str(tmp_path / "local"), every_steps=1, drain_every=3, keep_last=2)
+    opts = ManagerOptions(keep_last=1, local=tier)
+    model = torch.nn.Linear(4, 4)
+    with CheckpointManager(s3.root, opts, storage_options=s3.options) as mgr:
+        weights = _train(mgr, model, range(7))
+    assert local_steps(tmp_path / "local", 0) == [5, 6]
+    assert committed(s3, s3.root) == [5]  # drains at 2 and 5; the bucket keeps one
+    # The drained checkpoint is a training checkpoint torch's own reader loads.
+    import torch.distributed.checkpoint as dcp
+
+    from cloudckpt.movement.transfer import download
+
+    download(s3.uri("step-5"), tmp_path / "down", s3.options)
+    state = {"model": torch.nn.Linear(4, 4).state_dict()}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(tmp_path / "down" / "model")))
+    assert torch.equal(state["model"]["weight"], weights[5])
+
+
+def test_resume_prefers_local_then_falls_back_to_the_bucket(s3, tmp_path, caplog):
+    tier = LocalTier(str(tmp_path / "local"), every_steps=1, drain_every=2)
+    opts = ManagerOptions(local=tier)
+    model = torch.nn.Linear(4, 4)
+    with CheckpointManager(s3.root, opts, storage_options=s3.options) as mgr:
+        weights = _train(mgr, model, range(3))  # local 1, 2; step 1 drained to the bucket
+    info, weight = _weight_after_restore(CheckpointManager(s3.root, opts,
+                                                           storage_options=s3.options))
+    assert info.global_step == 2 and torch.equal(weight, weights[2])
+
+    # A local copy damaged on disk: the job falls back to the bucket, saying so.
+    victim = next((tmp_path / "local" / "rank-00000" / "step-2" / "model").glob("*.distcp"))
+    data = bytearray(victim.read_bytes())
+    data[-10] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    info, weight = _weight_after_restore(CheckpointManager(s3.root, opts,
+                                                           storage_options=s3.options))
+    assert info.global_step == 1 and torch.equal(weight, weights[1])
+    assert "cannot be resumed from" in caplog.text
+
+
+def test_a_local_file_changed_after_its_commit_stops_the_drain(s3, tmp_path):
+    tier = LocalTier(str(tmp_path / "local"), every_steps=1)
+    mgr = CheckpointManager(s3.root, ManagerOptions(local=tier), storage_options=s3.options)
+    _train(mgr, torch.nn.Linear(4, 4), range(1))
+    copies = tiers.LocalCopies(tier, mgr.managed)
+    local = copies.open("step-0")
+    state = local.store.path("state/rank-00000.bin")
+    data = bytearray(Path(state).read_bytes())
+    data[-1] ^= 0xFF
+    Path(state).write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="changed after its local commit"):
+        tiers.drain(local, mgr.store.child("step-0"))
+    assert committed(s3, s3.root) == []
+
+
+def test_merge_keeps_one_copy_of_each_replicated_chunk():
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    def rank_md(r: int) -> Metadata:
+        props = TensorProperties(dtype=torch.float32)
+        whole = ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([4]))
+        half = ChunkStorageMetadata(offsets=torch.Size([2 * r]), sizes=torch.Size([2]))
+        return Metadata(
+            state_dict_metadata={
+                "replicated": TensorStorageMetadata(props, torch.Size([4]), [whole]),
+                "sharded": TensorStorageMetadata(props, torch.Size([4]), [half])},
+            storage_data={
+                MetadataIndex("replicated", torch.Size([0])): _StorageInfo(f"__{r}_0.distcp",
+                                                                          0, 16),
+                MetadataIndex("sharded", torch.Size([2 * r])): _StorageInfo(f"__{r}_1.distcp",
+                                                                           0, 8)})
+
+    merged, used = tiers.merge_metadata([rank_md(0), rank_md(1)])
+    assert len(merged.state_dict_metadata["replicated"].chunks) == 1
+    assert len(merged.state_dict_metadata["sharded"].chunks) == 2
+    assert used == {"__0_0.distcp", "__0_1.distcp", "__1_1.distcp"}  # rank 1's copy stays
+
+
+@pytest.mark.parametrize("bad", [{"path": "s3://b/x"}, {"every_steps": 0},
+                                 {"drain_every": -1}, {"keep_last": 0}])
+def test_a_bad_local_tier_is_refused(bad):
+    with pytest.raises(ConfigError, match="LocalTier"):
+        LocalTier(**{"path": "/tmp/x", "every_steps": 1, **bad})
