@@ -65,6 +65,7 @@ bench: setup
 	$(PY) benchmarks/storage_bench.py
 	$(PY) benchmarks/dcp_bench.py
 	$(PY) benchmarks/manager_bench.py
+	$(PY) benchmarks/tier_bench.py
 	$(PY) benchmarks/gcs_stream_bench.py
 	$(PY) benchmarks/transfer_bench.py
 	$(PY) benchmarks/hf_bench.py
