@@ -31,6 +31,7 @@ from cloudckpt.util.lazy import lazy_exports
 __getattr__ = lazy_exports(__name__, {
     "training.manager": ("CheckpointManager", "ManagerOptions"),
     "training.tiers": ("LocalTier",),
+    "runtime.preemption": ("Preemption",),
     "training.slot": ("RecoverSlot",),
     "runtime.state": ("StepInfo",),
 })
@@ -58,6 +59,7 @@ __all__ = [
     "ManifestError",
     "NotACheckpointError",
     "ObjectInfo",
+    "Preemption",
     "RecoverSlot",
     "RetryPolicy",
     "StateMismatchError",

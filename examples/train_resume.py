@@ -23,6 +23,7 @@ import json
 import os
 import signal
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -33,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from cloudckpt import CheckpointManager, LocalTier, ManagerOptions, StepInfo
+from cloudckpt import CheckpointManager, LocalTier, ManagerOptions, Preemption, StepInfo
 
 CONFIG = {"d_in": 16, "hidden": 64, "d_out": 4, "dropout": 0.1}
 
@@ -106,6 +107,10 @@ def main() -> int:
                    help="drain every Nth local save to the bucket")
     p.add_argument("--crash-mid-drain", type=int, default=None,
                    help="SIGKILL during the drain of this step, before it commits")
+    p.add_argument("--preemption-budget", type=float, default=None,
+                   help="on SIGTERM, save once within this many seconds, then end")
+    p.add_argument("--step-seconds", type=float, default=0.0,
+                   help="sleep this long in each step (a slower model)")
     p.add_argument("--out", default=None, help="write the final parameters here (torch.save)")
     args = p.parse_args()
 
@@ -123,11 +128,14 @@ def main() -> int:
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=5, gamma=0.7)
     loader = SyntheticLoader(n=256, batch=8, rank=rank, world=world)
+    preemption = (Preemption(budget=args.preemption_budget)
+                  if args.preemption_budget is not None else None)
     local = (LocalTier(args.local_dir, every_steps=args.local_every, drain_every=args.drain_every)
              if args.local_dir else None)
     mgr = CheckpointManager(args.root, ManagerOptions(every_steps=args.every or None,
                                                       keep_last=args.keep_last,
-                                                      async_save=args.async_save, local=local),
+                                                      async_save=args.async_save, local=local,
+                                                      preemption=preemption),
                             storage_options=json.loads(args.storage_options))
 
     def app_state() -> dict:
@@ -155,6 +163,7 @@ def main() -> int:
         sched.step()
         if rank == 0:
             print(f"step {step.global_step} loss {loss.item().hex()}", flush=True)
+        time.sleep(args.step_seconds)
         if step.global_step == args.crash_at_step:
             os.kill(os.getpid(), signal.SIGKILL)
         if mgr.save(step, app_state(), extra={"sched": sched}, per_rank={"data": loader}):

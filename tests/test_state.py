@@ -13,7 +13,8 @@ import torch
 from cloudckpt import CorruptCheckpointError, StepInfo
 from cloudckpt.core.retention import select_for_deletion
 from cloudckpt.runtime.state import dumps_state, get_rng_state, loads_state, set_rng_state
-from cloudckpt.training.manager import ManagerOptions, SaveSchedule
+from cloudckpt.training.manager import ManagerOptions
+from cloudckpt.training.schedule import SaveSchedule
 
 
 def test_step_info_next_wraps_epochs():

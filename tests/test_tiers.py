@@ -8,6 +8,7 @@ one stands for a replaced node.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -225,3 +226,77 @@ def test_merge_keeps_one_copy_of_each_replicated_chunk():
 def test_a_bad_local_tier_is_refused(bad):
     with pytest.raises(ConfigError, match="LocalTier"):
         LocalTier(**{"path": "/tmp/x", "every_steps": 1, **bad})
+
+
+# ------------------------------------------------------------ preemption
+
+
+def _workers(launcher_pid: int) -> list[int]:
+    """The training processes torchrun started (its children running the script)."""
+    kids = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
+    return [int(k) for k in kids if "train_resume" in Path(f"/proc/{k}/cmdline").read_text()]
+
+
+def run_and_preempt(cmd: list[str], environ: dict, at_step: int) -> tuple[int, str, str]:
+    """Start a two-rank run and SIGTERM both ranks (as SLURM and Kubernetes do) once it
+    has printed ``at_step``; return torchrun's status, its stdout and its stderr."""
+    import signal
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=environ, start_new_session=True)
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith(f"step {at_step} "):
+            for pid in _workers(proc.pid):
+                os.kill(pid, signal.SIGTERM)
+            break
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, "".join(seen) + out, err
+
+
+PREEMPT_ARGS = ("--every", "4", "--step-seconds", "0.2")
+
+
+@pytest.fixture(scope="module")
+def preempt_reference(tmp_path_factory):
+    """16 steps that never stopped: their losses and final parameters."""
+    tmp = tmp_path_factory.mktemp("preempt-ref")
+    ref = subprocess.run([*launcher(2), EXAMPLE, "--root", str(tmp / "bucket"), "--steps", "16",
+                          "--out", str(tmp / "ref.pt")],
+                         capture_output=True, text=True, env=env(None), timeout=300)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    return losses(ref.stdout), tmp / "ref.pt"
+
+
+@pytest.mark.parametrize("budget", [20.0, 0.01])
+def test_sigterm_saves_once_within_the_budget_and_ends_the_ranks(s3, tmp_path, budget,
+                                                                  preempt_reference):
+    """SIGTERM to both ranks mid-training: with time enough, one save of the step they
+    agree on commits, both ranks end by SIGTERM, and the relaunch resumes from it,
+    bit-exact; with too little, that save stays invisible and the previous one resumes."""
+    root = s3.uri(f"preempt-{budget}")
+    base = [*launcher(2), EXAMPLE, "--root", root, "--storage-options", s3.options_json(),
+            "--steps", "16", *PREEMPT_ARGS]
+    ref_losses, ref_params = preempt_reference
+    status, out, err = run_and_preempt([*base, "--preemption-budget", str(budget)], env(s3),
+                                       at_step=9)
+    assert status != 0
+    assert err.count("Signal 15 (SIGTERM)") + err.count("exitcode  : -15") >= 2, err[-3000:]
+    steps = committed(s3, root)
+    if budget > 1:
+        assert "preemption save committed" in err
+        saved = max(steps)
+        assert saved >= 9 and saved not in (3, 7, 11, 15)  # not a scheduled save
+    else:
+        assert "NOT committed" in err
+        saved = max(steps)
+        assert saved in (3, 7)  # only the scheduled saves
+    again = subprocess.run([*base, "--out", str(tmp_path / "p.pt")], capture_output=True,
+                           text=True, env=env(s3), timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    resumed = again.stdout
+    assert f"resumed at step {saved + 1}" in resumed
+    assert_same_run(ref_losses, out, resumed)
+    assert_same_params(ref_params, tmp_path / "p.pt")

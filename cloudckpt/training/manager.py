@@ -20,13 +20,20 @@ from cloudckpt.core.checkpoint import Checkpoint
 from cloudckpt.core.listing import list_checkpoints
 from cloudckpt.core.retention import Managed, apply_retention
 from cloudckpt.dcp.budget import BudgetStager, StagedState
-from cloudckpt.errors import CloudCkptError, ConfigError, CorruptCheckpointError
+from cloudckpt.errors import (
+    CloudCkptError,
+    ConfigError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+)
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.runtime.pending import SaveFuture, run_in_background
+from cloudckpt.runtime.preemption import Notice, Preemption
 from cloudckpt.runtime.state import StepInfo
 from cloudckpt.storage import Store, as_store, open_store
 from cloudckpt.training import snapshot as training
 from cloudckpt.training import tiers
+from cloudckpt.training.schedule import SaveSchedule, Schedules
 from cloudckpt.training.tiers import LocalTier
 
 log = logging.getLogger("cloudckpt")
@@ -45,6 +52,8 @@ class ManagerOptions:
     the host's memory per local rank) and for uploading what does not fit.
     ``local`` puts a node-local tier in front of the bucket (:class:`LocalTier`):
     its saves run on their own schedule, and some of them drain to the bucket.
+    ``preemption`` (:class:`Preemption`) saves once to the bucket when the job is
+    told to end (SIGTERM), within a time budget (see :mod:`cloudckpt.runtime.preemption`).
     """
 
     every_steps: int | None = None
@@ -57,6 +66,7 @@ class ManagerOptions:
     name_format: str = "step-{step}"
     strict: bool = False
     local: LocalTier | None = None
+    preemption: Preemption | None = None
 
     def __post_init__(self) -> None:
         if self.staging_budget is not None and self.staging_budget < 0:
@@ -68,66 +78,6 @@ class ManagerOptions:
                 raise ConfigError(f"ManagerOptions.{name} must be positive or None, got {value}")
         if "{step}" not in self.name_format:
             raise ConfigError("ManagerOptions.name_format must contain '{step}'")
-
-
-class SaveSchedule:
-    """Fires when any of its counters (epochs, steps, seconds) reaches its period.
-
-    Each call advances all three; the answer is their OR; a counter restarts
-    only when it fires. Elapsed time is the MAX across ranks, so every rank
-    decides alike. Its state is saved with each checkpoint and restored.
-    """
-
-    def __init__(self, every_steps: int | None = None, every_epochs: int | None = None,
-                 every_seconds: float | None = None, group: Any = None) -> None:
-        self.every_steps, self.every_epochs, self.every_seconds = (every_steps, every_epochs,
-                                                                   every_seconds)
-        self.group = group
-        self.steps = 0
-        self.epochs = 0
-        self._start = time.monotonic()
-
-    def check(self, *, steps: int = 1, epochs: int = 0) -> bool:
-        self.steps += steps
-        self.epochs += epochs
-        fired = False
-        if self.every_steps and self.steps >= self.every_steps:
-            self.steps, fired = 0, True
-        if self.every_epochs and self.epochs >= self.every_epochs:
-            self.epochs, fired = 0, True
-        if self.every_seconds:
-            elapsed = coord.all_reduce_max(time.monotonic() - self._start, self.group)
-            if elapsed >= self.every_seconds:
-                self._start, fired = time.monotonic(), True
-        return fired
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "epochs": self.epochs,
-                "elapsed": time.monotonic() - self._start}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.steps, self.epochs = int(state["steps"]), int(state["epochs"])
-        self._start = time.monotonic() - float(state["elapsed"])
-
-
-class _Schedules:
-    """The manager's schedules, saved as one state: the bucket's, and the local
-    tier's with its count of local saves (which decides the drains)."""
-
-    def __init__(self, bucket: SaveSchedule, local: SaveSchedule | None) -> None:
-        self.bucket, self.local, self.local_saves = bucket, local, 0
-
-    def state_dict(self) -> dict[str, Any]:
-        out = self.bucket.state_dict()
-        if self.local is not None:
-            out["local"] = {**self.local.state_dict(), "saves": self.local_saves}
-        return out
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.bucket.load_state_dict(state)
-        if self.local is not None and "local" in state:
-            self.local.load_state_dict(state["local"])
-            self.local_saves = int(state["local"]["saves"])
 
 
 class CheckpointManager:
@@ -159,12 +109,17 @@ class CheckpointManager:
                                      self.options.every_seconds, group=process_group)
         tier = self.options.local
         self._local = tiers.LocalCopies(tier, self.managed, process_group) if tier else None
-        self._schedules = _Schedules(self.schedule, SaveSchedule(tier.every_steps)
+        self._schedules = Schedules(self.schedule, SaveSchedule(tier.every_steps)
                                      if tier else None)
         # Background saves and drains run collectives on a group of their own.
         background = self.options.async_save or bool(tier and tier.drain_every)
         self._io_group = coord.new_cpu_group() if background else process_group
         self._draining: str | None = None
+        self._notice = Notice(self.options.preemption) if self.options.preemption else None
+        if self._notice is not None:
+            self._notice.install()
+        #: Set once a preemption save ran: the training loop should stop.
+        self.preempted = False
         self._stager: BudgetStager | None = None
         self._pending: SaveFuture | None = None
         self._closed = False
@@ -189,6 +144,11 @@ class CheckpointManager:
         does is saved locally (see :class:`LocalTier`)."""
         if self._closed:
             raise ConfigError("this CheckpointManager is closed")
+        notice = coord.all_reduce_max(self._notice.code, self.group) if self._notice else 0.0
+        if notice:
+            self._save_on_preemption(step_info, state_dict, notice, extra=extra,
+                                     per_rank=per_rank, rng=rng)
+            return True
         due = self.should_save(step_info) or force
         local_due = self._schedules.local is not None and self._schedules.local.check(
             steps=1, epochs=0)
@@ -218,6 +178,53 @@ class CheckpointManager:
         self._pending.add_done_callback(lambda _: staged.release())
         staged.wait()  # the tensors that did not fit in the budget are written
         return True
+
+    def request_preemption_save(self) -> None:
+        """Save at the next :meth:`save` call, within the preemption budget, and return
+        (for a framework that handles the signals itself); needs ``preemption``."""
+        if self._notice is None:
+            raise ConfigError("request_preemption_save() needs ManagerOptions(preemption="
+                              "Preemption(...))")
+        self._notice.request()
+
+    def _save_on_preemption(self, step_info: StepInfo, state_dict: Mapping[str, Any],
+                            notice: float, **what: Any) -> None:
+        """One bucket save of this step on every rank, committed by the deadline or not
+        at all; then the signal goes on (the process ends as it would have)."""
+        assert self._notice is not None
+        self.preempted = True
+        deadline = (self._notice.deadline if self._notice.noticed_at is not None
+                    else time.monotonic() + self._notice.policy.budget)
+        name = self.options.name_format.format(step=step_info.global_step)
+        t0 = time.monotonic()
+        try:
+            self._finish_pending(deadline)
+            captured = training.capture_together(
+                app_state=state_dict, step_info=step_info,
+                shared={**dict(what.pop("extra") or {}), _SCHEDULE: self._schedules},
+                group=self.group, **what)
+            training.write(self.store.child(name), state_dict, captured,
+                           step=step_info.global_step, group=self.group, deadline=deadline)
+            log.warning("preemption save committed: %s in %.1f s (budget %.0f s)",
+                        self.store.child(name).uri, time.monotonic() - t0,
+                        self._notice.policy.budget)
+        except CloudCkptError as exc:
+            log.error("preemption save of %s NOT committed: %s", name, exc)
+        finally:
+            self._notice.proceed(int(notice) if notice >= 1 else None)
+
+    def _finish_pending(self, deadline: float) -> None:
+        """Wait for the pending save or drain until ``deadline``."""
+        pending, self._pending, self._draining = self._pending, None, None
+        if pending is None:
+            return
+        try:
+            pending.result(max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise IncompleteCheckpointError(
+                f"{pending.what} was still running at the preemption deadline") from None
+        except CloudCkptError as exc:  # its own loss, reported; this save goes on
+            log.error("%s failed, NOT committed: %s", pending.what, exc)
 
     def _write(self, name: str, state_dict: Mapping[str, Any], captured: training.Captured,
                step: int, staged: StagedState | None = None) -> Checkpoint | None:
@@ -282,6 +289,10 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            if self._notice is not None:
+                self._notice.uninstall()
+                if self._notice.noticed_at is not None and not self.preempted:
+                    self._notice.proceed()  # no safe point is coming: the signal goes on
             if self._stager is not None:
                 self._stager.close()
 

@@ -17,6 +17,7 @@ A framework adds its own handler by implementing the two methods.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -24,6 +25,7 @@ from typing import Any, Protocol
 from cloudckpt import dcp
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter
 from cloudckpt.core.deletion import remove_leftovers
+from cloudckpt.errors import IncompleteCheckpointError
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.storage import Store
 
@@ -87,19 +89,30 @@ def commit(writer: CheckpointWriter, parts: Sequence[Part], written: Sequence[An
 
 
 def save(store: Store, parts: Sequence[Part], *, group: Any = None,
-         **writer_options: Any) -> Checkpoint | None:
+         deadline: float | None = None, **writer_options: Any) -> Checkpoint | None:
     """Claim ``store``, write ``parts`` on every rank, commit on rank 0; call on every
     rank. Returns the checkpoint on rank 0, None elsewhere. If any rank fails, every
     rank raises, nothing is committed, and the claim is abandoned (marked).
 
-    ``writer_options`` go to :func:`claim`.
+    ``deadline`` (a ``time.monotonic()`` on rank 0) refuses a commit after it with
+    :class:`~cloudckpt.errors.IncompleteCheckpointError`: a save that ran out of time
+    stays invisible. ``writer_options`` go to :func:`claim`.
     """
     claimed = claim(store, group, **writer_options)
+
+    def finish() -> Checkpoint | None:
+        if claimed is None:
+            return None
+        if deadline is not None and time.monotonic() > deadline:
+            raise IncompleteCheckpointError(
+                f"{store.uri} was written {time.monotonic() - deadline:.1f} s after its "
+                "deadline; it is not committed (invisible), the previous checkpoint stays "
+                "the newest")
+        return commit(claimed, parts, written)
+
     try:
         written = [part.write(store, group) for part in parts]
-        return coord.on_coordinator(
-            lambda: commit(claimed, parts, written) if claimed is not None else None,
-            group, share=False)
+        return coord.on_coordinator(finish, group, share=False)
     except BaseException:
         if claimed is not None:
             claimed.abandon()  # the claim stays, marked: the leftovers remain provably ours

@@ -122,6 +122,7 @@ def write(
     group: Any = None,
     staged: StagedState | None = None,
     as_rank: int | None = None,
+    deadline: float | None = None,
 ) -> Checkpoint | None:
     """Write and commit one training checkpoint; call on every rank.
 
@@ -134,6 +135,7 @@ def write(
     ``as_rank``, with ``group=SOLO`` (this rank alone), names the DCP files and the
     per-rank state as that rank's of the job, so that the checkpoint's objects can
     join a job-wide one under the same names (:mod:`cloudckpt.training.tiers`).
+    ``deadline`` (``time.monotonic()``) refuses a commit after it (a preemption save).
     """
     store = as_store(uri, storage_options)
     dcp_options: dict[str, Any] = {"staged": staged, "checked": captured.state_checked}
@@ -145,9 +147,11 @@ def write(
                             dumps_state(captured.per_rank)),
         multipart.SharedBytes(SHARED, lambda: dumps_state(captured.shared)),
     ]
-    return multipart.save(store, parts, group=group, step=step, kind=KIND, metadata={
-        **dict(metadata or {}), "world_size": coord.world_size(group),
-        "parts": [MODEL_PART, "state"], "step_info": captured.shared.get(_STEP_INFO)})
+    return multipart.save(store, parts, group=group, step=step, kind=KIND, deadline=deadline,
+                          metadata={**dict(metadata or {}),
+                                    "world_size": coord.world_size(group),
+                                    "parts": [MODEL_PART, "state"],
+                                    "step_info": captured.shared.get(_STEP_INFO)})
 
 
 @dataclass

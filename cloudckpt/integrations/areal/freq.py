@@ -9,7 +9,7 @@ from typing import Any
 
 from cloudckpt.errors import ConfigError
 from cloudckpt.integrations.areal.config import save_root, steps_per_epoch
-from cloudckpt.training.manager import SaveSchedule
+from cloudckpt.training.schedule import SaveSchedule
 
 
 class FreqCtl:
