@@ -38,6 +38,7 @@ from cloudckpt.errors import (
     StorageError,
 )
 from cloudckpt.storage.stopping import check_stop
+from cloudckpt.storage.tally import count_attempt
 
 log = logging.getLogger("cloudckpt.storage")
 
@@ -153,8 +154,13 @@ class RetryPolicy:
             reraise=True,
         )
 
+        tries = 0
+
         def attempt() -> T:
+            nonlocal tries
             check_stop()  # a failed or interrupted batch starts no more requests
+            count_attempt(retry=tries > 0)
+            tries += 1
             return fn()
 
         try:

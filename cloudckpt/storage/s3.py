@@ -83,6 +83,17 @@ class S3Backend(FsspecBackend):
         bucket, key = self._split(path)
         return sync(self.fs.loop, self.fs._call_s3, method, Bucket=bucket, Key=key, **kw)
 
+    def head(self, path: str) -> dict[str, Any] | None:
+        # One HEAD: s3fs's info() follows a missing key with a listing (a "directory"?),
+        # a second request for every existence check of a manifest or claim.
+        self.fs.invalidate_cache(path)
+        try:
+            resp = self._s3("head_object", path)
+        except FileNotFoundError:
+            return None
+        return {"name": path, "type": "file", "size": int(resp.get("ContentLength") or 0),
+                "ETag": resp.get("ETag"), "LastModified": resp.get("LastModified")}
+
     def put(self, path: str, data: Buffer, **cond: str) -> str:
         # botocore takes bytes, bytearray or a file; a view goes as a file (no copy).
         body = PartBody(data) if isinstance(data, memoryview) else data

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch.distributed.checkpoint.planner import LoadPlanner
@@ -31,8 +31,10 @@ from cloudckpt.runtime.pending import SaveFuture, run_in_background
 from cloudckpt.runtime.preemption import Notice, Preemption
 from cloudckpt.runtime.state import StepInfo
 from cloudckpt.storage import Store, as_store, open_store
+from cloudckpt.storage.tally import Tally, counting
+from cloudckpt.training import reports, tiers
 from cloudckpt.training import snapshot as training
-from cloudckpt.training import tiers
+from cloudckpt.training.reports import Report
 from cloudckpt.training.schedule import SaveSchedule, Schedules
 from cloudckpt.training.tiers import LocalTier
 
@@ -54,6 +56,8 @@ class ManagerOptions:
     its saves run on their own schedule, and some of them drain to the bucket.
     ``preemption`` (:class:`Preemption`) saves once to the bucket when the job is
     told to end (SIGTERM), within a time budget (see :mod:`cloudckpt.runtime.preemption`).
+    Every save, drain and restore is reported (:class:`Report`, logged at INFO on rank
+    0), and handed to ``on_report`` there.
     """
 
     every_steps: int | None = None
@@ -67,6 +71,7 @@ class ManagerOptions:
     strict: bool = False
     local: LocalTier | None = None
     preemption: Preemption | None = None
+    on_report: Callable[[Report], Any] | None = None
 
     def __post_init__(self) -> None:
         if self.staging_budget is not None and self.staging_budget < 0:
@@ -78,6 +83,14 @@ class ManagerOptions:
                 raise ConfigError(f"ManagerOptions.{name} must be positive or None, got {value}")
         if "{step}" not in self.name_format:
             raise ConfigError("ManagerOptions.name_format must contain '{step}'")
+
+
+@dataclass
+class _Timing:
+    """When a save began, and how long the training loop waited for it (once known)."""
+
+    start: float = field(default_factory=time.monotonic)
+    blocked: float | None = None
 
 
 class CheckpointManager:
@@ -144,6 +157,7 @@ class CheckpointManager:
         does is saved locally (see :class:`LocalTier`)."""
         if self._closed:
             raise ConfigError("this CheckpointManager is closed")
+        timing = _Timing()
         notice = coord.all_reduce_max(self._notice.code, self.group) if self._notice else 0.0
         if notice:
             self._save_on_preemption(step_info, state_dict, notice, extra=extra,
@@ -164,19 +178,20 @@ class CheckpointManager:
             rng=rng, group=self.group)
         name = self.options.name_format.format(step=step_info.global_step)
         if not due:
-            self._save_local(name, state_dict, captured, step_info.global_step)
+            self._save_local(name, state_dict, captured, step_info.global_step, timing)
             return True
         if not self.options.async_save:
-            self._write(name, state_dict, captured, step_info.global_step)
+            self._write(name, state_dict, captured, step_info.global_step, timing=timing)
             return True
         if self._stager is None:
             self._stager = BudgetStager(self.options.staging_budget)
         staged = self._stager.stage(dict(state_dict))
         self._pending = run_in_background(
             lambda: self._write(name, staged.state_dict, captured, step_info.global_step,
-                                staged), f"async save to {self.store.child(name).uri}")
+                                staged, timing), f"async save to {self.store.child(name).uri}")
         self._pending.add_done_callback(lambda _: staged.release())
         staged.wait()  # the tensors that did not fit in the budget are written
+        timing.blocked = time.monotonic() - timing.start
         return True
 
     def request_preemption_save(self) -> None:
@@ -203,8 +218,8 @@ class CheckpointManager:
                 app_state=state_dict, step_info=step_info,
                 shared={**dict(what.pop("extra") or {}), _SCHEDULE: self._schedules},
                 group=self.group, **what)
-            training.write(self.store.child(name), state_dict, captured,
-                           step=step_info.global_step, group=self.group, deadline=deadline)
+            self._write(name, state_dict, captured, step_info.global_step, op="preemption save",
+                        deadline=deadline)
             log.warning("preemption save committed: %s in %.1f s (budget %.0f s)",
                         self.store.child(name).uri, time.monotonic() - t0,
                         self._notice.policy.budget)
@@ -227,11 +242,27 @@ class CheckpointManager:
             log.error("%s failed, NOT committed: %s", pending.what, exc)
 
     def _write(self, name: str, state_dict: Mapping[str, Any], captured: training.Captured,
-               step: int, staged: StagedState | None = None) -> Checkpoint | None:
-        ckpt = training.write(self.store.child(name), state_dict, captured, step=step,
-                               group=self._io_group, staged=staged)
-        self._retain(name)
+               step: int, staged: StagedState | None = None, timing: _Timing | None = None,
+               op: str = "save", deadline: float | None = None) -> Checkpoint | None:
+        timing = timing or _Timing()
+        with counting() as tally:
+            ckpt = training.write(self.store.child(name), state_dict, captured, step=step,
+                                  group=self._io_group, staged=staged, deadline=deadline,
+                                  figures=reports.Figures(timing.start, tally))
+            durable = time.monotonic() - timing.start
+            self._retain(name)
+        self._report(op, "bucket", step, self.store.child(name).uri, timing, tally, ckpt,
+                     durable, self._io_group)
         return ckpt
+
+    def _report(self, op: str, tier: str, step: int | None, uri: str, timing: _Timing,
+                tally: Tally, ckpt: Checkpoint | None, durable: float, group: Any) -> None:
+        """Gather every rank's figures; rank 0 logs the report and hands it on."""
+        ranks = reports.gather(timing.start, tally, group, ckpt)
+        blocked = timing.blocked if timing.blocked is not None else (
+            time.monotonic() - timing.start)
+        reports.deliver(reports.report(op, tier, step, uri, ranks, blocked_s=blocked,
+                                       durable_s=durable, group=group), self.options.on_report)
 
     def _retain(self, name: str) -> None:
         """Retention in the bucket after ``name`` committed there; it never fails the
@@ -242,16 +273,16 @@ class CheckpointManager:
             self._io_group)
 
     def _save_local(self, name: str, state_dict: Mapping[str, Any],
-                    captured: training.Captured, step: int) -> None:
+                    captured: training.Captured, step: int, timing: _Timing) -> None:
         """Every rank commits its own local checkpoint; every rank learns whether all
         did. Every ``drain_every``-th one then drains to the bucket in the background."""
         local = self._local
         assert local is not None and self._schedules.local is not None
-        t0 = time.monotonic()
         saved: list[Checkpoint] = []
         try:
-            coord.each_rank(lambda: saved.append(local.save(name, state_dict, captured, step)),
-                            self.group)
+            with counting() as tally:
+                coord.each_rank(lambda: saved.append(local.save(name, state_dict, captured,
+                                                                step)), self.group)
         except BaseException:
             self._schedules.local_saves -= 1  # the failed save does not count to a drain
             raise
@@ -261,17 +292,24 @@ class CheckpointManager:
         if drain:
             self.wait()  # the previous drain or async save, before this drain starts
         local.retain({name} | ({self._draining} if self._draining else set()))
-        log.info("local tier: %s committed on every rank in %.2f s%s", name,
-                 time.monotonic() - t0, "; draining it to the bucket" if drain else "")
+        durable = time.monotonic() - timing.start
+        timing.blocked = durable
+        self._report("save", "local", step, ckpt.uri, timing, tally, ckpt, durable, self.group)
         if drain:
             self._draining = name
             self._pending = run_in_background(
-                lambda: self._drain(ckpt, name),
+                lambda: self._drain(ckpt, name, timing.start),
                 f"drain of the local checkpoint {name} to {self.store.child(name).uri}")
 
-    def _drain(self, local: Checkpoint, name: str) -> Checkpoint | None:
-        ckpt = tiers.drain(local, self.store.child(name), group=self._io_group)
-        self._retain(name)
+    def _drain(self, local: Checkpoint, name: str, start: float) -> Checkpoint | None:
+        timing = _Timing(start, blocked=0.0)
+        with counting() as tally:
+            ckpt = tiers.drain(local, self.store.child(name), group=self._io_group,
+                               figures=reports.Figures(start, tally))
+            durable = time.monotonic() - start
+            self._retain(name)
+        self._report("drain", "bucket", local.step, self.store.child(name).uri, timing, tally,
+                     ckpt, durable, self._io_group)
         return ckpt
 
     def wait(self) -> None:
@@ -327,8 +365,16 @@ class CheckpointManager:
         or unable to read it, sends every rank on to an older one, then to the
         bucket. Local checkpoints newer than the step resumed from are deleted.
         """
-        info = self._restore(state_dict, uri=uri, extra=extra, per_rank=per_rank, rng=rng,
-                             planner=planner)
+        timing = _Timing()
+        with counting() as tally:
+            restored, tier = self._restore(state_dict, uri=uri, extra=extra, per_rank=per_rank,
+                                           rng=rng, planner=planner)
+        info = restored.step_info if restored is not None else None
+        if restored is not None:
+            ckpt = restored.checkpoint
+            counted = ckpt if tier == "local" or coord.rank(self.group) == 0 else None
+            self._report("restore", tier, ckpt.step, ckpt.uri, timing, tally, counted,
+                         time.monotonic() - timing.start, self.group)
         local = self._local
         if local is not None:
             step = info.global_step if info is not None else None
@@ -338,8 +384,9 @@ class CheckpointManager:
     def _restore(self, state_dict: Mapping[str, Any], *, uri: str | None = None,
                  extra: Mapping[str, Any] | None = None,
                  per_rank: Mapping[str, Any] | None = None, rng: bool = True,
-                 planner: LoadPlanner | None = None) -> StepInfo | None:
-        """The restore itself; :meth:`restore` then aligns the local tier."""
+                 planner: LoadPlanner | None = None) -> tuple[training.Restored | None, str]:
+        """The restore itself, and the tier it read; :meth:`restore` then reports it
+        and aligns the local tier."""
         listed: dict[str, Checkpoint] = {}  # rank 0: the manifests its listing read
         if uri is not None:
             candidates = [uri]
@@ -347,10 +394,12 @@ class CheckpointManager:
             candidates = coord.on_coordinator(lambda: self._candidates(listed), self.group)
             newest = self.managed.number(candidates[0]) if candidates else None
             shared = {**dict(extra or {}), _SCHEDULE: self._schedules}
-            local = self._restore_local(state_dict, newest, shared=shared, per_rank=per_rank,
-                                        rng=rng, planner=planner)
-            if local is not None:
-                return local
+            if self._local is not None:
+                found = tiers.restore_newest(self._local, state_dict, newest, self.group,
+                                             shared=shared, per_rank=per_rank, rng=rng,
+                                             planner=planner)
+                if found is not None:
+                    return found, "local"
         for i, cand in enumerate(candidates or []):
             restored, err = None, None
             try:
@@ -373,35 +422,8 @@ class CheckpointManager:
             assert restored is not None
             log.info("resumed from %s (step %s)", restored.checkpoint.uri,
                      restored.checkpoint.step)
-            return restored.step_info
-        return None
-
-    def _restore_local(self, state_dict: Mapping[str, Any], newest: int | None,
-                       **read: Any) -> StepInfo | None:
-        """Resume from the local tier when every rank holds a step at least as new as
-        the bucket's ``newest``; None (every rank alike) to go on to the bucket."""
-        if self._local is None:
-            return None
-        mine = self._local.steps()
-        for step in tiers.common_steps(mine, self.group):
-            if newest is not None and step < newest:
-                break
-            restored, err = None, None
-            try:
-                restored = self._local.restore(mine[step], state_dict, **read)
-            except CloudCkptError as exc:
-                err = exc
-            try:
-                coord.agree(err, self.group)
-            except CloudCkptError as exc:
-                log.warning("local checkpoint %s cannot be resumed from (%s); trying an "
-                            "older one, then the bucket", mine[step], exc)
-                continue
-            assert restored is not None
-            log.info("resumed from the local tier: %s (step %s)", restored.checkpoint.uri,
-                     step)
-            return restored.step_info
-        return None
+            return restored, "bucket"
+        return None, "bucket"
 
     def _candidates(self, listed: dict[str, Checkpoint]) -> list[str]:
         """This manager's committed checkpoints, newest first. Saves of its own that never

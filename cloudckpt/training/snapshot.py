@@ -123,6 +123,7 @@ def write(
     staged: StagedState | None = None,
     as_rank: int | None = None,
     deadline: float | None = None,
+    figures: multipart.Part | None = None,
 ) -> Checkpoint | None:
     """Write and commit one training checkpoint; call on every rank.
 
@@ -135,7 +136,8 @@ def write(
     ``as_rank``, with ``group=SOLO`` (this rank alone), names the DCP files and the
     per-rank state as that rank's of the job, so that the checkpoint's objects can
     join a job-wide one under the same names (:mod:`cloudckpt.training.tiers`).
-    ``deadline`` (``time.monotonic()``) refuses a commit after it (a preemption save).
+    ``deadline`` (``time.monotonic()``) refuses a commit after it (a preemption save);
+    ``figures`` (:class:`cloudckpt.training.reports.Figures`) add the ranks' figures.
     """
     store = as_store(uri, storage_options)
     dcp_options: dict[str, Any] = {"staged": staged, "checked": captured.state_checked}
@@ -146,6 +148,7 @@ def write(
         multipart.RankBytes(_rank_key if as_rank is None else lambda _: _rank_key(as_rank),
                             dumps_state(captured.per_rank)),
         multipart.SharedBytes(SHARED, lambda: dumps_state(captured.shared)),
+        *([figures] if figures is not None else []),
     ]
     return multipart.save(store, parts, group=group, step=step, kind=KIND, deadline=deadline,
                           metadata={**dict(metadata or {}),

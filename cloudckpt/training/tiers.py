@@ -38,7 +38,7 @@ from cloudckpt.core.deletion import delete_checkpoint
 from cloudckpt.core.listing import list_checkpoints
 from cloudckpt.core.retention import Managed, apply_retention
 from cloudckpt.dcp.metadata import DCP_KIND, METADATA_NAME, load_metadata
-from cloudckpt.errors import ConfigError, CorruptCheckpointError
+from cloudckpt.errors import CloudCkptError, ConfigError, CorruptCheckpointError
 from cloudckpt.names import MANIFEST_NAME, MODEL_PART
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.storage import Store, as_store
@@ -148,6 +148,32 @@ def common_steps(mine: dict[int, str], group: Any = None) -> list[int]:
                     "node, or a save that died): the job resumes from an older step every "
                     "rank holds, or from the bucket", newest, lacking)
     return sorted(common, reverse=True)
+
+
+def restore_newest(local: LocalCopies, state: Mapping[str, Any], newest: int | None,
+                   group: Any = None, **read: Any) -> training.Restored | None:
+    """Resume from the local tier when every rank holds a step at least as new as
+    the bucket's ``newest`` and can read it; None (on every rank) to go on to the
+    bucket. A step some rank cannot read sends every rank to an older one."""
+    mine = local.steps()
+    for step in common_steps(mine, group):
+        if newest is not None and step < newest:
+            break
+        restored, err = None, None
+        try:
+            restored = local.restore(mine[step], state, **read)
+        except CloudCkptError as exc:
+            err = exc
+        try:
+            coord.agree(err, group)
+        except CloudCkptError as exc:
+            log.warning("local checkpoint %s cannot be resumed from (%s); trying an "
+                        "older one, then the bucket", mine[step], exc)
+            continue
+        assert restored is not None
+        log.info("resumed from the local tier: %s (step %s)", restored.checkpoint.uri, step)
+        return restored
+    return None
 
 
 # ------------------------------------------------------------------- draining
@@ -264,12 +290,14 @@ def _sent_by_rank(key: str, used: set[str]) -> bool:
         not key.endswith(MANIFEST_NAME)
 
 
-def drain(local: Checkpoint, dest: Store, *, group: Any = None) -> Checkpoint | None:
+def drain(local: Checkpoint, dest: Store, *, group: Any = None,
+          figures: multipart.Part | None = None) -> Checkpoint | None:
     """Commit each rank's local checkpoint ``local`` as one training checkpoint at
     ``dest``; call on every rank. Returns it on rank 0, None elsewhere; if any rank
     fails, every rank raises and nothing is committed."""
     meta = local.metadata
-    return multipart.save(dest, [Drained(local, local.step)], group=group, step=local.step,
+    parts: list[multipart.Part] = [Drained(local, local.step), *([figures] if figures else [])]
+    return multipart.save(dest, parts, group=group, step=local.step,
                           kind=training.KIND, metadata={
                               "world_size": coord.world_size(group),
                               "parts": [MODEL_PART, "state"],
