@@ -21,6 +21,9 @@ SLOT_POINTER_NAME = "slot-pointer.json"
 #: A training checkpoint's DCP part (cloudckpt.training.snapshot): a save's own
 #: committed sub-checkpoint, below its claim.
 MODEL_PART = "model"
+#: A run root's record of which ranks (hosts) hold which local-tier steps
+#: (cloudckpt.training.tiers); an object of the root itself, beside the checkpoints.
+TIERS_RECORD = "cloudckpt-tiers.json"
 
 
 

@@ -8,8 +8,10 @@ one stands for a replaced node.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
@@ -144,6 +146,9 @@ def test_retention_per_tier_and_the_drained_checkpoint_is_standard(s3, tmp_path)
         weights = _train(mgr, model, range(7))
     assert local_steps(tmp_path / "local", 0) == [5, 6]
     assert committed(s3, s3.root) == [5]  # drains at 2 and 5; the bucket keeps one
+    record = json.loads(open_store(s3.root, s3.options).get("cloudckpt-tiers.json"))
+    assert record["complete"] == [5, 6] and record["ranks"][0]["steps"] == [5, 6]
+    assert record["ranks"][0]["host"] == socket.gethostname()
     # The drained checkpoint is a training checkpoint torch's own reader loads.
     import torch.distributed.checkpoint as dcp
 

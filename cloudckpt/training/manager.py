@@ -292,6 +292,8 @@ class CheckpointManager:
         if drain:
             self.wait()  # the previous drain or async save, before this drain starts
         local.retain({name} | ({self._draining} if self._draining else set()))
+        held = coord.each_rank(lambda: (local.host, sorted(local.steps())), self.group)
+        coord.on_coordinator(lambda: tiers.write_record(self.store, held), self.group)
         durable = time.monotonic() - timing.start
         timing.blocked = durable
         self._report("save", "local", step, ckpt.uri, timing, tally, ckpt, durable, self.group)

@@ -18,10 +18,12 @@ node) sends the whole job to the bucket, never to a mix of steps.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
 import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +41,7 @@ from cloudckpt.core.listing import list_checkpoints
 from cloudckpt.core.retention import Managed, apply_retention
 from cloudckpt.dcp.metadata import DCP_KIND, METADATA_NAME, load_metadata
 from cloudckpt.errors import CloudCkptError, ConfigError, CorruptCheckpointError
-from cloudckpt.names import MANIFEST_NAME, MODEL_PART
+from cloudckpt.names import MANIFEST_NAME, MODEL_PART, TIERS_RECORD
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.storage import Store, as_store
 from cloudckpt.training import multipart
@@ -84,6 +86,7 @@ class LocalCopies:
         self.tier = tier
         self.managed = managed
         self.rank, self.world = coord.rank(group), coord.world_size(group)
+        self.host = socket.gethostname()
         self.store = as_store(os.path.join(os.path.abspath(tier.path), f"rank-{self.rank:05d}"),
                               {"fsync": tier.fsync})
 
@@ -93,7 +96,7 @@ class LocalCopies:
         ckpt = training.write(
             self.store.child(name), state, captured, step=step, group=coord.SOLO,
             as_rank=self.rank, metadata={TIER_KEY: {
-                "world_size": self.world, "rank": self.rank, "host": socket.gethostname()}})
+                "world_size": self.world, "rank": self.rank, "host": self.host}})
         assert ckpt is not None
         return ckpt
 
@@ -174,6 +177,20 @@ def restore_newest(local: LocalCopies, state: Mapping[str, Any], newest: int | N
         log.info("resumed from the local tier: %s (step %s)", restored.checkpoint.uri, step)
         return restored
     return None
+
+
+def write_record(root: Store, held: list[tuple[str, list[int]]]) -> None:
+    """Rank 0: record in the run root which host holds which local steps, per rank
+    (``held``), and the steps every rank holds; a failure is a WARNING."""
+    common = set(held[0][1]).intersection(*(steps for _, steps in held[1:]))
+    record = {"world_size": len(held), "updated": time.time(), "complete": sorted(common),
+              "ranks": [{"rank": r, "host": host, "steps": steps}
+                        for r, (host, steps) in enumerate(held)]}
+    try:
+        root.put(TIERS_RECORD, json.dumps(record, indent=1).encode())
+    except CloudCkptError as exc:
+        log.warning("could not update %s (%s); the local saves are not affected",
+                    root.key_uri(TIERS_RECORD), exc)
 
 
 # ------------------------------------------------------------------- draining
