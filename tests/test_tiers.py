@@ -20,7 +20,14 @@ import torch
 from test_resume import EXAMPLE, assert_same_params, assert_same_run, env
 from training_runs import launcher, losses, run_and_kill
 
-from cloudckpt import CheckpointManager, ConfigError, LocalTier, ManagerOptions, StepInfo
+from cloudckpt import (
+    CheckpointManager,
+    ConfigError,
+    LocalTier,
+    ManagerOptions,
+    Preemption,
+    StepInfo,
+)
 from cloudckpt.core.listing import list_checkpoints
 from cloudckpt.errors import CorruptCheckpointError
 from cloudckpt.storage import open_store
@@ -305,3 +312,26 @@ def test_sigterm_saves_once_within_the_budget_and_ends_the_ranks(s3, tmp_path, b
     assert f"resumed at step {saved + 1}" in resumed
     assert_same_run(ref_losses, out, resumed)
     assert_same_params(ref_params, tmp_path / "p.pt")
+
+
+def test_a_preemption_request_saves_the_next_step_and_returns(s3):
+    """A framework with its own signal handling asks instead: the next save() call
+    saves to the bucket (off schedule) and returns; ``preempted`` says stop."""
+    opts = ManagerOptions(every_steps=100, preemption=Preemption(budget=30.0))
+    mgr = CheckpointManager(s3.root, opts, storage_options=s3.options)
+    try:
+        assert not mgr.save(StepInfo(global_step=0), {"w": torch.zeros(3)})
+        mgr.request_preemption_save()
+        assert mgr.save(StepInfo(global_step=1), {"w": torch.ones(3)})
+        assert mgr.preempted and committed(s3, s3.root) == [1]
+        assert not mgr.save(StepInfo(global_step=2), {"w": torch.ones(3)})  # answered
+    finally:
+        mgr.close()
+    with pytest.raises(ConfigError, match="needs ManagerOptions"):
+        CheckpointManager(s3.root, storage_options=s3.options).request_preemption_save()
+
+
+@pytest.mark.parametrize("bad", [{"budget": 0}, {"signals": ("SIGNOPE",)}])
+def test_a_bad_preemption_policy_is_refused(bad):
+    with pytest.raises(ConfigError, match="Preemption"):
+        Preemption(**bad)

@@ -136,6 +136,10 @@ class Notice:
         """The save is over (committed or not): let the signal go on, to the previous
         handler; with none here (another rank's), ``signum``, the one the ranks agreed on."""
         self._done.set()
+        if not (self.signum or signum):  # a request: answered, the next one is new
+            with self._lock:
+                self.noticed_at, self._done = None, threading.Event()
+            return
         self._proceed(signum)
 
     def _proceed(self, signum: int | None = None) -> None:
