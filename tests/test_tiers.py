@@ -177,6 +177,7 @@ def test_resume_prefers_local_then_falls_back_to_the_bucket(s3, tmp_path, caplog
     model = torch.nn.Linear(4, 4)
     with CheckpointManager(s3.root, opts, storage_options=s3.options) as mgr:
         weights = _train(mgr, model, range(3))  # local 1, 2; step 1 drained to the bucket
+    assert "step(s) [2] are only on the nodes' local disks" in caplog.text  # said at close
     info, weight = _weight_after_restore(CheckpointManager(s3.root, opts,
                                                            storage_options=s3.options))
     assert info.global_step == 2 and torch.equal(weight, weights[2])

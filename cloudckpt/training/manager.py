@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.checkpoint.planner import LoadPlanner
@@ -34,7 +34,7 @@ from cloudckpt.storage import Store, as_store, open_store
 from cloudckpt.storage.tally import Tally, counting
 from cloudckpt.training import reports, tiers
 from cloudckpt.training import snapshot as training
-from cloudckpt.training.reports import Report
+from cloudckpt.training.reports import Report, Timing
 from cloudckpt.training.schedule import SaveSchedule, Schedules
 from cloudckpt.training.tiers import LocalTier
 
@@ -85,14 +85,6 @@ class ManagerOptions:
             raise ConfigError("ManagerOptions.name_format must contain '{step}'")
 
 
-@dataclass
-class _Timing:
-    """When a save began, and how long the training loop waited for it (once known)."""
-
-    start: float = field(default_factory=time.monotonic)
-    blocked: float | None = None
-
-
 class CheckpointManager:
     """Saves training checkpoints below ``root`` when due, keeps what the policy
     says, and restores the newest good one.
@@ -128,6 +120,8 @@ class CheckpointManager:
         background = self.options.async_save or bool(tier and tier.drain_every)
         self._io_group = coord.new_cpu_group() if background else process_group
         self._draining: str | None = None
+        self._local_steps: list[int] = []  # this process's local saves, and the newest
+        self._in_bucket = -1  # step it committed to the bucket (a drain's or a save's)
         self._notice = Notice(self.options.preemption) if self.options.preemption else None
         if self._notice is not None:
             self._notice.install()
@@ -157,7 +151,7 @@ class CheckpointManager:
         does is saved locally (see :class:`LocalTier`)."""
         if self._closed:
             raise ConfigError("this CheckpointManager is closed")
-        timing = _Timing()
+        timing = Timing()
         notice = coord.all_reduce_max(self._notice.code, self.group) if self._notice else 0.0
         if notice:
             self._save_on_preemption(step_info, state_dict, notice, extra=extra,
@@ -242,20 +236,21 @@ class CheckpointManager:
             log.error("%s failed, NOT committed: %s", pending.what, exc)
 
     def _write(self, name: str, state_dict: Mapping[str, Any], captured: training.Captured,
-               step: int, staged: StagedState | None = None, timing: _Timing | None = None,
+               step: int, staged: StagedState | None = None, timing: Timing | None = None,
                op: str = "save", deadline: float | None = None) -> Checkpoint | None:
-        timing = timing or _Timing()
+        timing = timing or Timing()
         with counting() as tally:
             ckpt = training.write(self.store.child(name), state_dict, captured, step=step,
                                   group=self._io_group, staged=staged, deadline=deadline,
                                   figures=reports.Figures(timing.start, tally))
             durable = time.monotonic() - timing.start
             self._retain(name)
+        self._in_bucket = max(self._in_bucket, step)
         self._report(op, "bucket", step, self.store.child(name).uri, timing, tally, ckpt,
                      durable, self._io_group)
         return ckpt
 
-    def _report(self, op: str, tier: str, step: int | None, uri: str, timing: _Timing,
+    def _report(self, op: str, tier: str, step: int | None, uri: str, timing: Timing,
                 tally: Tally, ckpt: Checkpoint | None, durable: float, group: Any) -> None:
         """Gather every rank's figures; rank 0 logs the report and hands it on."""
         ranks = reports.gather(timing.start, tally, group, ckpt)
@@ -273,7 +268,7 @@ class CheckpointManager:
             self._io_group)
 
     def _save_local(self, name: str, state_dict: Mapping[str, Any],
-                    captured: training.Captured, step: int, timing: _Timing) -> None:
+                    captured: training.Captured, step: int, timing: Timing) -> None:
         """Every rank commits its own local checkpoint; every rank learns whether all
         did. Every ``drain_every``-th one then drains to the bucket in the background."""
         local = self._local
@@ -291,6 +286,7 @@ class CheckpointManager:
         drain = bool(drain_every) and self._schedules.local_saves % drain_every == 0
         if drain:
             self.wait()  # the previous drain or async save, before this drain starts
+        self._local_steps.append(step)
         local.retain({name} | ({self._draining} if self._draining else set()))
         held = coord.each_rank(lambda: (local.host, sorted(local.steps())), self.group)
         coord.on_coordinator(lambda: tiers.write_record(self.store, held), self.group)
@@ -304,12 +300,13 @@ class CheckpointManager:
                 f"drain of the local checkpoint {name} to {self.store.child(name).uri}")
 
     def _drain(self, local: Checkpoint, name: str, start: float) -> Checkpoint | None:
-        timing = _Timing(start, blocked=0.0)
+        timing = Timing(start, blocked=0.0)
         with counting() as tally:
             ckpt = tiers.drain(local, self.store.child(name), group=self._io_group,
                                figures=reports.Figures(start, tally))
             durable = time.monotonic() - start
             self._retain(name)
+        self._in_bucket = max(self._in_bucket, local.step or 0)
         self._report("drain", "bucket", local.step, self.store.child(name).uri, timing, tally,
                      ckpt, durable, self._io_group)
         return ckpt
@@ -328,6 +325,10 @@ class CheckpointManager:
         self._closed = True
         try:
             self.wait()
+            only = [s for s in self._local_steps if s > self._in_bucket]
+            if only and coord.rank(self.group) == 0:
+                log.warning("local tier: step(s) %s are only on the nodes' local disks, not "
+                            "in the bucket: a lost node loses them", only)
         finally:
             if self._notice is not None:
                 self._notice.uninstall()
@@ -367,7 +368,7 @@ class CheckpointManager:
         or unable to read it, sends every rank on to an older one, then to the
         bucket. Local checkpoints newer than the step resumed from are deleted.
         """
-        timing = _Timing()
+        timing = Timing()
         with counting() as tally:
             restored, tier = self._restore(state_dict, uri=uri, extra=extra, per_rank=per_rank,
                                            rng=rng, planner=planner)

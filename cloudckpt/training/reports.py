@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter
@@ -60,6 +60,15 @@ class Report:
                 + (f"took {self.durable_s:.2f} s; " if self.op == "restore" else
                    f"blocked {self.blocked_s:.2f} s, durable after {self.durable_s:.2f} s; ")
                 + f"slowest rank {self.slowest_rank} ({self.slowest_s:.2f} s)")
+
+
+@dataclass
+class Timing:
+    """When an operation began, and how long the training loop waited for it (once
+    known: an async save's background part may end first)."""
+
+    start: float = field(default_factory=time.monotonic)
+    blocked: float | None = None
 
 
 @dataclass(frozen=True)
