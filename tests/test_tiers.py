@@ -94,7 +94,8 @@ def test_sigkill_during_a_drain_resumes_the_newer_local_step(s3, tmp_path, refer
     assert f"resumed at step {max(common) + 1}" in resumed  # the local tier, not the bucket
     assert_same_run(ref_losses, crash.stdout, resumed)
     assert_same_params(ref_params, tmp_path / "a.pt")
-    assert committed(s3, root)[-1] == 11  # and the drains go on
+    if max(common) < 11:  # a slow drain of step 7 may let the first run save 11 locally
+        assert committed(s3, root)[-1] == 11  # and the drains go on
 
 
 def test_one_rank_without_its_local_tier_sends_the_job_to_the_bucket(s3, tmp_path, reference):
