@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -301,7 +302,8 @@ def test_sigterm_saves_once_within_the_budget_and_ends_the_ranks(s3, tmp_path, b
     status, out, err = run_and_preempt([*base, "--preemption-budget", str(budget)], env(s3),
                                        at_step=9)
     assert status != 0
-    assert err.count("Signal 15 (SIGTERM)") + err.count("exitcode  : -15") >= 2, err[-3000:]
+    ended = re.findall(r"rank\s*: (\d) \(local_rank: \d\)\n\s*exitcode\s*: (-?\d+)", err)
+    assert sorted(ended) == [("0", "-15"), ("1", "-15")], err[-3000:]  # both by SIGTERM
     steps = committed(s3, root)
     if budget > 1:
         assert "preemption save committed" in err
