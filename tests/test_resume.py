@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from training_runs import launcher, losses, run_and_kill
+from training_runs import launcher, losses, run_and_kill, run_crashing, run_through
 
 EXAMPLE = str(Path(__file__).parent.parent / "examples" / "train_resume.py")
 STEPS, EVERY = 16, 3
@@ -28,11 +27,7 @@ def env(backend) -> dict:
 
 
 def run_to_end(backend, root: str, ranks: int, out: Path, *extra: str) -> str:
-    proc = subprocess.run(command(backend, root, ranks, "--out", str(out), *extra),
-                          capture_output=True, text=True, env=env(backend), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "done" in proc.stdout
-    return proc.stdout
+    return run_through(command(backend, root, ranks, "--out", str(out), *extra), env(backend))
 
 
 def assert_same_run(reference: dict[int, str], *parts: str) -> None:
@@ -68,10 +63,9 @@ def test_resume_after_sigkill_is_bit_exact(s3, tmp_path, ranks):
     assert_same_params(tmp_path / "ref.pt", tmp_path / "a.pt")
 
     # 2. killed in the middle of a save (DCP part written, root manifest not)
-    crash = subprocess.run(command(s3, s3.uri("mid-save"), ranks, "--crash-mid-save", "5"),
-                           capture_output=True, text=True, env=env(s3), timeout=300)
-    assert crash.returncode != 0 and "crashing mid-save of step 5" in crash.stdout
+    crash = run_crashing(command(s3, s3.uri("mid-save"), ranks, "--crash-mid-save", "5"),
+                         env(s3), "crashing mid-save of step 5")
     resumed = run_to_end(s3, s3.uri("mid-save"), ranks, tmp_path / "b.pt")
     assert "resumed at step 3" in resumed  # the torn step-5 was skipped
-    assert_same_run(reference, crash.stdout, resumed)
+    assert_same_run(reference, crash, resumed)
     assert_same_params(tmp_path / "ref.pt", tmp_path / "b.pt")

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_resume import EXAMPLE, assert_same_params, assert_same_run, env
-from training_runs import launcher, losses, run_and_kill
+from training_runs import launcher, losses, run_and_kill, run_crashing, run_through
 
 from cloudckpt import (
     CheckpointManager,
@@ -45,11 +45,7 @@ def command(backend, root: str, local: Path, *extra: str) -> list[str]:
 
 
 def run_to_end(backend, root: str, local: Path, out: Path, *extra: str) -> str:
-    proc = subprocess.run(command(backend, root, local, "--out", str(out), *extra),
-                          capture_output=True, text=True, env=env(backend), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "done" in proc.stdout
-    return proc.stdout
+    return run_through(command(backend, root, local, "--out", str(out), *extra), env(backend))
 
 
 def committed(backend, root: str) -> list[int]:
@@ -83,9 +79,8 @@ def reference(tmp_path_factory):
 def test_sigkill_during_a_drain_resumes_the_newer_local_step(s3, tmp_path, reference):
     ref_losses, ref_params = reference
     root, local = s3.uri("drain-kill"), tmp_path / "nodes"
-    crash = subprocess.run(command(s3, root, local, "--crash-mid-drain", "7"),
-                           capture_output=True, text=True, env=env(s3), timeout=300)
-    assert crash.returncode != 0 and "crashing mid-drain of step 7" in crash.stdout
+    crash = run_crashing(command(s3, root, local, "--crash-mid-drain", "7"), env(s3),
+                         "crashing mid-drain of step 7")
     # The bucket keeps the previous drained step; step 7's drain never committed.
     assert committed(s3, root) == [3]
     common = set(local_steps(local, 0)) & set(local_steps(local, 1))
@@ -93,7 +88,7 @@ def test_sigkill_during_a_drain_resumes_the_newer_local_step(s3, tmp_path, refer
 
     resumed = run_to_end(s3, root, local, tmp_path / "a.pt")
     assert f"resumed at step {max(common) + 1}" in resumed  # the local tier, not the bucket
-    assert_same_run(ref_losses, crash.stdout, resumed)
+    assert_same_run(ref_losses, crash, resumed)
     assert_same_params(ref_params, tmp_path / "a.pt")
     if max(common) < 11:  # a slow drain of step 7 may let the first run save 11 locally
         assert committed(s3, root)[-1] == 11  # and the drains go on
@@ -116,15 +111,14 @@ def test_one_rank_without_its_local_tier_sends_the_job_to_the_bucket(s3, tmp_pat
 def test_sigkill_during_a_local_save_resumes_the_previous_local_step(s3, tmp_path, reference):
     ref_losses, ref_params = reference
     root, local = s3.uri("local-kill"), tmp_path / "nodes"
-    crash = subprocess.run(command(s3, root, local, "--crash-mid-save", "9"),
-                           capture_output=True, text=True, env=env(s3), timeout=300)
-    assert crash.returncode != 0 and "crashing mid-save of step 9" in crash.stdout
+    crash = run_crashing(command(s3, root, local, "--crash-mid-save", "9"), env(s3),
+                         "crashing mid-save of step 9")
     assert 9 not in local_steps(local, 0) and 7 in local_steps(local, 0)
     assert (local / "rank-00000" / "step-9").exists()  # torn: written, never committed
 
     resumed = run_to_end(s3, root, local, tmp_path / "c.pt")
     assert "resumed at step 8" in resumed
-    assert_same_run(ref_losses, crash.stdout, resumed)
+    assert_same_run(ref_losses, crash, resumed)
     assert_same_params(ref_params, tmp_path / "c.pt")
 
 
@@ -282,11 +276,9 @@ PREEMPT_ARGS = ("--every", "4", "--step-seconds", "0.2")
 def preempt_reference(tmp_path_factory):
     """16 steps that never stopped: their losses and final parameters."""
     tmp = tmp_path_factory.mktemp("preempt-ref")
-    ref = subprocess.run([*launcher(2), EXAMPLE, "--root", str(tmp / "bucket"), "--steps", "16",
-                          "--out", str(tmp / "ref.pt")],
-                         capture_output=True, text=True, env=env(None), timeout=300)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    return losses(ref.stdout), tmp / "ref.pt"
+    ref = run_through([*launcher(2), EXAMPLE, "--root", str(tmp / "bucket"), "--steps", "16",
+                       "--out", str(tmp / "ref.pt")], env(None))
+    return losses(ref), tmp / "ref.pt"
 
 
 @pytest.mark.parametrize("budget", [20.0, 0.01])
@@ -313,10 +305,7 @@ def test_sigterm_saves_once_within_the_budget_and_ends_the_ranks(s3, tmp_path, b
         assert "NOT committed" in err
         saved = max(steps)
         assert saved in (3, 7)  # only the scheduled saves
-    again = subprocess.run([*base, "--out", str(tmp_path / "p.pt")], capture_output=True,
-                           text=True, env=env(s3), timeout=300)
-    assert again.returncode == 0, again.stderr[-3000:]
-    resumed = again.stdout
+    resumed = run_through([*base, "--out", str(tmp_path / "p.pt")], env(s3))
     assert f"resumed at step {saved + 1}" in resumed
     assert_same_run(ref_losses, out, resumed)
     assert_same_params(ref_params, tmp_path / "p.pt")

@@ -30,6 +30,21 @@ def losses(output: str) -> dict[int, str]:
             if line.startswith("step ") and " loss " in line}
 
 
+def run_through(cmd: list[str], env: dict) -> str:
+    """Run a training command to its end (it must succeed and say ``done``); its stdout."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "done" in proc.stdout
+    return proc.stdout
+
+
+def run_crashing(cmd: list[str], env: dict, says: str) -> str:
+    """Run a training command that crashes on purpose, saying ``says``; its stdout."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode != 0 and says in proc.stdout, proc.stderr[-3000:]
+    return proc.stdout
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILL a process and all its descendants (torchrun's workers run in
     sessions of their own, so killing the process group is not enough)."""

@@ -167,9 +167,8 @@ class CheckpointManager:
         if not due:  # counted before the capture, so that a resume counts on from it
             self._schedules.local_saves += 1
         captured = training.capture_together(
-            app_state=state_dict, step_info=step_info,
-            shared={**dict(extra or {}), _SCHEDULE: self._schedules}, per_rank=per_rank,
-            rng=rng, group=self.group)
+            app_state=state_dict, step_info=step_info, shared=self._shared(extra),
+            per_rank=per_rank, rng=rng, group=self.group)
         name = self.options.name_format.format(step=step_info.global_step)
         if not due:
             self._save_local(name, state_dict, captured, step_info.global_step, timing)
@@ -205,22 +204,25 @@ class CheckpointManager:
         deadline = (self._notice.deadline if self._notice.noticed_at is not None
                     else time.monotonic() + self._notice.policy.budget)
         name = self.options.name_format.format(step=step_info.global_step)
-        t0 = time.monotonic()
+        timing = Timing()
         try:
             self._finish_pending(deadline)
             captured = training.capture_together(
-                app_state=state_dict, step_info=step_info,
-                shared={**dict(what.pop("extra") or {}), _SCHEDULE: self._schedules},
+                app_state=state_dict, step_info=step_info, shared=self._shared(what.pop("extra")),
                 group=self.group, **what)
-            self._write(name, state_dict, captured, step_info.global_step, op="preemption save",
-                        deadline=deadline)
+            self._write(name, state_dict, captured, step_info.global_step, timing=timing,
+                        op="preemption save", deadline=deadline)
             log.warning("preemption save committed: %s in %.1f s (budget %.0f s)",
-                        self.store.child(name).uri, time.monotonic() - t0,
+                        self.store.child(name).uri, time.monotonic() - timing.start,
                         self._notice.policy.budget)
         except CloudCkptError as exc:
             log.error("preemption save of %s NOT committed: %s", name, exc)
         finally:
             self._notice.proceed(int(notice) if notice >= 1 else None)
+
+    def _shared(self, extra: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The shared state a checkpoint holds: the user's ``extra`` and the schedules."""
+        return {**dict(extra or {}), _SCHEDULE: self._schedules}
 
     def _finish_pending(self, deadline: float) -> None:
         """Wait for the pending save or drain until ``deadline``."""
@@ -391,12 +393,12 @@ class CheckpointManager:
         """The restore itself, and the tier it read; :meth:`restore` then reports it
         and aligns the local tier."""
         listed: dict[str, Checkpoint] = {}  # rank 0: the manifests its listing read
+        shared = self._shared(extra)
         if uri is not None:
             candidates = [uri]
         else:  # one listing, on rank 0; its result or its error on every rank
             candidates = coord.on_coordinator(lambda: self._candidates(listed), self.group)
             newest = self.managed.number(candidates[0]) if candidates else None
-            shared = {**dict(extra or {}), _SCHEDULE: self._schedules}
             if self._local is not None:
                 found = tiers.restore_newest(self._local, state_dict, newest, self.group,
                                              shared=shared, per_rank=per_rank, rng=rng,
@@ -408,10 +410,8 @@ class CheckpointManager:
             try:
                 where: Store | Checkpoint = (open_store(cand, self._storage_options) if uri
                                              else listed.get(cand) or self.store.child(cand))
-                restored = training.read(where, state_dict,
-                                          shared={**dict(extra or {}), _SCHEDULE: self._schedules},
-                                          per_rank=per_rank, rng=rng, group=self.group,
-                                          planner=planner)
+                restored = training.read(where, state_dict, shared=shared, per_rank=per_rank,
+                                         rng=rng, group=self.group, planner=planner)
             except CorruptCheckpointError as exc:
                 err = exc
             try:

@@ -151,10 +151,14 @@ def write(
         *([figures] if figures is not None else []),
     ]
     return multipart.save(store, parts, group=group, step=step, kind=KIND, deadline=deadline,
-                          metadata={**dict(metadata or {}),
-                                    "world_size": coord.world_size(group),
-                                    "parts": [MODEL_PART, "state"],
-                                    "step_info": captured.shared.get(_STEP_INFO)})
+                          metadata={**dict(metadata or {}), **root_metadata(
+                              coord.world_size(group), captured.shared.get(_STEP_INFO))})
+
+
+def root_metadata(world_size: int, step_info: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What a training checkpoint's root manifest says of it: the ranks that saved
+    it (its per-rank state), its parts, and where training was."""
+    return {"world_size": world_size, "parts": [MODEL_PART, "state"], "step_info": step_info}
 
 
 @dataclass

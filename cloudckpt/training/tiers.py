@@ -312,10 +312,8 @@ def drain(local: Checkpoint, dest: Store, *, group: Any = None,
     """Commit each rank's local checkpoint ``local`` as one training checkpoint at
     ``dest``; call on every rank. Returns it on rank 0, None elsewhere; if any rank
     fails, every rank raises and nothing is committed."""
-    meta = local.metadata
     parts: list[multipart.Part] = [Drained(local, local.step), *([figures] if figures else [])]
-    return multipart.save(dest, parts, group=group, step=local.step,
-                          kind=training.KIND, metadata={
-                              "world_size": coord.world_size(group),
-                              "parts": [MODEL_PART, "state"],
-                              "step_info": meta.get("step_info"), "drained": True})
+    return multipart.save(dest, parts, group=group, step=local.step, kind=training.KIND,
+                          metadata={**training.root_metadata(coord.world_size(group),
+                                                             local.metadata.get("step_info")),
+                                    "drained": True})
