@@ -74,6 +74,10 @@ class Backend(Protocol):
 
     # ------------------------------------------------------------------ naming
 
+    def rooted(self, root: str) -> Backend:
+        """This backend (same filesystem and options) for a store rooted at ``root``
+        (a filesystem path), which may lie above the one it was opened for."""
+
     def uri_of(self, root: str) -> str:
         """The URI of a store rooted at ``root``, as a user would write it."""
 

@@ -73,6 +73,8 @@ class Store(ConditionalWritesMixin, BatchMixin, RangeReadMixin):
 
     #: The backend class of a store that names its own (``FileStore``: FileBackend).
     backend_class: ClassVar[type[Backend] | None] = None
+    #: Keys read from elsewhere in the backend (:meth:`located`); such a view is read-only.
+    _located: Mapping[str, str] | None = None
 
     def __init__(
         self,
@@ -140,7 +142,41 @@ class Store(ConditionalWritesMixin, BatchMixin, RangeReadMixin):
 
     def path(self, key: str) -> str:
         """The filesystem path of ``key`` (for the backend's primitives)."""
+        if self._located is not None:
+            located = self._located.get(key)
+            if located is not None:
+                return located
         return f"{self.root}/{validate_key(key)}"
+
+    def located(self, elsewhere: Mapping[str, str]) -> Store:
+        """A read-only view of this store whose reads of the keys in ``elsewhere`` go to
+        other objects of the same backend (``{key: key of the other object, relative to
+        this store's bucket or filesystem root}``): an incremental checkpoint's objects
+        kept in its run's blob area. Its children keep the mapping of their keys."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new._located = dict(elsewhere)
+        return new
+
+    def _writable(self, key: str) -> None:
+        if self._located is not None:
+            raise ConfigError(f"{self.key_uri(key)}: this view of {self.uri} reads objects "
+                              "kept elsewhere (a blob area) and cannot write or delete")
+
+    def ancestor(self, levels: int) -> Store:
+        """The store ``levels`` prefixes above this one, sharing backend and pool; never
+        above the bucket (or the filesystem's root)."""
+        parts = self.root.split("/")
+        keep = len(parts) - levels
+        if levels < 0 or keep < (2 if self.root.startswith("/") else 1) or not all(
+                parts[keep:]):
+            raise ConfigError(f"{self.uri} has no prefix {levels} level(s) above it")
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.backend = self.backend.rooted("/".join(parts[:keep]))
+        new.root = new.backend.root
+        new._located = None
+        return new
 
     def key_uri(self, key: str) -> str:
         """The full URI of ``key``, for messages."""
@@ -162,6 +198,10 @@ class Store(ConditionalWritesMixin, BatchMixin, RangeReadMixin):
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
         new.root = f"{self.root}/{prefix}"
+        if self._located is not None:
+            below = prefix + "/"
+            new._located = {k[len(below):]: v for k, v in self._located.items()
+                            if k.startswith(below)}
         return new
 
     # ----------------------------------------------------------- public API
@@ -199,6 +239,7 @@ class Store(ConditionalWritesMixin, BatchMixin, RangeReadMixin):
 
     def put(self, key: str, data: Buffer) -> ObjectInfo:
         """Write a whole object (overwriting) and return its size and CRC32C."""
+        self._writable(key)
         path = self.path(key)
         crc = crc32c_hex(data)
         version = self._write(lambda: self.backend.put_checked(path, data, crc), "put", key)
@@ -294,6 +335,8 @@ class Store(ConditionalWritesMixin, BatchMixin, RangeReadMixin):
     def delete(self, keys: Iterable[str]) -> None:
         """Delete objects; missing ones are ignored."""
         keys = list(keys)
+        for key in keys:
+            self._writable(key)
         for chunk in chunks(keys, 1000):
             paths = [self.path(k) for k in chunk]
             self._call(lambda paths=paths: self.backend.delete(paths, self.root), "delete",
@@ -336,6 +379,7 @@ class Store(ConditionalWritesMixin, BatchMixin, RangeReadMixin):
         discards it."""
         if size < 0:
             raise ConfigError(f"invalid size {size} for {key}")
+        self._writable(key)
         return self.backend.open_range_writer(self.path(key), size)
 
     def can_copy_from(self, src: Store) -> bool:
@@ -354,6 +398,7 @@ class Store(ConditionalWritesMixin, BatchMixin, RangeReadMixin):
         """
         if not self.can_copy_from(src):
             raise ConfigError(f"{self.uri} cannot copy from {src.uri} on the server")
+        self._writable(key)
         info = self.backend.copy(src.path(src_key), self.path(key), size, self)
         return ObjectInfo(key, info.size, info.crc32c, info.version)
 

@@ -68,6 +68,11 @@ class FileBackend(FsspecBackend):
         # The store's children share the backend: they stay inside the store they came from.
         self._jail = self.root
 
+    def rooted(self, root: str) -> FileBackend:
+        new = super().rooted(root)
+        new._jail = root  # opened there on purpose: contained there
+        return new  # type: ignore[return-value]
+
     def _root_of(self, root: str) -> str:
         return os.path.abspath(root)
 

@@ -34,6 +34,7 @@ class ConditionalWritesMixin:
     def put_if_absent(self, key: str, data: Buffer) -> ObjectInfo:
         """Create ``key`` only if it does not exist (S3 ``If-None-Match: *``,
         GCS ``ifGenerationMatch=0``, local ``link``). Raises CommitConflictError."""
+        self._writable(key)  # type: ignore[attr-defined]
         path = self.path(key)
         enforced = self._enforced(swap=False)  # probed outside the write's retries
 
@@ -48,6 +49,7 @@ class ConditionalWritesMixin:
         """Replace ``key`` only if its version token is still ``version`` (compare-and-swap)."""
         if not version:
             raise ConfigError("put_if_match needs the version token returned by a read or write")
+        self._writable(key)  # type: ignore[attr-defined]
         path = self.path(key)
         enforced = self._enforced(swap=True)
 

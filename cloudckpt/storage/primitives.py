@@ -12,6 +12,7 @@ retries and wraps them.
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
@@ -98,6 +99,11 @@ class FsspecBackend(ABC):
         (``self.root``, ``self.protocol``, ``self.max_concurrency`` are set)."""
 
     # ------------------------------------------------------------------ naming
+
+    def rooted(self, root: str) -> FsspecBackend:
+        new = copy.copy(self)
+        new.root = root
+        return new
 
     def uri_of(self, root: str) -> str:
         if self.protocol in ("file", ""):
