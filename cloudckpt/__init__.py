@@ -29,7 +29,8 @@ from cloudckpt.util.lazy import lazy_exports
 
 # Names that need torch load on first use, so that `cloudckpt ls` stays quick.
 __getattr__ = lazy_exports(__name__, {
-    "training.manager": ("CheckpointManager", "ManagerOptions"),
+    "training.manager": ("CheckpointManager",),
+    "training.options": ("ManagerOptions",),
     "training.tiers": ("LocalTier",),
     "runtime.preemption": ("Preemption",),
     "training.slot": ("RecoverSlot",),

@@ -483,9 +483,9 @@ def test_load_buffers_stay_within_the_read_window(s3):
 def test_items_of_another_layout_load_through_torch_load(where, monkeypatch, n, rows):
     """A record whose tensor is not a compact C-contiguous one (here: a view saved
     with its whole storage, as other writers may) is read whole and torch.load'ed."""
-    import cloudckpt.dcp.writer as writer
+    import cloudckpt.dcp.units as units
 
-    monkeypatch.setattr(writer, "_cpu_compact", lambda t: t.detach())
+    monkeypatch.setattr(units, "cpu_compact", lambda t: t.detach())
     g = torch.Generator().manual_seed(3)
     big = torch.randn(n, 1024, generator=g)
     sd = {"v": big[n - rows:]}

@@ -14,7 +14,7 @@ import pytest
 from cloudckpt import CheckpointWriter, open_checkpoint, open_store
 from cloudckpt.core.manifest import MANIFEST_NAME
 from cloudckpt.errors import CommitConflictError, CorruptCheckpointError
-from cloudckpt.movement.transfer import _copy_objects, commit_as, copy_checkpoint
+from cloudckpt.movement.transfer import _copy_objects, copy_checkpoint
 from cloudckpt.storage import ObjectInfo
 from cloudckpt.storage.backend import Backend, Host
 from cloudckpt.storage.s3 import S3Backend, _whole_crc32c
@@ -324,9 +324,9 @@ def test_copy_objects_copies_exactly_the_paths_given(s3, local) -> None:
         assert set(writer.entries) == set(names[:2])
         assert {o.key for o in writer.store.list()} == {n for n in names[:2]}
         with pytest.raises(CorruptCheckpointError, match="does not list what was written"):
-            commit_as(writer, src.manifest)
+            writer.commit(src.manifest)
         _copy_objects(src, writer, names[2:], None)
-        assert_same(commit_as(writer, src.manifest), src, objs)
+        assert_same(writer.commit(src.manifest), src, objs)
 
 
 # ------------------------------------------------------------ ranged reads

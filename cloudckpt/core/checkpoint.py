@@ -1,35 +1,32 @@
-"""Immutable checkpoints: write objects, commit a manifest, open, verify.
+"""Immutable checkpoints: write objects, then commit a manifest.
 
-A checkpoint is every object under one prefix plus the manifest at
-``<prefix>/cloudckpt-manifest.json``. The manifest is written last and
-create-only, so a checkpoint is either complete and verifiable or invisible
-(invariants 1 and 2 of docs/architecture.md).
+A checkpoint is every object under one prefix (or, saved incrementally, in its
+run's blob area) plus the manifest at ``<prefix>/cloudckpt-manifest.json``. The
+manifest is written last and create-only, so a checkpoint is either complete and
+verifiable or invisible (invariants 1 and 2 of docs/architecture.md). Reading a
+committed one: :mod:`cloudckpt.core.committed`.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 from cloudckpt.core import kinds
+from cloudckpt.core.blobs import BlobArea, digest_of
 from cloudckpt.core.claim import WriterClaim
-from cloudckpt.core.manifest import (
-    MANIFEST_NAME,
-    FileEntry,
-    Manifest,
-    read_manifest_bytes,
-    validate_path,
+from cloudckpt.core.committed import (
+    Checkpoint,
+    _manifest_and_bytes,
+    open_checkpoint,
+    read_manifest,
 )
-from cloudckpt.core.ownership import COMMITTED, EMPTY, Survey, missing_manifest_error, survey
-from cloudckpt.errors import (
-    CheckpointNotFoundError,
-    CommitConflictError,
-    CorruptCheckpointError,
-    StorageError,
-)
+from cloudckpt.core.manifest import MANIFEST_NAME, FileEntry, Manifest, validate_path
+from cloudckpt.core.ownership import Survey
+from cloudckpt.errors import CommitConflictError, ConfigError, CorruptCheckpointError, StorageError
 from cloudckpt.storage import ObjectInfo, ObjectWriter, Store, as_store
 from cloudckpt.storage.writers import CloseOnExit
 from cloudckpt.util.crc import Buffer, crc32c_hex
@@ -63,6 +60,10 @@ class CheckpointWriter:
     replaces the claim of a writer on another host that is known to be dead. A
     prefix holding data cloudckpt did not write (or checkpoints further down) is
     refused with :class:`NotACheckpointError` at the first write.
+
+    ``blobs`` (the run's :class:`~cloudckpt.core.blobs.BlobArea`) makes the save
+    incremental: what :meth:`put` writes becomes a blob, stored once under the
+    SHA-256 of its bytes, and the manifest references it.
     """
 
     def __init__(
@@ -75,8 +76,11 @@ class CheckpointWriter:
         storage_options: Mapping[str, Any] | None = None,
         takeover: bool = False,
         adopting: bool = False,
+        blobs: BlobArea | None = None,
     ) -> None:
         self.store = as_store(uri, storage_options)
+        self.blobs = blobs
+        self._blob_depth = blobs.depth_of(self.store) if blobs else None
         # adopting: the objects are someone else's (dcp.adopt commits them); the claim
         # may cover them, and a failure removes it rather than leave it as a mark.
         self._claim = WriterClaim(self.store, takeover=takeover, foreign_ok=adopting,
@@ -122,10 +126,11 @@ class CheckpointWriter:
         if self._committed is None:
             self._claim.release(committed=False)
 
-    def _record(self, info: ObjectInfo) -> None:
+    def _record(self, info: ObjectInfo, key: str | None = None, blob: str | None = None
+                ) -> None:
         assert info.crc32c is not None
         with self._lock:
-            self._entries[info.key] = FileEntry(info.size, info.crc32c)
+            self._entries[key or info.key] = FileEntry(info.size, info.crc32c, blob)
 
     def _check_path(self, path: str) -> str:
         if not isinstance(path, str):
@@ -142,12 +147,7 @@ class CheckpointWriter:
 
     def put(self, path: str, data: Buffer) -> ObjectInfo:
         """Write one object of the checkpoint."""
-        path = self._check_path(path)
-        self._check_data(path, data)
-        with self._live():
-            info = self.store.put(path, data)
-        self._record(info)
-        return info
+        return self.put_many({path: data})[path]
 
     def put_many(self, items: Mapping[str, Buffer]) -> dict[str, ObjectInfo]:
         """Write many objects in parallel: ``{path: bytes}``."""
@@ -158,32 +158,64 @@ class CheckpointWriter:
             self._check_path(p)
             self._check_data(p, data)
         with self._live():
+            if self.blobs is not None:
+                return self._put_blobs(items)
             infos = self.store.put_many(items)
         for info in infos.values():
             self._record(info)
         return infos
 
+    def _put_blobs(self, items: Mapping[str, Buffer]) -> dict[str, ObjectInfo]:
+        area = self.blobs
+        assert area is not None
+        holding = area.holding(area.top_of(self.store))
+        by_digest = {digest_of(data): data for data in items.values()}
+        sent = dict(area.store.map(lambda kv: area.put(kv[1], kv[0]), list(by_digest.items())))
+        holding.settle(sent, lambda digest: area.put(by_digest[digest], digest))
+        out = {}
+        for path, data in items.items():
+            digest = digest_of(data)
+            self._record(sent[digest], path, digest)
+            out[path] = ObjectInfo(path, sent[digest].size, sent[digest].crc32c)
+        return out
+
     def open(self, path: str) -> _TrackedWriter:
         """Stream a large object; it is recorded when the writer closes."""
         self._check_path(path)
+        if self.blobs is not None:
+            raise ConfigError(f"{self.uri}: an incremental save names each object by its "
+                              "bytes; write it with put(), not as a stream")
         self._claim.acquire()
         with self._lock:
             self._open.add(path)
         return _TrackedWriter(self, path)
 
-    def add_existing(self, path: str, size: int, crc32c: str) -> None:
-        """Record an object written by another process (e.g. another rank)."""
+    def add_existing(self, path: str, size: int, crc32c: str, blob: str | None = None,
+                     *, blob_depth: int | None = None) -> None:
+        """Record an object written by another process (e.g. another rank); ``blob``:
+        a blob of the area ``blob_depth`` levels up (this writer's own by default)."""
         self._check_path(path)
+        if blob is not None:
+            self._refer(blob_depth or self._blob_depth, path)
         with self._lock:
-            self._entries[path] = FileEntry(size, crc32c)
+            self._entries[path] = FileEntry(size, crc32c, blob)
+
+    def _refer(self, depth: int | None, path: str) -> None:
+        if depth is None or (self._blob_depth not in (None, depth)):
+            raise ConfigError(f"{self.uri}: {path!r} is a blob of another area than this "
+                              "checkpoint's; one checkpoint references one run's blobs")
+        self._blob_depth = depth
 
     def add_part(self, prefix: str) -> Checkpoint:
         """Record the committed checkpoint at ``prefix`` (below this one) as a part:
         its objects and its own manifest, so this manifest covers all of them."""
         sub = self.store.child(prefix)
         manifest, raw = _manifest_and_bytes(sub)  # one read: the manifest and its checksum
+        depth = None if manifest.blob_depth is None else manifest.blob_depth - len(
+            prefix.strip("/").split("/"))
         for path, entry in manifest.files.items():
-            self.add_existing(f"{prefix}/{path}", entry.size, entry.crc32c)
+            self.add_existing(f"{prefix}/{path}", entry.size, entry.crc32c, entry.blob,
+                              blob_depth=depth)
         self.add_existing(f"{prefix}/{MANIFEST_NAME}", len(raw), crc32c_hex(raw))
         return Checkpoint(sub, manifest)
 
@@ -205,9 +237,12 @@ class CheckpointWriter:
                 raise StorageError(
                     f"cannot commit {self.uri}: streamed objects still open: {sorted(self._open)}"
                 )
+            blob_depth = self._blob_depth if any(e.blob for e in self._entries.values()) \
+                else None
             if manifest is None:
                 manifest = Manifest(files=dict(self._entries), step=self.step,
-                                    metadata=self.metadata, kind=self.kind)
+                                    metadata=self.metadata, kind=self.kind,
+                                    blob_depth=blob_depth)
             elif dict(manifest.files) != self._entries:
                 bad = sorted(set(self._entries.items()) ^ set(manifest.files.items()))
                 raise CorruptCheckpointError(
@@ -217,6 +252,8 @@ class CheckpointWriter:
             self._claim.check()
             self.store.put_if_absent(MANIFEST_NAME, manifest.to_json())
         self._claim.release(committed=True)
+        if manifest.blob_depth == 1:  # the run's checkpoint itself: its manifest holds now
+            BlobArea.above(self.store, 1).release(self.store.root.rsplit("/", 1)[-1])
         log.info("committed %s (step %s, %d objects, %d bytes)", self.uri, self.step,
                  len(manifest.files), manifest.total_size)
         self._committed = Checkpoint(self.store, manifest)
@@ -273,177 +310,3 @@ class _TrackedWriter(CloseOnExit):
         self._owner._claim.suspend()
         with self._owner._lock:
             self._owner._open.discard(self._path)
-
-
-class Checkpoint:
-    """A committed checkpoint: its manifest and verified reads of its objects."""
-
-    def __init__(self, store: Store, manifest: Manifest) -> None:
-        self.store = store
-        self.manifest = manifest
-
-    def __repr__(self) -> str:
-        return f"Checkpoint({self.uri!r}, step={self.step}, files={len(self.files)})"
-
-    @property
-    def uri(self) -> str:
-        return self.store.uri
-
-    @property
-    def step(self) -> int | None:
-        return self.manifest.step
-
-    @property
-    def metadata(self) -> Mapping[str, Any]:
-        return self.manifest.metadata
-
-    @property
-    def files(self) -> list[str]:
-        """Object paths, from the manifest (never from a listing)."""
-        return sorted(self.manifest.files)
-
-    @property
-    def total_size(self) -> int:
-        return self.manifest.total_size
-
-    def entry(self, path: str) -> FileEntry:
-        try:
-            return self.manifest.files[path]
-        except KeyError:
-            raise CheckpointNotFoundError(
-                f"{path!r} is not part of checkpoint {self.uri}; it has: "
-                f"{', '.join(self.files[:10])}{' ...' if len(self.files) > 10 else ''}"
-            ) from None
-
-    def _check(self, path: str, data: bytes) -> bytes:
-        entry = self.entry(path)
-        problem = _problem(entry, data)
-        if problem:
-            raise CorruptCheckpointError(
-                f"object {path!r} of {self.uri} is corrupt: {problem}. Restore it from a "
-                "copy or fall back to an earlier checkpoint.",
-                {path: problem},
-            )
-        return data
-
-    def read(self, path: str) -> bytes:
-        """Read a whole object, checking size and CRC32C.
-
-        Large objects are fetched as parallel ranged reads of ``part_size``.
-        """
-        entry = self.entry(path)
-        chunk = max(self.store.part_size, 1 << 20)
-        try:
-            if entry.size > 2 * chunk:
-                ranges = [(path, s, min(s + chunk, entry.size))
-                          for s in range(0, entry.size, chunk)]
-                data = b"".join(self.store.get_ranges(ranges))
-            else:
-                data = self.store.get(path)
-        except (FileNotFoundError, EOFError) as exc:
-            raise CorruptCheckpointError(
-                f"object {path!r} of {self.uri} is listed in the manifest but missing or "
-                f"short ({exc})", {path: "missing or short"},
-            ) from None
-        return self._check(path, data)
-
-    def read_many(self, paths: Sequence[str]) -> dict[str, bytes]:
-        """Read many objects in parallel, each checked."""
-        for p in paths:
-            self.entry(p)
-        return dict(zip(paths, self.store.map(self.read, list(paths)), strict=True))
-
-    def read_range(self, path: str, start: int, end: int) -> bytes:
-        """Read bytes ``[start, end)`` of an object.
-
-        A range cannot be checked against the whole object's CRC32C; only its
-        bounds are checked. Use :meth:`read` or :meth:`verify` for integrity.
-        """
-        entry = self.entry(path)
-        if not 0 <= start <= end <= entry.size:
-            raise ValueError(f"range [{start}, {end}) outside {path!r} of size {entry.size}")
-        try:
-            return self.store.get_range(path, start, end)
-        except (FileNotFoundError, EOFError) as exc:
-            raise CorruptCheckpointError(
-                f"object {path!r} of {self.uri} is missing or short: {exc}", {path: "short"}
-            ) from None
-
-    def iter_objects(self) -> Iterator[tuple[str, bytes]]:
-        """Yield ``(path, bytes)`` for every object, checked, in parallel batches."""
-        batch = max(self.store.max_concurrency, 1)
-        files = self.files
-        for i in range(0, len(files), batch):
-            yield from self.read_many(files[i : i + batch]).items()
-
-    def verify(self, deep: bool = False) -> None:
-        """Check every object exists with the right size; with ``deep``, also its CRC32C.
-
-        Raises :class:`CorruptCheckpointError` listing every bad object.
-        """
-        problems: dict[str, str] = {}
-        listed = {o.key: o.size for o in self.store.list()}
-        for path, entry in self.manifest.files.items():
-            if path not in listed:
-                problems[path] = "missing"
-            elif listed[path] != entry.size:
-                problems[path] = f"size {listed[path]} != {entry.size} in manifest"
-        if deep:
-            todo = [p for p in self.files if p not in problems]
-
-            def check(path: str) -> tuple[str, str | None]:
-                try:
-                    return path, _problem(self.manifest.files[path], self.store.get(path))
-                except FileNotFoundError:
-                    return path, "missing"
-
-            for path, problem in self.store.map(check, todo):
-                if problem:
-                    problems[path] = problem
-        if problems:
-            names = ", ".join(f"{p} ({why})" for p, why in sorted(problems.items()))
-            raise CorruptCheckpointError(
-                f"checkpoint {self.uri} failed verification: {names}", problems
-            )
-
-
-def _problem(entry: FileEntry, data: bytes) -> str | None:
-    if len(data) != entry.size:
-        return f"size {len(data)} != {entry.size} in manifest"
-    crc = crc32c_hex(data)
-    if crc != entry.crc32c:
-        return f"crc32c {crc} != {entry.crc32c} in manifest"
-    return None
-
-
-def read_manifest(store: Store) -> Manifest:
-    """Load and validate the manifest of the checkpoint rooted at ``store``.
-
-    Without a manifest, the prefix is surveyed to say what it is instead:
-    :class:`IncompleteCheckpointError` for a save cloudckpt started and never
-    committed, :class:`NotACheckpointError` for a root holding checkpoints or for
-    objects cloudckpt did not write, :class:`CheckpointNotFoundError` when nothing
-    is there (:class:`BucketNotFoundError` when not even the bucket is).
-    """
-    return _manifest_and_bytes(store)[0]
-
-
-def _manifest_and_bytes(store: Store, retry: bool = True) -> tuple[Manifest, bytes]:
-    try:
-        data = read_manifest_bytes(store)  # bounded: never more than MAX_MANIFEST_BYTES
-    except FileNotFoundError:
-        found = survey(store)
-        if found.kind == COMMITTED and retry:  # committed between the read and the listing
-            return _manifest_and_bytes(store, retry=False)
-        if found.kind == EMPTY:
-            store.check_bucket()
-        raise missing_manifest_error(found) from None
-    return Manifest.from_json(data, source=store.key_uri(MANIFEST_NAME)), data
-
-
-def open_checkpoint(
-    uri: str | Store, storage_options: Mapping[str, Any] | None = None
-) -> Checkpoint:
-    """Open the committed checkpoint at ``uri`` (its manifest is read and validated)."""
-    store = as_store(uri, storage_options)
-    return Checkpoint(store, read_manifest(store))

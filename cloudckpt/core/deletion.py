@@ -13,6 +13,7 @@ from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 from cloudckpt.core import plugins
+from cloudckpt.core.blobs import sweep
 from cloudckpt.core.checkpoint import read_manifest
 from cloudckpt.core.claim import mark_deleting, seize
 from cloudckpt.core.ownership import (
@@ -27,13 +28,14 @@ from cloudckpt.core.ownership import (
 )
 from cloudckpt.errors import (
     CheckpointNotFoundError,
+    CloudCkptError,
     CommitConflictError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     ManifestError,
     NotACheckpointError,
 )
-from cloudckpt.names import CLAIM_NAME, MANIFEST_NAME
+from cloudckpt.names import BLOB_AREA, CLAIM_NAME, MANIFEST_NAME
 from cloudckpt.storage import Store, as_store
 
 log = logging.getLogger("cloudckpt")
@@ -79,11 +81,24 @@ def delete_checkpoint(uri: str | Store, storage_options: Mapping[str, Any] | Non
     left = sorted({o.key for o in listed} - set(mine))
     store.delete(mine)
     store.delete([CLAIM_NAME])  # the mark goes last
+    if manifest.blob_depth == 1:
+        release_blobs(store.ancestor(1), manifest.blobs.values())
     if left:
         log.warning("deleted checkpoint %s; left %d object(s) under it that it does not "
                     "list (e.g. %s): cloudckpt deletes only what it wrote", store.uri,
                     len(left), left[0])
     return len(mine) + 1  # and the manifest
+
+
+def release_blobs(parent: Store, blobs: Iterable[str]) -> None:
+    """After a checkpoint referencing ``blobs`` of ``parent``'s area was deleted: sweep
+    the area, so that those no other checkpoint references go now. A sweep that cannot
+    run (another one runs, a manifest cannot be read) leaves them for ``gc``."""
+    try:
+        sweep(parent, released=set(blobs))
+    except (CommitConflictError, CloudCkptError) as exc:
+        log.warning("left the blobs of the deleted checkpoint in %s/%s for gc: %s",
+                    parent.uri, BLOB_AREA, exc)
 
 
 def remove_leftovers(store: Store, keys: Iterable[str], keep: Collection[str] = ()) -> list[str]:

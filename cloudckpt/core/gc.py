@@ -8,7 +8,10 @@ Two kinds of garbage, both invisible to readers but taking space:
   period — a save still in progress is younger than that;
 - slot generations that the slot's pointer does not name, older than the grace
   period (a crash between a generation's commit and the pointer swap, or
-  during the old generation's deletion).
+  during the old generation's deletion);
+- blobs of the root's blob area that no committed checkpoint references and no
+  live save holds, older than the grace period, and holds older than it
+  (:func:`cloudckpt.core.blobs.sweep`).
 
 Nothing else is ever touched: prefixes holding objects cloudckpt did not write
 (``logs/``, ``datasets/``) and roots holding checkpoints further down are
@@ -26,17 +29,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from cloudckpt.core.blobs import sweep
 from cloudckpt.core.deletion import delete_checkpoint, delete_unfinished
 from cloudckpt.core.ownership import COMMITTED, OURS, ROOT, Survey, survey
 from cloudckpt.core.slots import GENERATION_RE, Slot
 from cloudckpt.errors import CommitConflictError
-from cloudckpt.names import MANIFEST_NAME, SLOT_POINTER_NAME
+from cloudckpt.names import BLOB_AREA, MANIFEST_NAME, SLOT_POINTER_NAME
 from cloudckpt.storage import Store, as_store, open_store
 
 log = logging.getLogger("cloudckpt")
 
 DEFAULT_GRACE_SECONDS = 6 * 3600.0
-UNFINISHED, ORPHAN = "unfinished save", "orphan generation"
+UNFINISHED, ORPHAN, BLOBS = "unfinished save", "orphan generation", "unreferenced blobs"
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,8 @@ def find_garbage(root: str | Store, storage_options: Mapping[str, Any] | None = 
     if not listed:
         store.check_bucket()
     for name in listed:
+        if name == BLOB_AREA:
+            continue  # swept last, once the saves above are judged
         if names is not None and not names(name):
             continue
         sub = store.child(name)
@@ -102,6 +108,13 @@ def find_garbage(root: str | Store, storage_options: Mapping[str, Any] | None = 
                          grace_seconds)
             if g.age_seconds >= grace_seconds:
                 found.append(g)
+    if BLOB_AREA in listed:
+        swept = sweep(store, grace_seconds=grace_seconds, dry_run=True)
+        if swept.blobs or swept.holds:
+            found.append(Garbage(store.child(BLOB_AREA).uri, "not referenced by any "
+                                 "committed checkpoint, nor held by a live save",
+                                 swept.blobs + swept.holds, swept.size, grace_seconds, BLOBS,
+                                 grace_seconds))
     return found
 
 
@@ -117,6 +130,14 @@ def collect(garbage: list[Garbage], storage_options: Mapping[str, Any] | None = 
     removed = 0
     for g in garbage:
         sub = open_store(g.uri, storage_options)
+        if g.kind == BLOBS:  # marked and swept again, under the sweep record
+            try:
+                swept = sweep(sub.ancestor(1), grace_seconds=g.grace_seconds)
+            except CommitConflictError as exc:
+                log.warning("gc: leaving the blobs of %s: %s", g.uri, exc)
+                continue
+            removed += swept.blobs + swept.holds
+            continue
         now = survey(sub)
         if time.time() - (now.newest or 0.0) < g.grace_seconds:
             log.warning("gc: leaving %s: it was written to since it was found", g.uri)

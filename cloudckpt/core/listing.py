@@ -11,6 +11,7 @@ from cloudckpt.core.checkpoint import Checkpoint, open_checkpoint
 from cloudckpt.core.manifest import MANIFEST_NAME, Manifest, read_manifest_bytes
 from cloudckpt.core.ownership import COMMITTED, EMPTY, FOREIGN, OURS, ROOT, survey
 from cloudckpt.errors import CorruptCheckpointError
+from cloudckpt.names import BLOB_AREA
 from cloudckpt.storage import Store, as_store
 
 
@@ -83,6 +84,7 @@ def list_checkpoints(
     names = store.list_prefixes()
     if not names:
         store.check_bucket()
+    names = [n for n in names if n != BLOB_AREA]
 
     def probe(name: str, again: bool = True) -> CheckpointInfo | None:
         sub = store.child(name)

@@ -14,6 +14,7 @@ type- and range-checked, so a bad manifest always ends in a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -47,6 +48,10 @@ MAX_OBJECT_SIZE = 5 * 1024**4
 _MAX_STEP = 2**63
 
 _CRC_RE = re.compile(r"^[0-9a-f]{8}$")
+#: A blob's name: the SHA-256 of its bytes, in hex.
+DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+#: Deepest a manifest may sit below the directory holding its blob area.
+MAX_BLOB_DEPTH = 32
 # C0 controls and DEL: no legitimate object name has them, and printed names must
 # not be able to rewrite a terminal or forge log lines.
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
@@ -54,10 +59,18 @@ _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 
 @dataclass(frozen=True)
 class FileEntry:
-    """One object of a checkpoint."""
+    """One object of a checkpoint. ``blob``, the SHA-256 of its bytes, says it is
+    stored in the run root's blob area under that name (an incremental save), not at
+    its path below the checkpoint's prefix."""
 
     size: int
     crc32c: str
+    blob: str | None = None
+
+    @property
+    def plain(self) -> FileEntry:
+        """This entry as an object stored at its own path (a copy, a download)."""
+        return FileEntry(self.size, self.crc32c) if self.blob else self
 
 
 @dataclass(frozen=True)
@@ -70,10 +83,26 @@ class Manifest:
     kind: str = kinds.GENERIC
     created: float = field(default_factory=time.time)
     commit_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    #: How many levels above this manifest's prefix the directory holding the blob area
+    #: lies (``cloudckpt-blobs/`` beside the run's checkpoints); set when any entry is a blob.
+    blob_depth: int | None = None
 
     @property
     def total_size(self) -> int:
         return sum(e.size for e in self.files.values())
+
+    @property
+    def blobs(self) -> dict[str, str]:
+        """``{path: digest}`` of the objects stored in the blob area."""
+        return {p: e.blob for p, e in self.files.items() if e.blob}
+
+    def materialized(self) -> Manifest:
+        """The same commit with every object at its own path: what a copy or a
+        download of an incremental checkpoint holds (the standard layout)."""
+        if self.blob_depth is None:
+            return self
+        return dataclasses.replace(self, files={p: e.plain for p, e in self.files.items()},
+                                   blob_depth=None)
 
     def to_json(self) -> bytes:
         doc = {
@@ -84,10 +113,10 @@ class Manifest:
             "created": self.created,
             "commit_id": self.commit_id,
             "metadata": dict(self.metadata),
-            "files": {
-                p: {"size": e.size, "crc32c": e.crc32c} for p, e in sorted(self.files.items())
-            },
+            "files": {p: _entry_doc(e) for p, e in sorted(self.files.items())},
         }
+        if self.blob_depth is not None:
+            doc["blob_depth"] = self.blob_depth
         return json.dumps(doc, indent=1, sort_keys=False).encode()
 
     @classmethod
@@ -120,7 +149,11 @@ class Manifest:
                 raise ManifestError(f"{source}: bad size {_short(size)} for {_short(path)}")
             if not isinstance(crc, str) or not _CRC_RE.match(crc):
                 raise ManifestError(f"{source}: bad crc32c {_short(crc)} for {_short(path)}")
-            files[path] = FileEntry(size, crc)
+            blob = entry.get("blob")
+            if blob is not None and (not isinstance(blob, str) or not DIGEST_RE.match(blob)):
+                raise ManifestError(f"{source}: bad blob digest {_short(blob)} for "
+                                    f"{_short(path)}")
+            files[path] = FileEntry(size, crc, blob)
         step = doc.get("step")
         if step is not None and (not isinstance(step, int) or isinstance(step, bool)
                                  or not -_MAX_STEP <= step < _MAX_STEP):
@@ -141,6 +174,14 @@ class Manifest:
         for name, value in (("kind", kind), ("commit_id", commit_id)):
             if not isinstance(value, str) or _CONTROL_RE.search(value):
                 raise ManifestError(f"{source}: bad {name!r} {_short(value)}")
+        depth = doc.get("blob_depth")
+        has_blobs = any(e.blob for e in files.values())
+        if (depth is not None or has_blobs) and (
+                not has_blobs or not isinstance(depth, int) or isinstance(depth, bool)
+                or not 1 <= depth <= MAX_BLOB_DEPTH):
+            raise ManifestError(f"{source}: bad blob_depth {_short(depth)}: it must be "
+                                f"1 to {MAX_BLOB_DEPTH}, and given exactly when objects "
+                                "are blobs")
         return cls(
             files=files,
             step=step,
@@ -148,7 +189,15 @@ class Manifest:
             kind=kind,
             created=created_at,
             commit_id=commit_id,
+            blob_depth=depth,
         )
+
+
+def _entry_doc(entry: FileEntry) -> dict[str, Any]:
+    doc: dict[str, Any] = {"size": entry.size, "crc32c": entry.crc32c}
+    if entry.blob:
+        doc["blob"] = entry.blob
+    return doc
 
 
 def validate_path(path: Any, *, source: str = "manifest") -> str:

@@ -113,7 +113,8 @@ class CloudStorageReader(_OnStore, StorageReader):
 
     def _ckpt(self) -> Checkpoint:
         if self.checkpoint is None:
-            self.checkpoint = _open_dcp(self.store)
+            self.prime(None, _open_dcp(self.store))
+        assert self.checkpoint is not None
         return self.checkpoint
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -138,11 +139,12 @@ class CloudStorageReader(_OnStore, StorageReader):
         self._metadata = md
         return md, ckpt
 
-    def prime(self, metadata: Metadata, checkpoint: Checkpoint) -> None:
+    def prime(self, metadata: Metadata | None, checkpoint: Checkpoint) -> None:
         """Use the ``.metadata`` and manifest (checkpoint) another rank read instead of
         reading them again: at a large world size, one read per job, not per rank."""
         self._metadata = metadata
         self.checkpoint = checkpoint
+        self.store = checkpoint.store  # reads its objects where its manifest says
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:

@@ -13,23 +13,31 @@ import pickle
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from cloudckpt.core.blobs import BlobArea
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter
 from cloudckpt.core.manifest import MANIFEST_NAME
 from cloudckpt.dcp.base import _OnStore
 from cloudckpt.dcp.budget import StagedState
 from cloudckpt.dcp.metadata import DCP_KIND, METADATA_NAME, SUFFIX, pack_item_crcs
+from cloudckpt.dcp.units import (
+    BlobFiles,
+    ItemInfo,
+    own_files,
+    sent_figures,
+    serialize,
+    split_by_size,
+)
 from cloudckpt.errors import CommitConflictError, ConfigError
 from cloudckpt.storage import Store, as_store
-from cloudckpt.util.crc import Crc32c
 
 log = logging.getLogger("cloudckpt.dcp")
 
@@ -69,20 +77,6 @@ except ImportError:  # pragma: no cover - older torch
     _DCP_VERSION = None
 
 
-@dataclass
-class _ItemInfo(_StorageInfo):
-    """Where an item went, plus what the coordinator needs for the manifest.
-
-    Travels from each rank to the coordinator inside WriteResults; the
-    coordinator writes plain ``_StorageInfo`` into ``.metadata``.
-    """
-
-    crc32c: str | None = None
-    file_size: int | None = None
-    file_crc32c: str | None = None
-
-
-
 class CloudStorageWriter(_OnStore, StorageWriter):
     """DCP storage writer for any cloudckpt URI (``s3://``, ``gs://``, a path, ...).
 
@@ -102,6 +96,11 @@ class CloudStorageWriter(_OnStore, StorageWriter):
 
     ``files_of_rank`` names a one-rank save's files as that rank's of a larger job
     (``__3_0.distcp``), so they can join a job-wide checkpoint under the same names.
+
+    ``incremental`` stores every file as a blob of the run's area (the directory
+    above the checkpoint; ``blobs`` names another, for a part of a larger save),
+    each tensor of at least :data:`~cloudckpt.dcp.units.OWN_FILE_BYTES` in a file of
+    its own: a file whose bytes are already there is referenced, not sent again.
     """
 
     def __init__(
@@ -116,6 +115,8 @@ class CloudStorageWriter(_OnStore, StorageWriter):
         metadata: Mapping[str, Any] | None = None,
         staged: StagedState | None = None,
         files_of_rank: int | None = None,
+        incremental: bool = False,
+        blobs: BlobArea | None = None,
     ) -> None:
         super().__init__()
         if file_size <= 0 or max_files < 1 or (key_spread is not None and key_spread < 0):
@@ -130,6 +131,9 @@ class CloudStorageWriter(_OnStore, StorageWriter):
         self.user_metadata = dict(metadata or {})
         self.staged = staged
         self.files_of_rank = files_of_rank
+        self.incremental = incremental or blobs is not None
+        self._own_area = blobs is None
+        self.blobs = blobs or (BlobArea.above(self.store, 1) if incremental else None)
         self.is_coordinator = False
         self.rank = 0
         self._spread = key_spread or 0  # the coordinator's choice, once it has planned
@@ -139,6 +143,8 @@ class CloudStorageWriter(_OnStore, StorageWriter):
     def reset(self, checkpoint_id: Any = None) -> None:
         if checkpoint_id:
             self.store = as_store(str(checkpoint_id), self.storage_options)
+            if self.incremental and self._own_area:
+                self.blobs = BlobArea.above(self.store, 1)
         self.committed = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -161,7 +167,8 @@ class CloudStorageWriter(_OnStore, StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # The coordinator claims the prefix before any rank writes into it: a second
         # save to the same URI stops here instead of overwriting this one's files.
-        self._writer = CheckpointWriter(self.store, step=self.step, kind=DCP_KIND)
+        self._writer = CheckpointWriter(self.store, step=self.step, kind=DCP_KIND,
+                                        blobs=self.blobs)
         self._writer.claim()
         # Each rank's files are named after its position, as stock DCP does.
         self._spread = auto_spread(len(plans)) if self.key_spread is None else self.key_spread
@@ -195,15 +202,22 @@ class CloudStorageWriter(_OnStore, StorageWriter):
         try:
             results: list[WriteResult] = []
             written = 0  # files are numbered on across waves
+            blobs = None if self.blobs is None else BlobFiles(self.blobs, self.store, planner)
+            write = blobs.write if blobs else partial(self._write_file, planner=planner)
             for k, items in enumerate(self._waves(plan.items, planner)):
-                buckets = [b for b in _split_by_size(items, self.file_size, self.max_files) if b]
-                jobs = [(self._file_name(files, written + i), b) for i, b in enumerate(buckets)]
+                buckets = (own_files(items, self.file_size, self.max_files) if blobs
+                           else split_by_size(items, self.file_size, self.max_files))
+                jobs = [(self._file_name(files, written + i), b)
+                        for i, b in enumerate(b for b in buckets if b)]
                 written += len(jobs)
-                per_file = self.store.map(lambda job: self._write_file(job[0], job[1], planner),
-                                          jobs)
+                per_file = self.store.map(lambda job: write(*job), jobs)
                 results += [r for rs in per_file for r in rs]
                 if self.staged is not None and k == 0:
+                    if blobs:
+                        blobs.settle()  # the live tensors' bytes may be needed again
                     self.staged.release()  # the live tensors are written: training may go on
+            if blobs:
+                blobs.settle()
         except Exception as exc:  # noqa: BLE001 - handed to DCP through the future
             fut.set_exception(exc)  # (an interrupt propagates: a torch Future cannot hold it)
             return fut
@@ -223,107 +237,43 @@ class CloudStorageWriter(_OnStore, StorageWriter):
         return [[i for k, i in enumerate(items) if k in live],
                 [i for k, i in enumerate(items) if k not in live]]
 
-    def _write_file(self, name: str, items: Sequence[WriteItem],
+    def _write_file(self, name: str, items: Sequence[WriteItem], *,
                     planner: SavePlanner) -> list[WriteResult]:
-        placed: list[tuple[WriteItem, int, int, str]] = []
         with self.store.open_write(name) as out:
-            sink = _Sink(out)
-            for item in items:
-                data = planner.resolve_data(item)
-                start = sink.start_item()
-                if item.type == WriteItemType.BYTE_IO:
-                    sink.write(data.getbuffer())
-                else:
-                    torch.save(_cpu_compact(data), sink)
-                placed.append((item, start, sink.pos - start, sink.item_crc()))
+            placed = serialize(items, planner, out)
         info = out.info
         assert info is not None and info.crc32c is not None
         return [
             WriteResult(index=item.index, size_in_bytes=length,
-                        storage_data=_ItemInfo(name, offset, length, None, crc, info.size,
-                                               info.crc32c))
+                        storage_data=ItemInfo(name, offset, length, None, crc, info.size,
+                                              info.crc32c))
             for item, offset, length, crc in placed
         ]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator only: write ``.metadata``, then commit the manifest."""
         storage: dict[MetadataIndex, _StorageInfo] = {}
-        files: dict[str, tuple[int, str]] = {}
         items: list[tuple[str, int, str]] = []
+        files: dict[str, tuple[int, str, str | None, bool]] = {}
         for result in (r for rank_results in results for r in rank_results):
             sd = result.storage_data
             storage[result.index] = _StorageInfo(sd.relative_path, sd.offset, sd.length)
-            files[sd.relative_path] = (sd.file_size, sd.file_crc32c)
+            files[sd.relative_path] = (sd.file_size, sd.file_crc32c, sd.blob, sd.sent)
             items.append((sd.relative_path, sd.offset, sd.crc32c))
         metadata.storage_data = storage
         if _DCP_VERSION is not None:
             metadata.version = _DCP_VERSION
         metadata.storage_meta = self.storage_meta()
-        writer = self._writer or CheckpointWriter(self.store, step=self.step, kind=DCP_KIND)
-        writer.metadata = {**self.user_metadata,
-                           "dcp": {"item_crcs": pack_item_crcs(items),
-                                   "key_spread": self._spread}}
-        for name, (size, crc) in sorted(files.items()):
-            writer.add_existing(name, size, crc)
+        writer = self._writer or CheckpointWriter(self.store, step=self.step, kind=DCP_KIND,
+                                                  blobs=self.blobs)
+        dcp_doc: dict[str, Any] = {"item_crcs": pack_item_crcs(items),
+                                   "key_spread": self._spread}
+        if self.blobs is not None:
+            dcp_doc["incremental"] = sent_figures(files.values())
+        writer.metadata = {**self.user_metadata, "dcp": dcp_doc}
+        for name, (size, crc, blob, _) in sorted(files.items()):
+            writer.add_existing(name, size, crc, blob)
         writer.put(METADATA_NAME, pickle.dumps(metadata))
         self.committed = writer.commit()
         log.info("DCP checkpoint committed at %s: %d files, %d items", self.uri, len(files),
                  len(items))
-
-
-class _Sink:
-    """Write-only stream that tracks position and a CRC32C per item."""
-
-    def __init__(self, out: Any) -> None:
-        self._out = out
-        self.pos = 0
-        self._crc = Crc32c()
-
-    def start_item(self) -> int:
-        self._crc = Crc32c()
-        return self.pos
-
-    def item_crc(self) -> str:
-        return self._crc.hexdigest()
-
-    def write(self, data: Any) -> int:
-        n = self._out.write(data)
-        self._crc.update(data)
-        self.pos += n
-        return n
-
-    def flush(self) -> None:
-        pass
-
-
-def _cpu_compact(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor that owns exactly its bytes (``torch.save`` writes whole storages)."""
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or not t.is_contiguous():
-        t = t.clone(memory_format=torch.contiguous_format)
-    return t
-
-
-def _item_bytes(item: WriteItem) -> int:
-    if item.tensor_data is None:
-        return 1024
-    n = 1
-    for s in item.tensor_data.size:
-        n *= s
-    return n * torch._utils._element_size(item.tensor_data.properties.dtype)
-
-
-def _split_by_size(items: Sequence[WriteItem], file_size: int,
-                   max_files: int) -> list[list[WriteItem]]:
-    """Spread items over files of about ``file_size`` bytes (largest first, to the emptiest)."""
-    total = sum(_item_bytes(i) for i in items)
-    n = max(1, min(max_files, len(items), -(-total // file_size)))
-    buckets: list[list[WriteItem]] = [[] for _ in range(n)]
-    sizes = [0] * n
-    for item in sorted(items, key=_item_bytes, reverse=True):
-        k = sizes.index(min(sizes))
-        buckets[k].append(item)
-        sizes[k] += _item_bytes(item)
-    return buckets

@@ -6,10 +6,15 @@ one store, in parallel ranges into local disk, streamed otherwise), and only
 then is the source's manifest written at the destination, create-only: the
 copy is committed exactly like a save, with the same step, metadata and commit
 id. A copy interrupted for any reason resumes when run again.
+
+A copy or download of an incremental checkpoint holds the standard layout: each
+blob's bytes at its object's path, and manifests (its parts' too) that list them
+there (:func:`standard_layout`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Iterable, Mapping
@@ -24,6 +29,7 @@ from cloudckpt.errors import CommitConflictError, CorruptCheckpointError, NotACh
 from cloudckpt.movement.copying import Progress, Report, checksum_object
 from cloudckpt.movement.copying import copy_objects as _copy_objects
 from cloudckpt.storage import ObjectInfo, Store, as_store, open_store
+from cloudckpt.util.crc import crc32c_hex
 
 log = logging.getLogger("cloudckpt")
 
@@ -62,10 +68,14 @@ def copy_checkpoint(
             "copied: name a new URI (or an empty directory) for the copy.")
     writer = CheckpointWriter(store, step=ckpt.step, metadata=ckpt.metadata,
                               kind=ckpt.manifest.kind)
+    manifest, parts = standard_layout(ckpt)
     try:
-        kept = _resume(ckpt, writer, Report(progress)) if found.kind == OURS else set()
-        _copy_objects(ckpt, writer, [p for p in ckpt.files if p not in kept], progress)
-        return commit_as(writer, ckpt.manifest)
+        kept = _resume(ckpt, writer, manifest, Report(progress)) if found.kind == OURS \
+            else set()
+        _copy_objects(ckpt, writer, [p for p in ckpt.files if p not in kept | parts.keys()],
+                      progress)
+        writer.put_many({p: data for p, data in parts.items() if p not in kept})
+        return writer.commit(manifest)
     except BaseException:
         writer.abandon()  # what was copied stays, provably ours, for a rerun to resume
         raise
@@ -89,7 +99,24 @@ def _already_there(ckpt: Checkpoint, store: Store, progress: Progress | None) ->
     return existing
 
 
-def _resume(ckpt: Checkpoint, writer: CheckpointWriter, report: Report) -> set[str]:
+def standard_layout(ckpt: Checkpoint) -> tuple[Manifest, dict[str, bytes]]:
+    """The manifest a copy of ``ckpt`` commits (same commit; every object at its own
+    path), and the part manifests it holds instead of the source's (``{path: bytes}``):
+    a part of an incremental checkpoint references blobs a copy does not have."""
+    manifest = ckpt.manifest.materialized()
+    if ckpt.manifest.blob_depth is None:
+        return manifest, {}
+    parts = {}
+    for path in ckpt.files:
+        if path.endswith(f"/{MANIFEST_NAME}"):
+            part = Manifest.from_json(ckpt.read(path), source=f"{ckpt.uri}/{path}")
+            parts[path] = part.materialized().to_json()
+    files = {**manifest.files, **{p: FileEntry(len(b), crc32c_hex(b)) for p, b in parts.items()}}
+    return dataclasses.replace(manifest, files=files), parts
+
+
+def _resume(ckpt: Checkpoint, writer: CheckpointWriter, manifest: Manifest, report: Report
+            ) -> set[str]:
     """Take over what an interrupted copy (or save) left at the destination: claim it,
     keep and record each object whose size and CRC32C (read back) are the manifest's,
     delete the rest (other bytes, upload parts, temporary files). Returns what was kept.
@@ -101,7 +128,7 @@ def _resume(ckpt: Checkpoint, writer: CheckpointWriter, report: Report) -> set[s
     # prefix held then is what this copy resumes from.
     found = writer.claim()
     assert found is not None
-    entries = ckpt.manifest.files
+    entries = manifest.files
     kept = _matching(store, entries, found.objects)
     for key in sorted(kept):
         writer.add_existing(key, entries[key].size, entries[key].crc32c)
@@ -128,11 +155,6 @@ def _matching(store: Store, entries: Mapping[str, FileEntry],
     return {k for k, good in store.map(check, candidates) if good}
 
 
-def commit_as(writer: CheckpointWriter, manifest: Manifest) -> Checkpoint:
-    """Commit ``writer`` with ``manifest`` after checking it wrote exactly those objects."""
-    return writer.commit(manifest)
-
-
 def download(uri: str | Checkpoint, local_dir: str | os.PathLike,
              storage_options: Mapping[str, Any] | None = None) -> Path:
     """Download a committed checkpoint (an HF export, a framework's checkpoint) into
@@ -147,11 +169,12 @@ def download(uri: str | Checkpoint, local_dir: str | os.PathLike,
     root = Path(local_dir)
     root.mkdir(parents=True, exist_ok=True)
     dest = open_store(str(root.resolve()))
-    present = _matching(dest, ckpt.manifest.files, dest.list())
+    manifest, parts = standard_layout(ckpt)
+    present = _matching(dest, manifest.files, dest.list())
     todo = [path for path in ckpt.files if path not in present]
     for path in todo:  # each read is itself parallel
-        dest.put(path, ckpt.read(path))
-    dest.put(MANIFEST_NAME, ckpt.manifest.to_json())
+        dest.put(path, parts[path] if path in parts else ckpt.read(path))
+    dest.put(MANIFEST_NAME, manifest.to_json())
     log.info("downloaded %s to %s (%d files fetched, %d already present)", ckpt.uri, root,
              len(todo), len(ckpt.files) - len(todo))
     return root

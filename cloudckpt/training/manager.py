@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 from torch.distributed.checkpoint.planner import LoadPlanner
@@ -28,61 +27,19 @@ from cloudckpt.errors import (
 )
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.runtime.pending import SaveFuture, run_in_background
-from cloudckpt.runtime.preemption import Notice, Preemption
+from cloudckpt.runtime.preemption import Notice
 from cloudckpt.runtime.state import StepInfo
 from cloudckpt.storage import Store, as_store, open_store
 from cloudckpt.storage.tally import Tally, counting
 from cloudckpt.training import reports, tiers
 from cloudckpt.training import snapshot as training
-from cloudckpt.training.reports import Report, Timing
+from cloudckpt.training.options import ManagerOptions
+from cloudckpt.training.reports import Timing
 from cloudckpt.training.schedule import SaveSchedule, Schedules
-from cloudckpt.training.tiers import LocalTier
 
 log = logging.getLogger("cloudckpt")
 
 _SCHEDULE = "__schedule__"
-
-
-@dataclass(frozen=True)
-class ManagerOptions:
-    """How a :class:`CheckpointManager` behaves.
-
-    Save when any of ``every_steps``/``every_epochs``/``every_seconds`` fires;
-    keep the newest ``keep_last`` checkpoints (None: all) plus every one whose
-    step is a multiple of ``keep_every``; ``async_save`` blocks only for staging
-    at most ``staging_budget`` bytes of tensors in host memory (None: a quarter of
-    the host's memory per local rank) and for uploading what does not fit.
-    ``local`` puts a node-local tier in front of the bucket (:class:`LocalTier`):
-    its saves run on their own schedule, and some of them drain to the bucket.
-    ``preemption`` (:class:`Preemption`) saves once to the bucket when the job is
-    told to end (SIGTERM), within a time budget (see :mod:`cloudckpt.runtime.preemption`).
-    Every save, drain and restore is reported (:class:`Report`, logged at INFO on rank
-    0), and handed to ``on_report`` there.
-    """
-
-    every_steps: int | None = None
-    every_epochs: int | None = None
-    every_seconds: float | None = None
-    keep_last: int | None = None
-    keep_every: int | None = None
-    async_save: bool = False
-    staging_budget: int | None = None
-    name_format: str = "step-{step}"
-    strict: bool = False
-    local: LocalTier | None = None
-    preemption: Preemption | None = None
-    on_report: Callable[[Report], Any] | None = None
-
-    def __post_init__(self) -> None:
-        if self.staging_budget is not None and self.staging_budget < 0:
-            raise ConfigError(f"ManagerOptions.staging_budget must be >= 0 bytes or None, "
-                              f"got {self.staging_budget}")
-        for name in ("every_steps", "every_epochs", "every_seconds", "keep_last", "keep_every"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ConfigError(f"ManagerOptions.{name} must be positive or None, got {value}")
-        if "{step}" not in self.name_format:
-            raise ConfigError("ManagerOptions.name_format must contain '{step}'")
 
 
 class CheckpointManager:
@@ -244,7 +201,8 @@ class CheckpointManager:
         with counting() as tally:
             ckpt = training.write(self.store.child(name), state_dict, captured, step=step,
                                   group=self._io_group, staged=staged, deadline=deadline,
-                                  figures=reports.Figures(timing.start, tally))
+                                  figures=reports.Figures(timing.start, tally),
+                                  incremental=self.options.incremental)
             durable = time.monotonic() - timing.start
             self._retain(name)
         self._in_bucket = max(self._in_bucket, step)

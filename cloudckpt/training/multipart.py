@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from cloudckpt import dcp
+from cloudckpt.core.blobs import BlobArea
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter
 from cloudckpt.core.deletion import remove_leftovers
 from cloudckpt.errors import IncompleteCheckpointError
@@ -31,8 +32,9 @@ from cloudckpt.storage import Store
 
 log = logging.getLogger("cloudckpt")
 
-#: An object a part stored: its key (relative to the checkpoint), size and CRC32C.
-Entry = tuple[str, int, str]
+#: An object a part stored: its key (relative to the checkpoint), size and CRC32C; and
+#: in an incremental save, the digest of the blob holding it.
+Entry = tuple[str, int, str] | tuple[str, int, str, str | None]
 
 
 class Part(Protocol):
@@ -166,16 +168,25 @@ class DcpPart:
 
 @dataclass
 class RankBytes:
-    """Each rank's own bytes, at ``key(rank)``."""
+    """Each rank's own bytes, at ``key(rank)`` (or, with ``blobs``, a blob there)."""
 
     key: Callable[[int], str]
     data: bytes
+    blobs: BlobArea | None = None
 
     def write(self, store: Store, group: Any) -> list[Entry]:
         def mine() -> Entry:
-            info = store.put(self.key(coord.rank(group)), self.data)
+            key = self.key(coord.rank(group))
+            if self.blobs is None:
+                info = store.put(key, self.data)
+                assert info.crc32c is not None
+                return key, info.size, info.crc32c, None
+            area = self.blobs
+            holding = area.holding(area.top_of(store))
+            digest, info = area.put(self.data)
+            holding.settle([digest], lambda _: area.put(self.data, digest))
             assert info.crc32c is not None
-            return info.key, info.size, info.crc32c
+            return key, info.size, info.crc32c, digest
 
         return coord.each_rank(mine, group)
 
@@ -208,5 +219,5 @@ class Stored:
         return None
 
     def commit(self, writer: CheckpointWriter, written: Any) -> None:
-        for key, size, crc in self.entries:
-            writer.add_existing(key, size, crc)
+        for entry in self.entries:
+            writer.add_existing(*entry)

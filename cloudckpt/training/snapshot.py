@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner
 
 from cloudckpt import dcp as cdcp
 from cloudckpt.core import kinds
+from cloudckpt.core.blobs import BlobArea
 from cloudckpt.core.checkpoint import Checkpoint, open_checkpoint
 from cloudckpt.dcp.budget import StagedState
 from cloudckpt.errors import ConfigError, CorruptCheckpointError, WorldSizeError
@@ -124,6 +125,7 @@ def write(
     as_rank: int | None = None,
     deadline: float | None = None,
     figures: multipart.Part | None = None,
+    incremental: bool = False,
 ) -> Checkpoint | None:
     """Write and commit one training checkpoint; call on every rank.
 
@@ -138,20 +140,24 @@ def write(
     join a job-wide one under the same names (:mod:`cloudckpt.training.tiers`).
     ``deadline`` (``time.monotonic()``) refuses a commit after it (a preemption save);
     ``figures`` (:class:`cloudckpt.training.reports.Figures`) add the ranks' figures.
+    ``incremental`` stores every object in the run's blob area (the directory above
+    ``uri``), sending only those whose bytes are not there yet (:mod:`cloudckpt.core.blobs`).
     """
     store = as_store(uri, storage_options)
-    dcp_options: dict[str, Any] = {"staged": staged, "checked": captured.state_checked}
+    blobs = BlobArea.above(store, 1) if incremental else None
+    dcp_options: dict[str, Any] = {"staged": staged, "checked": captured.state_checked,
+                                   "blobs": blobs}
     if as_rank is not None:
         dcp_options["files_of_rank"] = as_rank
     parts = [
         multipart.DcpPart(MODEL_PART, app_state, step, dcp_options),
         multipart.RankBytes(_rank_key if as_rank is None else lambda _: _rank_key(as_rank),
-                            dumps_state(captured.per_rank)),
+                            dumps_state(captured.per_rank), blobs),
         multipart.SharedBytes(SHARED, lambda: dumps_state(captured.shared)),
         *([figures] if figures is not None else []),
     ]
     return multipart.save(store, parts, group=group, step=step, kind=KIND, deadline=deadline,
-                          metadata={**dict(metadata or {}), **root_metadata(
+                          blobs=blobs, metadata={**dict(metadata or {}), **root_metadata(
                               coord.world_size(group), captured.shared.get(_STEP_INFO))})
 
 

@@ -1,0 +1,204 @@
+"""Committed checkpoints: open, read and verify against the manifest.
+
+A checkpoint's objects are read through its manifest only (invariant 2): each
+read checks size and CRC32C, and an incremental checkpoint's blobs are read
+from its run's blob area (:mod:`cloudckpt.core.blobs`) under the names the
+manifest gives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from cloudckpt.core.blobs import BlobArea, digest_of
+from cloudckpt.core.manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest_bytes
+from cloudckpt.core.ownership import COMMITTED, EMPTY, missing_manifest_error, survey
+from cloudckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from cloudckpt.storage import Store, as_store
+from cloudckpt.util.crc import crc32c_hex
+
+__all__ = ["Checkpoint", "open_checkpoint", "read_manifest"]
+
+
+class Checkpoint:
+    """A committed checkpoint: its manifest and verified reads of its objects."""
+
+    def __init__(self, store: Store, manifest: Manifest) -> None:
+        if manifest.blob_depth is not None:  # reads of blobs go to the run's area
+            store = BlobArea.above(store, manifest.blob_depth).resolving(store, manifest.blobs)
+        self.store = store
+        self.manifest = manifest
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({self.uri!r}, step={self.step}, files={len(self.files)})"
+
+    @property
+    def uri(self) -> str:
+        return self.store.uri
+
+    @property
+    def step(self) -> int | None:
+        return self.manifest.step
+
+    @property
+    def metadata(self) -> Mapping[str, Any]:
+        return self.manifest.metadata
+
+    @property
+    def files(self) -> list[str]:
+        """Object paths, from the manifest (never from a listing)."""
+        return sorted(self.manifest.files)
+
+    @property
+    def total_size(self) -> int:
+        return self.manifest.total_size
+
+    def entry(self, path: str) -> FileEntry:
+        try:
+            return self.manifest.files[path]
+        except KeyError:
+            raise CheckpointNotFoundError(
+                f"{path!r} is not part of checkpoint {self.uri}; it has: "
+                f"{', '.join(self.files[:10])}{' ...' if len(self.files) > 10 else ''}"
+            ) from None
+
+    def _check(self, path: str, data: bytes) -> bytes:
+        entry = self.entry(path)
+        problem = _problem(entry, data)
+        if problem:
+            raise CorruptCheckpointError(
+                f"object {path!r} of {self.uri} is corrupt: {problem}. Restore it from a "
+                "copy or fall back to an earlier checkpoint.",
+                {path: problem},
+            )
+        return data
+
+    def read(self, path: str) -> bytes:
+        """Read a whole object, checking size and CRC32C.
+
+        Large objects are fetched as parallel ranged reads of ``part_size``.
+        """
+        entry = self.entry(path)
+        chunk = max(self.store.part_size, 1 << 20)
+        try:
+            if entry.size > 2 * chunk:
+                ranges = [(path, s, min(s + chunk, entry.size))
+                          for s in range(0, entry.size, chunk)]
+                data = b"".join(self.store.get_ranges(ranges))
+            else:
+                data = self.store.get(path)
+        except (FileNotFoundError, EOFError) as exc:
+            raise CorruptCheckpointError(
+                f"object {path!r} of {self.uri} is listed in the manifest but missing or "
+                f"short ({exc})", {path: "missing or short"},
+            ) from None
+        return self._check(path, data)
+
+    def read_many(self, paths: Sequence[str]) -> dict[str, bytes]:
+        """Read many objects in parallel, each checked."""
+        for p in paths:
+            self.entry(p)
+        return dict(zip(paths, self.store.map(self.read, list(paths)), strict=True))
+
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        """Read bytes ``[start, end)`` of an object.
+
+        A range cannot be checked against the whole object's CRC32C; only its
+        bounds are checked. Use :meth:`read` or :meth:`verify` for integrity.
+        """
+        entry = self.entry(path)
+        if not 0 <= start <= end <= entry.size:
+            raise ValueError(f"range [{start}, {end}) outside {path!r} of size {entry.size}")
+        try:
+            return self.store.get_range(path, start, end)
+        except (FileNotFoundError, EOFError) as exc:
+            raise CorruptCheckpointError(
+                f"object {path!r} of {self.uri} is missing or short: {exc}", {path: "short"}
+            ) from None
+
+    def iter_objects(self) -> Iterator[tuple[str, bytes]]:
+        """Yield ``(path, bytes)`` for every object, checked, in parallel batches."""
+        batch = max(self.store.max_concurrency, 1)
+        files = self.files
+        for i in range(0, len(files), batch):
+            yield from self.read_many(files[i : i + batch]).items()
+
+    def verify(self, deep: bool = False) -> None:
+        """Check every object exists with the right size; with ``deep``, also its CRC32C
+        (and a blob's SHA-256, its name).
+
+        Raises :class:`CorruptCheckpointError` listing every bad object.
+        """
+        problems: dict[str, str] = {}
+        files = self.manifest.files
+        listed = {o.key: o.size for o in self.store.list()}
+        blobs = [p for p, e in files.items() if e.blob]
+        listed.update((p, i.size) for p, i in zip(blobs, self.store.map(self.store.info, blobs),
+                                                   strict=True) if i is not None)
+        for path, entry in files.items():
+            if path not in listed:
+                problems[path] = "missing"
+            elif listed[path] != entry.size:
+                problems[path] = f"size {listed[path]} != {entry.size} in manifest"
+        if deep:
+            todo = [p for p in self.files if p not in problems]
+
+            def check(path: str) -> tuple[str, str | None]:
+                try:
+                    return path, _problem(files[path], self.store.get(path))
+                except FileNotFoundError:
+                    return path, "missing"
+
+            for path, problem in self.store.map(check, todo):
+                if problem:
+                    problems[path] = problem
+        if problems:
+            names = ", ".join(f"{p} ({why})" for p, why in sorted(problems.items()))
+            raise CorruptCheckpointError(
+                f"checkpoint {self.uri} failed verification: {names}", problems
+            )
+
+
+def _problem(entry: FileEntry, data: bytes) -> str | None:
+    if len(data) != entry.size:
+        return f"size {len(data)} != {entry.size} in manifest"
+    crc = crc32c_hex(data)
+    if crc != entry.crc32c:
+        return f"crc32c {crc} != {entry.crc32c} in manifest"
+    if entry.blob and digest_of(data) != entry.blob:
+        return f"its bytes are not blob {entry.blob} (SHA-256 {digest_of(data)})"
+    return None
+
+
+def read_manifest(store: Store) -> Manifest:
+    """Load and validate the manifest of the checkpoint rooted at ``store``.
+
+    Without a manifest, the prefix is surveyed to say what it is instead:
+    :class:`IncompleteCheckpointError` for a save cloudckpt started and never
+    committed, :class:`NotACheckpointError` for a root holding checkpoints or for
+    objects cloudckpt did not write, :class:`CheckpointNotFoundError` when nothing
+    is there (:class:`BucketNotFoundError` when not even the bucket is).
+    """
+    return _manifest_and_bytes(store)[0]
+
+
+def _manifest_and_bytes(store: Store, retry: bool = True) -> tuple[Manifest, bytes]:
+    try:
+        data = read_manifest_bytes(store)  # bounded: never more than MAX_MANIFEST_BYTES
+    except FileNotFoundError:
+        found = survey(store)
+        if found.kind == COMMITTED and retry:  # committed between the read and the listing
+            return _manifest_and_bytes(store, retry=False)
+        if found.kind == EMPTY:
+            store.check_bucket()
+        raise missing_manifest_error(found) from None
+    return Manifest.from_json(data, source=store.key_uri(MANIFEST_NAME)), data
+
+
+def open_checkpoint(
+    uri: str | Store, storage_options: Mapping[str, Any] | None = None
+) -> Checkpoint:
+    """Open the committed checkpoint at ``uri`` (its manifest is read and validated)."""
+    store = as_store(uri, storage_options)
+    return Checkpoint(store, read_manifest(store))

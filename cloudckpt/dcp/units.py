@@ -1,0 +1,200 @@
+"""How a rank's DCP items become files, and files blobs.
+
+Items are spread over files of about a target size (:func:`split_by_size`). An
+incremental save gives each tensor of at least :data:`OWN_FILE_BYTES` a file of
+its own (:func:`own_files`), so a tensor that did not change (a frozen base, a
+reference model) is a file whose bytes are already in the blob area: its digest
+is computed (a pass over the bytes, nothing sent) and the file is referenced.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from threading import Lock
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from cloudckpt.core.blobs import BlobArea, Holding
+from cloudckpt.errors import CorruptCheckpointError
+from cloudckpt.storage import Store
+from cloudckpt.util.crc import Crc32c
+
+log = logging.getLogger("cloudckpt.dcp")
+
+#: In an incremental save, a tensor of at least this many bytes is a file of its own.
+OWN_FILE_BYTES = 1 << 20
+
+
+@dataclass
+class ItemInfo(_StorageInfo):
+    """Where an item went, plus what the coordinator needs for the manifest.
+
+    Travels from each rank to the coordinator inside WriteResults; the
+    coordinator writes plain ``_StorageInfo`` into ``.metadata``.
+    """
+
+    crc32c: str | None = None
+    file_size: int | None = None
+    file_crc32c: str | None = None
+    #: Saved incrementally: the file's blob, and whether this save sent it.
+    blob: str | None = None
+    sent: bool = True
+
+
+class Sink:
+    """Write-only stream that tracks position and a CRC32C per item."""
+
+    def __init__(self, out: Any) -> None:
+        self._out = out
+        self.pos = 0
+        self._crc = Crc32c()
+
+    def start_item(self) -> int:
+        self._crc = Crc32c()
+        return self.pos
+
+    def item_crc(self) -> str:
+        return self._crc.hexdigest()
+
+    def write(self, data: Any) -> int:
+        n = self._out.write(data)
+        self._crc.update(data)
+        self.pos += n
+        return n
+
+    def flush(self) -> None:
+        pass
+
+
+def cpu_compact(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor that owns exactly its bytes (``torch.save`` writes whole storages)."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or not t.is_contiguous():
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def item_bytes(item: WriteItem) -> int:
+    if item.tensor_data is None:
+        return 1024
+    n = 1
+    for s in item.tensor_data.size:
+        n *= s
+    return n * torch._utils._element_size(item.tensor_data.properties.dtype)
+
+
+def split_by_size(items: Sequence[WriteItem], file_size: int,
+                   max_files: int) -> list[list[WriteItem]]:
+    """Spread items over files of about ``file_size`` bytes (largest first, to the emptiest)."""
+    total = sum(item_bytes(i) for i in items)
+    n = max(1, min(max_files, len(items), -(-total // file_size)))
+    buckets: list[list[WriteItem]] = [[] for _ in range(n)]
+    sizes = [0] * n
+    for item in sorted(items, key=item_bytes, reverse=True):
+        k = sizes.index(min(sizes))
+        buckets[k].append(item)
+        sizes[k] += item_bytes(item)
+    return buckets
+
+
+class _Digest:
+    """A write-only stream that only hashes: the first pass over a file's bytes."""
+
+    def __init__(self) -> None:
+        self.sha = hashlib.sha256()
+        self.crc = Crc32c()
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.sha.update(view)
+        self.crc.update(view)
+        return view.nbytes
+
+
+def serialize(items: Sequence[WriteItem], planner: SavePlanner, out: Any
+              ) -> list[tuple[WriteItem, int, int, str]]:
+    """Write ``items`` to the stream ``out`` as DCP's file format has them (raw bytes
+    for a byte item, ``torch.save`` for a tensor); each item's offset, length, CRC32C."""
+    placed: list[tuple[WriteItem, int, int, str]] = []
+    sink = Sink(out)
+    for item in items:
+        data = planner.resolve_data(item)
+        start = sink.start_item()
+        if item.type == WriteItemType.BYTE_IO:
+            sink.write(data.getbuffer())
+        else:
+            torch.save(cpu_compact(data), sink)
+        placed.append((item, start, sink.pos - start, sink.item_crc()))
+    return placed
+
+
+def own_files(items: Sequence[WriteItem], file_size: int, max_files: int
+              ) -> list[list[WriteItem]]:
+    """Files for an incremental save: each large tensor alone, the rest spread (in the
+    planner's order, so that unchanged small items make the same file again)."""
+    big = [[i] for i in items if i.type != WriteItemType.BYTE_IO
+           and item_bytes(i) >= OWN_FILE_BYTES]
+    rest = [i for i in items if [i] not in big]
+    return big + split_by_size(rest, file_size, max_files)
+
+
+class BlobFiles:
+    """One rank's files of an incremental save, each a blob of ``area``."""
+
+    def __init__(self, area: BlobArea, store: Store, planner: SavePlanner) -> None:
+        self.area = area
+        self.planner = planner
+        self.holding: Holding = area.holding(area.top_of(store))
+        self._files: dict[str, tuple[Sequence[WriteItem], int, str]] = {}
+        self._lock = Lock()
+
+    def write(self, name: str, items: Sequence[WriteItem]) -> list[WriteResult]:
+        digest = _Digest()
+        placed = serialize(items, self.planner, digest)
+        blob, size, crc = digest.sha.hexdigest(), digest.crc.size, digest.crc.hexdigest()
+        with self._lock:
+            self._files[blob] = (items, size, crc)
+        there = self.area.store.info(blob)
+        sent = there is None or there.size != size
+        if sent:
+            self._send(blob)
+        return [WriteResult(index=item.index, size_in_bytes=length,
+                            storage_data=ItemInfo(name, offset, length, None, item_crc, size,
+                                                  crc, blob, sent))
+                for item, offset, length, item_crc in placed]
+
+    def _send(self, blob: str) -> None:
+        items, size, crc = self._files[blob]
+        with self.area.store.open_write(blob) as out:
+            serialize(items, self.planner, out)
+        info = out.info
+        assert info is not None
+        if (info.size, info.crc32c) != (size, crc):
+            self.area.store.delete([blob])  # its name no longer says what it holds
+            raise CorruptCheckpointError(
+                f"a tensor changed while it was saved to {self.area.store.key_uri(blob)} "
+                "(its bytes differ between the digest and the upload); nothing was "
+                "committed. Do not change the state during a save.", {blob: "changed"})
+
+    def settle(self) -> None:
+        """Hold every blob this rank relies on; send again any a sweep took meanwhile."""
+        with self._lock:
+            blobs = list(self._files)
+        self.holding.settle(blobs, self._send)
+
+
+def sent_figures(files: Iterable[tuple[int, str, str | None, bool]]) -> dict[str, int]:
+    """What an incremental save sent and what it referenced, in files and bytes."""
+    files = list(files)
+    sent = [f for f in files if f[3]]
+    return {"files": len(files), "bytes": sum(f[0] for f in files),
+            "sent_files": len(sent), "sent_bytes": sum(f[0] for f in sent)}
