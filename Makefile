@@ -66,6 +66,7 @@ bench: setup
 	$(PY) benchmarks/dcp_bench.py
 	$(PY) benchmarks/manager_bench.py
 	$(PY) benchmarks/tier_bench.py
+	$(PY) benchmarks/incremental_bench.py
 	$(PY) benchmarks/gcs_stream_bench.py
 	$(PY) benchmarks/transfer_bench.py
 	$(PY) benchmarks/hf_bench.py

@@ -37,11 +37,16 @@ from cloudckpt import (
     open_checkpoint,
     open_store,
 )
+from cloudckpt.core import blobs
 from cloudckpt.core.gc import collect, find_garbage
 from cloudckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError
+from cloudckpt.names import BLOB_AREA
 
 KEEP = 3  # retention of the store workloads: delete step s-KEEP after committing s
 TENSOR_ROWS = 64
+#: The incremental workload's gc grace period, and how long its sweeps may run: short,
+#: as processes are killed mid-sweep all the time (a stale sweep record holds saves up).
+GRACE, SWEEP_LEASE = 5.0, 3.0
 
 
 class Events:
@@ -76,6 +81,11 @@ def tensor_for(step: int) -> torch.Tensor:
     """The model state of step ``step``."""
     g = torch.Generator().manual_seed(step)
     return torch.randn(TENSOR_ROWS, 1024, generator=g)
+
+
+def base_tensor() -> torch.Tensor:
+    """The frozen part of the incremental workload's state (a file of its own)."""
+    return torch.randn(512, 1024, generator=torch.Generator().manual_seed(12345))
 
 
 def _guard(events: Events, fn: Callable[[], None]) -> None:
@@ -179,6 +189,42 @@ def async_ops(root: str, opts: dict[str, Any], log: str, seed: int) -> None:
     _guard(events, run)
 
 
+def incremental_ops(root: str, opts: dict[str, Any], log: str, seed: int) -> None:
+    """Incremental DCP saves of a frozen base and a changing tensor, with retention:
+    each deletion sweeps the blobs it released."""
+    blobs.DEFAULT_LEASE_SECONDS = SWEEP_LEASE
+    events = Events(log)
+
+    def run() -> None:
+        step = _latest_step(root, opts) + 1
+        base = base_tensor()
+        events.say("ready")
+        while True:
+            events.say("start", step)
+            full = tensor_for(step)
+            cdcp.save({"base": base, "w": full, "bias": full[0].clone()}, f"{root}/step-{step}",
+                      storage_options=opts, step=step, incremental=True)
+            events.say("commit", step)
+            _retire(root, opts, events, step - KEEP)
+            step += 1
+
+    _guard(events, run)
+
+
+def gc_ops(root: str, opts: dict[str, Any], log: str, seed: int) -> None:
+    """``gc`` of the same root, again and again, while the saves run."""
+    blobs.DEFAULT_LEASE_SECONDS = SWEEP_LEASE
+    events = Events(log, errors_only=True)
+    rng = random.Random(seed)
+
+    def run() -> None:
+        while True:
+            collect(find_garbage(root, opts, grace_seconds=GRACE), opts)
+            time.sleep(rng.uniform(0.0, 0.1))
+
+    _guard(events, run)
+
+
 def dcp_rank(rank: int, world: int, port: int, root: str, opts: dict[str, Any], log: str,
              seed: int) -> None:
     """One rank of a job that saves a row-sharded DTensor with DCP every step."""
@@ -221,7 +267,7 @@ def steps(events: list[tuple[str, str]], kind: str) -> set[int]:
 def judge(scenario: str, events: list[tuple[str, str]], report: dict[str, Any]) -> list[str]:
     """Compare what a reader sees with what the workload acknowledged."""
     problems = list(report["problems"])
-    if scenario in ("commits", "gc", "dcp", "async"):
+    if scenario in ("commits", "gc", "dcp", "async", "incremental"):
         acked, started = steps(events, "commit"), steps(events, "start")
         delete_started, deleted = steps(events, "start-delete"), steps(events, "delete")
         visible = {int(s) for s in report["visible"]}
@@ -248,11 +294,14 @@ def judge(scenario: str, events: list[tuple[str, str]], report: dict[str, Any]) 
 
 def _loaded_step_matches(kind: str, uri: str, opts: dict[str, Any], step: int) -> str | None:
     """Load checkpoint ``uri`` and compare it with the state of ``step``."""
-    if kind == "dcp":
+    if kind in ("dcp", "incremental"):
         state = {"w": torch.zeros(TENSOR_ROWS, 1024), "bias": torch.zeros(1024)}
+        if kind == "incremental":
+            state["base"] = torch.zeros(512, 1024)
         cdcp.load(state, uri, storage_options=opts)
         full = tensor_for(step)
         ok = torch.equal(state["w"], full) and torch.equal(state["bias"], full[0])
+        ok = ok and ("base" not in state or torch.equal(state["base"], base_tensor()))
         return None if ok else f"{uri}: loaded tensors are not those of step {step}"
     ckpt = open_checkpoint(uri, opts)
     if dict(ckpt.iter_objects()) != payload(step):
@@ -264,8 +313,10 @@ def check(scenario: str, root: str, opts: dict[str, Any], out: str) -> None:
     """Everything a reader sees after the kill, as JSON at ``out``."""
     report: dict[str, Any] = {"visible": [], "problems": [], "latest": None, "slot": None}
     try:
-        if scenario in ("commits", "gc", "dcp"):
+        if scenario in ("commits", "gc", "dcp", "incremental"):
             _check_steps(scenario, root, opts, report)
+        if scenario == "incremental":
+            _check_blobs(root, opts, report)
         if scenario in ("slot", "gc"):
             _check_slot(f"{root}/slot", opts, report)
         if scenario == "async":
@@ -281,7 +332,7 @@ def _check_steps(scenario: str, root: str, opts: dict[str, Any], report: dict[st
         if not info.name.startswith("step-"):
             continue
         try:
-            if scenario == "dcp":  # a DCP load reads items, not necessarily whole files
+            if scenario in ("dcp", "incremental"):  # a load reads items, not whole files
                 open_checkpoint(info.uri, opts).verify(deep=True)
             # reads check every object's size and CRC32C against the manifest
             problem = _loaded_step_matches(scenario, info.uri, opts, int(info.step or -1))
@@ -292,6 +343,30 @@ def _check_steps(scenario: str, root: str, opts: dict[str, Any], report: dict[st
         report["visible"].append(info.step)
     latest = latest_checkpoint(root, opts)
     report["latest"] = latest.step if latest is not None else None
+
+
+def _check_blobs(root: str, opts: dict[str, Any], report: dict[str, Any]) -> None:
+    """After a gc of its own (once a sweep the kill cut short is stale): no blob older
+    than the grace period that no checkpoint references and no live hold names."""
+    blobs.DEFAULT_LEASE_SECONDS = SWEEP_LEASE
+    store = open_store(root, opts)
+    area = blobs.BlobArea(store)
+    record, _ = area.record()
+    if record.get("running"):
+        time.sleep(max(0.0, record.get("since", 0) + record.get("lease", 0) - time.time()))
+    collect(find_garbage(root, opts, grace_seconds=GRACE), opts)
+    now = time.time()
+    listed = store.child(BLOB_AREA).list()
+    keep = blobs.referenced(store)
+    for hold in (o for o in listed if o.key.startswith(blobs.HOLDS + "/")):
+        if now - (hold.mtime or now) <= GRACE:
+            keep |= set(json.loads(store.child(BLOB_AREA).get(hold.key))["blobs"])
+        else:
+            report["problems"].append(f"a hold {now - (hold.mtime or now):.0f} s old is left")
+    for o in listed:
+        if blobs.DIGEST_RE.match(o.key) and o.key not in keep and now - (o.mtime or now) > GRACE:
+            report["problems"].append(f"blob {o.key} is unreferenced and "
+                                      f"{now - (o.mtime or now):.0f} s old after gc")
 
 
 def _check_slot(uri: str, opts: dict[str, Any], report: dict[str, Any]) -> None:

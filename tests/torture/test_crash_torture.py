@@ -4,8 +4,9 @@ save was lost, and that the newest committed state is the one a resume loads.
 
 Workloads (``crash_worker.py``): immutable commits with retention, the same
 with torn prefixes, a recover slot and ``gc`` each round, recover-slot
-switches, async saves through ``CheckpointManager``, and DCP saves on two
-gloo ranks (sometimes one rank is killed first, like a lost node). The kill
+switches, async saves through ``CheckpointManager``, DCP saves on two
+gloo ranks (sometimes one rank is killed first, like a lost node), and
+incremental DCP saves with retention beside a ``gc`` loop, both killed. The kill
 lands anywhere: uniformly within a window of a few save cycles after start.
 Trials reuse each root, so every trial also resumes after the previous kill
 and rewrites what that kill left torn.
@@ -35,6 +36,7 @@ SCENARIOS: dict[str, tuple[tuple[str, ...], int, int, float]] = {
     "slot": (("gcs", "s3", "file"), 3, 120, 2.0),
     "async": (("s3", "file"), 2, 110, 2.5),
     "dcp": (("s3", "file"), 2, 110, 3.0),
+    "incremental": (("s3", "gcs", "file"), 3, 105, 2.5),
 }
 
 
@@ -78,6 +80,9 @@ def _run_trial(forks: Any, scenario: str, root: str, opts: dict[str, Any], log: 
         procs = [forks.Process(target=cw.slot_ops, args=(root, opts, log, seed))]
     elif scenario == "async":
         procs = [forks.Process(target=cw.async_ops, args=(root, opts, log, seed))]
+    elif scenario == "incremental":  # the saves and a gc, each killed
+        procs = [forks.Process(target=cw.incremental_ops, args=(root, opts, log, seed)),
+                 forks.Process(target=cw.gc_ops, args=(root, opts, log, seed))]
     else:
         procs = [forks.Process(target=cw.store_ops,
                                args=(root, opts, log, seed, scenario == "gc"))]
@@ -147,7 +152,7 @@ def test_crash_torture(scenario, forks, request, tmp_path, record):
         report = _fresh_check(forks, scenario, root, opts, str(tmp_path / "report.json"))
         problems += cw.judge(scenario, events, report)
         tally.trials += 1
-        tally.kills += 1
+        tally.kills += 2 if scenario == "incremental" else 1
         tally.backends[name] += 1
         tally.failures += [f"trial {i} on {name}: {p}" for p in problems]
     record("crash", f"{scenario} ({', '.join(backends)})", tally.trials, faults=tally.kills,
