@@ -270,3 +270,34 @@ def test_a_view_that_reads_blobs_cannot_write_and_stores_stay_inside_their_bucke
     with pytest.raises(ConfigError, match="as a stream"):
         CheckpointWriter(s3.uri("run", "step-2"), storage_options=s3.options,
                          blobs=BlobArea(store)).open("big.bin")
+
+
+def test_an_incremental_upload_of_a_directory_sends_only_changed_files(s3, tmp_path) -> None:
+    """A framework's saved directory (HF shards of a frozen base, a trained adapter):
+    the second upload sends the adapter only, and downloads as the directory was."""
+    from cloudckpt.training.staging import upload_dir
+
+    src = tmp_path / "save"
+    (src / "base").mkdir(parents=True)
+    (src / "base" / "model-00001.safetensors").write_bytes(os.urandom(3 << 20))
+    (src / "adapter.bin").write_bytes(b"step 1" * 1000)
+    upload_dir(src, s3.uri("run", "ckpt-1"), storage_options=s3.options, incremental=True)
+    base_blob = open_checkpoint(s3.uri("run", "ckpt-1"), s3.options).manifest.blobs[
+        "base/model-00001.safetensors"]
+    area = open_store(s3.uri("run", BLOB_AREA), s3.options)
+
+    def written_at() -> float | None:
+        return next(o.mtime for o in area.list() if o.key == base_blob)
+
+    sent_at = written_at()
+    time.sleep(1.1)  # a new upload would show a later modification time
+    (src / "adapter.bin").write_bytes(b"step 2" * 1000)
+    ckpt = upload_dir(src, s3.uri("run", "ckpt-2"), storage_options=s3.options,
+                      incremental=True)
+    assert ckpt is not None and ckpt.manifest.blobs["base/model-00001.safetensors"] == base_blob
+    assert written_at() == sent_at  # not sent again
+    ckpt.verify(deep=True)
+    got = download(ckpt, tmp_path / "dl")
+    for rel in ("base/model-00001.safetensors", "adapter.bin"):
+        assert (got / rel).read_bytes() == (src / rel).read_bytes()
+    assert area_blobs(s3.uri("run"), s3.options) == referenced_blobs(s3.uri("run"), s3.options)

@@ -32,10 +32,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from cloudckpt.core.manifest import DIGEST_RE, Manifest, read_manifest_bytes
-from cloudckpt.errors import CommitConflictError, ConfigError, IncompleteCheckpointError
+from cloudckpt.errors import (
+    CommitConflictError,
+    ConfigError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+)
 from cloudckpt.names import BLOB_AREA, MANIFEST_NAME
 from cloudckpt.storage import ObjectInfo, Store
-from cloudckpt.util.crc import Buffer
+from cloudckpt.util.crc import Buffer, Crc32c
 
 log = logging.getLogger("cloudckpt")
 
@@ -100,6 +105,25 @@ class BlobArea:
         """Store ``data`` as a blob (the same bytes again if it is there)."""
         digest = digest or digest_of(data)
         return digest, self.store.put(digest, data)
+
+    def put_file(self, path: str | os.PathLike[str]) -> tuple[str, int, str]:
+        """Store a local file as a blob unless the area has it: one pass to hash it,
+        then a HEAD, then the upload only when missing. Its digest, size and CRC32C."""
+        sha, crc = hashlib.sha256(), Crc32c()
+        with open(path, "rb") as f:
+            while chunk := f.read(8 << 20):
+                sha.update(chunk)
+                crc.update(chunk)
+        digest = sha.hexdigest()
+        there = self.store.info(digest)
+        if there is None or there.size != crc.size:
+            info = self.store.put_file(digest, path)
+            if (info.size, info.crc32c) != (crc.size, crc.hexdigest()):
+                self.store.delete([digest])  # its name no longer says what it holds
+                raise CorruptCheckpointError(
+                    f"{path} changed while it was saved to {self.store.key_uri(digest)}; "
+                    "nothing was committed", {str(path): "changed"})
+        return digest, crc.size, crc.hexdigest()
 
     def missing(self, digests: Iterable[str]) -> set[str]:
         """Those of ``digests`` with no blob (one HEAD each, in parallel)."""

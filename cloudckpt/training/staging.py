@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cloudckpt.core.blobs import BlobArea
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter
 from cloudckpt.core.claim import process_gone, this_process
 from cloudckpt.movement.transfer import download
@@ -197,10 +198,12 @@ def _send(store: Store, root: Path, rel: str) -> tuple[str, int, str]:
 class LocalFiles:
     """A :class:`~cloudckpt.training.multipart.Part`: every file under each host's
     ``root`` (or only the relative paths in ``select``), each sent once, by the first
-    rank of the first host that holds it."""
+    rank of the first host that holds it; with ``blobs``, as a blob of that area,
+    sent only if it is not there yet."""
 
     root: Path
     select: set[str] | None = None
+    blobs: BlobArea | None = None
 
     def write(self, store: Store, group: Any) -> list[list[Entry]]:
         leaders = _leaders(group)
@@ -213,7 +216,20 @@ class LocalFiles:
                 if rel != MANIFEST_NAME:  # a downloaded copy's manifest is not data
                     owner.setdefault(rel, r)
         mine = [rel for rel, r in owner.items() if r == me]
-        return coord.each_rank(lambda: [_send(store, self.root, rel) for rel in mine], group)
+        if self.blobs is None:
+            return coord.each_rank(lambda: [_send(store, self.root, rel) for rel in mine],
+                                   group)
+        return coord.each_rank(lambda: self._send_blobs(store, mine), group)
+
+    def _send_blobs(self, store: Store, rels: list[str]) -> list[Entry]:
+        area = self.blobs
+        assert area is not None
+        holding = area.holding(area.top_of(store))
+        sent = store.map(lambda rel: area.put_file(self.root / rel), rels)
+        by_digest = {digest: rel for rel, (digest, _, _) in zip(rels, sent, strict=True)}
+        holding.settle(by_digest, lambda d: area.put_file(self.root / by_digest[d]))
+        return [(rel, size, crc, digest) for rel, (digest, size, crc) in
+                zip(rels, sent, strict=True)]
 
     def commit(self, writer: CheckpointWriter, written: list[list[Entry]]) -> None:
         multipart.Stored(e for sent in written for e in sent).commit(writer, None)
@@ -221,17 +237,19 @@ class LocalFiles:
 
 def upload_dir(local_dir: str | os.PathLike, dest: str | Store, *, group: Any = None,
                storage_options: Mapping[str, Any] | None = None,
-               select: Iterable[str] | None = None,
+               select: Iterable[str] | None = None, incremental: bool = False,
                **writer_options: Any) -> Checkpoint | None:
     """Commit every file under each host's ``local_dir`` (or only the relative paths in
     ``select``) as one checkpoint at ``dest``; call on every rank. ``writer_options``
     (``step``, ``kind``, ``metadata``, ``takeover``) go to the :class:`CheckpointWriter`.
     Returns the checkpoint on rank 0, None elsewhere; if any rank fails, every rank
     raises and nothing is committed (the claim marks what was sent as cloudckpt's, for
-    the next save or ``gc``)."""
-    part = LocalFiles(Path(local_dir), None if select is None else set(select))
-    return multipart.save(as_store(dest, storage_options), [part], group=group,
-                          **writer_options)
+    the next save or ``gc``). ``incremental`` stores each file as a blob of the area
+    above ``dest``, sent only when its bytes are not there yet (:mod:`cloudckpt.core.blobs`)."""
+    store = as_store(dest, storage_options)
+    blobs = BlobArea.above(store, 1) if incremental else None
+    part = LocalFiles(Path(local_dir), None if select is None else set(select), blobs)
+    return multipart.save(store, [part], group=group, blobs=blobs, **writer_options)
 
 
 def download_dir(ckpt: Checkpoint, local_dir: str | os.PathLike, *, group: Any = None) -> Path:
