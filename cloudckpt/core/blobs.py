@@ -56,6 +56,22 @@ DEFAULT_HOLD_SECONDS = 6 * 3600.0
 _POLL = 0.2
 
 
+#: Set to 1 to make saves incremental where the caller left it open (the frameworks'
+#: integrations: their own configs have no key for it).
+INCREMENTAL_ENV = "CLOUDCKPT_INCREMENTAL"
+
+
+def requested(flag: bool | None) -> bool:
+    """Whether a save is incremental: ``flag``, or when None ``$CLOUDCKPT_INCREMENTAL``."""
+    if flag is not None:
+        return flag
+    value = os.environ.get(INCREMENTAL_ENV, "").strip().lower()
+    if value not in ("", "0", "1", "false", "true", "no", "yes"):
+        raise ConfigError(f"{INCREMENTAL_ENV}={value!r}: set it to 1 (incremental saves) "
+                          "or 0")
+    return value in ("1", "true", "yes")
+
+
 def digest_of(data: Buffer) -> str:
     """The name of a blob holding ``data``: its SHA-256, in hex."""
     return hashlib.sha256(data).hexdigest()

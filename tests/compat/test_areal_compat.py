@@ -172,13 +172,17 @@ def test_missing_bucket_in_areals_config_is_refused_at_construction(s3):
         assert f"{type(cfg).__name__}.fileroot" in str(err.value)
 
 
-def test_export_is_what_areal_exports(s3, tmp_path):
+@pytest.mark.parametrize("incremental", [False, True])
+def test_export_is_what_areal_exports(s3, tmp_path, monkeypatch, incremental):
     """The same step exported by AReaL (local) and by cloudckpt (bucket), through the
-    same engine: the same files and the same bytes."""
+    same engine: the same files and the same bytes. Exported incrementally too
+    ($CLOUDCKPT_INCREMENTAL: every file a blob), it downloads as AReaL's own files."""
     import safetensors.torch
 
     from cloudckpt import open_checkpoint
+    from cloudckpt.movement.transfer import download
 
+    monkeypatch.setenv("CLOUDCKPT_INCREMENTAL", "1" if incremental else "0")
     mine = Trainer(areal.Saver, areal.RecoverHandler, *configs(s3.root),
                    storage_options=s3.options)
     theirs = Trainer(areal_saver.Saver, areal_recover.RecoverHandler,
@@ -196,6 +200,11 @@ def test_export_is_what_areal_exports(s3, tmp_path):
             assert all(torch.equal(got[k], want[k]) for k in got)
         elif name.endswith(".json") and name != "config.json":
             assert json.loads(ckpt.read(name)) == json.loads((local / name).read_text())
+    assert (ckpt.manifest.blob_depth == 1) is incremental
+    got = download(ckpt, tmp_path / "downloaded")
+    for name in ckpt.files:
+        if name.endswith(".safetensors") or name.startswith("tokenizer"):
+            assert (got / name).read_bytes() == (local / name).read_bytes(), name
 
 
 def _params(fn) -> list[tuple[str, object, object]]:

@@ -50,11 +50,21 @@ def _rlinf_files(root: Path) -> set[str]:
             if p.is_file() and "cloudckpt" not in p.name}
 
 
-def test_cloudckpt_step_loads_with_rlinf_checkpoint_and_converter(s3, tmp_path):
+@pytest.mark.parametrize("incremental", [False, True])
+def test_cloudckpt_step_loads_with_rlinf_checkpoint_and_converter(s3, tmp_path, monkeypatch,
+                                                                  incremental):
+    """Also saved incrementally ($CLOUDCKPT_INCREMENTAL, every object a blob): the
+    download holds RLinf's own layout, and RLinf's loader and converter read it."""
+    monkeypatch.setenv("CLOUDCKPT_INCREMENTAL", "1" if incremental else "0")
     local, full = tmp_path / "downloaded", tmp_path / "full3.pt"
     results = run_ranks("rlinf_ranks.cloudckpt_to_rlinf", 2, s3.uri("logs"), s3.options_json(),
                         str(local), str(full))
     _all_true(results, "rng", "model", "optim", "sched", "draws")
+    step = open_checkpoint(f"{rlinf.checkpoints_root(s3.uri('logs'), 'compat')}/global_step_3",
+                           s3.options)
+    assert (step.manifest.blob_depth == 1) is incremental
+    in_prefix = {p for p in step.files if p not in step.manifest.blobs}
+    assert (in_prefix == {"actor/dcp_checkpoint/cloudckpt-manifest.json"}) is incremental
 
     # The keys and value types RLinf's Checkpoint.state_dict() has (checkpoint.py:93-101).
     md = CloudStorageReader(str(local / "actor" / "dcp_checkpoint")).read_metadata()

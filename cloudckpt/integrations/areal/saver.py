@@ -8,6 +8,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from cloudckpt.core import blobs
 from cloudckpt.core.checkpoint import Checkpoint, open_checkpoint
 from cloudckpt.core.listing import list_checkpoints
 from cloudckpt.core.manifest import MANIFEST_NAME
@@ -111,7 +112,8 @@ class Saver(_Periodic):
                                         base_model_path=base_model_path))
                 # This job owns its export directories: a crashed attempt's claim is ours.
                 upload_dir(local, uri, group=self.group, storage_options=self.storage_options,
-                           kind=HF_KIND, step=global_step, takeover=True, metadata={
+                           kind=HF_KIND, step=global_step, takeover=True,
+                           incremental=blobs.requested(None), metadata={
                                "step_info": {"epoch": epoch, "epoch_step": step,
                                              "global_step": global_step}})
         self.last_export = uri

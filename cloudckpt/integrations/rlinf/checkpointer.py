@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from cloudckpt.core import blobs
 from cloudckpt.core.checkpoint import Checkpoint
 from cloudckpt.core.manifest import MANIFEST_NAME
 from cloudckpt.core.retention import Managed, apply_retention
@@ -63,7 +64,7 @@ class RLinfCheckpointer:
                  time_limit_s: float | None = None, keep_last: int | None = None,
                  save_full_model_weights: bool = True,
                  storage_options: Mapping[str, Any] | None = None,
-                 process_group: Any = None) -> None:
+                 process_group: Any = None, incremental: bool | None = None) -> None:
         self.config = RunnerConfig(str(output_dir), str(experiment_name), int(save_interval),
                                    resume_dir, -1 if max_steps is None else int(max_steps),
                                    max_epochs)
@@ -74,6 +75,8 @@ class RLinfCheckpointer:
         self.time_limit_s = time_limit_s
         self.keep_last = keep_last
         self.save_full_model_weights = save_full_model_weights
+        #: Every object a blob of the checkpoints root's area (None: $CLOUDCKPT_INCREMENTAL).
+        self.incremental = blobs.requested(incremental)
         self.group = process_group
         self._started = time.monotonic()
         if keep_last is not None and keep_last < 1:
@@ -153,16 +156,18 @@ class RLinfCheckpointer:
         states = {ACTOR: resolve_stateful(actor)}  # RLinf's Checkpoint: taken once
         if critic is not None:
             states[CRITIC] = resolve_stateful(critic)
+        area = blobs.BlobArea(self.store) if self.incremental else None
         parts: list[multipart.Part] = [
             p for name, part_state in states.items()
-            for p in fsdp_parts(name, part_state, step, self.save_full_model_weights)]
+            for p in fsdp_parts(name, part_state, step, self.save_full_model_weights,
+                                blobs=area)]
         if data_state is not None:  # the last data object, as RLinf
             parts.append(multipart.SharedBytes(DATA_PATH, lambda: torch_bytes(data_state)))
         meta = {**dict(metadata or {}), "world_size": coord.world_size(self.group),
                 "parts": list(states), "layout": "rlinf-fsdp", "key_prefix": KEY_PREFIX}
         try:
             committed = multipart.save(store, parts, group=self.group, step=step, kind=KIND,
-                                       metadata=meta)
+                                       metadata=meta, blobs=area)
         except CommitConflictError as exc:  # raised alike on every rank
             if "already committed" not in str(exc):
                 raise

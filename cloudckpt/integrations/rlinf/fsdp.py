@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from cloudckpt.core.blobs import BlobArea
 from cloudckpt.core.checkpoint import CheckpointWriter
 from cloudckpt.errors import ConfigError
 from cloudckpt.integrations.rlinf.layout import DCP_DIR, FSDP_VERSIONS, FULL_WEIGHTS, ROOT_KEY
@@ -151,13 +152,14 @@ class _RlinfDcp:
     prefix: str
     state: Mapping[str, Any]
     step: int | None
+    blobs: BlobArea | None = None
 
     def write(self, store: Store, group: Any) -> None:
         from cloudckpt import dcp as cdcp
 
         with numpy_rng_allowed():  # RLinf's rng.numpy, as its load allows it
             cdcp.save(dict(self.state), store.child(self.prefix), process_group=group,
-                      step=self.step)
+                      step=self.step, blobs=self.blobs)
 
     def commit(self, writer: CheckpointWriter, written: None) -> None:
         writer.add_part(self.prefix)
@@ -182,14 +184,16 @@ class _FullWeights:
 
 def fsdp_parts(prefix: str, state: Mapping[str, Any], step: int | None,
                with_full_weights: bool, *,
-               gather: Callable[[Any], bytes | None] | None = None) -> list[Any]:
+               gather: Callable[[Any], bytes | None] | None = None,
+               blobs: BlobArea | None = None) -> list[Any]:
     """The multi-part save handlers of one RLinf part (actor, critic) below ``prefix``
     (``""``: the checkpoint itself): its DCP shards, then, unless
     ``with_full_weights`` is off, ``model_state_dict/full_weights.pt``: what
     ``gather(group)`` returns on rank 0 (called on every rank), by default the state's
-    own model tensors gathered (no file without a model)."""
+    own model tensors gathered (no file without a model). ``blobs``: the shards of an
+    incremental save, in that area."""
     join = (lambda key: f"{prefix}/{key}") if prefix else (lambda key: key)
-    parts: list[Any] = [_RlinfDcp(join(DCP_DIR), state, step)]
+    parts: list[Any] = [_RlinfDcp(join(DCP_DIR), state, step, blobs)]
     if with_full_weights:
         model = model_part(state)
         if gather is None and model is not None:
