@@ -45,7 +45,7 @@ $(VENV)/.compat: $(VENV)/.installed tests/compat/requirements.txt
 compat: $(VENV)/.compat
 	$(PY) -m pytest -q tests/compat
 
-# The reliability and security torture suite at full scale (700 SIGKILLs among the rest;
+# The reliability and security torture suite at full scale (910 SIGKILLs among the rest;
 # 20-35 minutes on 2 cores); prints a summary table and writes it to torture-report.json.
 # Then the crash torture through the frameworks' own save paths under activation (the
 # compat packages; 110 SIGKILLs per framework, about 50 minutes), one JSON line per
