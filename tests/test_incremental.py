@@ -301,3 +301,26 @@ def test_an_incremental_upload_of_a_directory_sends_only_changed_files(s3, tmp_p
     for rel in ("base/model-00001.safetensors", "adapter.bin"):
         assert (got / rel).read_bytes() == (src / rel).read_bytes()
     assert area_blobs(s3.uri("run"), s3.options) == referenced_blobs(s3.uri("run"), s3.options)
+
+
+def test_the_cli_shows_verifies_and_collects_an_incremental_run(s3, capsys) -> None:
+    from cloudckpt.cli import main as cli
+
+    flags = [f"-o{k}={v}" for k, v in s3.options.items() if isinstance(v, str)]
+    dcp.save(frozen_state(4), s3.uri("run", "step-1"), storage_options=s3.options,
+             incremental=True)
+    assert cli(["info", s3.uri("run", "step-1"), *flags]) == 0
+    out = capsys.readouterr().out
+    assert "an incremental save" in out and "(blob " in out
+    assert cli(["verify", "--deep", s3.uri("run", "step-1"), *flags]) == 0
+    assert cli(["ls", s3.uri("run"), *flags]) == 0
+    assert BLOB_AREA not in capsys.readouterr().out
+    area = open_store(s3.uri("run", BLOB_AREA), s3.options)
+    first = area_blobs(s3.uri("run"), s3.options)
+    area.put("0" * 64, b"an orphan")  # as if a save died before referencing it
+    assert cli(["gc", s3.uri("run"), "--grace", "0", *flags]) == 0  # a dry run
+    assert "no committed checkpoint references" in capsys.readouterr().out
+    assert area.exists("0" * 64)
+    assert cli(["gc", s3.uri("run"), "--grace", "0", "--yes", *flags]) == 0
+    assert area_blobs(s3.uri("run"), s3.options) == first
+    assert cli(["verify", "--deep", s3.uri("run", "step-1"), *flags]) == 0

@@ -87,13 +87,17 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"uri:       {c.uri}\nstep:      {m.step}\nkind:      {m.kind}\n"
           f"created:   {when(m.created)}\ncommit id: {m.commit_id}\n"
           f"size:      {size(m.total_size)} in {plural(len(m.files), 'object')}")
+    if m.blob_depth is not None:
+        print(f"blobs:     {plural(len(m.blobs), 'object')} in the run's blob area "
+              f"({m.blob_depth} level(s) up): an incremental save")
     if m.metadata:
         text = json.dumps(dict(m.metadata), sort_keys=True)
         print(f"metadata:  {text if args.all or len(text) <= 500 else text[:500] + ' ...'}")
     shown = c.files if args.all else c.files[:_INFO_FILES]
     for path in shown:
         e = m.files[path]
-        print(f"  {e.crc32c}  {e.size:>12}  {path}")
+        print(f"  {e.crc32c}  {e.size:>12}  {path}"
+              + (f"  (blob {e.blob[:12]})" if e.blob else ""))
     if len(shown) < len(c.files):
         print(f"  ... and {plural(len(c.files) - len(shown), 'more object')} "
               "(--all lists every one, --json prints the manifest)")

@@ -111,8 +111,9 @@ def find_garbage(root: str | Store, storage_options: Mapping[str, Any] | None = 
     if BLOB_AREA in listed:
         swept = sweep(store, grace_seconds=grace_seconds, dry_run=True)
         if swept.blobs or swept.holds:
-            found.append(Garbage(store.child(BLOB_AREA).uri, "not referenced by any "
-                                 "committed checkpoint, nor held by a live save",
+            found.append(Garbage(store.child(BLOB_AREA).uri, "only the blobs in it that no "
+                                 "committed checkpoint references and no live save holds, "
+                                 "and stale holds",
                                  swept.blobs + swept.holds, swept.size, grace_seconds, BLOBS,
                                  grace_seconds))
     return found
