@@ -324,3 +324,17 @@ def test_the_cli_shows_verifies_and_collects_an_incremental_run(s3, capsys) -> N
     assert cli(["gc", s3.uri("run"), "--grace", "0", "--yes", *flags]) == 0
     assert area_blobs(s3.uri("run"), s3.options) == first
     assert cli(["verify", "--deep", s3.uri("run", "step-1"), *flags]) == 0
+
+
+def test_a_manifest_pointing_its_blobs_above_the_bucket_is_corrupt(s3) -> None:
+    from cloudckpt.errors import CorruptCheckpointError
+
+    uri = s3.uri("run", "step-1")
+    dcp.save(frozen_state(5), uri, storage_options=s3.options, incremental=True)
+    store = open_store(uri, s3.options)
+    doc = json.loads(store.get(MANIFEST_NAME))
+    doc["blob_depth"] = 20
+    store.delete([MANIFEST_NAME])
+    store.put(MANIFEST_NAME, json.dumps(doc).encode())
+    with pytest.raises(CorruptCheckpointError, match="above the bucket"):
+        open_checkpoint(uri, s3.options)

@@ -169,12 +169,12 @@ class CheckpointWriter:
         area = self.blobs
         assert area is not None
         holding = area.holding(area.top_of(self.store))
-        by_digest = {digest_of(data): data for data in items.values()}
+        digests = {path: digest_of(data) for path, data in items.items()}
+        by_digest = {digests[path]: data for path, data in items.items()}
         sent = dict(area.store.map(lambda kv: area.put(kv[1], kv[0]), list(by_digest.items())))
         holding.settle(sent, lambda digest: area.put(by_digest[digest], digest))
         out = {}
-        for path, data in items.items():
-            digest = digest_of(data)
+        for path, digest in digests.items():
             self._record(sent[digest], path, digest)
             out[path] = ObjectInfo(path, sent[digest].size, sent[digest].crc32c)
         return out

@@ -14,7 +14,7 @@ from typing import Any
 from cloudckpt.core.blobs import BlobArea, digest_of
 from cloudckpt.core.manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest_bytes
 from cloudckpt.core.ownership import COMMITTED, EMPTY, missing_manifest_error, survey
-from cloudckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from cloudckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from cloudckpt.storage import Store, as_store
 from cloudckpt.util.crc import crc32c_hex
 
@@ -26,7 +26,13 @@ class Checkpoint:
 
     def __init__(self, store: Store, manifest: Manifest) -> None:
         if manifest.blob_depth is not None:  # reads of blobs go to the run's area
-            store = BlobArea.above(store, manifest.blob_depth).resolving(store, manifest.blobs)
+            try:
+                area = BlobArea.above(store, manifest.blob_depth)
+            except ConfigError:
+                raise CorruptCheckpointError(
+                    f"the manifest of {store.uri} puts its blobs {manifest.blob_depth} "
+                    "level(s) up, above the bucket: it is malformed", {}) from None
+            store = area.resolving(store, manifest.blobs)
         self.store = store
         self.manifest = manifest
 
