@@ -238,16 +238,18 @@ class LocalFiles:
 def upload_dir(local_dir: str | os.PathLike, dest: str | Store, *, group: Any = None,
                storage_options: Mapping[str, Any] | None = None,
                select: Iterable[str] | None = None, incremental: bool = False,
-               **writer_options: Any) -> Checkpoint | None:
+               blobs: BlobArea | None = None, **writer_options: Any) -> Checkpoint | None:
     """Commit every file under each host's ``local_dir`` (or only the relative paths in
     ``select``) as one checkpoint at ``dest``; call on every rank. ``writer_options``
     (``step``, ``kind``, ``metadata``, ``takeover``) go to the :class:`CheckpointWriter`.
     Returns the checkpoint on rank 0, None elsewhere; if any rank fails, every rank
     raises and nothing is committed (the claim marks what was sent as cloudckpt's, for
     the next save or ``gc``). ``incremental`` stores each file as a blob of the area
-    above ``dest``, sent only when its bytes are not there yet (:mod:`cloudckpt.core.blobs`)."""
+    above ``dest`` (``blobs``: of that area, for a part of a larger save), sent only
+    when its bytes are not there yet (:mod:`cloudckpt.core.blobs`)."""
     store = as_store(dest, storage_options)
-    blobs = BlobArea.above(store, 1) if incremental else None
+    if blobs is None and incremental:
+        blobs = BlobArea.above(store, 1)
     part = LocalFiles(Path(local_dir), None if select is None else set(select), blobs)
     return multipart.save(store, [part], group=group, blobs=blobs, **writer_options)
 

@@ -123,15 +123,18 @@ def bucket(request):
 
 # ----------------------------------------------------------------- tests
 
-def test_cloudckpt_to_bucket_to_roll_resume(bucket, tmp_path, monkeypatch):
+@pytest.mark.parametrize("incremental", [False, True])
+def test_cloudckpt_to_bucket_to_roll_resume(bucket, tmp_path, monkeypatch, incremental):
     """ROLL's manager uploads through cloudckpt; ROLL's get_latest_ckpt + download_model
     resume bit-exactly, skipping (and naming) a newer torn checkpoint, which wait()
-    reports; no model hub is reached."""
+    reports; no model hub is reached. With ``incremental: true`` in checkpoint_config
+    every file is a blob of the output directory's area, and the same holds."""
     hub_calls: list = []
     monkeypatch.setenv("MODEL_DOWNLOAD_TYPE", "HUGGINGFACE_HUB")
     monkeypatch.setitem(roll_cm.model_download_registry, "HUGGINGFACE_HUB",
                         lambda name, local_dir=None: hub_calls.append(name))
-    cfg = ckpt_config(bucket, tmp_path, async_upload=True, parts_timeout=0)
+    cfg = ckpt_config(bucket, tmp_path, async_upload=True, parts_timeout=0,
+                      incremental=incremental)
     assert roll_resume(True, cfg) == (False, None)  # an empty bucket starts afresh
 
     manager = CheckpointManager(checkpoint_config=cfg)
@@ -158,6 +161,9 @@ def test_cloudckpt_to_bucket_to_roll_resume(bucket, tmp_path, monkeypatch):
     assert any("skipping checkpoint-5: not committed: 1 of expected_uploads=2 parts found "
                "(actor_train-0)" in r.getMessage() for r in warnings.records), warnings.records
     assert path == str(tmp_path / "latest" / "checkpoint-3") and state["step"] == 3
+    committed = open_checkpoint(f"{bucket.root}/checkpoint-3", bucket.options)
+    assert (committed.manifest.blob_depth == 1) is incremental
+    committed.verify(deep=True)
     resumed = Worker(seed=99)
     roll_dcp_load(resumed, Path(path))
     assert_same(resumed.tensors(), expected)

@@ -16,6 +16,9 @@ import pytest
 from forked import forkserver, run_child
 
 from cloudckpt import list_checkpoints, open_checkpoint
+from cloudckpt.core.blobs import referenced
+from cloudckpt.core.manifest import DIGEST_RE
+from cloudckpt.names import BLOB_AREA
 from cloudckpt.storage import open_store
 
 HERE = Path(__file__).resolve().parent
@@ -59,7 +62,10 @@ def assert_resumed(resumed: dict, saved: dict) -> None:
     assert resumed["next"] == saved["next"]  # the dataloader draws what it would have
 
 
-def test_ppo_steps_commit_to_s3_resume_auto_and_by_path_and_prune(s3, tmp_path):
+@pytest.mark.parametrize("incremental", [False, True])
+def test_ppo_steps_commit_to_s3_resume_auto_and_by_path_and_prune(s3, tmp_path, incremental):
+    """Also with $CLOUDCKPT_INCREMENTAL=1: every role's file a blob beside the steps,
+    verl's retention sweeping the blobs only the pruned steps referenced."""
     config = trainer_config(default_local_dir=s3.root, max_actor_ckpt_to_keep=2)
     plan = {"config": config, "world": 2, "phases": [
         {"save": [1, 2, 3]},
@@ -68,7 +74,7 @@ def test_ppo_steps_commit_to_s3_resume_auto_and_by_path_and_prune(s3, tmp_path):
                                                 "resume_from_path": f"{s3.root}/global_step_2"}}},
         {"resume": True, "world": 1},
     ]}
-    seen = run_driver(tmp_path, plan, s3.env)
+    seen = run_driver(tmp_path, plan, {**s3.env, "CLOUDCKPT_INCREMENTAL": str(int(incremental))})
     saves, auto, by_path, other_world = seen["phases"]
     # Every process bound the integration itself, one line each.
     for pids in saves["saved"][0]["pids"].values():
@@ -86,6 +92,11 @@ def test_ppo_steps_commit_to_s3_resume_auto_and_by_path_and_prune(s3, tmp_path):
             "actor/optim_world_size_2_rank_1.pt", "actor/extra_state_world_size_2_rank_0.pt",
             "actor/fsdp_config.json", "actor/huggingface/config.json"} <= set(step.files)
     assert open_store(s3.root, s3.options).get(TRACKER) == b"3"
+    assert (step.manifest.blob_depth == 1) is incremental
+    if incremental:  # what the pruned step alone referenced is gone
+        area = open_store(s3.root, s3.options).child(BLOB_AREA)
+        assert {o.key for o in area.list() if DIGEST_RE.match(o.key)} == referenced(
+            open_store(s3.root, s3.options))
 
     assert_resumed(auto, saved_at(saves, 3))
     assert auto["returned"] is None  # as verl's own _load_checkpoint after a load

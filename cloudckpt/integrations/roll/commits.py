@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from cloudckpt.core.blobs import BlobArea
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
 from cloudckpt.core.deletion import remove_leftovers
 from cloudckpt.core.gc import collect, find_garbage
@@ -32,6 +33,9 @@ from cloudckpt.util.text import plural
 log = logging.getLogger("cloudckpt.roll")
 
 Markers = Mapping[str, Mapping[str, Any]]
+#: A file the parts uploaded: its size, CRC32C, and its blob's digest (an incremental
+#: upload) or None.
+Uploaded = tuple[int, str, str | None]
 
 
 def current_parts(store: Store, attempt_id: str | None, since: float) -> dict[str, dict[str, Any]]:
@@ -51,29 +55,43 @@ def current_parts(store: Store, attempt_id: str | None, since: float) -> dict[st
     return parts
 
 
-def merged_files(store: Store, parts: Markers) -> dict[str, tuple[int, str]]:
-    """Every file the parts list, with its size and CRC32C, each one in the bucket."""
-    files: dict[str, tuple[int, str]] = {}
+def merged_files(store: Store, parts: Markers) -> dict[str, Uploaded]:
+    """Every file the parts list, with its size and CRC32C (and blob), each one in the
+    bucket."""
+    files: dict[str, Uploaded] = {}
     for marker in parts.values():
         for key, e in marker["files"].items():
-            entry = (int(e["size"]), str(e["crc32c"]))
+            blob = e.get("blob")
+            entry = (int(e["size"]), str(e["crc32c"]), str(blob) if blob else None)
             if files.setdefault(key, entry) != entry:
                 raise CommitConflictError(
                     f"{store.uri}: two parts uploaded different {key!r}; not committing")
     present = {o.key: o.size for o in store.list()}
-    missing = [k for k, (size, _) in files.items() if present.get(k) != size]
+    gone = _area(store).missing(b for _, _, b in files.values() if b) if any(
+        b for _, _, b in files.values()) else set()
+    missing = [k for k, (size, _, blob) in files.items()
+               if (blob in gone if blob else present.get(k) != size)]
     if missing:
         raise StorageError(f"{store.uri}: parts list objects that are missing or of the "
                            f"wrong size: {sorted(missing)[:5]}; not committing")
     return files
 
 
-def _resume_problems(store: Store, files: Mapping[str, tuple[int, str]]) -> list[str]:
-    """What ROLL's resume would miss in ``files`` (with their sizes), read from ``store``."""
-    return resume_problems({k: size for k, (size, _) in files.items()}, store.get)
+def _area(store: Store) -> BlobArea:
+    return BlobArea(store.ancestor(1))
 
 
-def ready(store: Store, parts: Markers, expected: int) -> dict[str, tuple[int, str]] | str:
+def _resume_problems(store: Store, files: Mapping[str, Uploaded]) -> list[str]:
+    """What ROLL's resume would miss in ``files`` (with their sizes), read from ``store``
+    (or its run's blob area)."""
+    def read(key: str) -> bytes:
+        blob = files[key][2] if key in files else None
+        return _area(store).store.get(blob) if blob else store.get(key)
+
+    return resume_problems({k: size for k, (size, _, _) in files.items()}, read)
+
+
+def ready(store: Store, parts: Markers, expected: int) -> dict[str, Uploaded] | str:
     """The files to commit if ``expected`` parts are in and hold all ROLL's resume
     reads; else why not (a part still on its way, or one missing)."""
     if len(parts) < expected:
@@ -115,8 +133,7 @@ class Progress:
                 f"({', '.join(self.parts)})")
 
 
-def assess(store: Store, parts: Markers, expected: int
-           ) -> Progress | dict[str, tuple[int, str]]:
+def assess(store: Store, parts: Markers, expected: int) -> Progress | dict[str, Uploaded]:
     """The files to commit when the parts are complete (as this process counts them),
     else where the checkpoint stands; quiet, unlike :func:`ready`."""
     problems: list[str] = []
@@ -133,17 +150,18 @@ def assess(store: Store, parts: Markers, expected: int
     return Progress(part_names(parts), expected, max(0.0, time.time() - newest), problems)
 
 
-def commit(store: Store, ckpt_id: str, parts: Markers, files: Mapping[str, tuple[int, str]],
+def commit(store: Store, ckpt_id: str, parts: Markers, files: Mapping[str, Uploaded],
            attempt_id: str | None) -> Checkpoint:
     """Commit the checkpoint the parts make (a concurrent committer of the same parts
     may win), then remove what only a crashed earlier attempt wrote."""
     m = CKPT_RE.match(ckpt_id)
     meta = {"framework": "roll", "parts": sorted(p["part"] for p in parts.values()),
             "attempt": attempt_id}
-    stored = multipart.Stored((key, size, crc) for key, (size, crc) in files.items())
+    stored = multipart.Stored((key, *entry) for key, entry in files.items())
+    incremental = any(blob for _, _, blob in files.values())
     try:
         writer = CheckpointWriter(store, step=int(m.group(1)) if m else None, kind=KIND,
-                                  metadata=meta)
+                                  metadata=meta, blobs=_area(store) if incremental else None)
         ckpt = multipart.commit(writer, [stored], [None])
     except CommitConflictError:
         ckpt = _committed_by_another(store)  # a concurrent committer won; same parts

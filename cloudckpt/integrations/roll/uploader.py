@@ -19,6 +19,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, ClassVar
 
+from cloudckpt.core import blobs
+from cloudckpt.core.blobs import BlobArea
 from cloudckpt.core.checkpoint import Checkpoint
 from cloudckpt.errors import (
     CommitConflictError,
@@ -34,6 +36,7 @@ from cloudckpt.integrations.roll.resume import (
     download_checkpoint,
     latest_committed,
 )
+from cloudckpt.integrations.roll.sending import send_files
 from cloudckpt.integrations.roll.staging import (
     _PART_RE,
     _attempt_from_env,
@@ -111,6 +114,7 @@ class RollUploader:
         part_id: str | None = None,
         download_dir: str | os.PathLike[str] | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        incremental: bool | None = None,
         **kwargs: Any,
     ) -> None:
         kind = kwargs.pop("type", None)
@@ -134,6 +138,8 @@ class RollUploader:
         self.download_dir = Path(download_dir or default_download_dir(self.output_dir))
         self.store: Store = open_store(self.output_dir, self.storage_options)
         self.store.check_bucket()  # before training starts, not at the first save
+        #: Each file a blob of the output directory's area (None: $CLOUDCKPT_INCREMENTAL).
+        self.blobs = BlobArea(self.store) if blobs.requested(incremental) else None
         self._created = time.time()
         self._lock = threading.Lock()
         self._pending: list[Future[Any]] = []
@@ -302,8 +308,7 @@ class RollUploader:
                 "arrived after the commit: is expected_uploads too small?")
         files = _local_files(src)
         t0 = time.monotonic()
-        infos = store.map(lambda item: self._put_file(store, *item), sorted(files.items()))
-        entries = {key: {"size": size, "crc32c": crc} for key, size, crc in infos}
+        entries = send_files(store, files, self.blobs)
         marker = {"part": part, "attempt": self.attempt_id, "created": time.time(),
                   "host": socket.gethostname(), "pid": os.getpid(), "files": entries}
         store.put(f"{PARTS_DIR}/{part}.json", json.dumps(marker, sort_keys=True).encode())
@@ -319,11 +324,6 @@ class RollUploader:
         if not self.keep_local_file and original != src:  # a background upload's copy
             _remove(original)
 
-    def _put_file(self, store: Store, key: str, path: Path) -> tuple[str, int, str]:
-        info = store.put_file(key, path)
-        assert info.crc32c is not None
-        return key, info.size, info.crc32c
-
     def _current_parts(self, store: Store) -> dict[str, dict[str, Any]]:
         """The markers of this attempt's parts (see ``attempt_id``), by key."""
         return commits.current_parts(store, self.attempt_id, self._created)
@@ -337,7 +337,7 @@ class RollUploader:
         return files if isinstance(files, str) else self._commit(store, ckpt_id, parts, files)
 
     def _commit(self, store: Store, ckpt_id: str, parts: Mapping[str, Mapping[str, Any]],
-                files: Mapping[str, tuple[int, str]]) -> Checkpoint:
+                files: Mapping[str, commits.Uploaded]) -> Checkpoint:
         ckpt = commits.commit(store, ckpt_id, parts, files, self.attempt_id)
         try:
             self._prune()

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cloudckpt.core import blobs
+from cloudckpt.core.blobs import BlobArea
 from cloudckpt.core.checkpoint import Checkpoint
 from cloudckpt.core.retention import Managed, apply_retention
 from cloudckpt.errors import ConfigError
@@ -104,8 +106,9 @@ def _commit(handler: Any, step: int, store: Store, target: Path, *, local: bool
     coord.each_rank(lambda: _write_own(handler, target))
     select = files_under(target, started) if local else None
     meta = {"world_size": coord.world_size(), "layout": "verl-sft"}
-    return multipart.save(store, role_parts(target, select), step=step, kind=SFT_KIND,
-                          metadata=meta)
+    area = BlobArea.above(store, 1) if blobs.requested(None) else None  # $CLOUDCKPT_INCREMENTAL
+    return multipart.save(store, role_parts(target, select, area), step=step, kind=SFT_KIND,
+                          metadata=meta, blobs=area)
 
 
 def _write_own(handler: Any, target: Path) -> None:

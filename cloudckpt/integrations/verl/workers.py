@@ -30,7 +30,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from cloudckpt.core import kinds
+from cloudckpt.core import blobs, kinds
+from cloudckpt.core.blobs import BlobArea
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
 from cloudckpt.errors import ConfigError, CorruptCheckpointError, IncompleteCheckpointError
 from cloudckpt.integrations.verl.layout import (
@@ -88,33 +89,38 @@ def save_role(own_save: Callable[..., None], manager: Any, uri: str, global_step
     options = {"step": global_step if step is None else step, "kind": ROLE_KIND,
                "metadata": meta}
     store = open_store(uri)
+    # Saved incrementally, every file is a blob of the area beside the steps.
+    area = BlobArea.above(store, 2) if step is not None and blobs.requested(None) else None
     if local_path is None:
         with staging_dir() as stage:
             own_save(manager, str(stage), None, global_step, None)
-            committed = multipart.save(store, role_parts(stage, None), **options)
+            committed = multipart.save(store, role_parts(stage, None, area), blobs=area,
+                                       **options)
     else:
         started = time.time()
         own_save(manager, local_path, None, global_step, max_ckpt_to_keep)
         committed = multipart.save(store, role_parts(Path(local_path),
-                                                     files_under(local_path, started)),
-                                   **options)
+                                                     files_under(local_path, started), area),
+                                   blobs=area, **options)
     if committed is not None:
         log.info("committed verl role %s (%d files, world size %d)", committed.uri,
                  len(committed.files), manager.world_size)
     return committed
 
 
-def role_parts(root: Path, select: set[str] | None = None) -> list[Any]:
+def role_parts(root: Path, select: set[str] | None = None,
+               area: BlobArea | None = None) -> list[Any]:
     """A role's files as parts: its ``huggingface/`` folder an HF export committed on
-    its own when verl saved the model there (``hf_model``), so ``push`` takes it."""
+    its own when verl saved the model there (``hf_model``), so ``push`` takes it;
+    with ``area``, each file a blob of it."""
     hf = root / HF_DIR
     if not any(_is_weight(p.name) for p in (hf.iterdir() if hf.is_dir() else ())):
-        return [LocalFiles(root, select)]
+        return [LocalFiles(root, select, area)]
     rest = {f for f in (select if select is not None else files_under(root))
             if not f.startswith(f"{HF_DIR}/")}
     inner = None if select is None else {f.removeprefix(f"{HF_DIR}/") for f in select
                                          if f.startswith(f"{HF_DIR}/")}
-    return [LocalFiles(root, rest), _Export(hf, inner)]
+    return [LocalFiles(root, rest, area), _Export(hf, inner, area)]
 
 
 def _is_weight(name: str) -> bool:
@@ -129,10 +135,11 @@ class _Export:
 
     root: Path
     select: set[str] | None
+    blobs: BlobArea | None = None
 
     def write(self, store: Store, group: Any) -> None:
         upload_dir(self.root, store.child(HF_DIR), group=group, select=self.select,
-                   kind=kinds.HF)
+                   kind=kinds.HF, blobs=self.blobs)
 
     def commit(self, writer: CheckpointWriter, written: None) -> None:
         writer.add_part(HF_DIR)
