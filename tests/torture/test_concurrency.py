@@ -6,6 +6,7 @@ the losers get :class:`CommitConflictError`, and nothing of the winner is lost.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +15,7 @@ import race_worker as rw
 import torch
 from knobs import scale
 
-from cloudckpt import RecoverSlot, open_checkpoint, open_store
+from cloudckpt import CheckpointWriter, RecoverSlot, open_checkpoint, open_store
 from cloudckpt.core.claim import CLAIM_NAME
 
 RACERS = 4
@@ -165,4 +166,51 @@ def test_writers_side_by_side(name, forks, request, record):
                 failures.append(f"{w}/step-{step} holds someone else's bytes")
     record("concurrency", f"{name}: {writers} jobs side by side", writers * per,
            faults=writers, failures=len(failures))
+    assert not failures, "\n".join(failures[:10])
+
+
+@pytest.mark.parametrize("name", ["s3", "gcs", "file"])
+def test_a_zombie_writer_cannot_change_a_committed_incremental_checkpoint(
+        name, forks, request, record):
+    """Writer A (a process) claims an incremental save and keeps writing it; writer B
+    takes A's claim over and commits; A writes on, then tries to commit. B's
+    checkpoint verifies deep and holds B's bytes; A loses its commit."""
+    from cloudckpt.core.blobs import BlobArea
+
+    backend = _backend(request, name)
+    opts = json.loads(backend.options_json())
+    failures: list[str] = []
+    trials = scale(2, 30)
+    for t in range(trials):
+        uri = backend.uri("zombie", f"step-{t}")
+        rounds, stop = forks.Value("i", 0), forks.Event()
+        queue = forks.Queue()
+        a = forks.Process(target=rw.zombie, args=(uri, opts, f"a{t}", rounds, stop, None,
+                                                  queue))
+        a.start()
+        while rounds.value < 1 and a.is_alive():
+            time.sleep(0.01)
+        area = BlobArea(open_store(backend.uri("zombie"), backend.options))
+        b = CheckpointWriter(uri, metadata={"who": "b"}, storage_options=backend.options,
+                             blobs=area, takeover=True)
+        b.put_many(rw.content(f"b{t}"))
+        b.commit()
+        after = rounds.value
+        while rounds.value < after + 2 and a.is_alive():  # A writes on after B's commit
+            time.sleep(0.01)
+        stop.set()
+        who, outcome, detail = queue.get(timeout=120)
+        a.join(30)
+        if outcome != "lost":
+            failures.append(f"trial {t}: the zombie's commit {outcome}: {detail}")
+        ckpt = open_checkpoint(uri, backend.options)
+        try:
+            ckpt.verify(deep=True)
+        except Exception as exc:  # noqa: BLE001 - the failure being tested for
+            failures.append(f"trial {t}: {exc}")
+            continue
+        if ckpt.metadata.get("who") != "b" or dict(ckpt.iter_objects()) != rw.content(f"b{t}"):
+            failures.append(f"trial {t}: the committed checkpoint is not all B's")
+    record("concurrency", f"{name}: a zombie writes on after a takeover", trials,
+           faults=trials, failures=len(failures))
     assert not failures, "\n".join(failures[:10])
