@@ -101,6 +101,8 @@ class CloudStorageWriter(_OnStore, StorageWriter):
     above the checkpoint; ``blobs`` names another, for a part of a larger save),
     each tensor of at least :data:`~cloudckpt.dcp.units.OWN_FILE_BYTES` in a file of
     its own: a file whose bytes are already there is referenced, not sent again.
+    ``file_per_tensor`` lays the files out so without blobs (a local save whose
+    drain will send them incrementally).
     """
 
     def __init__(
@@ -117,6 +119,7 @@ class CloudStorageWriter(_OnStore, StorageWriter):
         files_of_rank: int | None = None,
         incremental: bool = False,
         blobs: BlobArea | None = None,
+        file_per_tensor: bool = False,
     ) -> None:
         super().__init__()
         if file_size <= 0 or max_files < 1 or (key_spread is not None and key_spread < 0):
@@ -131,6 +134,7 @@ class CloudStorageWriter(_OnStore, StorageWriter):
         self.user_metadata = dict(metadata or {})
         self.staged = staged
         self.files_of_rank = files_of_rank
+        self.file_per_tensor = file_per_tensor
         self.incremental = incremental or blobs is not None
         self._own_area = blobs is None
         self.blobs = blobs or (BlobArea.above(self.store, 1) if incremental else None)
@@ -205,7 +209,8 @@ class CloudStorageWriter(_OnStore, StorageWriter):
             blobs = None if self.blobs is None else BlobFiles(self.blobs, self.store, planner)
             write = blobs.write if blobs else partial(self._write_file, planner=planner)
             for k, items in enumerate(self._waves(plan.items, planner)):
-                buckets = (own_files(items, self.file_size, self.max_files) if blobs
+                buckets = (own_files(items, self.file_size, self.max_files)
+                           if blobs or self.file_per_tensor
                            else split_by_size(items, self.file_size, self.max_files))
                 jobs = [(self._file_name(files, written + i), b)
                         for i, b in enumerate(b for b in buckets if b)]

@@ -70,7 +70,8 @@ class CheckpointManager:
         self.schedule = SaveSchedule(self.options.every_steps, self.options.every_epochs,
                                      self.options.every_seconds, group=process_group)
         tier = self.options.local
-        self._local = tiers.LocalCopies(tier, self.managed, process_group) if tier else None
+        self._local = tiers.LocalCopies(tier, self.managed, process_group,
+                                        incremental=self.options.incremental) if tier else None
         self._schedules = Schedules(self.schedule, SaveSchedule(tier.every_steps)
                                      if tier else None)
         # Background saves and drains run collectives on a group of their own.
@@ -263,7 +264,8 @@ class CheckpointManager:
         timing = Timing(start, blocked=0.0)
         with counting() as tally:
             ckpt = tiers.drain(local, self.store.child(name), group=self._io_group,
-                               figures=reports.Figures(start, tally))
+                               figures=reports.Figures(start, tally),
+                               incremental=self.options.incremental)
             durable = time.monotonic() - start
             self._retain(name)
         self._in_bucket = max(self._in_bucket, local.step or 0)

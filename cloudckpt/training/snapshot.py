@@ -126,6 +126,7 @@ def write(
     deadline: float | None = None,
     figures: multipart.Part | None = None,
     incremental: bool = False,
+    file_per_tensor: bool = False,
 ) -> Checkpoint | None:
     """Write and commit one training checkpoint; call on every rank.
 
@@ -141,12 +142,13 @@ def write(
     ``deadline`` (``time.monotonic()``) refuses a commit after it (a preemption save);
     ``figures`` (:class:`cloudckpt.training.reports.Figures`) add the ranks' figures.
     ``incremental`` stores every object in the run's blob area (the directory above
-    ``uri``), sending only those whose bytes are not there yet (:mod:`cloudckpt.core.blobs`).
+    ``uri``), sending only those whose bytes are not there yet (:mod:`cloudckpt.core.blobs`);
+    ``file_per_tensor`` only lays the DCP files out as such a save does.
     """
     store = as_store(uri, storage_options)
     blobs = BlobArea.above(store, 1) if incremental else None
     dcp_options: dict[str, Any] = {"staged": staged, "checked": captured.state_checked,
-                                   "blobs": blobs}
+                                   "blobs": blobs, "file_per_tensor": file_per_tensor}
     if as_rank is not None:
         dcp_options["files_of_rank"] = as_rank
     parts = [

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from cloudckpt.core.blobs import BlobArea
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
 from cloudckpt.core.deletion import delete_checkpoint
 from cloudckpt.core.listing import list_checkpoints
@@ -82,9 +83,11 @@ class LocalCopies:
     """This rank's local tier: where its checkpoints go, which are committed, and its
     retention (only checkpoints of the manager's kind and naming, ``managed``)."""
 
-    def __init__(self, tier: LocalTier, managed: Managed, group: Any = None) -> None:
+    def __init__(self, tier: LocalTier, managed: Managed, group: Any = None, *,
+                 incremental: bool = False) -> None:
         self.tier = tier
         self.managed = managed
+        self.incremental = incremental  # drained incrementally: one file per large tensor
         self.rank, self.world = coord.rank(group), coord.world_size(group)
         self.host = socket.gethostname()
         self.store = as_store(os.path.join(os.path.abspath(tier.path), f"rank-{self.rank:05d}"),
@@ -95,7 +98,7 @@ class LocalCopies:
         """Commit this rank's local checkpoint ``name`` (no collective)."""
         ckpt = training.write(
             self.store.child(name), state, captured, step=step, group=coord.SOLO,
-            as_rank=self.rank, metadata={TIER_KEY: {
+            as_rank=self.rank, file_per_tensor=self.incremental, metadata={TIER_KEY: {
                 "world_size": self.world, "rank": self.rank, "host": self.host}})
         assert ckpt is not None
         return ckpt
@@ -242,6 +245,8 @@ class Drained:
 
     local: Checkpoint
     step: int | None = None
+    #: A drain of an incremental save: each file a blob of this area.
+    blobs: BlobArea | None = None
 
     def write(self, store: Store, group: Any) -> Any:
         model = self.local.store.child(MODEL_PART)
@@ -264,30 +269,43 @@ class Drained:
         return part, merged, crcs, [e for entries in sent for e in entries]
 
     def _claim(self, store: Store) -> CheckpointWriter:
-        part = CheckpointWriter(store.child(MODEL_PART), step=self.step, kind=DCP_KIND)
+        part = CheckpointWriter(store.child(MODEL_PART), step=self.step, kind=DCP_KIND,
+                                blobs=self.blobs)
         part.claim()
         return part
 
     def _send(self, store: Store, keys: list[str]) -> list[multipart.Entry]:
+        area = self.blobs
+        holding = area.holding(area.top_of(store)) if area else None
+
         def one(key: str) -> multipart.Entry:
             entry = self.local.entry(key)
-            info = store.put_file(key, self.local.store.path(key))
-            if info.size != entry.size or info.crc32c != entry.crc32c:
+            path = self.local.store.path(key)
+            if area is None:
+                info = store.put_file(key, path)
+                size, crc, blob = info.size, info.crc32c, None
+            else:
+                blob, size, crc = area.put_file(path)
+            if size != entry.size or crc != entry.crc32c:
                 raise CorruptCheckpointError(
                     f"{self.local.store.key_uri(key)} changed after its local commit "
-                    f"(crc32c {info.crc32c}, {info.size} bytes; the manifest says "
+                    f"(crc32c {crc}, {size} bytes; the manifest says "
                     f"{entry.crc32c}, {entry.size}); this drain stops, nothing is committed",
                     {key: "differs"})
-            return key, entry.size, entry.crc32c
+            return key, entry.size, entry.crc32c, blob
 
-        return store.map(one, keys)
+        sent = store.map(one, keys)
+        if area is not None and holding is not None:
+            paths = {e[3]: self.local.store.path(e[0]) for e in sent}
+            holding.settle(paths, lambda blob: area.put_file(paths[blob]))
+        return sent
 
     def commit(self, writer: CheckpointWriter, written: Any) -> None:
         part, merged, crcs, entries = written
         shared = self.local.read(training.SHARED)
-        for key, size, crc in entries:
+        for key, size, crc, blob in entries:
             if key.startswith(f"{MODEL_PART}/"):
-                part.add_existing(key[len(MODEL_PART) + 1:], size, crc)
+                part.add_existing(key[len(MODEL_PART) + 1:], size, crc, blob)
         part.metadata = {"dcp": {"item_crcs": crcs, "key_spread": 0}}
         merged.storage_meta = StorageMeta(checkpoint_id=part.uri)
         part.put(METADATA_NAME, pickle.dumps(merged))
@@ -308,12 +326,17 @@ def _sent_by_rank(key: str, used: set[str]) -> bool:
 
 
 def drain(local: Checkpoint, dest: Store, *, group: Any = None,
-          figures: multipart.Part | None = None) -> Checkpoint | None:
+          figures: multipart.Part | None = None, incremental: bool = False
+          ) -> Checkpoint | None:
     """Commit each rank's local checkpoint ``local`` as one training checkpoint at
     ``dest``; call on every rank. Returns it on rank 0, None elsewhere; if any rank
-    fails, every rank raises and nothing is committed."""
-    parts: list[multipart.Part] = [Drained(local, local.step), *([figures] if figures else [])]
+    fails, every rank raises and nothing is committed. ``incremental``: each file a
+    blob of the area above ``dest``, sent only when its bytes are new."""
+    area = BlobArea.above(dest, 1) if incremental else None
+    parts: list[multipart.Part] = [Drained(local, local.step, area),
+                                   *([figures] if figures else [])]
     return multipart.save(dest, parts, group=group, step=local.step, kind=training.KIND,
+                          blobs=area,
                           metadata={**training.root_metadata(coord.world_size(group),
                                                              local.metadata.get("step_info")),
                                     "drained": True})
