@@ -134,10 +134,9 @@ class FileBackend(FsspecBackend):
         return os.path.join(d, f"{TMP_PREFIX}{name}.{uuid.uuid4().hex[:12]}")
 
     def _write_tmp(self, path: str, data: Buffer) -> str:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = self._tmp_for(path)
         try:
-            with open(tmp, "wb") as f:
+            with os.fdopen(_create(tmp), "wb") as f:
                 f.write(data)
                 if self.fsync:
                     f.flush()
@@ -159,22 +158,24 @@ class FileBackend(FsspecBackend):
         path = self._resolve_dir(path)
         tmp = self._write_tmp(path, data)
         try:
+            st = os.stat(tmp)  # the object's inode: its version, even if deleted at once
             os.replace(tmp, path)
         except BaseException:
             _unlink(tmp)
             raise
         self._sync_dir(path)
-        return _version(os.stat(path))
+        return _version(st)
 
     def put_if_absent(self, path: str, data: Buffer) -> str:
         path = self._resolve_dir(path)
         tmp = self._write_tmp(path, data)
         try:
+            st = os.stat(tmp)
             os.link(tmp, path)  # atomic, and fails if path exists
         finally:
             _unlink(tmp)
         self._sync_dir(path)
-        return _version(os.stat(path))
+        return _version(st)
 
     def put_if_match(self, path: str, data: Buffer, version: str) -> str:
         path = self._resolve_dir(path)
@@ -305,14 +306,29 @@ class FileStore(Store):
     backend_class = FileBackend
 
 
+def _create(path: str, attempts: int = 5) -> int:
+    """Create the new file ``path`` (its directories too) and open it for writing. A
+    delete of the last object beside it removes the directory it empties, as an object
+    store has no empty prefixes; when that happens between the two steps, make the
+    directory again."""
+    for attempt in range(attempts):
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW
+                           | _O_CLOEXEC, 0o666)
+        except (FileNotFoundError, FileExistsError):  # a directory made or pruned meanwhile
+            if attempt == attempts - 1 or os.path.lexists(path):
+                raise
+    raise AssertionError("unreachable")
+
+
 class _FileWriter(RawWriter):
     def __init__(self, backend: FileBackend, path: str) -> None:
         path = backend._resolve_dir(path)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         self._backend = backend
         self._path = path
         self._tmp = backend._tmp_for(path)
-        self._f = open(self._tmp, "wb")  # noqa: SIM115 - closed in commit/abort
+        self._f = os.fdopen(_create(self._tmp), "wb")  # closed in commit/abort
 
     def write(self, data: Buffer) -> None:
         try:
@@ -354,9 +370,7 @@ class _RangeFileWriter(RangeWriter):
         self._tmp = backend._tmp_for(self._path)
         self._fd: int | None = None
         try:
-            os.makedirs(os.path.dirname(self._path), exist_ok=True)
-            self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW
-                               | _O_CLOEXEC, 0o666)
+            self._fd = _create(self._tmp)
             os.ftruncate(self._fd, size)
         except OSError as exc:
             self.abort()
