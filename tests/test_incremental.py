@@ -110,6 +110,19 @@ def train(model: Tiny, opt: torch.optim.Optimizer) -> None:
     opt.zero_grad()
 
 
+def assert_restores(root: str, options: dict, model: Tiny, step: int) -> None:
+    """A fresh manager restores step ``step`` below ``root`` into a fresh model and
+    optimizer, bit-exact with ``model``."""
+    restored_model = Tiny()
+    restored_opt = torch.optim.Adam(restored_model.head.parameters())
+    info = CheckpointManager(root, storage_options=options).restore(
+        {"model": restored_model, "optim": restored_opt})
+    assert info is not None and info.global_step == step
+    for a, b in zip(model.state_dict().values(), restored_model.state_dict().values(),
+                    strict=True):
+        assert torch.equal(a, b)
+
+
 def referenced_blobs(root: str, options: dict) -> set[str]:
     return blobs.referenced(open_store(root, options))
 
@@ -142,14 +155,7 @@ def test_manager_retention_deletes_only_blobs_no_kept_checkpoint_references(
     frozen = {d for p, d in base.items() if p.startswith("model/__")}
     assert frozen & set(open_checkpoint(f"{root}/step-5", where.options).manifest.blobs
                         .values())  # the base weights' file: one blob, both checkpoints
-    restored_model = Tiny()
-    restored_opt = torch.optim.Adam(restored_model.head.parameters())
-    info = CheckpointManager(root, storage_options=where.options).restore(
-        {"model": restored_model, "optim": restored_opt})
-    assert info is not None and info.global_step == 5
-    for a, b in zip(model.state_dict().values(), restored_model.state_dict().values(),
-                    strict=True):
-        assert torch.equal(a, b)
+    assert_restores(root, where.options, model, 5)
     # Nothing is left to collect, and gc says so.
     assert [g for g in find_garbage(root, where.options, grace_seconds=0)
             if g.kind == BLOBS] == []
@@ -365,14 +371,7 @@ def test_local_tier_drains_of_an_incremental_manager_send_only_what_changed(
     assert base & set(second.manifest.blobs.values())  # the frozen base's file, shared
     second.verify(deep=True)
     assert area_blobs(root, s3.options) == referenced_blobs(root, s3.options)
-    restored_model = Tiny()
-    restored_opt = torch.optim.Adam(restored_model.head.parameters())
-    info = CheckpointManager(root, storage_options=s3.options).restore(
-        {"model": restored_model, "optim": restored_opt})
-    assert info is not None and info.global_step == 2
-    for a, b in zip(model.state_dict().values(), restored_model.state_dict().values(),
-                    strict=True):
-        assert torch.equal(a, b)
+    assert_restores(root, s3.options, model, 2)
 
 
 def test_async_incremental_saves_send_only_what_changed(gcs) -> None:
@@ -394,11 +393,4 @@ def test_async_incremental_saves_send_only_what_changed(gcs) -> None:
         sent = open_checkpoint(f"{root}/step-{step}/model", gcs.options).metadata["dcp"][
             "incremental"]
         assert sent["sent_files"] == sent["files"] - 1, sent  # all but the frozen base
-    restored_model = Tiny()
-    restored_opt = torch.optim.Adam(restored_model.head.parameters())
-    info = CheckpointManager(root, storage_options=gcs.options).restore(
-        {"model": restored_model, "optim": restored_opt})
-    assert info is not None and info.global_step == 3
-    for a, b in zip(model.state_dict().values(), restored_model.state_dict().values(),
-                    strict=True):
-        assert torch.equal(a, b)
+    assert_restores(root, gcs.options, model, 3)
