@@ -141,6 +141,18 @@ class BlobArea:
                     "nothing was committed", {str(path): "changed"})
         return digest, crc.size, crc.hexdigest()
 
+    def put_files(self, store: Store, files: Mapping[str, str | os.PathLike[str]]
+                  ) -> dict[str, tuple[str, int, str]]:
+        """Store local files (``{key: path}``) of the checkpoint at ``store`` as blobs,
+        in parallel, held until it commits: ``{key: (digest, size, crc32c)}``."""
+        holding = self.holding(self.top_of(store))
+        keys = sorted(files)
+        sent = dict(zip(keys, store.map(lambda key: self.put_file(files[key]), keys),
+                        strict=True))
+        by_digest = {digest: files[key] for key, (digest, _, _) in sent.items()}
+        holding.settle(by_digest, lambda digest: self.put_file(by_digest[digest]))
+        return sent
+
     def missing(self, digests: Iterable[str]) -> set[str]:
         """Those of ``digests`` with no blob (one HEAD each, in parallel)."""
         wanted = sorted(set(digests))

@@ -222,14 +222,9 @@ class LocalFiles:
         return coord.each_rank(lambda: self._send_blobs(store, mine), group)
 
     def _send_blobs(self, store: Store, rels: list[str]) -> list[Entry]:
-        area = self.blobs
-        assert area is not None
-        holding = area.holding(area.top_of(store))
-        sent = store.map(lambda rel: area.put_file(self.root / rel), rels)
-        by_digest = {digest: rel for rel, (digest, _, _) in zip(rels, sent, strict=True)}
-        holding.settle(by_digest, lambda d: area.put_file(self.root / by_digest[d]))
-        return [(rel, size, crc, digest) for rel, (digest, size, crc) in
-                zip(rels, sent, strict=True)]
+        assert self.blobs is not None
+        sent = self.blobs.put_files(store, {rel: self.root / rel for rel in rels})
+        return [(rel, size, crc, digest) for rel, (digest, size, crc) in sent.items()]
 
     def commit(self, writer: CheckpointWriter, written: list[list[Entry]]) -> None:
         multipart.Stored(e for sent in written for e in sent).commit(writer, None)

@@ -44,7 +44,7 @@ from cloudckpt.dcp.metadata import DCP_KIND, METADATA_NAME, load_metadata
 from cloudckpt.errors import CloudCkptError, ConfigError, CorruptCheckpointError
 from cloudckpt.names import MANIFEST_NAME, MODEL_PART, TIERS_RECORD
 from cloudckpt.runtime import coordination as coord
-from cloudckpt.storage import Store, as_store
+from cloudckpt.storage import ObjectInfo, Store, as_store
 from cloudckpt.training import multipart
 from cloudckpt.training import snapshot as training
 
@@ -275,30 +275,26 @@ class Drained:
         return part
 
     def _send(self, store: Store, keys: list[str]) -> list[multipart.Entry]:
-        area = self.blobs
-        holding = area.holding(area.top_of(store)) if area else None
-
-        def one(key: str) -> multipart.Entry:
-            entry = self.local.entry(key)
-            path = self.local.store.path(key)
-            if area is None:
-                info = store.put_file(key, path)
-                size, crc, blob = info.size, info.crc32c, None
-            else:
-                blob, size, crc = area.put_file(path)
+        """Send the local checkpoint's files (as blobs of an incremental run), each
+        checked against the local manifest."""
+        paths = {key: self.local.store.path(key) for key in keys}
+        if self.blobs is None:
+            sent = dict(zip(keys, store.map(
+                lambda key: (None, *_size_crc(store.put_file(key, paths[key]))), keys),
+                strict=True))
+        else:
+            sent = self.blobs.put_files(store, paths)
+        entries = []
+        for key in keys:
+            entry, (blob, size, crc) = self.local.entry(key), sent[key]
             if size != entry.size or crc != entry.crc32c:
                 raise CorruptCheckpointError(
                     f"{self.local.store.key_uri(key)} changed after its local commit "
                     f"(crc32c {crc}, {size} bytes; the manifest says "
                     f"{entry.crc32c}, {entry.size}); this drain stops, nothing is committed",
                     {key: "differs"})
-            return key, entry.size, entry.crc32c, blob
-
-        sent = store.map(one, keys)
-        if area is not None and holding is not None:
-            paths = {e[3]: self.local.store.path(e[0]) for e in sent}
-            holding.settle(paths, lambda blob: area.put_file(paths[blob]))
-        return sent
+            entries.append((key, entry.size, entry.crc32c, blob))
+        return entries
 
     def commit(self, writer: CheckpointWriter, written: Any) -> None:
         part, merged, crcs, entries = written
@@ -340,3 +336,8 @@ def drain(local: Checkpoint, dest: Store, *, group: Any = None,
                           metadata={**training.root_metadata(coord.world_size(group),
                                                              local.metadata.get("step_info")),
                                     "drained": True})
+
+
+def _size_crc(info: ObjectInfo) -> tuple[int, str]:
+    assert info.crc32c is not None
+    return info.size, info.crc32c

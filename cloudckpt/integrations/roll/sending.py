@@ -21,8 +21,6 @@ def send_files(store: Store, files: Mapping[str, Path], area: BlobArea | None
             return {"size": info.size, "crc32c": info.crc32c}
 
         return dict(zip(sorted(files), store.map(put, sorted(files)), strict=True))
-    holding = area.holding(area.top_of(store))
-    sent = store.map(lambda key: (key, *area.put_file(files[key])), sorted(files))
-    by_digest = {blob: files[key] for key, blob, _, _ in sent}
-    holding.settle(by_digest, lambda blob: area.put_file(by_digest[blob]))
-    return {key: {"size": size, "crc32c": crc, "blob": blob} for key, blob, size, crc in sent}
+    sent = area.put_files(store, files)
+    return {key: {"size": size, "crc32c": crc, "blob": blob}
+            for key, (blob, size, crc) in sent.items()}
