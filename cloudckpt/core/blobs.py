@@ -141,6 +141,18 @@ class BlobArea:
                     "nothing was committed", {str(path): "changed"})
         return digest, crc.size, crc.hexdigest()
 
+    def put_many(self, store: Store, items: Mapping[str, Buffer]
+                 ) -> dict[str, tuple[str, ObjectInfo]]:
+        """Store the objects (``{key: bytes}``) of the checkpoint at ``store`` as
+        blobs, each distinct content once, in parallel, held until it commits:
+        ``{key: (digest, info)}``."""
+        holding = self.holding(self.top_of(store))
+        digests = {key: digest_of(data) for key, data in items.items()}
+        by_digest = {digests[key]: data for key, data in items.items()}
+        sent = dict(store.map(lambda kv: self.put(kv[1], kv[0]), list(by_digest.items())))
+        holding.settle(sent, lambda digest: self.put(by_digest[digest], digest))
+        return {key: (digest, sent[digest]) for key, digest in digests.items()}
+
     def put_files(self, store: Store, files: Mapping[str, str | os.PathLike[str]]
                   ) -> dict[str, tuple[str, int, str]]:
         """Store local files (``{key: path}``) of the checkpoint at ``store`` as blobs,

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from cloudckpt.core import kinds
-from cloudckpt.core.blobs import BlobArea, digest_of
+from cloudckpt.core.blobs import BlobArea
 from cloudckpt.core.claim import WriterClaim
 from cloudckpt.core.committed import (
     Checkpoint,
@@ -166,17 +166,11 @@ class CheckpointWriter:
         return infos
 
     def _put_blobs(self, items: Mapping[str, Buffer]) -> dict[str, ObjectInfo]:
-        area = self.blobs
-        assert area is not None
-        holding = area.holding(area.top_of(self.store))
-        digests = {path: digest_of(data) for path, data in items.items()}
-        by_digest = {digests[path]: data for path, data in items.items()}
-        sent = dict(area.store.map(lambda kv: area.put(kv[1], kv[0]), list(by_digest.items())))
-        holding.settle(sent, lambda digest: area.put(by_digest[digest], digest))
+        assert self.blobs is not None
         out = {}
-        for path, digest in digests.items():
-            self._record(sent[digest], path, digest)
-            out[path] = ObjectInfo(path, sent[digest].size, sent[digest].crc32c)
+        for path, (digest, info) in self.blobs.put_many(self.store, items).items():
+            self._record(info, path, digest)
+            out[path] = ObjectInfo(path, info.size, info.crc32c)
         return out
 
     def open(self, path: str) -> _TrackedWriter:
