@@ -27,7 +27,10 @@ TIERS_RECORD = "cloudckpt-tiers.json"
 #: A run root's blob area (cloudckpt.core.blobs): the objects of incremental saves,
 #: each named by the SHA-256 of its bytes, beside the checkpoints that reference them.
 BLOB_AREA = "cloudckpt-blobs"
-
+#: A checkpoint's writer areas: ``<prefix>/.cloudckpt-writers/<writer id>/<path>``. A save
+#: that took a prefix over (or retries one) writes its objects there, under names no
+#: other writer uses, so a taken-over writer still running cannot overwrite them.
+WRITER_AREAS = ".cloudckpt-writers"
 
 
 def is_hidden(name: str) -> bool:

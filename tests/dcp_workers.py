@@ -100,12 +100,12 @@ class _FailingWriter(CloudStorageWriter):
         super().__init__(*a, **kw)
         self.mode = mode
 
-    def _write_file(self, name, items, planner):
+    def _write_file(self, name, items, **kw):
         if self.rank == 1:
             if self.mode == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError("disk on fire on rank 1")
-        return super()._write_file(name, items, planner)
+        return super()._write_file(name, items, **kw)
 
 
 def save_with_failing_rank(rank: int, world: int, uri: str, options: str, mode: str) -> str:

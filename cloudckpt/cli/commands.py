@@ -90,6 +90,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     if m.blob_depth is not None:
         print(f"blobs:     {plural(len(m.blobs), 'object')} in the run's blob area "
               f"({m.blob_depth} level(s) up): an incremental save")
+    if m.writer_area is not None:
+        print(f"moved:     {plural(len(m.moved), 'object')} in {m.writer_area} "
+              f"({m.writer_depth} level(s) up): a save that took the prefix over")
     if m.metadata:
         text = json.dumps(dict(m.metadata), sort_keys=True)
         print(f"metadata:  {text if args.all or len(text) <= 500 else text[:500] + ' ...'}")
@@ -97,7 +100,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     for path in shown:
         e = m.files[path]
         print(f"  {e.crc32c}  {e.size:>12}  {path}"
-              + (f"  (blob {e.blob[:12]})" if e.blob else ""))
+              + (f"  (blob {e.blob[:12]})" if e.blob else "  (moved)" if e.moved else ""))
     if len(shown) < len(c.files):
         print(f"  ... and {plural(len(c.files) - len(shown), 'more object')} "
               "(--all lists every one, --json prints the manifest)")

@@ -111,12 +111,6 @@ class BlobArea:
         """The name of the run's checkpoint ``store`` is (or is a part of)."""
         return self._below(store)[0]
 
-    def resolving(self, store: Store, blobs: Mapping[str, str]) -> Store:
-        """A read-only view of the checkpoint at ``store`` whose keys in ``blobs``
-        (``{path: digest}``, from its manifest) read those blobs of this area."""
-        below = self.parent.child("/".join(self._below(store)))
-        return below.located({path: self.store.path(d) for path, d in blobs.items()})
-
     def put(self, data: Buffer, digest: str | None = None) -> tuple[str, ObjectInfo]:
         """Store ``data`` as a blob (the same bytes again if it is there)."""
         digest = digest or digest_of(data)

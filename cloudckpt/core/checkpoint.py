@@ -27,6 +27,7 @@ from cloudckpt.core.committed import (
 from cloudckpt.core.manifest import MANIFEST_NAME, FileEntry, Manifest, validate_path
 from cloudckpt.core.ownership import Survey
 from cloudckpt.errors import CommitConflictError, ConfigError, CorruptCheckpointError, StorageError
+from cloudckpt.names import WRITER_AREAS
 from cloudckpt.storage import ObjectInfo, ObjectWriter, Store, as_store
 from cloudckpt.storage.writers import CloseOnExit
 from cloudckpt.util.crc import Buffer, crc32c_hex
@@ -64,6 +65,15 @@ class CheckpointWriter:
     ``blobs`` (the run's :class:`~cloudckpt.core.blobs.BlobArea`) makes the save
     incremental: what :meth:`put` writes becomes a blob, stored once under the
     SHA-256 of its bytes, and the manifest references it.
+
+    Objects are written at their own paths only by a writer whose claim was fresh
+    (the prefix had none). One that took a claim over, or retries a save, writes
+    them under names no other writer uses, ``.cloudckpt-writers/<its id>/<path>``,
+    and the manifest says so (``moved``): the writer it took over from, if it still
+    runs, cannot overwrite what this one commits (invariant 12). So does a writer on
+    a :meth:`~cloudckpt.storage.Store.writing_under` view (a part of a larger save
+    that moved). ``own_paths`` keeps every object at its path all the same (a copy,
+    whose layout is its source's, and whose every writer writes the same bytes).
     """
 
     def __init__(
@@ -77,6 +87,7 @@ class CheckpointWriter:
         takeover: bool = False,
         adopting: bool = False,
         blobs: BlobArea | None = None,
+        own_paths: bool = False,
     ) -> None:
         self.store = as_store(uri, storage_options)
         self.blobs = blobs
@@ -89,6 +100,10 @@ class CheckpointWriter:
         self.metadata = dict(metadata or {})
         self.kind = kind
         self._entries: dict[str, FileEntry] = {}
+        self._out = self.store  # where this writer's own objects go (see _acquire)
+        self._own_paths = own_paths or adopting
+        # The writer area of the moved entries: (area, levels above this prefix).
+        self._area: tuple[str, int] | None = self.store.written_under
         self._open: set[str] = set()
         self._lock = threading.Lock()
         self._committed: Checkpoint | None = None
@@ -106,18 +121,35 @@ class CheckpointWriter:
     def _live(self) -> Iterator[None]:
         """Claim the prefix for a write; if the write fails, the writer stops being
         live (a retry in this process may take over; this writer may claim again)."""
-        self._claim.acquire()
+        self._acquire()
         try:
             yield
         except BaseException:
             self._claim.suspend()
             raise
 
+    def _acquire(self) -> None:
+        """Claim the prefix; after the first claim, choose where objects go."""
+        self._claim.acquire()
+        if self._out is self.store and self._area is None and not self._claim.fresh \
+                and self.blobs is None and not self._own_paths:
+            self._out = self.store.writing_under(f"{WRITER_AREAS}/{self._claim.writer}")
+            self._area = self._out.written_under
+            log.info("%s was claimed before: this save writes its objects under %s/",
+                     self.uri, self._out.key_uri(WRITER_AREAS))
+
+    @property
+    def moving(self) -> str | None:
+        """The writer area this writer's own objects go to (None: their own paths),
+        for the other processes writing into the same save (after :meth:`claim`)."""
+        under = self._out.written_under
+        return under[0] if under else None
+
     def claim(self) -> Survey | None:
         """Claim the prefix now, before other processes write objects into it (for a
         coordinator that commits what several ranks write); writes claim it anyway.
         Returns what the prefix held when this writer claimed it."""
-        self._claim.acquire()
+        self._acquire()
         return self._claim.found
 
     def abandon(self) -> None:
@@ -126,11 +158,11 @@ class CheckpointWriter:
         if self._committed is None:
             self._claim.release(committed=False)
 
-    def _record(self, info: ObjectInfo, key: str | None = None, blob: str | None = None
-                ) -> None:
+    def _record(self, info: ObjectInfo, key: str | None = None, blob: str | None = None,
+                moved: bool = False) -> None:
         assert info.crc32c is not None
         with self._lock:
-            self._entries[key or info.key] = FileEntry(info.size, info.crc32c, blob)
+            self._entries[key or info.key] = FileEntry(info.size, info.crc32c, blob, moved)
 
     def _check_path(self, path: str) -> str:
         if not isinstance(path, str):
@@ -160,9 +192,10 @@ class CheckpointWriter:
         with self._live():
             if self.blobs is not None:
                 return self._put_blobs(items)
-            infos = self.store.put_many(items)
+            out = self._out
+            infos = out.put_many(items)
         for info in infos.values():
-            self._record(info)
+            self._record(info, moved=out.written_under is not None)
         return infos
 
     def _put_blobs(self, items: Mapping[str, Buffer]) -> dict[str, ObjectInfo]:
@@ -179,20 +212,31 @@ class CheckpointWriter:
         if self.blobs is not None:
             raise ConfigError(f"{self.uri}: an incremental save names each object by its "
                               "bytes; write it with put(), not as a stream")
-        self._claim.acquire()
+        self._acquire()
         with self._lock:
             self._open.add(path)
         return _TrackedWriter(self, path)
 
     def add_existing(self, path: str, size: int, crc32c: str, blob: str | None = None,
-                     *, blob_depth: int | None = None) -> None:
+                     moved: bool = False, *, blob_depth: int | None = None,
+                     area: tuple[str, int] | None = None) -> None:
         """Record an object written by another process (e.g. another rank); ``blob``:
-        a blob of the area ``blob_depth`` levels up (this writer's own by default)."""
+        a blob of the area ``blob_depth`` levels up (this writer's own by default);
+        ``moved``: written through a view of this writer's :attr:`moving` area (or of
+        ``area``: its path and how many levels above this prefix its root lies)."""
         self._check_path(path)
         if blob is not None:
             self._refer(blob_depth or self._blob_depth, path)
+        if moved:
+            self._move(area or self._area, path)
         with self._lock:
-            self._entries[path] = FileEntry(size, crc32c, blob)
+            self._entries[path] = FileEntry(size, crc32c, blob, moved)
+
+    def _move(self, area: tuple[str, int] | None, path: str) -> None:
+        if area is None or area[1] < 0 or self._area not in (None, area):
+            raise ConfigError(f"{self.uri}: {path!r} lies in another writer area than this "
+                              "checkpoint's other moved objects; one save writes one area")
+        self._area = area
 
     def _refer(self, depth: int | None, path: str) -> None:
         if depth is None or (self._blob_depth not in (None, depth)):
@@ -205,11 +249,13 @@ class CheckpointWriter:
         its objects and its own manifest, so this manifest covers all of them."""
         sub = self.store.child(prefix)
         manifest, raw = _manifest_and_bytes(sub)  # one read: the manifest and its checksum
-        depth = None if manifest.blob_depth is None else manifest.blob_depth - len(
-            prefix.strip("/").split("/"))
+        levels = len(prefix.strip("/").split("/"))
+        depth = None if manifest.blob_depth is None else manifest.blob_depth - levels
+        area = None if manifest.writer_area is None else (
+            manifest.writer_area, (manifest.writer_depth or 0) - levels)
         for path, entry in manifest.files.items():
             self.add_existing(f"{prefix}/{path}", entry.size, entry.crc32c, entry.blob,
-                              blob_depth=depth)
+                              entry.moved, blob_depth=depth, area=area)
         self.add_existing(f"{prefix}/{MANIFEST_NAME}", len(raw), crc32c_hex(raw))
         return Checkpoint(sub, manifest)
 
@@ -233,10 +279,13 @@ class CheckpointWriter:
                 )
             blob_depth = self._blob_depth if any(e.blob for e in self._entries.values()) \
                 else None
+            area = self._area if any(e.moved for e in self._entries.values()) else None
             if manifest is None:
                 manifest = Manifest(files=dict(self._entries), step=self.step,
                                     metadata=self.metadata, kind=self.kind,
-                                    blob_depth=blob_depth)
+                                    blob_depth=blob_depth,
+                                    writer_area=None if area is None else area[0],
+                                    writer_depth=None if area is None else area[1])
             elif dict(manifest.files) != self._entries:
                 bad = sorted(set(self._entries.items()) ^ set(manifest.files.items()))
                 raise CorruptCheckpointError(
@@ -274,7 +323,8 @@ class _TrackedWriter(CloseOnExit):
     def __init__(self, owner: CheckpointWriter, path: str) -> None:
         self._owner = owner
         self._path = path
-        self._w: ObjectWriter = owner.store.open_write(path)
+        self._w: ObjectWriter = owner._out.open_write(path)
+        self._moved = owner._out.written_under is not None
 
     def write(self, data: Buffer) -> int:
         return self._w.write(data)
@@ -296,7 +346,7 @@ class _TrackedWriter(CloseOnExit):
         finally:
             with self._owner._lock:
                 self._owner._open.discard(self._path)
-        self._owner._record(info)
+        self._owner._record(info, moved=self._moved)
         return info
 
     def abort(self) -> None:

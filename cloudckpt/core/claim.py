@@ -173,6 +173,9 @@ class WriterClaim:
         self.used = False  # acquired at least once: this writer has written objects
         self.abandoned = False  # its claim object was marked abandoned
         self.found: Survey | None = None  # the prefix as listed right after claiming
+        # Whether its first acquire created the claim on a prefix that had none: only
+        # then may no other writer of it still be running (see checkpoint.py).
+        self.fresh = False
         self._lock = threading.Lock()
 
     def acquire(self) -> None:
@@ -198,6 +201,8 @@ class WriterClaim:
                 except CommitConflictError:
                     fresh = self._replace(data)
                 self._check_prefix(fresh)
+                if not self.used:
+                    self.fresh = fresh
             except BaseException:
                 with _live_lock:
                     _live.discard(self.writer)

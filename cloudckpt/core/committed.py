@@ -21,19 +21,38 @@ from cloudckpt.util.crc import crc32c_hex
 __all__ = ["Checkpoint", "open_checkpoint", "read_manifest"]
 
 
+def _resolving(store: Store, manifest: Manifest) -> Store:
+    """A read-only view of the checkpoint at ``store`` whose reads of the objects
+    kept elsewhere (blobs of the run's area, objects in a writer area) go there,
+    under the names ``manifest`` gives."""
+    if manifest.standard:
+        return store if store.written_under is None else store.ancestor(0)
+    located: dict[str, str] = {}
+    top = 0
+    try:
+        if manifest.blob_depth is not None:
+            area = BlobArea.above(store, manifest.blob_depth)
+            area.depth_of(store)  # not inside the area itself
+            located.update((p, area.store.path(d)) for p, d in manifest.blobs.items())
+            top = manifest.blob_depth
+        if manifest.writer_area is not None and manifest.writer_depth is not None:
+            anchor = store.ancestor(manifest.writer_depth)
+            below = f"{manifest.writer_area}{store.root[len(anchor.root):]}"
+            located.update((p, anchor.path(f"{below}/{p}")) for p in manifest.moved)
+            top = max(top, manifest.writer_depth)
+        base = store.ancestor(top)
+    except ConfigError:
+        raise CorruptCheckpointError(
+            f"the manifest of {store.uri} puts objects above the bucket (or inside a blob "
+            "area): it is malformed", {}) from None
+    return base.child(store.root[len(base.root) + 1:]).located(located)
+
+
 class Checkpoint:
     """A committed checkpoint: its manifest and verified reads of its objects."""
 
     def __init__(self, store: Store, manifest: Manifest) -> None:
-        if manifest.blob_depth is not None:  # reads of blobs go to the run's area
-            try:
-                area = BlobArea.above(store, manifest.blob_depth)
-            except ConfigError:
-                raise CorruptCheckpointError(
-                    f"the manifest of {store.uri} puts its blobs {manifest.blob_depth} "
-                    "level(s) up, above the bucket: it is malformed", {}) from None
-            store = area.resolving(store, manifest.blobs)
-        self.store = store
+        self.store = _resolving(store, manifest)
         self.manifest = manifest
 
     def __repr__(self) -> str:
@@ -132,16 +151,20 @@ class Checkpoint:
 
     def verify(self, deep: bool = False) -> None:
         """Check every object exists with the right size; with ``deep``, also its CRC32C
-        (and a blob's SHA-256, its name).
+        (and a blob's SHA-256, its name). What lies elsewhere (blobs, moved objects)
+        is looked up by name, the rest in one listing.
 
         Raises :class:`CorruptCheckpointError` listing every bad object.
         """
         problems: dict[str, str] = {}
         files = self.manifest.files
         listed = {o.key: o.size for o in self.store.list()}
-        blobs = [p for p, e in files.items() if e.blob]
-        listed.update((p, i.size) for p, i in zip(blobs, self.store.map(self.store.info, blobs),
-                                                   strict=True) if i is not None)
+        elsewhere = [p for p, e in files.items() if e.blob or e.moved]  # not in the listing
+        for path, info in zip(elsewhere, self.store.map(self.store.info, elsewhere),
+                              strict=True):
+            listed.pop(path, None)
+            if info is not None:
+                listed[path] = info.size
         for path, entry in files.items():
             if path not in listed:
                 problems[path] = "missing"

@@ -30,6 +30,7 @@ from cloudckpt.names import (
     CLAIM_NAME,
     INTERNAL_MARKS,
     MANIFEST_NAME,
+    WRITER_AREAS,
 )
 
 if TYPE_CHECKING:
@@ -50,6 +51,8 @@ _MAX_STEP = 2**63
 _CRC_RE = re.compile(r"^[0-9a-f]{8}$")
 #: A blob's name: the SHA-256 of its bytes, in hex.
 DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+#: A writer area's path below its prefix.
+WRITER_AREA_RE = re.compile(rf"^{re.escape(WRITER_AREAS)}/[0-9a-f]{{32}}$")
 #: Deepest a manifest may sit below the directory holding its blob area.
 MAX_BLOB_DEPTH = 32
 # C0 controls and DEL: no legitimate object name has them, and printed names must
@@ -59,18 +62,20 @@ _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 
 @dataclass(frozen=True)
 class FileEntry:
-    """One object of a checkpoint. ``blob``, the SHA-256 of its bytes, says it is
-    stored in the run root's blob area under that name (an incremental save), not at
-    its path below the checkpoint's prefix."""
+    """One object of a checkpoint, stored at its path below the checkpoint's prefix
+    unless ``blob``, the SHA-256 of its bytes, says it is stored in the run root's blob
+    area under that name (an incremental save), or ``moved`` says it lies in the
+    writer area the manifest names (a save that took the prefix over)."""
 
     size: int
     crc32c: str
     blob: str | None = None
+    moved: bool = False
 
     @property
     def plain(self) -> FileEntry:
         """This entry as an object stored at its own path (a copy, a download)."""
-        return FileEntry(self.size, self.crc32c) if self.blob else self
+        return FileEntry(self.size, self.crc32c) if self.blob or self.moved else self
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,11 @@ class Manifest:
     #: How many levels above this manifest's prefix the directory holding the blob area
     #: lies (``cloudckpt-blobs/`` beside the run's checkpoints); set when any entry is a blob.
     blob_depth: int | None = None
+    #: Where the ``moved`` objects lie: ``<writer_area>/<path>`` below the prefix
+    #: ``writer_depth`` levels above this manifest's (``.cloudckpt-writers/<id>``),
+    #: each at its path relative to that prefix; set when any entry is moved.
+    writer_area: str | None = None
+    writer_depth: int | None = None
 
     @property
     def total_size(self) -> int:
@@ -96,13 +106,23 @@ class Manifest:
         """``{path: digest}`` of the objects stored in the blob area."""
         return {p: e.blob for p, e in self.files.items() if e.blob}
 
+    @property
+    def moved(self) -> list[str]:
+        """The paths of the objects stored in the writer area."""
+        return sorted(p for p, e in self.files.items() if e.moved)
+
+    @property
+    def standard(self) -> bool:
+        """Whether every object lies at its own path (no blob, nothing moved)."""
+        return self.blob_depth is None and self.writer_area is None
+
     def materialized(self) -> Manifest:
         """The same commit with every object at its own path: what a copy or a
-        download of an incremental checkpoint holds (the standard layout)."""
-        if self.blob_depth is None:
+        download holds (the standard layout)."""
+        if self.standard:
             return self
         return dataclasses.replace(self, files={p: e.plain for p, e in self.files.items()},
-                                   blob_depth=None)
+                                   blob_depth=None, writer_area=None, writer_depth=None)
 
     def to_json(self) -> bytes:
         doc = {
@@ -117,6 +137,8 @@ class Manifest:
         }
         if self.blob_depth is not None:
             doc["blob_depth"] = self.blob_depth
+        if self.writer_area is not None:
+            doc["writer"] = {"area": self.writer_area, "depth": self.writer_depth}
         return json.dumps(doc, indent=1, sort_keys=False).encode()
 
     @classmethod
@@ -153,7 +175,11 @@ class Manifest:
             if blob is not None and (not isinstance(blob, str) or not DIGEST_RE.match(blob)):
                 raise ManifestError(f"{source}: bad blob digest {_short(blob)} for "
                                     f"{_short(path)}")
-            files[path] = FileEntry(size, crc, blob)
+            moved = entry.get("moved", False)
+            if not isinstance(moved, bool) or (moved and blob is not None):
+                raise ManifestError(f"{source}: bad 'moved' {_short(moved)} for "
+                                    f"{_short(path)}: true or false, and not for a blob")
+            files[path] = FileEntry(size, crc, blob, moved)
         step = doc.get("step")
         if step is not None and (not isinstance(step, int) or isinstance(step, bool)
                                  or not -_MAX_STEP <= step < _MAX_STEP):
@@ -182,6 +208,7 @@ class Manifest:
             raise ManifestError(f"{source}: bad blob_depth {_short(depth)}: it must be "
                                 f"1 to {MAX_BLOB_DEPTH}, and given exactly when objects "
                                 "are blobs")
+        area, writer_depth = _writer_area(doc.get("writer"), files, source)
         return cls(
             files=files,
             step=step,
@@ -190,13 +217,34 @@ class Manifest:
             created=created_at,
             commit_id=commit_id,
             blob_depth=depth,
+            writer_area=area,
+            writer_depth=writer_depth,
         )
+
+
+def _writer_area(doc: Any, files: Mapping[str, FileEntry], source: str
+                 ) -> tuple[str | None, int | None]:
+    """The validated ``writer`` field: given exactly when some entry is moved."""
+    moved = any(e.moved for e in files.values())
+    if doc is None and not moved:
+        return None, None
+    area = doc.get("area") if isinstance(doc, dict) else None
+    depth = doc.get("depth") if isinstance(doc, dict) else None
+    if (not moved or not isinstance(area, str) or not WRITER_AREA_RE.match(area)
+            or not isinstance(depth, int) or isinstance(depth, bool)
+            or not 0 <= depth <= MAX_BLOB_DEPTH):
+        raise ManifestError(f"{source}: bad 'writer' {_short(doc)}: it must name the area "
+                            f"({WRITER_AREAS}/<id>) and its depth (0 to {MAX_BLOB_DEPTH}), "
+                            "and be given exactly when objects are moved")
+    return area, depth
 
 
 def _entry_doc(entry: FileEntry) -> dict[str, Any]:
     doc: dict[str, Any] = {"size": entry.size, "crc32c": entry.crc32c}
     if entry.blob:
         doc["blob"] = entry.blob
+    if entry.moved:
+        doc["moved"] = True
     return doc
 
 

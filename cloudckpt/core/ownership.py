@@ -9,7 +9,7 @@ top is a committed checkpoint. Any other prefix is, by one recursive listing:
   (kept after a failure, rewritten before a delete starts; a fresh claim is
   never put on a prefix holding anything else), or a framework's marker directory
   (:attr:`~cloudckpt.core.plugins.Framework.marker_dirs`); or every object under it
-  has a name cloudckpt reserves (upload parts, temporary files). The committed
+  has a name cloudckpt reserves (upload parts, temporary files, writer areas). The committed
   parts of an unfinished save in :func:`part_dirs` (a training checkpoint's
   ``model/``, a framework's declared parts) belong to it;
 - **root**: committed checkpoints, or other saves (their claims), lie below it (a
@@ -33,6 +33,7 @@ from cloudckpt.names import (
     MANIFEST_NAME,
     MODEL_PART,
     SLOT_POINTER_NAME,
+    WRITER_AREAS,
 )
 from cloudckpt.storage import ObjectInfo, Store
 
@@ -52,12 +53,13 @@ def _marker(key: str, dirs: Iterable[str]) -> bool:
 
 def is_reserved(key: str, markers: Sequence[str] | None = None) -> bool:
     """Whether ``key`` (relative to some prefix) names an object only cloudckpt writes:
-    a manifest, a writer claim, a slot pointer, a framework's marker, an upload part
-    or a temporary file. ``markers``: the frameworks' marker directories, when a
-    caller judging many keys has asked :func:`plugins.marker_dirs` once."""
+    a manifest, a writer claim, a slot pointer, a framework's marker, an upload part,
+    a temporary file, or an object in a writer area. ``markers``: the frameworks'
+    marker directories, when a caller judging many keys has asked
+    :func:`plugins.marker_dirs` once."""
     name = key.rsplit("/", 1)[-1]
     return (name in (MANIFEST_NAME, CLAIM_NAME, SLOT_POINTER_NAME)
-            or any(m in name for m in INTERNAL_MARKS)
+            or any(m in name for m in INTERNAL_MARKS) or f"/{WRITER_AREAS}/" in f"/{key}"
             or _marker(key, plugins.marker_dirs() if markers is None else markers))
 
 

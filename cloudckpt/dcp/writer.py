@@ -65,11 +65,13 @@ def auto_spread(world_size: int) -> int:
 
 @dataclass(frozen=True)
 class _RankFiles:
-    """What the coordinator tells each rank about its files: their name prefix and
-    how many sub-prefixes they are spread over."""
+    """What the coordinator tells each rank about its files: their name prefix, how
+    many sub-prefixes they are spread over, and the writer area they go to when the
+    coordinator's claim was not fresh (see :class:`CheckpointWriter`)."""
 
     prefix: str
     key_spread: int
+    area: str | None = None
 
 try:  # the version string stock FileSystemWriter writes
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION as _DCP_VERSION
@@ -181,8 +183,9 @@ class CloudStorageWriter(_OnStore, StorageWriter):
                 raise ConfigError("files_of_rank names the files of a one-rank save; this "
                                   f"save has {len(plans)} ranks")
             return [dataclasses.replace(plans[0], storage_data=_RankFiles(
-                f"__{self.files_of_rank}_", self._spread))]
-        return [dataclasses.replace(p, storage_data=_RankFiles(f"__{i}_", self._spread))
+                f"__{self.files_of_rank}_", self._spread, self._writer.moving))]
+        return [dataclasses.replace(p, storage_data=_RankFiles(f"__{i}_", self._spread,
+                                                               self._writer.moving))
                 for i, p in enumerate(plans)]
 
     def release_claim(self) -> None:
@@ -202,12 +205,15 @@ class CloudStorageWriter(_OnStore, StorageWriter):
         files = plan.storage_data
         if not isinstance(files, _RankFiles):  # planned elsewhere: name after this rank
             files = _RankFiles(f"__{self.rank}_", self.key_spread or 0)
+        store = self.store if files.area is None or self.store.written_under else \
+            self.store.writing_under(files.area)
         fut: Future[list[WriteResult]] = Future()
         try:
             results: list[WriteResult] = []
             written = 0  # files are numbered on across waves
             blobs = None if self.blobs is None else BlobFiles(self.blobs, self.store, planner)
-            write = blobs.write if blobs else partial(self._write_file, planner=planner)
+            write = blobs.write if blobs else partial(self._write_file, store=store,
+                                                      planner=planner)
             for k, items in enumerate(self._waves(plan.items, planner)):
                 buckets = (own_files(items, self.file_size, self.max_files)
                            if blobs or self.file_per_tensor
@@ -242,9 +248,9 @@ class CloudStorageWriter(_OnStore, StorageWriter):
         return [[i for k, i in enumerate(items) if k in live],
                 [i for k, i in enumerate(items) if k not in live]]
 
-    def _write_file(self, name: str, items: Sequence[WriteItem], *,
+    def _write_file(self, name: str, items: Sequence[WriteItem], *, store: Store,
                     planner: SavePlanner) -> list[WriteResult]:
-        with self.store.open_write(name) as out:
+        with store.open_write(name) as out:
             placed = serialize(items, planner, out)
         info = out.info
         assert info is not None and info.crc32c is not None
@@ -277,7 +283,7 @@ class CloudStorageWriter(_OnStore, StorageWriter):
             dcp_doc["incremental"] = sent_figures(files.values())
         writer.metadata = {**self.user_metadata, "dcp": dcp_doc}
         for name, (size, crc, blob, _) in sorted(files.items()):
-            writer.add_existing(name, size, crc, blob)
+            writer.add_existing(name, size, crc, blob, blob is None and writer.moving is not None)
         writer.put(METADATA_NAME, pickle.dumps(metadata))
         self.committed = writer.commit()
         log.info("DCP checkpoint committed at %s: %d files, %d items", self.uri, len(files),

@@ -66,8 +66,10 @@ def copy_checkpoint(
         raise NotACheckpointError(
             f"cannot copy {ckpt.uri} to {store.uri}: {not_a_checkpoint(found)} Nothing was "
             "copied: name a new URI (or an empty directory) for the copy.")
+    # A copy holds the standard layout, even when it resumes: a copy still running
+    # elsewhere writes the same bytes under each name.
     writer = CheckpointWriter(store, step=ckpt.step, metadata=ckpt.metadata,
-                              kind=ckpt.manifest.kind)
+                              kind=ckpt.manifest.kind, own_paths=True)
     manifest, parts = standard_layout(ckpt)
     try:
         kept = _resume(ckpt, writer, manifest, Report(progress)) if found.kind == OURS \
@@ -102,9 +104,10 @@ def _already_there(ckpt: Checkpoint, store: Store, progress: Progress | None) ->
 def standard_layout(ckpt: Checkpoint) -> tuple[Manifest, dict[str, bytes]]:
     """The manifest a copy of ``ckpt`` commits (same commit; every object at its own
     path), and the part manifests it holds instead of the source's (``{path: bytes}``):
-    a part of an incremental checkpoint references blobs a copy does not have."""
+    a part of an incremental checkpoint references blobs a copy does not have, and
+    one of a save that moved its objects, a writer area."""
     manifest = ckpt.manifest.materialized()
-    if ckpt.manifest.blob_depth is None:
+    if ckpt.manifest.standard:
         return manifest, {}
     parts = {}
     for path in ckpt.files:

@@ -28,6 +28,7 @@ from cloudckpt.errors import (
     BucketNotFoundError,
     ConfigError,
 )
+from cloudckpt.names import CLAIM_NAME, MANIFEST_NAME
 from cloudckpt.storage import conditional
 from cloudckpt.storage.backend import Backend
 from cloudckpt.storage.batch import BatchMixin
@@ -54,6 +55,11 @@ __all__ = ["Store"]
 log = logging.getLogger("cloudckpt.storage")
 
 
+#: What a :meth:`Store.writing_under` view keeps at its own name: the objects the
+#: commit protocol finds by name.
+FIXED_NAMES = (MANIFEST_NAME, CLAIM_NAME)
+
+
 class Store(ConditionalWritesMixin, BatchMixin, RangeReadMixin):
     """Objects under one root prefix, through one backend.
 
@@ -75,6 +81,9 @@ class Store(ConditionalWritesMixin, BatchMixin, RangeReadMixin):
     backend_class: ClassVar[type[Backend] | None] = None
     #: Keys read from elsewhere in the backend (:meth:`located`); such a view is read-only.
     _located: Mapping[str, str] | None = None
+    #: Where a :meth:`writing_under` view keeps its objects: the root it was made at,
+    #: and the area below it.
+    _under: tuple[str, str] | None = None
 
     def __init__(
         self,
@@ -146,6 +155,12 @@ class Store(ConditionalWritesMixin, BatchMixin, RangeReadMixin):
             located = self._located.get(key)
             if located is not None:
                 return located
+        if self._under is not None and key.rsplit("/", 1)[-1] not in FIXED_NAMES:
+            anchor, area = self._under
+            return f"{anchor}/{area}/{self._plain(key)[len(anchor) + 1:]}"
+        return self._plain(key)
+
+    def _plain(self, key: str) -> str:
         return f"{self.root}/{validate_key(key)}"
 
     def located(self, elsewhere: Mapping[str, str]) -> Store:
@@ -156,7 +171,27 @@ class Store(ConditionalWritesMixin, BatchMixin, RangeReadMixin):
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
         new._located = dict(elsewhere)
+        new._under = None
         return new
+
+    def writing_under(self, area: str) -> Store:
+        """A view of this store keeping its objects in ``area`` below its root (those
+        of its children too): ``<root>/<area>/<key>`` for ``key``. The manifest and
+        the writer claim keep their own names. A save's names no other writer uses
+        (:mod:`cloudckpt.core.checkpoint`)."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new._under = (self.root, area)
+        return new
+
+    @property
+    def written_under(self) -> tuple[str, int] | None:
+        """A :meth:`writing_under` view's area, and how many levels above this store
+        the root it was made at lies; None for a plain store."""
+        if self._under is None:
+            return None
+        anchor, area = self._under
+        return area, self.root[len(anchor):].count("/")
 
     def _writable(self, key: str) -> None:
         if self._located is not None:
@@ -175,7 +210,7 @@ class Store(ConditionalWritesMixin, BatchMixin, RangeReadMixin):
         new.__dict__.update(self.__dict__)
         new.backend = self.backend.rooted("/".join(parts[:keep]))
         new.root = new.backend.root
-        new._located = None
+        new._located = new._under = None
         return new
 
     def key_uri(self, key: str) -> str:
@@ -311,7 +346,7 @@ class Store(ConditionalWritesMixin, BatchMixin, RangeReadMixin):
     def list(self, prefix: str = "", *, internal: bool = False) -> list[ObjectInfo]:
         """Every object below ``prefix`` (recursively), sorted by key; with
         ``internal`` also the backend's hidden files (temporaries, parts)."""
-        base = self.path(prefix.strip("/")) if prefix.strip("/") else self.root
+        base = self._plain(prefix.strip("/")) if prefix.strip("/") else self.root
         found = self._call(lambda: self.backend.find(base), "list", prefix)
         out = []
         for name, raw in found.items():
@@ -327,7 +362,7 @@ class Store(ConditionalWritesMixin, BatchMixin, RangeReadMixin):
 
     def list_prefixes(self, prefix: str = "") -> list[str]:
         """The immediate sub-prefixes ("directories") below ``prefix``, as keys."""
-        base = self.path(prefix.strip("/")) if prefix.strip("/") else self.root
+        base = self._plain(prefix.strip("/")) if prefix.strip("/") else self.root
         names = self._call(lambda: self.backend.ls_dirs(base), "list", prefix)
         keys = [self._key_of(n.rstrip("/")) for n in names]
         return sorted(k for k in keys if k)

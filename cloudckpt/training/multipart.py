@@ -32,9 +32,19 @@ from cloudckpt.storage import Store
 
 log = logging.getLogger("cloudckpt")
 
-#: An object a part stored: its key (relative to the checkpoint), size and CRC32C; and
-#: in an incremental save, the digest of the blob holding it.
-Entry = tuple[str, int, str] | tuple[str, int, str, str | None]
+#: An object a part stored: its key (relative to the checkpoint), size and CRC32C; in
+#: an incremental save, the digest of the blob holding it; and whether it went to the
+#: save's writer area (see :func:`entry`; left out, it did when it is no blob and the
+#: save writes its objects there: a part writes through the store it is given).
+Entry = (tuple[str, int, str] | tuple[str, int, str, str | None]
+         | tuple[str, int, str, str | None, bool])
+
+
+def entry(store: Store, key: str, size: int, crc32c: str, blob: str | None = None) -> Entry:
+    """The :class:`Entry` of an object a part wrote through ``store`` (the one its
+    :meth:`Part.write` was given): moved when not a blob and ``store`` keeps its
+    objects in a writer area."""
+    return key, size, crc32c, blob, blob is None and store.written_under is not None
 
 
 class Part(Protocol):
@@ -42,7 +52,9 @@ class Part(Protocol):
 
     def write(self, store: Store, group: Any) -> Any:
         """Write this rank's share below ``store`` (called on every rank, in order);
-        what it returns on rank 0 is passed to :meth:`commit`."""
+        what it returns on rank 0 is passed to :meth:`commit`. ``store`` may keep its
+        objects in the save's writer area (see :func:`save`): write through it, and
+        record what it wrote with :func:`entry`."""
 
     def commit(self, writer: CheckpointWriter, written: Any) -> None:
         """On rank 0, once every part is written: add this part to the manifest."""
@@ -99,8 +111,15 @@ def save(store: Store, parts: Sequence[Part], *, group: Any = None,
     ``deadline`` (a ``time.monotonic()`` on rank 0) refuses a commit after it with
     :class:`~cloudckpt.errors.IncompleteCheckpointError`: a save that ran out of time
     stays invisible. ``writer_options`` go to :func:`claim`.
+
+    When rank 0's claim was not fresh (it took a claim over, or retries), every part
+    is given a view of ``store`` that keeps its objects in rank 0's writer area (see
+    :class:`~cloudckpt.core.checkpoint.CheckpointWriter`), so that the writer it took
+    over from cannot overwrite them.
     """
     claimed = claim(store, group, **writer_options)
+    area = coord.on_coordinator(lambda: claimed.moving if claimed else None, group)
+    target = store if area is None else store.writing_under(area)
 
     def finish() -> Checkpoint | None:
         if claimed is None:
@@ -113,7 +132,7 @@ def save(store: Store, parts: Sequence[Part], *, group: Any = None,
         return commit(claimed, parts, written)
 
     try:
-        written = [part.write(store, group) for part in parts]
+        written = [part.write(target, group) for part in parts]
         return coord.on_coordinator(finish, group, share=False)
     except BaseException:
         if claimed is not None:
@@ -178,12 +197,11 @@ class RankBytes:
         def mine() -> Entry:
             key = self.key(coord.rank(group))
             if self.blobs is None:
-                info = store.put(key, self.data)
-                assert info.crc32c is not None
-                return key, info.size, info.crc32c, None
-            digest, info = self.blobs.put_many(store, {key: self.data})[key]
+                info, digest = store.put(key, self.data), None
+            else:
+                digest, info = self.blobs.put_many(store, {key: self.data})[key]
             assert info.crc32c is not None
-            return key, info.size, info.crc32c, digest
+            return entry(store, key, info.size, info.crc32c, digest)
 
         return coord.each_rank(mine, group)
 
@@ -208,7 +226,8 @@ class SharedBytes:
 
 @dataclass
 class Stored:
-    """Objects already in the checkpoint's prefix, each with its size and CRC32C."""
+    """Objects already in the checkpoint, each with its size and CRC32C (see
+    :data:`Entry`)."""
 
     entries: Iterable[Entry]
 
@@ -216,5 +235,7 @@ class Stored:
         return None
 
     def commit(self, writer: CheckpointWriter, written: Any) -> None:
-        for entry in self.entries:
-            writer.add_existing(*entry)
+        for key, size, crc, *rest in self.entries:
+            blob = rest[0] if rest else None
+            moved = rest[1] if len(rest) > 1 else blob is None and writer.moving is not None
+            writer.add_existing(key, size, crc, blob, moved)

@@ -188,10 +188,10 @@ def _files(root: Path, chosen: set[str] | None) -> list[str]:
     return sorted(f for f in found if chosen is None or f in chosen)
 
 
-def _send(store: Store, root: Path, rel: str) -> tuple[str, int, str]:
+def _send(store: Store, root: Path, rel: str) -> Entry:
     info = store.put_file(rel, root / rel)
     assert info.crc32c is not None
-    return rel, info.size, info.crc32c
+    return multipart.entry(store, rel, info.size, info.crc32c)
 
 
 @dataclass

@@ -293,15 +293,15 @@ class Drained:
                     f"(crc32c {crc}, {size} bytes; the manifest says "
                     f"{entry.crc32c}, {entry.size}); this drain stops, nothing is committed",
                     {key: "differs"})
-            entries.append((key, entry.size, entry.crc32c, blob))
+            entries.append(multipart.entry(store, key, entry.size, entry.crc32c, blob))
         return entries
 
     def commit(self, writer: CheckpointWriter, written: Any) -> None:
         part, merged, crcs, entries = written
         shared = self.local.read(training.SHARED)
-        for key, size, crc, blob in entries:
+        for key, size, crc, blob, moved in entries:
             if key.startswith(f"{MODEL_PART}/"):
-                part.add_existing(key[len(MODEL_PART) + 1:], size, crc, blob)
+                part.add_existing(key[len(MODEL_PART) + 1:], size, crc, blob, moved)
         part.metadata = {"dcp": {"item_crcs": crcs, "key_spread": 0}}
         merged.storage_meta = StorageMeta(checkpoint_id=part.uri)
         part.put(METADATA_NAME, pickle.dumps(merged))

@@ -94,15 +94,15 @@ def own_prefix(root: str, opts: dict[str, Any], who: str, n: int, barrier: Any,
 
 
 def zombie(uri: str, opts: dict[str, Any], who: str, rounds: Any, stop: Any,
-           barrier: Any, queue: Any) -> None:
-    """Writer A of an incremental save: claims ``uri``, then keeps writing the same
-    names with new bytes (``rounds`` counts them) while another writer takes its claim
-    over and commits; once ``stop`` is set, tries to commit (and must lose)."""
+           barrier: Any, queue: Any, incremental: bool = True) -> None:
+    """Writer A of a save (incremental or full): claims ``uri``, then keeps writing the
+    same names with new bytes (``rounds`` counts them) while another writer takes its
+    claim over and commits; once ``stop`` is set, tries to commit (and must lose)."""
     from cloudckpt.core.blobs import BlobArea
     from cloudckpt.storage import open_store
 
     def run() -> str:
-        area = BlobArea(open_store(uri, opts).ancestor(1))
+        area = BlobArea(open_store(uri, opts).ancestor(1)) if incremental else None
         w = CheckpointWriter(uri, metadata={"who": who}, storage_options=opts, blobs=area)
         n = 0
         while not stop.is_set():

@@ -169,12 +169,14 @@ def test_writers_side_by_side(name, forks, request, record):
     assert not failures, "\n".join(failures[:10])
 
 
+@pytest.mark.parametrize("mode", ["incremental", "full"])
 @pytest.mark.parametrize("name", ["s3", "gcs", "file"])
-def test_a_zombie_writer_cannot_change_a_committed_incremental_checkpoint(
-        name, forks, request, record):
-    """Writer A (a process) claims an incremental save and keeps writing it; writer B
-    takes A's claim over and commits; A writes on, then tries to commit. B's
-    checkpoint verifies deep and holds B's bytes; A loses its commit."""
+def test_a_zombie_writer_cannot_change_a_committed_checkpoint(
+        name, mode, forks, request, record):
+    """Writer A (a process) claims a save and keeps writing it; writer B takes A's
+    claim over and commits; A writes on, then tries to commit. B's checkpoint verifies
+    deep and holds B's bytes; A loses its commit. Incremental: every object is a blob
+    named by its bytes; full: B writes its objects in its own writer area."""
     from cloudckpt.core.blobs import BlobArea
 
     backend = _backend(request, name)
@@ -186,13 +188,13 @@ def test_a_zombie_writer_cannot_change_a_committed_incremental_checkpoint(
         rounds, stop = forks.Value("i", 0), forks.Event()
         queue = forks.Queue()
         a = forks.Process(target=rw.zombie, args=(uri, opts, f"a{t}", rounds, stop, None,
-                                                  queue))
+                                                  queue, mode == "incremental"))
         a.start()
         while rounds.value < 1 and a.is_alive():
             time.sleep(0.01)
         area = BlobArea(open_store(backend.uri("zombie"), backend.options))
         b = CheckpointWriter(uri, metadata={"who": "b"}, storage_options=backend.options,
-                             blobs=area, takeover=True)
+                             blobs=area if mode == "incremental" else None, takeover=True)
         b.put_many(rw.content(f"b{t}"))
         b.commit()
         after = rounds.value
@@ -209,8 +211,10 @@ def test_a_zombie_writer_cannot_change_a_committed_incremental_checkpoint(
         except Exception as exc:  # noqa: BLE001 - the failure being tested for
             failures.append(f"trial {t}: {exc}")
             continue
+        if mode == "full" and ckpt.manifest.moved != ckpt.files:
+            failures.append(f"trial {t}: B took over but wrote at the objects' own paths")
         if ckpt.metadata.get("who") != "b" or dict(ckpt.iter_objects()) != rw.content(f"b{t}"):
             failures.append(f"trial {t}: the committed checkpoint is not all B's")
-    record("concurrency", f"{name}: a zombie writes on after a takeover", trials,
+    record("concurrency", f"{name}: a zombie writes on after a takeover ({mode})", trials,
            faults=trials, failures=len(failures))
     assert not failures, "\n".join(failures[:10])

@@ -157,7 +157,8 @@ def commit(store: Store, ckpt_id: str, parts: Markers, files: Mapping[str, Uploa
     m = CKPT_RE.match(ckpt_id)
     meta = {"framework": "roll", "parts": sorted(p["part"] for p in parts.values()),
             "attempt": attempt_id}
-    stored = multipart.Stored((key, *entry) for key, entry in files.items())
+    # The parts' uploaders wrote every file at its own path.
+    stored = multipart.Stored((key, *entry, False) for key, entry in files.items())
     incremental = any(blob for _, _, blob in files.values())
     try:
         writer = CheckpointWriter(store, step=int(m.group(1)) if m else None, kind=KIND,
