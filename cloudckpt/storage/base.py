@@ -178,7 +178,10 @@ class Store(ConditionalWritesMixin, BatchMixin, RangeReadMixin):
         """A view of this store keeping its objects in ``area`` below its root (those
         of its children too): ``<root>/<area>/<key>`` for ``key``. The manifest and
         the writer claim keep their own names. A save's names no other writer uses
-        (:mod:`cloudckpt.core.checkpoint`)."""
+        (:mod:`cloudckpt.core.checkpoint`). A view of ``area`` already (a part of the
+        save) is returned as it is: its objects stay where the save's root put them."""
+        if self._under is not None and self._under[1] == area:
+            return self
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
         new._under = (self.root, area)
