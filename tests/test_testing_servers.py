@@ -286,3 +286,49 @@ def test_fault_proxy_in_front_of_fake_gcs(gcs: FakeGcsServer) -> None:
         proxy.set_plan(FaultPlan(permanent_status=403))
         with pytest.raises(OSError, match="Access Denied"):
             fs.cat("gproxy/resumable.bin")
+
+
+def test_moto_conditional_writes_are_checked_and_applied_under_one_lock() -> None:
+    """moto checks If-None-Match before it stores the object; on a busy machine two
+    racing create-only writes could both pass the check. The test server runs each
+    conditional request's check and write under one lock, as S3 applies them."""
+    import threading
+
+    from cloudckpt_testkit.moto_atomic import _atomic
+
+    class Request:
+        def __init__(self, headers: dict[str, str]) -> None:
+            self.headers = headers
+
+    inside, most = 0, 0
+    guard = threading.Lock()
+
+    def handler(self: Request) -> None:
+        nonlocal inside, most
+        with guard:
+            inside += 1
+            most = max(most, inside)
+        time.sleep(0.05)  # the gap between moto's check and its write
+        with guard:
+            inside -= 1
+
+    def race(headers: dict[str, str]) -> int:
+        nonlocal most
+        most = 0
+        wrapped = _atomic(handler, threading.Lock())
+        threads = [threading.Thread(target=wrapped, args=(Request(headers),)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return most
+
+    assert race({"If-None-Match": "*"}) == 1 and race({"If-Match": '"e1"'}) == 1
+    assert race({}) == 4  # unconditional requests still run side by side
+    with MotoServer() as server:  # and the server runs with it
+        assert "cloudckpt_testkit.moto_atomic" in server._command(0)
+        server.create_bucket("atomic")
+        client = boto3_s3(server.endpoint)
+        client.put_object(Bucket="atomic", Key="k", Body=b"1", IfNoneMatch="*")
+        with pytest.raises(botocore.exceptions.ClientError, match="PreconditionFailed"):
+            client.put_object(Bucket="atomic", Key="k", Body=b"2", IfNoneMatch="*")

@@ -219,7 +219,8 @@ class _ProcessServer(StartStop):
 
 
 class MotoServer(_ProcessServer):
-    """moto's S3 server in a child process.
+    """moto's S3 server in a child process, its conditional writes atomic as S3's are
+    (:mod:`.moto_atomic`).
 
     ``part_min_size`` sets moto's ``S3_UPLOAD_PART_MIN_SIZE`` so tests can
     exercise multipart uploads with small parts instead of 5 MiB ones.
@@ -235,7 +236,8 @@ class MotoServer(_ProcessServer):
         self.part_min_size = part_min_size
 
     def _command(self, port: int) -> list[str]:
-        return [sys.executable, "-m", "moto.server", "-H", _HOST, "-p", str(port)]
+        return [sys.executable, "-m", "cloudckpt_testkit.moto_atomic", "-H", _HOST, "-p",
+                str(port)]
 
     def _child_env(self) -> dict[str, str]:
         env = dict(os.environ)
