@@ -10,6 +10,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from dist_run import free_port
@@ -63,9 +65,11 @@ def kill_tree(pid: int) -> None:
             pass
 
 
-def run_and_kill(cmd: list[str], env: dict, kill_at_step: int) -> str:
-    """Start a run and SIGKILL every process of it once it has printed ``kill_at_step``.
-    Returns what it printed."""
+def run_and_kill(cmd: list[str], env: dict, kill_at_step: int,
+                 until: Callable[[], bool] | None = None) -> str:
+    """Start a run and SIGKILL every process of it once it has printed ``kill_at_step``
+    (and, with ``until``, once ``until()`` holds too: e.g. a save has committed, however
+    slow the machine). Returns what it printed."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env=env, start_new_session=True)
     seen = []
@@ -73,6 +77,9 @@ def run_and_kill(cmd: list[str], env: dict, kill_at_step: int) -> str:
     for line in proc.stdout:
         seen.append(line)
         if line.startswith(f"step {kill_at_step} "):
+            deadline = time.monotonic() + 60
+            while until is not None and not until() and time.monotonic() < deadline:
+                time.sleep(0.05)
             kill_tree(proc.pid)
             break
     proc.wait(timeout=60)
