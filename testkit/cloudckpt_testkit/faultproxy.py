@@ -42,7 +42,9 @@ without forwarding it, as some S3-compatible stores do.
 
 Every request is logged (:attr:`FaultProxy.request_log`, a list of
 :class:`RequestRecord`), so tests can count what a client really sent
-(:meth:`FaultProxy.count_requests`, :attr:`FaultProxy.requests_by_method`).
+(:meth:`FaultProxy.count_requests`, :attr:`FaultProxy.requests_by_method`), and the
+response body bytes relayed are counted (:attr:`FaultProxy.bytes_out`), so tests can
+bound what a reader downloaded.
 """
 
 from __future__ import annotations
@@ -578,6 +580,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             remaining -= len(chunk)
             try:
                 self.wfile.write(chunk)
+                self.server.proxy._sent(len(chunk))
             except OSError:
                 self._drop_upstream()  # upstream conn is mid-body; unusable
                 raise
@@ -612,11 +615,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._start_response(status, reason, headers)
         if cut is not None:
             self.wfile.write(data[: len(data) // 2])
+            self.server.proxy._sent(len(data) // 2)
             if reset:
                 self._reset()
             self.close_connection = True
         else:
             self.wfile.write(data)
+            self.server.proxy._sent(len(data))
 
     def _send_refusal(self, status: int, name: str, is_query: bool, cut: str | None) -> None:
         """Answer for a store that does not support header/parameter ``name``."""
@@ -743,6 +748,7 @@ class FaultProxy(StartStop):
         self._requests = 0
         self._faults: dict[str, int] = {}
         self._by_method: dict[str, int] = {}
+        self._bytes_out = 0
         self._log: collections.deque[RequestRecord] = collections.deque(maxlen=log_limit)
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
@@ -918,6 +924,12 @@ class FaultProxy(StartStop):
             return dict(self._by_method)
 
     @property
+    def bytes_out(self) -> int:
+        """Response body bytes relayed to clients (forwarded answers, cut ones in part)."""
+        with self._lock:
+            return self._bytes_out
+
+    @property
     def request_log(self) -> list[RequestRecord]:
         """The requests received, oldest first (see :class:`RequestRecord`); a copy."""
         with self._lock:
@@ -943,9 +955,10 @@ class FaultProxy(StartStop):
         )
 
     def reset_counters(self) -> None:
-        """Zero ``requests``, ``requests_by_method`` and ``faults`` and clear
-        ``request_log`` (the plan's fault budget is kept)."""
+        """Zero ``requests``, ``requests_by_method``, ``faults`` and ``bytes_out`` and
+        clear ``request_log`` (the plan's fault budget is kept)."""
         with self._lock:
+            self._bytes_out = 0
             self._requests = 0
             self._faults = {}
             self._by_method = {}
@@ -1034,6 +1047,10 @@ class FaultProxy(StartStop):
                 self._faults[kind] = left
             else:
                 self._faults.pop(kind, None)
+
+    def _sent(self, n: int) -> None:
+        with self._lock:
+            self._bytes_out += n
 
     def _notify(self, method: str, target: str) -> None:
         hook = self.on_request
