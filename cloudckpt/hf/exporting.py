@@ -28,8 +28,11 @@ import torch
 
 from cloudckpt.core import kinds
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
+from cloudckpt.dcp.metadata import pack_item_crcs
 from cloudckpt.errors import ConfigError, CorruptCheckpointError
+from cloudckpt.hf.lazy import TENSOR_CRCS
 from cloudckpt.movement.transfer import download  # noqa: F401 - public here as hf.download
+from cloudckpt.util.crc import crc32c_hex
 
 log = logging.getLogger("cloudckpt.hf")
 
@@ -117,15 +120,21 @@ def export(
                                     "files": files}) as writer:
         weight_map = {k: name for name, keys in zip(files, shards, strict=True) for k in keys}
 
+        crcs: list[tuple[str, int, str]] = []
+
         def write_shard(job: tuple[str, list[str]]) -> None:
             with writer.open(job[0]) as out:
-                _write_safetensors(out, {k: state[k] for k in job[1]})
+                placed = _write_safetensors(out, {k: state[k] for k in job[1]})
+            crcs.extend((job[0], start, crc) for start, crc in placed)
 
         # A few shards at once: each streams into its own upload, so memory is
         # bounded by the uploads' buffers while requests keep the link busy.
         with ThreadPoolExecutor(min(len(shards), SHARD_WORKERS),
                                 thread_name_prefix="cloudckpt-shard") as pool:
             list(pool.map(write_shard, zip(files, shards, strict=True)))
+        # A CRC32C per tensor: a ranged read of one tensor is checked on its own, and
+        # `cloudckpt diff` tells changed tensors from their checksums alone.
+        writer.metadata = {**writer.metadata, TENSOR_CRCS: pack_item_crcs(crcs)}
         if len(shards) > 1:
             total = sum(_nbytes(t) for t in state.values())
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(
@@ -211,8 +220,9 @@ def _plan_shards(state: Mapping[str, torch.Tensor], max_bytes: int) -> list[list
     return shards
 
 
-def _write_safetensors(out: Any, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Stream one safetensors file: 8-byte header length, JSON header, raw data."""
+def _write_safetensors(out: Any, tensors: Mapping[str, torch.Tensor]) -> list[tuple[int, str]]:
+    """Stream one safetensors file: 8-byte header length, JSON header, raw data; return
+    each tensor's first byte in the file and the CRC32C of its bytes."""
     names = sorted(tensors)
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
@@ -228,13 +238,19 @@ def _write_safetensors(out: Any, tensors: Mapping[str, torch.Tensor]) -> None:
     raw += b" " * (-len(raw) % 8)
     out.write(struct.pack("<Q", len(raw)))
     out.write(raw)
+    placed = []
+    pos = 8 + len(raw)
     for name in names:
         t = tensors[name].detach()
         if t.device.type != "cpu":
             t = t.to("cpu", non_blocking=False)
         t = t.contiguous().reshape(-1)
-        if t.numel():  # the tensor's own memory: the upload copies only what it buffers
-            out.write(memoryview(t.view(torch.uint8).numpy()))
+        data = memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+        placed.append((pos, crc32c_hex(data)))
+        pos += data.nbytes
+        if data.nbytes:  # the tensor's own memory: the upload copies only what it buffers
+            out.write(data)
+    return placed
 
 
 def _tokenizer_files(tokenizer: Any) -> dict[str, bytes]:
