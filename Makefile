@@ -71,6 +71,7 @@ bench: setup
 	$(PY) benchmarks/transfer_bench.py
 	$(PY) benchmarks/hf_bench.py
 	$(PY) benchmarks/hf_bench.py --max-shard-size 20MB
+	$(PY) benchmarks/contents_bench.py
 	$(PY) benchmarks/scale_sim.py
 	$(PY) -m pip install -q s3torchconnector  # a peer of the memory benchmark only
 	$(PY) benchmarks/memory_bench.py

@@ -25,3 +25,13 @@ def test_dcp_example_runs():
     assert blocks, "docs/dcp.md lost its runnable example"
     for block in blocks:
         exec(compile(block, "docs/dcp.md", "exec"), {})
+
+
+def test_inspect_example_runs(capsys):
+    blocks = [b for b in python_blocks(DOCS / "inspect.md") if "memory://" in b]
+    assert blocks, "docs/inspect.md lost its runnable example"
+    for block in blocks:
+        exec(compile(block, "docs/inspect.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "{'model': {'tensors': 3, 'bytes': 192}}" in out
+    assert "['model.layers.2.weight'] 0.5" in out and "2.5000" in out

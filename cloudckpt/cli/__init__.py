@@ -34,6 +34,7 @@ from cloudckpt.cli.commands import (
     cmd_verify,
 )
 from cloudckpt.cli.frameworks import LazySubcommands, add_frameworks
+from cloudckpt.cli.inspecting import add_contents
 from cloudckpt.cli.run import add_run, cmd_run
 from cloudckpt.errors import (  # noqa: F401 - the exit codes are part of the command's interface
     EXIT_ACCESS,
@@ -212,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     arguments are added only once that framework's name is parsed)."""
     p, sub = _top()
     _add_inspection(sub)
+    add_contents(sub)
     _add_transfers(sub)
     _add_upkeep(sub)
     _add_push(sub)
