@@ -209,7 +209,12 @@ def test_load_tensors_of_an_hf_export_reads_only_their_byte_ranges(s3, proxied):
     assert torch.equal(got["model.layers.40.weight"], state["model.layers.40.weight"])
     ckpt = open_checkpoint(s3.uri("hf"), s3.options)
     shards = [p for p in ckpt.files if p.endswith(".safetensors")]
-    budget = 1.2 * ROWS * COLS * 4 + len(shards) * HEADER_PROBE + len(ckpt.manifest.to_json())
+    index = json.loads(ckpt.read("model.safetensors.index.json"))
+    holder = index["weight_map"]["model.layers.40.weight"]
+    assert len(shards) == 3 and {t.split("?")[0].rsplit("/", 1)[1] for t in _tensor_gets(
+        proxy, ".safetensors")} == {holder, "model.safetensors.index.json"}  # one header
+    budget = 1.2 * ROWS * COLS * 4 + HEADER_PROBE + len(ckpt.manifest.to_json()) + len(
+        json.dumps(index)) * 2
     assert proxy.bytes_out <= budget, proxy.bytes_out
     with open_export(s3.uri("hf"), via_proxy) as reader:
         assert len(reader.keys()) == N

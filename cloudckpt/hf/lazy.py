@@ -261,14 +261,35 @@ def open_export(uri: str | Checkpoint, storage_options: Mapping[str, Any] | None
 def load_tensors(uri: str | Checkpoint, names: Iterable[str],
                  storage_options: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """The tensors ``names`` (exact names or glob patterns) of the HF export at ``uri``,
-    reading only their bytes and the files' headers. A name that matches nothing raises
-    :class:`~cloudckpt.errors.CheckpointNotFoundError`."""
-    reader = open_export(uri, storage_options)
+    reading only their bytes and the headers of the files holding them (all the files'
+    for a glob, or for an export without a shard index). A name that matches nothing
+    raises :class:`~cloudckpt.errors.CheckpointNotFoundError`."""
+    ckpt = uri if isinstance(uri, Checkpoint) else open_checkpoint(uri, storage_options)
+    names = list(names)
+    reader = ExportReader(ckpt, _files_holding(ckpt, names))
     wanted: list[str] = []
     for name in names:
-        found = reader.select([name]) if any(c in name for c in "*?[") else [name]
+        found = reader.select([name]) if _is_glob(name) else [name]
         if not found:
-            raise CheckpointNotFoundError(f"no tensor of {reader.checkpoint.uri} matches "
-                                          f"{name!r}")
+            raise CheckpointNotFoundError(f"no tensor of {ckpt.uri} matches {name!r}")
         wanted += [n for n in found if n not in wanted]
     return reader.get_tensors(wanted)
+
+
+def _is_glob(name: str) -> bool:
+    return any(c in name for c in "*?[")
+
+
+def _files_holding(ckpt: Checkpoint, names: list[str]) -> list[str] | None:
+    """The shards the export's index says hold ``names`` (exact names, all in the index),
+    or None: every shard's header is needed."""
+    index = next((p for p in ckpt.files if "/" not in p and p.endswith(
+        ".safetensors" + INDEX_SUFFIX)), None)
+    if index is None or any(_is_glob(n) for n in names):
+        return None
+    try:
+        weight_map = json.loads(ckpt.read(index))["weight_map"]
+        files = sorted({str(weight_map[n]) for n in names})
+    except (ValueError, KeyError, TypeError):
+        return None  # a name the index lacks: the full reader says what there is
+    return files if all(f in ckpt.manifest.files for f in files) else None
