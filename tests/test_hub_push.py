@@ -1,14 +1,23 @@
-"""A Hub push publishes exactly one HF export (issue 22, finding 4).
+"""A Hub push publishes exactly one HF export, at any size.
 
 Over the test Hub server and moto S3: weight files already in the repo that the
 export does not have are refused (or, with ``replace``, deleted in the same
-commit), and a training or DCP checkpoint never reaches the Hub.
+commit), and a training or DCP checkpoint never reaches the Hub. A file above the
+Hub's per-file limit is refused before any request; a push killed mid-upload and run
+again sends only the objects the Hub lacks; a Hub that limits operations per commit
+gets batches with the index last, and the repo never serves a mix of two models.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
+import signal
+import subprocess
+import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -19,6 +28,7 @@ from helpers import HUB_TOKEN
 from cloudckpt import (
     CheckpointManager,
     CheckpointWriter,
+    CloudCkptError,
     CommitConflictError,
     ConfigError,
     ManagerOptions,
@@ -28,6 +38,7 @@ from cloudckpt import (
 )
 from cloudckpt import dcp as cloud_dcp
 from cloudckpt.cli import main as cli
+from cloudckpt.hf import exporting
 from cloudckpt.hf.hub import push, push_in_background, push_to_hub
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning",
@@ -65,13 +76,13 @@ def seeded_repo(hub_server, s3, export_uri: str) -> None:
         commit_message="card and notes")
 
 
-def hub_model(hub_server, tmp_path: Path):
+def hub_model(hub_server, tmp_path: Path, revision: str | None = None):
     """The repo as ``from_pretrained`` sees it: a snapshot downloaded from the Hub."""
     from huggingface_hub import snapshot_download
     from transformers import AutoModelForCausalLM
 
-    snap = snapshot_download(REPO, endpoint=hub_server.endpoint, token=HUB_TOKEN,
-                             cache_dir=tmp_path / "snapshots")
+    snap = snapshot_download(REPO, revision=revision, endpoint=hub_server.endpoint,
+                             token=HUB_TOKEN, cache_dir=tmp_path / "snapshots")
     return AutoModelForCausalLM.from_pretrained(snap).eval()
 
 
@@ -229,3 +240,190 @@ def test_cli_refuses_stale_weights_with_exit_5_and_replaces_them(hub_server, s3,
 
     assert cli([*base[:3], training_checkpoint(s3), *base[4:], "--replace"]) == 2
     assert "convert dcp-to-hf" in capsys.readouterr().err
+
+
+def cli_args(hub_server, s3, uri: str, *extra: str) -> list[str]:
+    return ["-o", f"endpoint_url={s3.options['endpoint_url']}", "push", uri, REPO,
+            "--endpoint", hub_server.endpoint, "--token", HUB_TOKEN, *extra]
+
+
+def sha256s(ckpt, paths) -> dict[str, str]:
+    return {hashlib.sha256(ckpt.read(p)).hexdigest(): p for p in paths}
+
+
+def test_a_push_killed_mid_upload_sends_only_the_missing_objects_when_run_again(
+        hub_server, s3, tmp_path, capsys):
+    model = tiny(0)
+    ckpt = hf.export(model, s3.uri("export"), max_shard_size="16KB", storage_options=s3.options)
+    shards = sha256s(ckpt, [p for p in ckpt.files if p.endswith(".safetensors")])
+    assert len(shards) == 8
+    hub_server.hold_lfs_uploads(after=3)  # then the uploads wait, unanswered, for the kill
+    child = subprocess.Popen([sys.executable, "-m", "cloudckpt",
+                              *cli_args(hub_server, s3, s3.uri("export"))],
+                             env={**os.environ, **s3.env}, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not (hub_server.held_lfs_uploads and len(hub_server.lfs_objects(REPO)) == 3):
+            assert child.poll() is None, child.communicate()[1].decode()[-3000:]
+            assert time.monotonic() < deadline, "the push never reached its LFS uploads"
+            time.sleep(0.05)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.communicate(timeout=60)
+    assert child.returncode == -signal.SIGKILL
+    hub_server.release_lfs_uploads()  # the held uploads die with the client: nothing stored
+    first = set(hub_server.lfs_objects(REPO))
+    assert len(first) == 3 and first <= set(shards)
+    assert [c["title"] for c in hub_server.commits(REPO)] == ["initial commit"]
+    assert set(hub_server.files(REPO)) == {".gitattributes"}  # nothing committed yet
+
+    received = hub_server.lfs_uploads()
+    assert cli(cli_args(hub_server, s3, s3.uri("export"))) == 0
+    assert hub_server.lfs_uploads() - received == len(shards) - 3  # exactly the missing ones
+    assert set(hub_server.lfs_objects(REPO)) == set(shards)
+    url = capsys.readouterr().out.splitlines()[-1]
+    commits = hub_server.commits(REPO)
+    assert len(commits) == 2 and url.endswith(commits[-1]["oid"])
+    assert set(commits[-1]["added"]) == set(ckpt.files)  # one commit, every file
+    assert all(hub_server.files(REPO)[p] == ckpt.read(p) for p in ckpt.files)
+    assert same_weights(hub_model(hub_server, tmp_path), model)
+
+
+def test_a_file_above_the_hub_limit_is_refused_before_any_request(hub_server, s3, caplog):
+    from cloudckpt_testkit import HubServer
+
+    ckpt = hf.export(tiny(0), s3.uri("export"), max_shard_size="40KB",
+                     storage_options=s3.options)
+    sizes = {p: ckpt.entry(p).size for p in ckpt.files if p.endswith(".safetensors")}
+    biggest = max(sizes, key=sizes.get)
+    hub_server.requests.clear()
+    with pytest.raises(ConfigError) as err:
+        push(s3.uri("export"), REPO, max_file_size=sizes[biggest] - 1, **push_kw(hub_server, s3))
+    message = str(err.value)
+    assert f"{biggest} is {sizes[biggest]} bytes" in message
+    assert f"limit of {sizes[biggest] - 1} bytes" in message and "nothing was pushed" in message
+    assert "max_shard_size" in message and "cannot be split" not in message
+    # A limit below the largest tensor (the tied embedding, 96 x 32 floats): no shard size helps.
+    with pytest.raises(ConfigError, match="'model.embed_tokens.weight' alone is 12288 bytes.*"
+                                          "cannot be split across shards"):
+        push(s3.uri("export"), REPO, max_file_size=12287, **push_kw(hub_server, s3))
+    assert hub_server.requests == []  # no repo created, nothing sent
+    with pytest.raises(KeyError):
+        hub_server.files(REPO)
+
+    # A Hub whose limit is below ours: its batch answer refuses the object, nothing is sent.
+    with HubServer(token=HUB_TOKEN, max_file_size=sizes[biggest] - 1) as strict:
+        with pytest.raises(ConfigError, match=f"refuses {biggest} .*File too large.*"
+                                              "smaller max_shard_size"):
+            push(s3.uri("export"), REPO, token=HUB_TOKEN, storage_options=s3.options,
+                 endpoint=strict.endpoint)
+        assert strict.lfs_uploads() == 0
+        assert set(strict.files(REPO)) == {".gitattributes"}
+
+
+def test_export_keeps_every_file_below_the_hub_limit(s3, monkeypatch, caplog):
+    """Shards are closed before a file, header included, would pass the limit, whatever
+    max_shard_size asks; a tensor above it is refused by name."""
+    limit = 8100
+    monkeypatch.setattr(exporting, "HUB_FILE_LIMIT", limit)
+    torch.manual_seed(0)
+    state = {f"w{i}": torch.randn(500) for i in range(4)}  # 8000 bytes of tensors in all
+    with caplog.at_level(logging.WARNING, logger="cloudckpt.hf"):
+        ckpt = hf.export(state, s3.uri("capped"), config={"model_type": "toy"},
+                         max_shard_size="5GB", storage_options=s3.options)
+    assert "above the Hub's limit" in caplog.text
+    weights = [p for p in ckpt.files if p.endswith(".safetensors")]
+    assert len(weights) == 2 and all(ckpt.entry(p).size <= limit for p in weights)
+    loaded = hf.load_state_dict(s3.uri("capped"), s3.options)
+    assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state)
+    with pytest.raises(ConfigError, match="tensor 'big' is 8400 bytes.*cannot be split"):
+        hf.export({"small": torch.ones(4), "big": torch.zeros(2100)}, s3.uri("too-big"),
+                  config={"model_type": "toy"}, storage_options=s3.options)
+    with pytest.raises(CloudCkptError):
+        hf.load_state_dict(s3.uri("too-big"), s3.options)  # nothing was committed there
+
+
+def test_a_hub_that_limits_operations_per_commit_gets_batches_index_last(
+        hub_server, s3, tmp_path, capsys, caplog):
+    from cloudckpt_testkit import HubServer
+
+    old, new = tiny(1), tiny(0)
+    hf.export(old, s3.uri("old"), storage_options=s3.options)  # one model.safetensors
+    ckpt = hf.export(new, s3.uri("new"), max_shard_size="40KB", storage_options=s3.options)
+    index = "model.safetensors.index.json"
+    with HubServer(token=HUB_TOKEN, max_commit_operations=2) as hub:
+        kw = {"token": HUB_TOKEN, "storage_options": s3.options, "endpoint": hub.endpoint}
+        push(s3.uri("old"), REPO, files_per_commit=2, **kw)  # model.safetensors + config last
+        before = hub.commits(REPO)
+        assert [c["added"] for c in before[1:]] == [["generation_config.json"],
+                                                    ["config.json", "model.safetensors"]]
+
+        # Four shards' operations and a delete in one commit: refused, the repo unchanged.
+        with pytest.raises(ConfigError, match="--files-per-commit N"):
+            push(s3.uri("new"), REPO, replace=True, **kw)
+        assert hub.commits(REPO) == before
+        uploaded = hub.lfs_uploads()  # the shards went up before the refused commit
+
+        base = cli_args(hub, s3, s3.uri("new"), "--replace", "--files-per-commit", "2")
+        capsys.readouterr()
+        with caplog.at_level(logging.INFO, logger="cloudckpt.hf.hub"):
+            assert cli(base) == 0
+        assert hub.lfs_uploads() == uploaded  # nothing sent again
+        assert "3 of 4 files already on the Hub" in caplog.text  # the shards; not the index
+        out = capsys.readouterr().out.splitlines()
+        assert out[0] == "replaced model.safetensors (deleted in the last commit: the export " \
+                         "does not have it)"
+        made = hub.commits(REPO)[len(before):]
+        assert out[1:] == [f"{hub.endpoint}/{REPO}/commit/{c['oid']}" for c in made]
+        assert len(made) == 3 and [c["parents"] for c in made] == [
+            [before[-1]["oid"]], [made[0]["oid"]], [made[1]["oid"]]]
+        assert made[-1]["added"] == [index] and made[-1]["deleted"] == ["model.safetensors"]
+        for commit in made[:-1]:  # until the last commit, the old model, whole
+            held = hub.files(REPO, commit["oid"])
+            assert index not in held and "model.safetensors" in held
+        assert same_weights(hub_model(hub, tmp_path, made[0]["oid"]), old)
+        assert set(hub.files(REPO)) == {".gitattributes", *ckpt.files}
+        assert same_weights(hub_model(hub, tmp_path), new)
+
+        # The same names with other weights: the early commits would mix old and new shards
+        # under the old index, so the first takes the index down and the last brings it back.
+        hf.export(old, s3.uri("again"), max_shard_size="40KB", storage_options=s3.options)
+        seen = len(hub.commits(REPO))
+        done = push(s3.uri("again"), REPO, files_per_commit=2, **kw)
+        made = hub.commits(REPO)[seen:]
+        assert made[0]["deleted"] == [index] and made[-1]["added"] == [index]
+        assert all(index not in hub.files(REPO, c["oid"]) for c in made[:-1])
+        assert done.commits == tuple(f"{hub.endpoint}/{REPO}/commit/{c['oid']}" for c in made)
+        assert done.url == done.commits[-1]
+        assert same_weights(hub_model(hub, tmp_path), old)
+
+        # The index and config.json of a fresh repo must land together: one operation per
+        # commit cannot do it, and that is said before anything is uploaded.
+        with pytest.raises(ConfigError, match="files_per_commit=1 is too few.*at least 2"):
+            push(s3.uri("new"), "org/other", files_per_commit=1, **kw)
+        assert hub.lfs_objects("org/other") == {}
+        assert set(hub.files("org/other")) == {".gitattributes"}
+        assert push(s3.uri("again"), REPO, files_per_commit=2, **kw).commits == ()
+
+
+def test_upload_progress_bars_show_on_a_terminal_only(hub_server, s3, capsys, monkeypatch):
+    from huggingface_hub import constants
+    from huggingface_hub.utils import are_progress_bars_disabled
+
+    hf_tqdm = sys.modules["huggingface_hub.utils.tqdm"]
+    for where in (constants, hf_tqdm):  # as if HF_HUB_DISABLE_PROGRESS_BARS were unset
+        monkeypatch.setattr(where, "HF_HUB_DISABLE_PROGRESS_BARS", None)
+    hf.export(tiny(0), s3.uri("export"), max_shard_size="40KB", storage_options=s3.options)
+    assert not are_progress_bars_disabled()
+    capsys.readouterr()
+    assert cli(cli_args(hub_server, s3, s3.uri("export"))) == 0  # stderr is not a terminal
+    assert "LFS files" not in capsys.readouterr().err
+    assert not are_progress_bars_disabled()  # as it was before the push
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    args = cli_args(hub_server, s3, s3.uri("export"))
+    args[args.index(REPO)] = "org/second"  # a fresh repo: every object goes up again
+    assert cli(args) == 0
+    assert "Upload 3 LFS files" in capsys.readouterr().err

@@ -360,3 +360,78 @@ def test_replacing_commit_listing_at_a_revision_and_stale_parent(hub: HubServer,
     assert err.value.response.status_code == 404
     assert err.value.response.headers["X-Error-Code"] == "EntryNotFound"
     assert hub.refs(REPO)["main"] == second and "a.txt" not in hub.files(REPO)
+
+
+def test_per_file_limit_and_operations_per_commit(hf_cache: Path, tmp_path: Path):
+    """The Hub's limits, set low: an LFS object above ``max_file_size`` gets a per-object
+    error in the batch answer (no upload URL), and a commit of more than
+    ``max_commit_operations`` operations is refused with 422, changing nothing."""
+    with HubServer(token=TOKEN, max_file_size=MODEL_SIZE - 1, max_commit_operations=2) as hub:
+        api = HfApi(endpoint=hub.endpoint, token=TOKEN)
+        api.create_repo(REPO)
+        files = _export_folder(tmp_path / "export")
+        with pytest.raises(ValueError, match="File too large") as err:
+            api.upload_folder(repo_id=REPO, folder_path=tmp_path / "export")
+        assert str(MODEL_SIZE) in str(err.value)
+        assert hub.lfs_uploads() == 0 and hub.lfs_objects(REPO) == {}
+        assert [c["title"] for c in hub.commits(REPO)] == ["initial commit"]
+
+        small = [CommitOperationAdd(name, files[name]) for name in ("config.json",
+                                                                    "tokenizer.json")]
+        with pytest.raises(HfHubHTTPError) as err:
+            api.create_commit(REPO, [*small, CommitOperationAdd("c.txt", b"c")],
+                              commit_message="three")
+        assert err.value.response.status_code == 422
+        assert "Too many operations in one commit: 3, at most 2" in str(err.value)
+        assert set(hub.files(REPO)) == {".gitattributes"}
+        api.create_commit(REPO, small, commit_message="two")
+        assert set(hub.files(REPO)) == {".gitattributes", "config.json", "tokenizer.json"}
+
+
+def test_held_lfs_uploads_are_dropped_on_release(hub: HubServer):
+    """``hold_lfs_uploads(after=1)``: one object is stored, the next upload waits
+    unanswered; released, it is dropped (connection closed, nothing stored), and the
+    uploads after the release go through."""
+    import http.client
+    import threading
+
+    HfApi(endpoint=hub.endpoint, token=TOKEN).create_repo(REPO)
+    auth = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/vnd.git-lfs+json"}
+    blobs = [os.urandom(4096) for _ in range(3)]
+    sha = [hashlib.sha256(b).hexdigest() for b in blobs]
+    batch = json.dumps({"operation": "upload", "transfers": ["basic"], "hash_algo": "sha256",
+                        "objects": [{"oid": o, "size": 4096} for o in sha]}).encode()
+    req = urllib.request.Request(f"{hub.endpoint}/{REPO}.git/info/lfs/objects/batch", batch,
+                                 auth, method="POST")
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        hrefs = [o["actions"]["upload"]["href"] for o in json.loads(resp.read())["objects"]]
+
+    def put(i: int) -> int:
+        put_req = urllib.request.Request(hrefs[i], blobs[i], method="PUT")
+        with urllib.request.urlopen(put_req, timeout=30) as resp:
+            return resp.status
+
+    hub.hold_lfs_uploads(after=1)
+    assert put(0) == 200
+    outcome: list[BaseException | int] = []
+    thread = threading.Thread(target=lambda: outcome.append(_catch(put, 1)))
+    thread.start()
+    for _ in range(400):
+        if hub.held_lfs_uploads:
+            break
+        thread.join(0.05)
+    assert hub.held_lfs_uploads == 1 and thread.is_alive() and sha[1] not in hub.lfs_objects(REPO)
+    hub.release_lfs_uploads()
+    thread.join(30)
+    assert not thread.is_alive() and hub.held_lfs_uploads == 0
+    assert isinstance(outcome[0], (http.client.RemoteDisconnected, ConnectionError))
+    assert put(2) == 200
+    assert set(hub.lfs_objects(REPO)) == {sha[0], sha[2]}
+    assert hub.lfs_uploads() == 3  # received: stored, dropped, stored
+
+
+def _catch(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+        return exc

@@ -174,6 +174,9 @@ def _add_push(sub: LazySubcommands) -> None:
                     "that the export does not have (*.safetensors, pytorch_model*.bin, "
                     "*.index.json); without it such files make push refuse (exit 5)")
     sp.add_argument("--message", default=None, help="commit message")
+    sp.add_argument("--files-per-commit", type=int, default=None, metavar="N",
+                    help="commit in batches of at most N operations (for a Hub that limits "
+                    "them), the index, config.json and deletions in the last")
     sp.add_argument("--endpoint", default=None,
                     help="Hub URL (default: HF_ENDPOINT, else huggingface.co)")
     sp.add_argument("--token", default=None,

@@ -240,9 +240,16 @@ def cmd_push(args: argparse.Namespace) -> int:
     done = push(args.uri, args.repo_id, revision=args.revision,
                 private=True if args.private else None, create_pr=args.create_pr,
                 replace=args.replace, commit_message=args.message,
-                storage_options=args.options, endpoint=args.endpoint, token=args.token)
+                storage_options=args.options, endpoint=args.endpoint, token=args.token,
+                files_per_commit=args.files_per_commit, progress=sys.stderr.isatty())
+    where = "same" if len(done.commits) < 2 else "last"
     for path in done.replaced:
-        print(f"replaced {path} (deleted in the same commit: the export does not have it)")
+        print(f"replaced {path} (deleted in the {where} commit: the export does not have it)")
+    for url in done.commits:  # batches before the last (or all, under a pull request)
+        if url != done.url:
+            print(url)
+    if not done.commits:
+        print("the repo already holds this export: nothing committed")
     print(done.url)
     return EXIT_OK
 

@@ -30,6 +30,7 @@ from cloudckpt.core import kinds
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
 from cloudckpt.dcp.metadata import pack_item_crcs
 from cloudckpt.errors import ConfigError, CorruptCheckpointError
+from cloudckpt.hf.hub import HUB_FILE_LIMIT
 from cloudckpt.hf.lazy import TENSOR_CRCS
 from cloudckpt.movement.transfer import download  # noqa: F401 - public here as hf.download
 from cloudckpt.util.crc import crc32c_hex
@@ -112,7 +113,7 @@ def export(
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
         # "dtype" since transformers 4.56; "torch_dtype" for the releases before it.
         config_doc["dtype"] = config_doc["torch_dtype"] = str(dtype).removeprefix("torch.")
-    shards = _plan_shards(state, parse_size(max_shard_size))
+    shards = _plan_shards(state, parse_size(max_shard_size), HUB_FILE_LIMIT)
     files = [SINGLE] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     with CheckpointWriter(uri, kind=KIND, storage_options=storage_options, takeover=takeover,
@@ -206,18 +207,41 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _plan_shards(state: Mapping[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
-    """Greedy in state-dict order, a new shard when the next tensor would overflow."""
+def _plan_shards(state: Mapping[str, torch.Tensor], max_bytes: int, limit: int
+                 ) -> list[list[str]]:
+    """Greedy in state-dict order, a new shard when the next tensor would overflow
+    ``max_bytes``, or take the file, header included, past ``limit`` (the Hub's per-file
+    limit: every shard of an export can be pushed)."""
+    if max_bytes > limit:
+        log.warning("max_shard_size %d is above the Hub's limit of %d bytes per file; "
+                    "shards are kept below the limit", max_bytes, limit)
     shards: list[list[str]] = [[]]
-    size = 0
+    size, file = 0, _HEADER_BASE  # the shard's tensor bytes; its file's, at most
     for name, t in state.items():
-        n = _nbytes(t)
-        if shards[-1] and size + n > max_bytes:
+        n, entry = _nbytes(t), _header_bound(name, t)
+        if _HEADER_BASE + entry + n > limit:
+            raise ConfigError(
+                f"tensor {name!r} is {n} bytes: a file holding it would be above the Hub's "
+                f"limit of {limit} bytes per file, and a tensor cannot be split across "
+                "shards; such a model cannot be exported for the Hub")
+        if shards[-1] and (size + n > max_bytes or file + entry + n > limit):
             shards.append([])
-            size = 0
+            size, file = 0, _HEADER_BASE
         shards[-1].append(name)
         size += n
+        file += entry + n
     return shards
+
+
+#: Bytes of a safetensors file besides its tensors' entries: the length, the metadata
+#: entry, braces and padding.
+_HEADER_BASE = 64
+
+
+def _header_bound(name: str, t: torch.Tensor) -> int:
+    """An upper bound on the bytes ``name``'s entry takes in a safetensors header."""
+    entry = {name: {"dtype": "F8_E4M3", "shape": list(t.shape), "data_offsets": [2**64] * 2}}
+    return len(json.dumps(entry))
 
 
 def _write_safetensors(out: Any, tensors: Mapping[str, torch.Tensor]) -> list[tuple[int, str]]:

@@ -2,31 +2,36 @@
 
 Only an HF export (manifest kind ``"hf"``, with ``config.json`` and weights) is
 pushed: a DCP or training checkpoint is refused before any request reaches the
-Hub, naming what to convert it with. The export is downloaded and every file
-checked against its manifest first; a torn or corrupt export is refused there.
+Hub, naming what to convert it with. So is an export holding a file above the
+Hub's per-file limit (:data:`HUB_FILE_LIMIT`), seen in the manifest's sizes.
+The export is downloaded and every file checked against its manifest first; a torn
+or corrupt export is refused there.
 
 The push leaves the repo holding exactly one model: weight files at the repo's
 root that the export does not have (``*.safetensors``, ``pytorch_model*.bin``,
 ``*.index.json``: what ``from_pretrained`` reads) would sit beside the new ones,
 so the push refuses to commit over them unless told ``replace=True``, which
-deletes exactly those in the same commit. Nothing else in the repo is touched.
-The commit is made on the revision that was inspected (``parent_commit``), so a
-concurrent change makes it fail instead of leaving a mix.
+deletes exactly those in the (last) commit. Nothing else in the repo is touched.
 
-Large files go through LFS as ``huggingface_hub`` decides. The token comes from
-the argument or the usual places (``HF_TOKEN``, a saved login) and is never logged.
+Every LFS object is uploaded before anything is committed; the LFS batch API says
+which the Hub already has (an interrupted push, run again, sends only the rest).
+Then one commit adds the files that changed, made on the revision inspected
+(``parent_commit``), so a concurrent change makes it fail instead of leaving a mix.
+Where the Hub limits operations per commit, ``files_per_commit`` makes several,
+each on the one before, with the index, ``config.json`` and the deletions last: until
+the last lands, the repo serves the old model or none, never an index naming shards
+it lacks. The token comes from the argument or the usual places (``HF_TOKEN``, a
+saved login) and is never logged.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import inspect
 import json
 import logging
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,41 +39,43 @@ from typing import Any
 from cloudckpt.core import kinds
 from cloudckpt.core.checkpoint import Checkpoint, open_checkpoint
 from cloudckpt.core.manifest import MANIFEST_NAME
-from cloudckpt.errors import (
-    AccessDeniedError,
-    CloudCkptError,
-    CommitConflictError,
-    ConfigError,
-    StorageError,
+from cloudckpt.errors import CloudCkptError, CommitConflictError, ConfigError
+from cloudckpt.hf.hubcommit import (
+    WEIGHT_PATTERNS,
+    hash_all,
+    hub_errors,
+    is_index,
+    is_weight_file,
+    make_commits,
+    plan_commits,
+    progress_bars,
+    unchanged,
+    upload_missing,
 )
+from cloudckpt.hf.lazy import read_header
 from cloudckpt.movement.transfer import download
 from cloudckpt.runtime.pending import run_in_background
-from cloudckpt.storage.retry import describe
 
 log = logging.getLogger("cloudckpt.hf.hub")
 
-__all__ = ["WEIGHT_PATTERNS", "PushJob", "PushResult", "push", "push_in_background",
-           "push_to_hub"]
+__all__ = ["HUB_FILE_LIMIT", "WEIGHT_PATTERNS", "PushJob", "PushResult", "push",
+           "push_in_background", "push_to_hub"]
 
-#: Names at a repo's root that ``from_pretrained`` may load weights from; a push
-#: never leaves ones the export does not have beside the new weights.
-WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.index.json")
+#: The largest file the Hub stores (50 GB); :func:`cloudckpt.hf.export` shards below it.
+HUB_FILE_LIMIT = 50 * 10**9
 
 
 @dataclass(frozen=True)
 class PushResult:
-    """What a push did: the commit (or pull request) URL, the files it added or
-    overwrote, and the repo's weight files it deleted (``replace=True``)."""
+    """What a push did: the last commit's (or the pull request's) URL, the files it added
+    or overwrote, the repo's weight files it deleted (``replace=True``), and every commit
+    made, oldest first (several with ``files_per_commit``; none when the repo already
+    held the export)."""
 
     url: str
     pushed: tuple[str, ...]
     replaced: tuple[str, ...] = ()
-
-
-def _is_weight_file(path: str) -> bool:
-    """Whether ``path`` in a repo is a weight file or shard index ``from_pretrained``
-    reads: at the root only (a subfolder is another model's, or nobody's)."""
-    return "/" not in path and any(fnmatch.fnmatchcase(path, p) for p in WEIGHT_PATTERNS)
+    commits: tuple[str, ...] = ()
 
 
 def push_to_hub(uri: str, repo_id: str, **options: Any) -> str:
@@ -89,39 +96,92 @@ def push(
     replace: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     endpoint: str | None = None,
+    max_file_size: int = HUB_FILE_LIMIT,
+    files_per_commit: int | None = None,
+    progress: bool | None = None,
 ) -> PushResult:
-    """Verify the HF export at ``uri``, then push it to ``repo_id`` in one commit; return
-    the commit (or pull request) URL, the files pushed and the files replaced. The repo
-    is created when missing. Weight files already in the repo that the export does not
-    have are refused (``CommitConflictError``) unless ``replace``, which deletes them
-    in the same commit."""
-    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
+    """Verify the HF export at ``uri``, upload its LFS objects the Hub lacks, then commit
+    the files that changed to ``repo_id`` (created when missing); return the commit (or
+    pull request) URL, the files pushed and the files replaced.
+
+    A file above ``max_file_size`` is refused before any request. Weight files already
+    in the repo that the export does not have are refused (``CommitConflictError``)
+    unless ``replace``, which deletes them in the last commit. ``files_per_commit``:
+    at most that many operations per commit, for a Hub that limits them. ``progress``
+    shows or hides ``huggingface_hub``'s upload bars (``None``: as configured)."""
+    from huggingface_hub import CommitOperationAdd, HfApi
 
     ckpt = open_checkpoint(uri, storage_options)
     files = _export_files(ckpt, storage_options)  # not an HF export: refused before any download
-    with tempfile.TemporaryDirectory(prefix="cloudckpt-push-") as tmp:
+    _check_sizes(ckpt, files, max_file_size)
+    if files_per_commit is not None and files_per_commit < 1:
+        raise ConfigError(f"files_per_commit must be at least 1, not {files_per_commit}")
+    with tempfile.TemporaryDirectory(prefix="cloudckpt-push-") as tmp, progress_bars(progress):
         local = download(ckpt, tmp)  # checks every byte: corrupt exports stop here
-        _check_indexes(local, files, ckpt.uri)
+        shards = _check_indexes(local, files, ckpt.uri)
         api = HfApi(endpoint=endpoint, token=token)
         what = f"pushing {ckpt.uri} to {repo_id}"
-        with _hub_errors(what, api.endpoint, revision):
+        with hub_errors(what, api.endpoint, revision):
             api.create_repo(repo_id, private=private, exist_ok=True)
-            head = api.model_info(repo_id, revision=revision)
-        stale = _stale_weights((s.rfilename for s in head.siblings or ()), files)
+            head = api.model_info(repo_id, revision=revision, files_metadata=True)
+        held = {s.rfilename: s for s in head.siblings or ()}
+        stale = _stale_weights(held, files)
         if stale and not replace:
             raise _stale_refusal(repo_id, revision, stale)
+        adds = {p: CommitOperationAdd(path_in_repo=p, path_or_fileobj=str(local / p))
+                for p in files}
+        hash_all(adds.values())
+        changed = [p for p in files if not unchanged(held.get(p), adds[p], local / p)]
+        plan = plan_commits(changed, stale, files, set(held), shards, files_per_commit)
+        if not plan:
+            url = f"{api.endpoint}/{repo_id}/commit/{head.sha}"
+            log.info("%s (revision %s) already holds %s: nothing to commit", repo_id,
+                     revision, ckpt.uri)
+            return PushResult(url, (), (), ())
         if stale:
             log.info("replacing %s in %s: weight files the export does not have, deleted "
-                     "in the same commit", ", ".join(stale), repo_id)
-        ops: list[Any] = [CommitOperationAdd(path_in_repo=p, path_or_fileobj=str(local / p))
-                          for p in files]
-        ops += [CommitOperationDelete(path_in_repo=p) for p in stale]
-        with _hub_errors(what, api.endpoint, revision):
-            info = api.create_commit(repo_id, ops, commit_message=commit_message or _message(
-                ckpt), revision=revision, create_pr=create_pr, parent_commit=head.sha)
-    url = info.pr_url if create_pr and getattr(info, "pr_url", None) else info.commit_url
-    log.info("pushed %s (%d files) to %s: %s", ckpt.uri, len(files), repo_id, url)
-    return PushResult(str(url), tuple(files), tuple(stale))
+                     "in the %s commit", ", ".join(stale), repo_id,
+                     "same" if len(plan) == 1 else "last")
+        with hub_errors(what, api.endpoint, revision):
+            upload_missing(api, repo_id, [adds[p] for p in changed], revision, create_pr, token)
+            urls, url = make_commits(api, repo_id, plan, adds, local, revision, create_pr,
+                                     head.sha, commit_message or _message(ckpt))
+    log.info("pushed %s (%d files, %d commit(s)) to %s: %s", ckpt.uri, len(changed),
+             len(urls), repo_id, url)
+    return PushResult(url, tuple(changed), tuple(stale), tuple(urls))
+
+
+def _check_sizes(ckpt: Checkpoint, files: list[str], limit: int) -> None:
+    """Refuse a file the Hub would refuse, before anything is downloaded or sent."""
+    over = [(p, ckpt.entry(p).size) for p in files if ckpt.entry(p).size > limit]
+    if not over:
+        return
+    listed = ", ".join(f"{p} is {_gb(n)}" for p, n in over)
+    message = (f"{ckpt.uri}: {listed}, above the Hub's limit of {_gb(limit)} per file; "
+               "nothing was pushed. Export the model again with smaller shards: "
+               f"cloudckpt.hf.export(..., max_shard_size=...) below {_gb(limit)} (or "
+               "`cloudckpt convert dcp-to-hf ... --max-shard-size`), and push that")
+    tensors = [t for t in (_largest_tensor(ckpt, p) for p, _ in over) if t is not None]
+    big = max(tensors, key=lambda t: t[1], default=None)
+    if big is not None and big[1] > limit:
+        message += (f". But its tensor {big[0]!r} alone is {_gb(big[1])}: a tensor cannot "
+                    "be split across shards, so no shard size brings it below the limit")
+    raise ConfigError(message)
+
+
+def _gb(n: int) -> str:
+    return f"{n} bytes ({n / 10**9:.2f} GB)"
+
+
+def _largest_tensor(ckpt: Checkpoint, path: str) -> tuple[str, int] | None:
+    """The biggest tensor of a safetensors file, from its header alone (``None`` when
+    it cannot be read)."""
+    try:
+        spans = read_header(ckpt, path).tensors.values()
+    except CloudCkptError:
+        return None
+    big = max(spans, key=lambda s: s.nbytes, default=None)
+    return None if big is None else (big.name, big.nbytes)
 
 
 def _export_files(ckpt: Checkpoint, storage_options: Mapping[str, Any] | None = None
@@ -137,7 +197,7 @@ def _export_files(ckpt: Checkpoint, storage_options: Mapping[str, Any] | None = 
     missing = [name for name, ok in (
         ("config.json", "config.json" in files),
         ("weights (*.safetensors or pytorch_model*.bin)",
-         any(_is_weight_file(p) and not p.endswith(".index.json") for p in files)))
+         any(is_weight_file(p) and not p.endswith(".index.json") for p in files)))
         if not ok]
     if missing:
         raise ConfigError(f"{ckpt.uri} is an HF export without {' or '.join(missing)}: "
@@ -150,7 +210,7 @@ def _stale_weights(repo_files: Iterable[str], export: Iterable[str]) -> list[str
     """The repo's root weight files the export does not have: left beside the new ones,
     ``from_pretrained`` would read the wrong model or fail."""
     ours = set(export)
-    return sorted(p for p in repo_files if _is_weight_file(p) and p not in ours)
+    return sorted(p for p in repo_files if is_weight_file(p) and p not in ours)
 
 
 def _describe_kind(kind: str) -> str:
@@ -183,11 +243,11 @@ def _what_to_pass(uri: str, kind: str, storage_options: Mapping[str, Any] | None
             f"checkpoint holding DCP shards with {convert}")
 
 
-def _check_indexes(local: Path, files: list[str], uri: str) -> None:
+def _check_indexes(local: Path, files: list[str], uri: str) -> set[str]:
     """Every shard an index names is in the export: a repo is never left pointing at
-    shards this push does not bring (or is about to delete)."""
-    have = set(files)
-    for index in (p for p in files if _is_weight_file(p) and p.endswith(".index.json")):
+    shards this push does not bring (or is about to delete). Returns the shards named."""
+    have, named = set(files), set()
+    for index in (p for p in files if is_index(p)):
         try:
             shards = set(json.loads((local / index).read_text())["weight_map"].values())
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -196,6 +256,8 @@ def _check_indexes(local: Path, files: list[str], uri: str) -> None:
         if shards - have:
             raise ConfigError(f"{uri}: {index} names shards the export does not have: "
                               f"{', '.join(sorted(shards - have))}; export the model again")
+        named |= shards
+    return named
 
 
 def _stale_refusal(repo_id: str, revision: str, stale: list[str]) -> CommitConflictError:
@@ -209,45 +271,6 @@ def _stale_refusal(repo_id: str, revision: str, stale: list[str]) -> CommitConfl
 def _message(ckpt: Checkpoint) -> str:
     name = Path(ckpt.uri).name
     return f"Upload {name} (step {ckpt.step})" if ckpt.step is not None else f"Upload {name}"
-
-
-@contextmanager
-def _hub_errors(what: str, endpoint: str, revision: str) -> Iterator[None]:
-    """The Hub's HTTP errors as cloudckpt errors saying what to check (the token is
-    never quoted: huggingface_hub's messages do not carry it)."""
-    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RevisionNotFoundError
-
-    try:
-        yield
-    except HFValidationError as exc:
-        raise ConfigError(f"{what}: {exc}") from None
-    except RevisionNotFoundError:
-        raise ConfigError(f"{what}: the repo has no branch {revision!r}; create it first "
-                          "(huggingface_hub's HfApi.create_branch) or push to main") from None
-    except HfHubHTTPError as exc:
-        status = getattr(getattr(exc, "response", None), "status_code", None)
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        if status in (401, 403):
-            raise AccessDeniedError(
-                f"{what}: the Hub at {endpoint} refused the request (HTTP {status}: {first}). "
-                "Use a token with write access to the repository: --token, HF_TOKEN, or "
-                "`hf auth login`") from None
-        if status == 412:  # parent_commit: someone committed after the repo was inspected
-            raise CommitConflictError(
-                f"{what}: revision {revision} changed on the Hub while pushing (HTTP 412); "
-                "nothing was pushed: push again") from None
-        raise StorageError(f"{what} failed: the Hub at {endpoint} answered HTTP {status}: "
-                           f"{first}") from None
-    except Exception as exc:
-        # Connection refused, DNS, timeouts: OSErrors, or the HTTP client's own errors.
-        transport = isinstance(exc, OSError) or type(exc).__name__ in (
-            "ConnectError", "ConnectTimeout", "ReadTimeout", "NetworkError", "TransportError",
-            "RemoteProtocolError", "ConnectionError", "Timeout")
-        if not transport:
-            raise
-        raise StorageError(f"{what} failed: cannot reach the Hub at {endpoint} "
-                           f"({describe(exc)}); check --endpoint (HF_ENDPOINT) and the "
-                           "network") from None
 
 
 class PushJob:

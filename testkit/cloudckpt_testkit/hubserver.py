@@ -12,6 +12,13 @@ folder deletions, ``parent_commit`` refused with 412 once the branch moved,
 ranges, paginated ``tree`` listing), ``get_paths_info``, ``list_repo_refs``,
 ``list_repo_commits``, ``delete_repo`` and ``whoami``.
 
+Limits the Hub enforces can be set to test a client against them: a per-file size
+(``max_file_size``: the LFS batch answers a bigger object with a per-object error)
+and a number of operations per commit (``max_commit_operations``: a bigger commit is
+refused with HTTP 422, changing nothing). :meth:`HubServer.hold_lfs_uploads` holds
+LFS uploads unanswered after a number of them, so a test can kill a client mid-push
+at a known point.
+
 Client setup: ``huggingface_hub`` reads ``HF_HUB_DISABLE_XET``,
 ``HF_HUB_OFFLINE``, ``HF_ENDPOINT`` and the cache paths when it is *imported*;
 set them before that import or patch ``huggingface_hub.constants``. Xet must be
@@ -165,6 +172,10 @@ class _Response:
     content_type: str = "application/json"
 
 
+class _DropConnection(Exception):
+    """Close the connection without an answer (an upload cut off mid-way)."""
+
+
 class _HubError(Exception):
     """An HTTP error answer, with the Hub's ``X-Error-Code``/``X-Error-Message`` headers."""
 
@@ -266,6 +277,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             response = hub._handle(self.command, self.path, self.headers, body)
+        except _DropConnection:
+            self.close_connection = True
+            return
         except _HubError as exc:
             response = exc.response()
         except Exception as exc:  # a bug here must surface as a 500, not a hung client
@@ -325,6 +339,10 @@ class HubServer(StartStop):
         multipart_chunk_size: if set, LFS objects larger than this are uploaded with the
             multipart transfer in parts of this size; otherwise with one PUT.
         tree_page_size: entries per page of ``/tree`` listings (the Hub uses 1000).
+        max_file_size: if set, the LFS batch answers an object larger than this (bytes)
+            with a per-object error (``File too large``) instead of upload actions.
+        max_commit_operations: if set, a commit with more operations (additions and
+            deletions) is refused with HTTP 422 (``Too many operations``).
     """
 
     #: Namespace of repos created without one, and ``whoami`` name.
@@ -337,6 +355,8 @@ class HubServer(StartStop):
         lfs_threshold: int = 10 * 1024 * 1024,
         multipart_chunk_size: int | None = None,
         tree_page_size: int = 1000,
+        max_file_size: int | None = None,
+        max_commit_operations: int | None = None,
     ) -> None:
         if multipart_chunk_size is not None and multipart_chunk_size <= 0:
             raise ValueError("multipart_chunk_size must be positive")
@@ -346,12 +366,17 @@ class HubServer(StartStop):
         self.lfs_threshold = lfs_threshold
         self.multipart_chunk_size = multipart_chunk_size
         self.tree_page_size = tree_page_size
+        self.max_file_size = max_file_size
+        self.max_commit_operations = max_commit_operations
         #: ``(method, path)`` of every request received, query string left out.
         self.requests: list[tuple[str, str]] = []
         self._lock = threading.RLock()
         self._repos: dict[_RepoKey, _Repo] = {}
         self._uploads: dict[str, _PendingUpload] = {}
         self._counter = 0
+        self._hold_after: int | None = None  # uploads let through before holding
+        self._held = 0
+        self._release = threading.Event()
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -388,6 +413,7 @@ class HubServer(StartStop):
         thread, self._thread = self._thread, None
         if server is None:
             return
+        self.release_lfs_uploads()
         server.shutdown()
         server.server_close()
         server.drop_connections()
@@ -428,6 +454,55 @@ class HubServer(StartStop):
                 }
                 for c in repo.commits.values()
             ]
+
+    def lfs_objects(self, repo_id: str, *, repo_type: str = "model") -> dict[str, int]:
+        """The LFS objects stored for the repo, committed or not: sha256 -> size."""
+        with self._lock:
+            return {oid: len(data) for oid, data in
+                    self._get_repo(repo_type, repo_id).lfs.items()}
+
+    def lfs_uploads(self) -> int:
+        """How many LFS object uploads were received (basic PUTs and multipart
+        completions), stored or not."""
+        with self._lock:
+            return sum(1 for m, p in self.requests if p.startswith(f"/{_UPLOAD_PREFIX}/") and (
+                (m == "PUT" and p.count("/") == 2) or m == "POST"))
+
+    def hold_lfs_uploads(self, after: int = 0) -> None:
+        """Let ``after`` more LFS object uploads through, then hold each further one
+        unanswered (nothing stored) until :meth:`release_lfs_uploads`."""
+        with self._lock:
+            self._hold_after = after
+            self._release = threading.Event()
+
+    @property
+    def held_lfs_uploads(self) -> int:
+        """How many LFS uploads are being held now."""
+        with self._lock:
+            return self._held
+
+    def release_lfs_uploads(self) -> None:
+        """Stop holding: the held uploads are dropped (their connections closed, nothing
+        stored, as when the client died mid-way); later uploads go through."""
+        with self._lock:
+            self._hold_after = None
+            self._release.set()
+
+    def _admit_upload(self) -> None:
+        """Count one object upload against :meth:`hold_lfs_uploads`; a held one waits
+        for the release, then drops its connection."""
+        with self._lock:
+            if self._hold_after is None:
+                return
+            if self._hold_after > 0:
+                self._hold_after -= 1
+                return
+            self._held += 1
+            release = self._release
+        release.wait()
+        with self._lock:
+            self._held -= 1
+        raise _DropConnection
 
     def refs(self, repo_id: str, *, repo_type: str = "model") -> dict[str, str]:
         """Branches and ``refs/pr/N`` refs of the repo, name -> commit sha."""
@@ -828,6 +903,11 @@ class HubServer(StartStop):
                 out.append({"oid": str(oid), "size": size if isinstance(size, int) else -1,
                             "error": {"code": 422, "message": "Invalid oid or size"}})
                 continue
+            if self.max_file_size is not None and size > self.max_file_size:
+                out.append({"oid": oid, "size": size, "error": {
+                    "code": 422, "message": f"File too large: {size} bytes, over the limit of "
+                                            f"{self.max_file_size} bytes per file"}})
+                continue
             stored = repo.lfs.get(oid)
             if stored is not None and len(stored) == size:
                 out.append({"oid": oid, "size": size})  # already there: no actions
@@ -867,6 +947,7 @@ class HubServer(StartStop):
         if upload is None or len(segments) > 2:
             raise _HubError(404, "Unknown or expired upload URL")
         if method == "PUT" and len(segments) == 1 and upload.chunk_size is None:
+            self._admit_upload()
             self._store_lfs(upload, body)
             return _Response(200, headers={"ETag": f'"{hashlib.md5(body).hexdigest()}"'})
         if method == "PUT" and len(segments) == 2 and upload.chunk_size is not None:
@@ -877,6 +958,7 @@ class HubServer(StartStop):
                 upload.parts[int(segments[1])] = body
             return _Response(200, headers={"ETag": f'"{etag}"'})
         if method == "POST" and len(segments) == 1 and upload.chunk_size is not None:
+            self._admit_upload()
             return self._complete_multipart(upload, _load_json(body))
         raise _HubError(405, f"{method} not allowed on this upload URL")
 
@@ -919,6 +1001,10 @@ class HubServer(StartStop):
         if not lines or lines[0].get("key") != "header":
             raise _HubError(400, "Commit payload must start with a 'header' line")
         header = lines[0].get("value") or {}
+        n_ops = len(lines) - 1
+        if self.max_commit_operations is not None and n_ops > self.max_commit_operations:
+            raise _HubError(422, f"Too many operations in one commit: {n_ops}, at most "
+                                 f"{self.max_commit_operations}; split it into several commits")
         title = header.get("summary")
         if not isinstance(title, str) or not title:
             raise _HubError(400, "Commit summary is required")
