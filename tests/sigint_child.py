@@ -29,8 +29,6 @@ def main() -> None:
     how, uri = sys.argv[1], sys.argv[2]
     options = json.loads(os.environ.get("CKPT_OPTIONS", "{}"))
     state = {f"t{i}": torch.full((512, 1024), float(i)) for i in range(16)}  # 32 MiB
-    print("ready", flush=True)
-    start = time.monotonic()
 
     def save() -> None:
         if how == "manager":
@@ -38,11 +36,14 @@ def main() -> None:
         else:
             cdcp.save(state, uri, storage_options=options)
 
+    start = time.monotonic()
     if os.environ.get("CATCH") == "0":
+        print("ready", flush=True)
         save()
         print("saved", flush=True)
         return
-    try:
+    try:  # "ready" inside: a signal right after it lands in the save, not before the try
+        print("ready", flush=True)
         save()
     except KeyboardInterrupt:
         print(f"interrupted {time.monotonic() - start:.3f}", flush=True)
