@@ -73,8 +73,9 @@ bench: setup
 	$(PY) benchmarks/hf_bench.py --max-shard-size 20MB
 	$(PY) benchmarks/contents_bench.py
 	$(PY) benchmarks/scale_sim.py
-	$(PY) -m pip install -q s3torchconnector  # a peer of the memory benchmark only
+	$(PY) -m pip install -q "$(TORCH_PIN)" s3torchconnector multi-storage-client obstore  # peers only
 	$(PY) benchmarks/memory_bench.py
+	$(PY) benchmarks/peers_bench.py
 
 # A user's `pip install .` (no extras) and `pip install ".[hf]"`, each into a fresh
 # virtualenv with torch: fails when either resolves or installs for over 180 s,
