@@ -20,7 +20,7 @@ from typing import Any
 from cloudckpt.core.checkpoint import Checkpoint, open_checkpoint
 from cloudckpt.core.manifest import Manifest
 from cloudckpt.errors import ManifestError
-from cloudckpt.hf.lazy import INDEX_SUFFIX, read_header, tensor_checksums
+from cloudckpt.hf.lazy import DTYPES, INDEX_SUFFIX, read_header, tensor_checksums
 from cloudckpt.names import MANIFEST_NAME
 
 __all__ = ["Contents", "Entry", "OtherFile", "list_contents"]
@@ -28,11 +28,6 @@ __all__ = ["Contents", "Entry", "OtherFile", "list_contents"]
 DCP_METADATA = ".metadata"
 DCP_SUFFIX = ".distcp"
 SAFETENSORS = ".safetensors"
-#: safetensors dtype codes as torch names them.
-_DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-                "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-                "BOOL": "bool", "U16": "uint16", "U32": "uint32", "U64": "uint64",
-                "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64"}
 
 
 @dataclass(frozen=True)
@@ -215,7 +210,7 @@ def _safetensors_entries(ckpt: Checkpoint, path: str, crcs: Any) -> list[Entry]:
     out = []
     for name, span in header.tensors.items():
         crc = crcs.get(path, span.start) if crcs is not None else None
-        out.append(Entry(name, part, "safetensors", _DTYPE_NAMES.get(span.dtype, span.dtype),
+        out.append(Entry(name, part, "safetensors", DTYPES[span.dtype][0],
                          span.shape, span.nbytes, 1, (path,),
                          None if crc is None else (("", crc),)))
     return out

@@ -153,7 +153,7 @@ def push(
 
 def _check_sizes(ckpt: Checkpoint, files: list[str], limit: int) -> None:
     """Refuse a file the Hub would refuse, before anything is downloaded or sent."""
-    over = [(p, ckpt.entry(p).size) for p in files if ckpt.entry(p).size > limit]
+    over = [(p, n) for p, n in ((p, ckpt.entry(p).size) for p in files) if n > limit]
     if not over:
         return
     listed = ", ".join(f"{p} is {_gb(n)}" for p, n in over)
@@ -197,7 +197,7 @@ def _export_files(ckpt: Checkpoint, storage_options: Mapping[str, Any] | None = 
     missing = [name for name, ok in (
         ("config.json", "config.json" in files),
         ("weights (*.safetensors or pytorch_model*.bin)",
-         any(is_weight_file(p) and not p.endswith(".index.json") for p in files)))
+         any(is_weight_file(p) and not is_index(p) for p in files)))
         if not ok]
     if missing:
         raise ConfigError(f"{ckpt.uri} is an HF export without {' or '.join(missing)}: "

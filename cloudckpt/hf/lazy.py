@@ -37,10 +37,13 @@ __all__ = ["HEADER_PROBE", "ExportReader", "SafetensorsHeader", "TensorSpan", "l
 HEADER_PROBE = 64 * 1024
 #: A header larger than this is refused as corrupt (safetensors' own limit is 100 MB).
 HEADER_MAX = 100 * 1000 * 1000
-#: Bytes per element of each safetensors dtype code.
-ELEMENT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
-                 "I8": 1, "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1,
-                 "F8_E5M2": 1, "C64": 8}
+#: Each safetensors dtype code: torch's name for it and the bytes of one element.
+DTYPES = {"F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2),
+          "BF16": ("bfloat16", 2), "I64": ("int64", 8), "I32": ("int32", 4),
+          "I16": ("int16", 2), "I8": ("int8", 1), "U8": ("uint8", 1), "BOOL": ("bool", 1),
+          "U16": ("uint16", 2), "U32": ("uint32", 4), "U64": ("uint64", 8),
+          "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
+          "C64": ("complex64", 8)}
 INDEX_SUFFIX = ".index.json"
 #: Manifest metadata key of the per-tensor checksums (packed as DCP item checksums are).
 TENSOR_CRCS = "tensor_crcs"
@@ -114,12 +117,12 @@ def _span(ckpt: Checkpoint, path: str, name: str, info: Any, base: int, size: in
         begin, end = (int(x) for x in info["data_offsets"])
     except (TypeError, KeyError, ValueError) as exc:
         raise _corrupt(ckpt, path, f"tensor {name!r} has a malformed entry ({exc!r})") from None
-    if dtype not in ELEMENT_BYTES:
+    if dtype not in DTYPES:
         raise _corrupt(ckpt, path, f"tensor {name!r} has unknown dtype {dtype!r}")
     numel = 1
     for d in shape:
         numel *= d
-    if not 0 <= begin <= end or base + end > size or end - begin != numel * ELEMENT_BYTES[dtype]:
+    if not 0 <= begin <= end or base + end > size or end - begin != numel * DTYPES[dtype][1]:
         raise _corrupt(ckpt, path, f"tensor {name!r} has bytes [{begin}, {end}) that do not "
                        f"hold {dtype}{list(shape)} inside the file")
     return TensorSpan(name, path, dtype, shape, base + begin, base + end)
@@ -234,13 +237,13 @@ def tensor_checksums(ckpt: Checkpoint) -> Any:
 
 
 def _torch_dtype(span: TensorSpan) -> torch.dtype:
-    from cloudckpt.hf.exporting import _DTYPES
+    import torch
 
-    for dtype, code in _DTYPES.items():
-        if code == span.dtype:
-            return dtype
-    raise ConfigError(f"tensor {span.name} has dtype {span.dtype}, which this torch cannot "
-                      "hold")
+    dtype = getattr(torch, DTYPES[span.dtype][0], None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"tensor {span.name} has dtype {span.dtype}, which this torch "
+                          "cannot hold")
+    return dtype
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
