@@ -22,7 +22,7 @@ import pytest
 import torch
 import yaml
 from dist_run import run_ranks
-from training_runs import launcher, losses, run_and_kill
+from training_runs import explain, launcher, losses, run_and_kill
 
 from cloudckpt import IncompleteCheckpointError, list_checkpoints, open_checkpoint, open_store
 from cloudckpt.cli import main as cloudckpt_cli
@@ -55,7 +55,7 @@ def run(backend, output_dir: str, ranks: int, *extra: str, ok: bool = True) -> s
     proc = subprocess.run(command(backend, output_dir, ranks, *extra), capture_output=True,
                           text=True, env=child_env(), timeout=240)
     if ok:
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.returncode == 0, explain(proc)
         assert "done" in proc.stdout
     return proc.stdout + proc.stderr
 
@@ -319,7 +319,7 @@ def test_converter_on_two_rank_checkpoint(s3, tmp_path, caplog):
          step_uri + "/", "--output_path", str(tmp_path / "model.pt"),
          "--storage-options", s3.options_json()],
         capture_output=True, text=True, env=child_env(), timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, explain(proc)
     converted = torch.load(tmp_path / "model.pt", weights_only=True)
     assert converted.keys() == full.keys()
     assert all(torch.equal(converted[k], full[k]) for k in full)

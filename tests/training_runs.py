@@ -32,10 +32,20 @@ def losses(output: str) -> dict[int, str]:
             if line.startswith("step ") and " loss " in line}
 
 
+def explain(proc: subprocess.CompletedProcess) -> str:
+    """What a failed run said: its last stdout lines and its stderr without torchrun's
+    own report, which otherwise fills the tail and hides the worker's traceback."""
+    ours = [line for line in proc.stderr.splitlines()
+            if "torch/distributed/elastic" not in line and "torch/distributed/run.py" not in line
+            and "torch/distributed/launcher" not in line]
+    out = proc.stdout.splitlines()[-10:]
+    return "\n".join([f"exit {proc.returncode}; stdout ends:", *out, "stderr:", *ours])[-6000:]
+
+
 def run_through(cmd: list[str], env: dict) -> str:
     """Run a training command to its end (it must succeed and say ``done``); its stdout."""
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, explain(proc)
     assert "done" in proc.stdout
     return proc.stdout
 
@@ -43,7 +53,7 @@ def run_through(cmd: list[str], env: dict) -> str:
 def run_crashing(cmd: list[str], env: dict, says: str) -> str:
     """Run a training command that crashes on purpose, saying ``says``; its stdout."""
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode != 0 and says in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode != 0 and says in proc.stdout, explain(proc)
     return proc.stdout
 
 
