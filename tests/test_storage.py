@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 
@@ -143,6 +144,40 @@ def test_environment_endpoint_is_used(s3, monkeypatch):
     store = open_store(s3.root, {"retry": s3.options["retry"]})
     store.put("env.bin", b"via environment")
     assert open_store(s3.root, s3.options).get("env.bin") == b"via environment"
+
+
+def test_s3_uploads_are_checksummed_and_not_hashed_again_into_the_signature(s3, moto_server):
+    """Over plain HTTP, every upload carries a checksum moto verifies, and no SHA-256 of
+    its body (botocore's HTTPS behaviour); signing the body is the user's to ask for, and
+    stays on where checksums are turned off."""
+    from cloudckpt_testkit import FaultProxy
+
+    def uploads(config: dict | None, data: bytes) -> list:
+        with FaultProxy(moto_server.endpoint) as proxy:
+            opts = {**s3.options, "endpoint_url": proxy.endpoint}
+            if config is not None:
+                opts["config_kwargs"] = config
+            store = open_store(s3.uri("unsigned"), opts)
+            store.put("put.bin", data)
+            store.put_if_absent("created.bin", data)
+            with store.open_write("streamed.bin") as w:
+                w.write(data)
+            for key in ("put.bin", "created.bin", "streamed.bin"):
+                assert store.get(key) == data
+            return [r.headers for r in proxy.request_log if r.method == "PUT"]
+
+    data = os.urandom(70_000)
+    default = uploads(None, data)
+    assert len(default) >= 3  # and the conditional-write probe's
+    for headers in default:
+        assert headers["x-amz-content-sha256"] == "UNSIGNED-PAYLOAD"
+        assert any(h.startswith("x-amz-checksum-crc32") for h in headers)
+    signed = uploads({"s3": {"payload_signing_enabled": True}}, data)
+    hashes = [h["x-amz-content-sha256"] for h in signed]
+    assert hashes.count(hashlib.sha256(data).hexdigest()) == 3
+    assert "UNSIGNED-PAYLOAD" not in hashes
+    unchecked = uploads({"request_checksum_calculation": "when_required"}, data)
+    assert all(h["x-amz-content-sha256"] != "UNSIGNED-PAYLOAD" for h in unchecked)
 
 
 def test_stores_pickle(backend):

@@ -34,7 +34,12 @@ from cloudckpt.storage.primitives import FsspecBackend
 from cloudckpt.storage.ranges import read_upto
 from cloudckpt.storage.retry import ONE_TRY, status_of
 from cloudckpt.storage.s3_errors import error_code as _code
-from cloudckpt.storage.s3_options import create_only_header, mask_credentials, s3fs_options
+from cloudckpt.storage.s3_options import (
+    create_only_header,
+    mask_credentials,
+    s3fs_options,
+    sends_checksums,
+)
 from cloudckpt.storage.writers import RawWriter
 from cloudckpt.util.crc import Buffer, Crc32c, crc32c_hex
 
@@ -70,9 +75,7 @@ class S3Backend(FsspecBackend):
         mask_credentials(options)
         fs = s3fs.S3FileSystem(**s3fs_options(options, self.max_concurrency))
         fs.retries = 1  # one attempt per s3fs call: retries are ours (see module doc)
-        # For servers without flexible checksums, botocore's own switch turns ours off too.
-        config = options.get("config_kwargs") or {}
-        self._send_checksums = config.get("request_checksum_calculation") != "when_required"
+        self._send_checksums = sends_checksums(options.get("config_kwargs") or {})
         return fs
 
     def _split(self, path: str) -> tuple[str, str]:
