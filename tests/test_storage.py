@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 
 import pytest
 
@@ -365,3 +366,20 @@ def test_the_backend_classifies_its_own_failures():
         store.get("gone")
     with pytest.raises(AccessDeniedError, match="access was denied"):
         store.put("denied", b"x")
+
+
+def test_stores_opened_one_after_another_reuse_the_io_threads(memory):
+    """Every save and load opens its stores afresh: their batches run on threads
+    started once per process, not per store, and a forked child starts its own."""
+    def threads_of(store) -> set[int]:
+        return set(store.map(lambda _: (time.sleep(0.01), threading.get_ident())[1],
+                             range(32)))
+
+    first = threads_of(open_store("memory://pool/a"))
+    later = threads_of(open_store("memory://pool/b", {"max_concurrency": 16}))
+    assert later <= first and len(first) > 1
+    pid = os.fork()
+    if pid == 0:  # the child: its batches run (on new threads) instead of waiting forever
+        os._exit(0 if len(threads_of(open_store("memory://pool/c"))) > 1 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

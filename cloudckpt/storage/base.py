@@ -114,7 +114,6 @@ class Store(ConditionalWritesMixin, BatchMixin, RangeReadMixin):
         self.backend: Backend = backend(root, protocol=protocol, storage_options=options,
                                         max_concurrency=max_concurrency)
         self.root = self.backend.root
-        self._reset_pool()  # one pool per root store, shared by its children (see child())
 
     # ------------------------------------------------------------------ naming
 
