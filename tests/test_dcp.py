@@ -335,3 +335,43 @@ def test_gloo_ranks_read_manifest_and_metadata_once_per_job(s3, moto_server, tmp
         assert all(t.endswith((MANIFEST_NAME, ".metadata", ".distcp")) for t in gets
                    if prefix in t), gets
         assert not [r for r in proxy.request_log if "list-type" in r.target]
+
+
+def test_items_reach_the_stream_in_a_few_writes_with_their_bytes_and_crcs():
+    """torch.save writes each tensor as ~40 pieces; the stream beneath sees a few per
+    item, and the same bytes, offsets and CRC32Cs as torch.save's own output."""
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    from cloudckpt.dcp.units import serialize
+    from cloudckpt.util.crc import crc32c_hex
+
+    class Recorder(io.BytesIO):
+        calls = 0
+
+        def write(self, data):  # type: ignore[override]
+            Recorder.calls += 1
+            return super().write(data)
+
+    class Item:
+        def __init__(self, data):
+            self.data, self.type = data, WriteItemType.TENSOR
+
+    class Planner:
+        def resolve_data(self, item):
+            return item.data
+
+    tensors = [torch.arange(n, dtype=torch.float32) for n in (1, 5000, 300_000, 7)]
+    out = Recorder()
+    placed = serialize([Item(t) for t in tensors], Planner(), out)
+    stream = out.getvalue()
+    assert Recorder.calls <= 3 * len(tensors)
+    pos = 0
+    for t, (_, start, length, crc) in zip(tensors, placed, strict=True):
+        alone = io.BytesIO()
+        torch.save(t, alone)
+        assert (start, length) == (pos, len(alone.getvalue()))
+        assert stream[start:start + length] == alone.getvalue()
+        assert crc == crc32c_hex(alone.getvalue())
+        assert torch.equal(torch.load(io.BytesIO(stream[start:start + length])), t)
+        pos += length
+    assert pos == len(stream)
