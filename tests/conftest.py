@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
-from cloudckpt_testkit import FakeGcsServer, MotoServer  # noqa: E402
+from cloudckpt_testkit import AzuriteServer, FakeGcsServer, MotoServer  # noqa: E402
 from helpers import HUB_TOKEN  # noqa: E402
 
 from cloudckpt.storage import RetryPolicy  # noqa: E402
@@ -84,6 +84,23 @@ def gcs(gcs_server) -> Backend:
     return Backend("gcs", f"gs://{BUCKET}/runs/{uuid.uuid4().hex[:8]}", opts, gcs_server.env())
 
 
+@pytest.fixture(scope="session")
+def azurite_server():
+    server = AzuriteServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def azure(azurite_server) -> Backend:
+    azurite_server.reset()
+    azurite_server.create_bucket(BUCKET)
+    opts = {**azurite_server.storage_options(), "retry": RetryPolicy(**FAST_RETRY)}
+    return Backend("azure", f"az://{BUCKET}/runs/{uuid.uuid4().hex[:8]}", opts,
+                   azurite_server.env())
+
+
 @pytest.fixture
 def local(tmp_path) -> Backend:
     return Backend("file", str(tmp_path / "store"), {"fsync": False})
@@ -94,7 +111,7 @@ def memory() -> Backend:
     return Backend("memory", f"memory://cloudckpt-tests/{uuid.uuid4().hex}")
 
 
-@pytest.fixture(params=["file", "memory", "s3", "gcs"])
+@pytest.fixture(params=["file", "memory", "s3", "gcs", "azure"])
 def backend(request) -> Backend:
     """Every backend in turn, each over a real endpoint where one exists."""
     return request.getfixturevalue({"file": "local"}.get(request.param, request.param))

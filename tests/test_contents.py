@@ -227,7 +227,7 @@ def test_load_tensors_of_an_hf_export_reads_only_their_byte_ranges(s3, proxied):
 # ------------------------------------------------------- every backend, errors
 
 
-@pytest.mark.parametrize("where", ["local", "s3", "gcs"])
+@pytest.mark.parametrize("where", ["local", "s3", "gcs", "azure"])
 def test_inspect_diff_and_partial_loads_over_each_backend(request, where):
     be = request.getfixturevalue(where)
     small = {f"model.l{i}.weight": torch.randn(16, 8) for i in range(6)}

@@ -67,7 +67,7 @@ def load_single(uri: str, options: dict | None = None) -> dict:
     return target
 
 
-@pytest.mark.parametrize("name", ["s3", "local", "gcs"])
+@pytest.mark.parametrize("name", ["s3", "local", "gcs", "azure"])
 def test_single_process_round_trip(request, name):
     backend = request.getfixturevalue(name)
     uri = backend.uri("step-1")
@@ -114,7 +114,7 @@ def test_sharded_save_reshards_bit_exact_on_s3(s3, tmp_path):
                     r: True for r in range(world)}
 
 
-@pytest.mark.parametrize("name", ["local", "gcs"])
+@pytest.mark.parametrize("name", ["local", "gcs", "azure"])
 def test_sharded_save_reshards_on_other_backends(request, name, tmp_path):
     backend = request.getfixturevalue(name)
     opts, uri, ref = backend.options_json(), backend.uri("w2"), str(tmp_path / "ref.pt")

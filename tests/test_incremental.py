@@ -32,7 +32,7 @@ from cloudckpt.runtime.state import StepInfo
 from cloudckpt.storage import open_store
 
 
-@pytest.fixture(params=["file", "s3", "gcs"])
+@pytest.fixture(params=["file", "s3", "gcs", "azure"])
 def where(request):
     return request.getfixturevalue("local" if request.param == "file" else request.param)
 

@@ -28,7 +28,7 @@ from cloudckpt.storage import open_store
 from cloudckpt.training import multipart
 
 
-@pytest.fixture(params=["file", "s3", "gcs"])
+@pytest.fixture(params=["file", "s3", "gcs", "azure"])
 def where(request):
     return request.getfixturevalue("local" if request.param == "file" else request.param)
 

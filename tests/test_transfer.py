@@ -382,7 +382,7 @@ def test_a_ranged_read_passes_the_sinks_error_through(local) -> None:
         store.read_range_to("missing.bin", 0, 10, lambda o, d: None)
 
 
-@pytest.mark.parametrize("name", ["s3", "gcs", "local"])
+@pytest.mark.parametrize("name", ["s3", "gcs", "local", "azure"])
 def test_a_ranged_read_into_buffers_scatters_and_checksums(request, name) -> None:
     """``read_range_into`` fills the buffers in turn with the range's bytes and
     returns their CRC32C; a range past the end is an EOFError."""

@@ -13,11 +13,12 @@ from cloudckpt.storage.window import ByteWindow, shared_window
 PART = 256 * 1024  # fake-gcs-server takes parts this small
 
 
-@pytest.mark.parametrize("where", ["gcs", "s3"])
+@pytest.mark.parametrize("where", ["gcs", "s3", "azure"])
 def test_parallel_writes_stay_within_the_window(where, request, monkeypatch):
-    from cloudckpt.storage import gcs, s3
+    from cloudckpt.storage import azure, gcs, s3
 
-    cls = gcs._ComposeWriter if where == "gcs" else s3._MultipartWriter
+    cls = {"gcs": gcs._ComposeWriter, "s3": s3._MultipartWriter,
+           "azure": azure._BlockWriter}[where]
     sending, most, lock = [0], [0], threading.Lock()
     real = cls._upload
 

@@ -41,6 +41,9 @@ _BACKENDS: dict[str, str] = {
     "s3a": "cloudckpt.storage.s3:S3Backend",
     "gs": "cloudckpt.storage.gcs:GCSBackend",
     "gcs": "cloudckpt.storage.gcs:GCSBackend",
+    "az": "cloudckpt.storage.azure:AzureBackend",
+    "abfs": "cloudckpt.storage.azure:AzureBackend",
+    "abfss": "cloudckpt.storage.azure:AzureBackend",
 }
 
 # A failure whose backend is not named (cloudckpt.storage.is_transient(exc), the
@@ -170,6 +173,6 @@ def _check_protocol(scheme: str, uri: str) -> None:
         close = difflib.get_close_matches(scheme, known, n=1, cutoff=0.5)
         hint = f" Did you mean {close[0]}://?" if close else ""
         raise ConfigError(f"unknown URL scheme {scheme}:// in {uri}.{hint} cloudckpt stores "
-                          "checkpoints at s3://, gs://, local paths, memory:// and any other "
+                          "checkpoints at s3://, gs://, az://, local paths, memory:// and any other "
                           "scheme fsspec knows.") from None
 

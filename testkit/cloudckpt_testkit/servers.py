@@ -378,3 +378,69 @@ class FakeGcsServer(_ProcessServer):
             "STORAGE_EMULATOR_HOST": self.endpoint,
             "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
         }
+
+
+class AzuriteServer(_ProcessServer):
+    """Azurite's Blob service (the Azure Storage emulator, from npm), in memory.
+
+    The binary is ``azurite-blob`` on ``PATH``, or the one ``make setup`` installs under
+    the project's ``.azurite/``; ``$CLOUDCKPT_AZURITE`` names another.
+    """
+
+    _name = "azurite"
+    ACCOUNT = "devstoreaccount1"
+    #: Azurite's well-known development account key (public, in Azure's docs).
+    KEY = ("Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/"
+           "KBHBeksoGMGw==")
+
+    def _command(self, port: int) -> list[str]:
+        return [_azurite_binary(), "--blobHost", _HOST, "--blobPort", str(port),
+                "--inMemoryPersistence", "--silent", "--skipApiVersionCheck", "--loose"]
+
+    def _ready_path(self) -> str:
+        return f"/{self.ACCOUNT}?comp=list"
+
+    @property
+    def connection_string(self) -> str:
+        return (f"DefaultEndpointsProtocol=http;AccountName={self.ACCOUNT};"
+                f"AccountKey={self.KEY};BlobEndpoint={self.endpoint}/{self.ACCOUNT};")
+
+    def _service(self) -> Any:
+        from azure.storage.blob import BlobServiceClient
+
+        return BlobServiceClient.from_connection_string(self.connection_string)
+
+    def create_bucket(self, name: str) -> None:
+        """Create a container (names: 3-63 lowercase letters, digits and dashes)."""
+        self._service().create_container(name)
+
+    def reset(self) -> None:
+        """Delete every container (and so every blob) over the API."""
+        service = self._service()
+        for container in service.list_containers():
+            service.delete_container(container.name)
+
+    def storage_options(self) -> dict[str, Any]:
+        """fsspec ``storage_options`` (adlfs's) for this server."""
+        return {"connection_string": self.connection_string}
+
+    def env(self) -> dict[str, str]:
+        """Environment a client subprocess needs to reach this server."""
+        return {"AZURE_STORAGE_CONNECTION_STRING": self.connection_string}
+
+
+def _azurite_binary() -> str:
+    import shutil
+
+    named = os.environ.get("CLOUDCKPT_AZURITE")
+    if named:
+        return named
+    found = shutil.which("azurite-blob")
+    if found:
+        return found
+    local = Path(__file__).resolve().parents[2] / ".azurite" / "node_modules" / ".bin" / "azurite-blob"
+    if local.exists():
+        return str(local)
+    raise RuntimeError("azurite-blob was not found: run `make setup` (it installs Azurite "
+                       "from npm under .azurite/), put azurite-blob on PATH, or set "
+                       "CLOUDCKPT_AZURITE to the binary")

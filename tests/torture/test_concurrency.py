@@ -76,7 +76,7 @@ def _race_many(name: str, request: Any, forks: Any, record: Any, case: str, race
     assert not failures, "\n".join(failures[:10])
 
 
-@pytest.mark.parametrize("name", ["s3", "gcs", "file"])
+@pytest.mark.parametrize("name", ["s3", "gcs", "file", "azure"])
 def test_racing_writers_on_one_uri(name, forks, request, record):
     """The same object names, different bytes: the winner's checkpoint is all its own."""
 
@@ -100,7 +100,7 @@ def test_racing_writers_on_one_uri(name, forks, request, record):
     _race_many(name, request, forks, record, "writers race for one URI", scale(3, 40), setup)
 
 
-@pytest.mark.parametrize("name", ["s3", "gcs", "file"])
+@pytest.mark.parametrize("name", ["s3", "gcs", "file", "azure"])
 def test_racing_commits_of_one_checkpoint(name, forks, request, record):
     """The objects are in place; several processes commit at the same instant."""
 
@@ -121,7 +121,7 @@ def test_racing_commits_of_one_checkpoint(name, forks, request, record):
                setup)
 
 
-@pytest.mark.parametrize("name", ["s3", "gcs", "file"])
+@pytest.mark.parametrize("name", ["s3", "gcs", "file", "azure"])
 def test_racing_slot_swaps(name, forks, request, record):
     """All racers write their generation, then swap against the same pointer version."""
 
@@ -170,7 +170,7 @@ def test_writers_side_by_side(name, forks, request, record):
 
 
 @pytest.mark.parametrize("mode", ["incremental", "full"])
-@pytest.mark.parametrize("name", ["s3", "gcs", "file"])
+@pytest.mark.parametrize("name", ["s3", "gcs", "file", "azure"])
 def test_a_zombie_writer_cannot_change_a_committed_checkpoint(
         name, mode, forks, request, record):
     """Writer A (a process) claims a save and keeps writing it; writer B takes A's
