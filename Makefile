@@ -16,7 +16,14 @@ $(VENV)/.installed: pyproject.toml testkit/pyproject.toml
 	$(PY) -m pip install -q --no-deps -e testkit  # the test rigs, not shipped in the wheel
 	touch $@
 
-setup: $(VENV)/.installed
+# Azurite, the Azure Storage emulator the az:// tests start on 127.0.0.1 (node and npm
+# are on these machines; testkit's AzuriteServer finds it here).
+AZURITE_PIN ?= azurite@3.37.0
+.azurite/.installed:
+	npm install -q --no-audit --no-fund --prefix .azurite "$(AZURITE_PIN)"
+	touch $@
+
+setup: $(VENV)/.installed .azurite/.installed
 
 demo: setup
 	$(PY) examples/demo.py
@@ -86,4 +93,4 @@ install-check:
 	PYTHON="$(PYTHON)" TORCH_PIN="$(TORCH_PIN)" .ci/install_check
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .azurite .pytest_cache .ruff_cache

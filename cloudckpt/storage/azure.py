@@ -16,12 +16,24 @@ Listings, heads and reads are adlfs's.
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import hashlib
+import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
-import adlfs
+try:
+    import adlfs
+    from azure.storage.blob import BlobBlock
+except ImportError as exc:
+    raise ImportError(f"az:// and abfs:// need adlfs and azure-storage-blob ({exc}): "
+                      "pip install 'cloudckpt[azure]'") from exc
+try:
+    from azure.storage.extensions.checksums import crc64 as _crc64
+except ImportError:
+    _crc64 = None
 from azure.core import MatchConditions
 from azure.core.exceptions import (
     AzureError,
@@ -34,17 +46,28 @@ from azure.core.exceptions import (
 )
 from fsspec.asyn import sync
 
-from cloudckpt.storage.backend import Host
+from cloudckpt.errors import ConfigError, StorageError
+from cloudckpt.storage.backend import Backend, Host
 from cloudckpt.storage.base import Store
-from cloudckpt.storage.options import init_options
+from cloudckpt.storage.objects import ObjectInfo
+from cloudckpt.storage.options import check_filesystem_options, init_options
 from cloudckpt.storage.parts import PartBody, PartWriter
 from cloudckpt.storage.primitives import FsspecBackend
+from cloudckpt.storage.ranges import READ_PIECE
 from cloudckpt.storage.retry import Classified, Failure
 from cloudckpt.storage.writers import RawWriter
 from cloudckpt.util.crc import Buffer
 
 #: Azure's most blocks per blob.
 _MAX_BLOCKS = 50_000
+#: What the service checks each request's body with (the ``transfer_checksum``
+#: storage option): x-ms-content-crc64, Content-MD5, nothing. The manifest's
+#: CRC32C is checked on every read whichever it is.
+_TRANSFER_CHECKS = ("crc64", "md5", "none")
+#: Bytes copied at a time for the CRC64 extension (see crc64_of).
+_CRC_SLICE = 256 << 10
+#: How long a copy the service runs in the background may take.
+_COPY_TIMEOUT = 3600.0
 #: Error codes worth retrying whatever their status says.
 _TRANSIENT_CODES = frozenset({"ServerBusy", "OperationTimedOut", "InternalError"})
 
@@ -60,8 +83,37 @@ class AzureBackend(FsspecBackend):
     def filesystem_options(cls) -> frozenset[str] | None:
         return init_options(adlfs.AzureBlobFileSystem) - {"loop", "asynchronous"}
 
+    def _read_options(self, scheme: str, options: dict[str, Any]) -> dict[str, Any]:
+        check = options.get("transfer_checksum", "crc64")
+        if check not in _TRANSFER_CHECKS:
+            raise ConfigError(f"{scheme}:// storage option transfer_checksum={check!r}: "
+                              f"expected one of {', '.join(map(repr, _TRANSFER_CHECKS))}")
+        if check == "crc64" and _crc64 is None:
+            raise ConfigError(f"{scheme}:// checks each request with CRC64, which needs "
+                              "azure-storage-extensions: pip install 'cloudckpt[azure]', or "
+                              "set the storage option transfer_checksum='md5' (or 'none')")
+        self._check = check
+        rest = {k: v for k, v in options.items() if k != "transfer_checksum"}
+        check_filesystem_options(scheme, rest, self.filesystem_options())
+        return options
+
     def _filesystem(self, options: dict[str, Any]) -> adlfs.AzureBlobFileSystem:
-        return adlfs.AzureBlobFileSystem(**options)
+        fs = adlfs.AzureBlobFileSystem(
+            **{k: v for k, v in options.items() if k != "transfer_checksum"})
+        # A download's first request and each one after it: one read piece, so a
+        # ranged read holds a piece at a time (the SDK's defaults are 32 and 4 MiB).
+        fs.service_client._config.max_single_get_size = READ_PIECE
+        fs.service_client._config.max_chunk_get_size = READ_PIECE
+        return fs
+
+    def checked(self, data: Buffer) -> dict[str, Any]:
+        """The keyword that has the service check a request's body (see
+        ``transfer_checksum``): the SDK's transactional CRC64 or MD5 header."""
+        if self._check == "crc64":
+            return {"transactional_content_crc64": crc64_of(data).to_bytes(8, "little")}
+        if self._check == "md5":
+            return {"transactional_content_md5": hashlib.md5(data).digest()}
+        return {}
 
     def _root_of(self, root: str) -> str:
         # abfss://container@account.dfs.core.windows.net/prefix names the container
@@ -77,7 +129,8 @@ class AzureBackend(FsspecBackend):
         body = PartBody(data)
 
         async def upload() -> Any:
-            return await self._client(path).upload_blob(body, length=len(body), **conditions)
+            return await self._client(path).upload_blob(body, length=len(body),
+                                                        **self.checked(data), **conditions)
 
         return str(sync(self.fs.loop, upload)["etag"])
 
@@ -119,8 +172,6 @@ class AzureBackend(FsspecBackend):
                 pass
 
         async def delete_all() -> None:
-            import asyncio
-
             for i in range(0, len(paths), 64):
                 await asyncio.gather(*(delete_one(p) for p in paths[i:i + 64]))
 
@@ -139,8 +190,74 @@ class AzureBackend(FsspecBackend):
     def open_writer(self, path: str, host: Host) -> RawWriter:
         return _BlockWriter(self, host, path)
 
+    def iter_range(self, path: str, start: int, end: int, chunk: int) -> Iterator[bytes]:
+        # One download read a request at a time (READ_PIECE each, see _filesystem),
+        # handed on in pieces of at most ``chunk``.
+        async def open_range() -> Any:
+            return await self._client(path).download_blob(
+                offset=start, length=end - start, max_concurrency=1)
+
+        try:
+            chunks = sync(self.fs.loop, open_range).chunks()
+        except ResourceNotFoundError:
+            raise FileNotFoundError(path) from None
+        while True:
+            try:
+                data = sync(self.fs.loop, chunks.__anext__)
+            except StopAsyncIteration:
+                return
+            if len(data) <= chunk:
+                yield data
+            else:
+                yield from (data[i:i + chunk] for i in range(0, len(data), chunk))
+
+    def can_copy_from(self, other: Backend) -> bool:
+        # Copy Blob reads the source with the destination's credentials: one account
+        # with the same ones.
+        return self.same_service(other)
+
+    def copy(self, src_path: str, path: str, size: int, host: Host) -> ObjectInfo:
+        # Copy Blob: within an account usually done on return; else polled until
+        # the service says it is. Azure keeps no CRC32C: the caller reads it back.
+        source = self._client(src_path).url
+        target = self._client(path)
+
+        async def start() -> Any:
+            return await target.start_copy_from_url(source)
+
+        async def status() -> Any:
+            return (await target.get_blob_properties()).copy
+
+        out = host.retry.call(lambda: sync(self.fs.loop, start), op="copy",
+                              key=f"az://{path}", errors=self)
+        state, deadline = out.get("copy_status"), time.monotonic() + _COPY_TIMEOUT
+        while state == "pending":
+            if time.monotonic() > deadline:
+                raise StorageError(f"copy to az://{path}: still pending after "
+                                   f"{_COPY_TIMEOUT:.0f} s")
+            time.sleep(0.2)
+            props = host.retry.call(lambda: sync(self.fs.loop, status), op="copy",
+                                    key=f"az://{path}", errors=self)
+            state = props.status
+        if state != "success":
+            raise StorageError(f"copy of az://{src_path} to az://{path}: {state}")
+        self.fs.invalidate_cache(path)
+        info = self.head(path) or {}
+        return ObjectInfo(path, int(info.get("size", -1)), None, self.version_of(info))
+
     def classify(self, exc: BaseException) -> Classified | None:
         return classify(exc)
+
+
+def crc64_of(data: Buffer) -> int:
+    """Azure's CRC64 of ``data``: the extension takes only bytes, so a buffer is
+    passed a slice at a time (a cache-sized copy, not one of the whole part)."""
+    if isinstance(data, bytes):
+        return _crc64.compute(data, 0)
+    view, crc = memoryview(data).cast("B"), 0
+    for i in range(0, len(view), _CRC_SLICE):
+        crc = _crc64.compute(bytes(view[i:i + _CRC_SLICE]), crc)
+    return crc
 
 
 def classify(exc: BaseException) -> Classified | None:
@@ -175,14 +292,13 @@ class _BlockWriter(PartWriter):
         body = PartBody(part)
 
         async def stage() -> None:
-            await self._azure._client(self._path).stage_block(block_id, body, length=len(body))
+            await self._azure._client(self._path).stage_block(
+                block_id, body, length=len(body), **self._azure.checked(part))
 
         sync(self._azure.fs.loop, stage)
         return block_id
 
     def _finish(self, tokens: list[Any], size: int, crc32c: str) -> None:
-        from azure.storage.blob import BlobBlock
-
         async def commit() -> None:
             await self._azure._client(self._path).commit_block_list(
                 [BlobBlock(block_id=t) for t in tokens])

@@ -156,7 +156,10 @@ def _backend(scheme: str, uri: str) -> Any:
 
         _check_protocol(scheme, uri)
         return FsspecGenericBackend
-    return load_target(target)
+    try:
+        return load_target(target)
+    except ImportError as exc:
+        raise ConfigError(f"{uri}: {exc}") from exc
 
 
 def _check_protocol(scheme: str, uri: str) -> None:

@@ -39,7 +39,7 @@ _ROWS: list[Row] = []
 
 
 PRELOAD = ["crash_worker", "race_worker", "cloudckpt.storage.s3", "cloudckpt.storage.gcs",
-           "cloudckpt.storage.file", "torch.distributed.checkpoint"]
+           "cloudckpt.storage.azure", "cloudckpt.storage.file", "torch.distributed.checkpoint"]
 
 
 @pytest.fixture(scope="session")

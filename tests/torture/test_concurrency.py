@@ -148,7 +148,7 @@ def test_racing_slot_swaps(name, forks, request, record):
     _race_many(name, request, forks, record, "saves race for one slot", scale(2, 30), setup)
 
 
-@pytest.mark.parametrize("name", ["s3", "gcs"])
+@pytest.mark.parametrize("name", ["s3", "gcs", "azure"])
 def test_writers_side_by_side(name, forks, request, record):
     """Several jobs share one bucket, each below its own prefix: nothing mixes."""
     backend = _backend(request, name)

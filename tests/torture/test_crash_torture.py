@@ -31,12 +31,12 @@ from knobs import scale
 # scenario -> (backends, trials in the regular run, under `make torture`, kill window in s);
 # trials cycle through the backends in this order.
 SCENARIOS: dict[str, tuple[tuple[str, ...], int, int, float]] = {
-    "commits": (("file", "s3", "gcs"), 3, 240, 1.5),
-    "gc": (("s3", "gcs", "file"), 2, 120, 2.5),
-    "slot": (("gcs", "s3", "file"), 3, 120, 2.0),
+    "commits": (("file", "s3", "gcs", "azure"), 3, 240, 1.5),
+    "gc": (("s3", "gcs", "file", "azure"), 2, 120, 2.5),
+    "slot": (("gcs", "azure", "s3", "file"), 3, 120, 2.0),
     "async": (("s3", "file"), 2, 110, 2.5),
     "dcp": (("s3", "file"), 2, 110, 3.0),
-    "incremental": (("s3", "gcs", "file"), 3, 105, 2.5),
+    "incremental": (("azure", "s3", "gcs", "file"), 3, 105, 2.5),
 }
 
 
