@@ -118,3 +118,19 @@ def test_a_copy_within_one_account_sends_no_bytes(azure, monkeypatch):
     assert uploads == []  # the manifest goes create-only, not through put
     for name, data in objs.items():
         assert out.read(name) == data
+
+
+def test_a_missing_container_and_a_wrong_key_are_named(azure, azurite_server):
+    from cloudckpt import AccessDeniedError, BucketNotFoundError
+
+    store = open_store("az://no-such-container/run", azure.options)
+    with pytest.raises(BucketNotFoundError, match="no-such-container"):
+        store.put("a.bin", b"a")
+    with pytest.raises(FileNotFoundError):
+        store.get("a.bin")
+    with pytest.raises(BucketNotFoundError, match="az://no-such-container"):
+        store.check_bucket()  # what a read that found nothing asks next
+    wrong = azurite_server.connection_string.replace(azurite_server.KEY, "A" * 88)
+    denied = open_store(azure.uri("t"), {**azure.options, "connection_string": wrong})
+    with pytest.raises(AccessDeniedError):
+        denied.put("a.bin", b"a")

@@ -53,7 +53,6 @@ from cloudckpt.storage.objects import ObjectInfo
 from cloudckpt.storage.options import check_filesystem_options, init_options
 from cloudckpt.storage.parts import PartBody, PartWriter
 from cloudckpt.storage.primitives import FsspecBackend
-from cloudckpt.storage.ranges import READ_PIECE
 from cloudckpt.storage.retry import Classified, Failure
 from cloudckpt.storage.writers import RawWriter
 from cloudckpt.util.crc import Buffer
@@ -66,6 +65,8 @@ _MAX_BLOCKS = 50_000
 _TRANSFER_CHECKS = ("crc64", "md5", "none")
 #: Bytes copied at a time for the CRC64 extension (see crc64_of).
 _CRC_SLICE = 256 << 10
+#: Bytes per request of a download (see _filesystem).
+_GET_SIZE = 8 << 20
 #: How long a copy the service runs in the background may take.
 _COPY_TIMEOUT = 3600.0
 #: Error codes worth retrying whatever their status says.
@@ -100,10 +101,11 @@ class AzureBackend(FsspecBackend):
     def _filesystem(self, options: dict[str, Any]) -> adlfs.AzureBlobFileSystem:
         fs = adlfs.AzureBlobFileSystem(
             **{k: v for k, v in options.items() if k != "transfer_checksum"})
-        # A download's first request and each one after it: one read piece, so a
-        # ranged read holds a piece at a time (the SDK's defaults are 32 and 4 MiB).
-        fs.service_client._config.max_single_get_size = READ_PIECE
-        fs.service_client._config.max_chunk_get_size = READ_PIECE
+        # A download's first request and each one after it: the SDK holds one whole in
+        # memory. Its defaults (32 and 4 MiB) hold too much per ranged read, or send
+        # too many requests; 8 MiB is one or two requests per tensor.
+        fs.service_client._config.max_single_get_size = _GET_SIZE
+        fs.service_client._config.max_chunk_get_size = _GET_SIZE
         return fs
 
     def checked(self, data: Buffer) -> dict[str, Any]:
@@ -191,7 +193,7 @@ class AzureBackend(FsspecBackend):
         return _BlockWriter(self, host, path)
 
     def iter_range(self, path: str, start: int, end: int, chunk: int) -> Iterator[bytes]:
-        # One download read a request at a time (READ_PIECE each, see _filesystem),
+        # One download read a request at a time (_GET_SIZE each, see _filesystem),
         # handed on in pieces of at most ``chunk``.
         async def open_range() -> Any:
             return await self._client(path).download_blob(
@@ -265,7 +267,8 @@ def classify(exc: BaseException) -> Classified | None:
     if isinstance(exc, ResourceNotFoundError):
         return Classified(Failure.NOT_FOUND, 404, getattr(exc, "error_code", None))
     if isinstance(exc, HttpResponseError) and exc.status_code:
-        code = str(exc.error_code) if exc.error_code else None
+        error_code = getattr(exc, "error_code", None)  # absent on errors without a body
+        code = str(error_code) if error_code else None
         transient = code in _TRANSIENT_CODES
         return Classified(Failure.TRANSIENT if transient else None, exc.status_code, code)
     if isinstance(exc, (ServiceRequestError, ServiceResponseError)):

@@ -176,6 +176,6 @@ def _check_protocol(scheme: str, uri: str) -> None:
         close = difflib.get_close_matches(scheme, known, n=1, cutoff=0.5)
         hint = f" Did you mean {close[0]}://?" if close else ""
         raise ConfigError(f"unknown URL scheme {scheme}:// in {uri}.{hint} cloudckpt stores "
-                          "checkpoints at s3://, gs://, az://, local paths, memory:// and any other "
-                          "scheme fsspec knows.") from None
+                          "checkpoints at s3://, gs://, az://, local paths, memory:// and any "
+                          "other scheme fsspec knows.") from None
 
