@@ -438,7 +438,8 @@ def _azurite_binary() -> str:
     found = shutil.which("azurite-blob")
     if found:
         return found
-    local = Path(__file__).resolve().parents[2] / ".azurite" / "node_modules" / ".bin" / "azurite-blob"
+    local = (Path(__file__).resolve().parents[2] / ".azurite" / "node_modules" / ".bin"
+             / "azurite-blob")
     if local.exists():
         return str(local)
     raise RuntimeError("azurite-blob was not found: run `make setup` (it installs Azurite "
