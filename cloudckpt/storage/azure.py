@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 try:
     import adlfs
     from azure.storage.blob import BlobBlock
+    from azure.storage.blob._generated.models import ModifiedAccessConditions
 except ImportError as exc:
     raise ImportError(f"az:// and abfs:// need adlfs and azure-storage-blob ({exc}): "
                       "pip install 'cloudckpt[azure]'") from exc
@@ -34,12 +35,9 @@ try:
     from azure.storage.extensions.checksums import crc64 as _crc64
 except ImportError:
     _crc64 = None
-from azure.core import MatchConditions
 from azure.core.exceptions import (
     AzureError,
     HttpResponseError,
-    ResourceExistsError,
-    ResourceModifiedError,
     ResourceNotFoundError,
     ServiceRequestError,
     ServiceResponseError,
@@ -53,6 +51,7 @@ from cloudckpt.storage.objects import ObjectInfo
 from cloudckpt.storage.options import check_filesystem_options, init_options
 from cloudckpt.storage.parts import PartBody, PartWriter
 from cloudckpt.storage.primitives import FsspecBackend
+from cloudckpt.storage.ranges import read_upto
 from cloudckpt.storage.retry import Classified, Failure
 from cloudckpt.storage.writers import RawWriter
 from cloudckpt.util.crc import Buffer
@@ -104,8 +103,11 @@ class AzureBackend(FsspecBackend):
         # A download's first request and each one after it: the SDK holds one whole in
         # memory. Its defaults (32 and 4 MiB) hold too much per ranged read, or send
         # too many requests; 8 MiB is one or two requests per tensor.
-        fs.service_client._config.max_single_get_size = _GET_SIZE
-        fs.service_client._config.max_chunk_get_size = _GET_SIZE
+        config = fs.service_client._config
+        config.max_single_get_size = config.max_chunk_get_size = _GET_SIZE
+        # One try per request: retries are cloudckpt's, under its deadline (the SDK's
+        # own policy retries 10 times from 15 s back-off, inside each of ours).
+        config.retry_policy.total_retries = 0
         return fs
 
     def checked(self, data: Buffer) -> dict[str, Any]:
@@ -127,30 +129,39 @@ class AzureBackend(FsspecBackend):
         container, _, key = path.partition("/")
         return self.fs.service_client.get_blob_client(container, key)
 
-    def _upload(self, path: str, data: Buffer, **conditions: Any) -> str:
+    def _upload(self, path: str, data: Buffer, **conditions: str) -> str:
+        # One Put Blob through the SDK's generated operation (its pipeline, credentials
+        # and errors): the public upload_blob reads the body into one bytes copy first,
+        # which held 16 MiB per request in flight. ``conditions``: If-None-Match or
+        # If-Match, enforced by the service.
         body = PartBody(data)
 
         async def upload() -> Any:
-            return await self._client(path).upload_blob(body, length=len(body),
-                                                        **self.checked(data), **conditions)
+            return await self._client(path)._client.block_blob.upload(
+                content_length=len(body), body=body, **self.checked(data),
+                modified_access_conditions=ModifiedAccessConditions(**conditions),
+                cls=lambda _response, _body, headers: headers)
 
-        return str(sync(self.fs.loop, upload)["etag"])
+        return str(sync(self.fs.loop, upload)["ETag"])
 
     def put(self, path: str, data: Buffer) -> str:
-        return self._upload(path, data, overwrite=True)
+        return self._upload(path, data)
 
     def put_if_absent(self, path: str, data: Buffer) -> str:
         try:
-            return self._upload(path, data, overwrite=False)
-        except ResourceExistsError:
-            raise FileExistsError(path) from None
+            return self._upload(path, data, if_none_match="*")
+        except HttpResponseError as exc:  # 409 BlobAlreadyExists
+            if exc.status_code in (409, 412):
+                raise FileExistsError(path) from None
+            raise
 
     def put_if_match(self, path: str, data: Buffer, version: str) -> str:
         try:
-            return self._upload(path, data, overwrite=True, etag=version,
-                                match_condition=MatchConditions.IfNotModified)
-        except (ResourceModifiedError, ResourceNotFoundError):
-            raise FileExistsError(path) from None
+            return self._upload(path, data, if_match=version)
+        except HttpResponseError as exc:  # 412 ConditionNotMet; 404: deleted since
+            if exc.status_code in (404, 412):
+                raise FileExistsError(path) from None
+            raise
 
     def get_versioned(self, path: str) -> tuple[bytes, str]:
         async def download() -> tuple[bytes, str]:
@@ -193,25 +204,25 @@ class AzureBackend(FsspecBackend):
         return _BlockWriter(self, host, path)
 
     def iter_range(self, path: str, start: int, end: int, chunk: int) -> Iterator[bytes]:
-        # One download read a request at a time (_GET_SIZE each, see _filesystem),
-        # handed on in pieces of at most ``chunk``.
+        # One ranged GET whose body is read a piece at a time: the SDK's downloader
+        # would hold each request's whole body, so this takes the response from the
+        # SDK's generated operation (its pipeline, credentials and errors) unread.
         async def open_range() -> Any:
-            return await self._client(path).download_blob(
-                offset=start, length=end - start, max_concurrency=1)
+            return await self._client(path)._client.blob.download(
+                range=f"bytes={start}-{end - 1}", cls=lambda response, *_: response)
 
         try:
-            chunks = sync(self.fs.loop, open_range).chunks()
+            resp = sync(self.fs.loop, open_range).http_response.internal_response
         except ResourceNotFoundError:
             raise FileNotFoundError(path) from None
-        while True:
-            try:
-                data = sync(self.fs.loop, chunks.__anext__)
-            except StopAsyncIteration:
-                return
-            if len(data) <= chunk:
-                yield data
-            else:
-                yield from (data[i:i + chunk] for i in range(0, len(data), chunk))
+        try:
+            if resp.status != 206 and (start > 0 or (resp.content_length or 0) > end - start):
+                raise StorageError(f"az://{path}: the server ignored the byte range "
+                                   f"[{start}, {end})")
+            while pieces := sync(self.fs.loop, read_upto, resp.content, chunk):
+                yield from pieces
+        finally:
+            sync(self.fs.loop, _release, resp)
 
     def can_copy_from(self, other: Backend) -> bool:
         # Copy Blob reads the source with the destination's credentials: one account
@@ -249,6 +260,16 @@ class AzureBackend(FsspecBackend):
 
     def classify(self, exc: BaseException) -> Classified | None:
         return classify(exc)
+
+
+async def _release(resp: Any) -> None:
+    resp.release()  # on the loop's thread: aiohttp is not thread-safe
+
+
+def block_id_of(writer: str, number: int) -> str:
+    """Block ids: base64, all of one length within a blob (Azure refuses a mix), and
+    unique per writer, so a racing writer's blocks never enter our list."""
+    return base64.b64encode(f"{writer}-{number:06d}".encode()).decode()
 
 
 def crc64_of(data: Buffer) -> int:
@@ -289,10 +310,7 @@ class _BlockWriter(PartWriter):
         self._id = uuid.uuid4().hex[:16]
 
     def _upload(self, number: int, part: memoryview) -> str:
-        # Block ids: base64, all of one length within a blob; unique per writer, so a
-        # racing writer's blocks can never be committed into our list.
-        block_id = base64.b64encode(f"{self._id}-{number:06d}".encode()).decode()
-        body = PartBody(part)
+        block_id, body = block_id_of(self._id, number), PartBody(part)
 
         async def stage() -> None:
             await self._azure._client(self._path).stage_block(
