@@ -193,6 +193,8 @@ def main() -> int:
             torch.save({k: v.detach().clone() for k, v in full.items()}, args.out)
         print("done", flush=True)
     if world > 1:
+        # every rank past its last collective first (see examples/train_resume.py)
+        dist.barrier()
         dist.destroy_process_group()
     return 0
 

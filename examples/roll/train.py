@@ -236,6 +236,8 @@ def train(args: argparse.Namespace) -> int:
         if rc == 0:
             print("done", flush=True)
     if world > 1:
+        # every rank past its last collective first (see examples/train_resume.py)
+        dist.barrier()
         dist.destroy_process_group()
     return rc
 

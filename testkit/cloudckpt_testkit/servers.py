@@ -192,8 +192,14 @@ class _ProcessServer(StartStop):
         except (OSError, ValueError):
             return ""
 
+    #: Whether the server gets SIGTERM and a while to stop before SIGKILL.
+    _graceful_stop = True
+
     def _cleanup_process(self) -> None:
         proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None and not self._graceful_stop:
+            proc.kill()  # nothing of its own to save
+            proc.wait()
         if proc is not None and proc.poll() is None:
             proc.terminate()
             try:
@@ -388,6 +394,9 @@ class AzuriteServer(_ProcessServer):
     """
 
     _name = "azurite"
+    # In memory: nothing to save, and on SIGTERM it waits for its clients' idle
+    # keep-alive connections to close (the full stop timeout).
+    _graceful_stop = False
     ACCOUNT = "devstoreaccount1"
     #: Azurite's well-known development account key (public, in Azure's docs).
     KEY = ("Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/"
