@@ -11,7 +11,10 @@ Azure enforces conditions natively: create-only is Put Blob with ``If-None-Match
 (412); the ETag is the version token. Streamed writes stage blocks in parallel
 (Put Block) and commit them in one Put Block List, which makes the blob appear
 whole; blocks never committed are invisible and the service drops them after a week.
-Listings, heads and reads are adlfs's.
+Put Blob and ranged GETs go through the SDK's generated operations (its pipeline,
+credentials and errors) so that bodies stream from and to our buffers: the public
+calls copy each upload into one ``bytes`` and hold each download chunk whole.
+Listings, heads and whole-object reads are adlfs's.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ _MAX_BLOCKS = 50_000
 _TRANSFER_CHECKS = ("crc64", "md5", "none")
 #: Bytes copied at a time for the CRC64 extension (see crc64_of).
 _CRC_SLICE = 256 << 10
-#: Bytes per request of a download (see _filesystem).
+#: Bytes per request of adlfs's whole-object reads (see _filesystem).
 _GET_SIZE = 8 << 20
 #: How long a copy the service runs in the background may take.
 _COPY_TIMEOUT = 3600.0
@@ -100,9 +103,8 @@ class AzureBackend(FsspecBackend):
     def _filesystem(self, options: dict[str, Any]) -> adlfs.AzureBlobFileSystem:
         fs = adlfs.AzureBlobFileSystem(
             **{k: v for k, v in options.items() if k != "transfer_checksum"})
-        # A download's first request and each one after it: the SDK holds one whole in
-        # memory. Its defaults (32 and 4 MiB) hold too much per ranged read, or send
-        # too many requests; 8 MiB is one or two requests per tensor.
+        # The requests of adlfs's whole-object reads (manifests, metadata): the SDK
+        # holds each body whole, and its first is 32 MiB by default.
         config = fs.service_client._config
         config.max_single_get_size = config.max_chunk_get_size = _GET_SIZE
         # One try per request: retries are cloudckpt's, under its deadline (the SDK's
