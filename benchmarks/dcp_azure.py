@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import json
 import os
-import pickle
 import subprocess
 import sys
 from typing import Any
@@ -37,6 +36,7 @@ from azure.storage.blob.aio import BlobServiceClient
 from cloudckpt_testkit import AzuriteServer
 from dcp_bench import (
     MB,
+    Bench,
     MiB,
     check_raw,
     check_state,
@@ -44,6 +44,7 @@ from dcp_bench import (
     mb_per_s,
     print_rows,
     race,
+    raw_by_file,
     raw_bytes,
     state_bytes,
     timed,
@@ -81,11 +82,7 @@ class AzureBench:
     def uri(self, kind: str) -> str:
         return f"az://{CONTAINER}/{ROOT}/{kind}-{next(self._n):04d}"
 
-    def rm(self, uri: str) -> None:
-        path = uri.split("://", 1)[1]
-        if self.fs.exists(path):
-            self.fs.rm(path, recursive=True)
-        self.fs.invalidate_cache()
+    rm = Bench.rm  # through self.fs, as there
 
     def paths(self, uri: str) -> dict[str, str]:
         return {n: f"{uri.split('://', 1)[1]}/{n}" for n in self.raw}
@@ -147,23 +144,13 @@ class AzureBench:
         each side's load is checked against what was saved."""
         self.src = {side: self.uri(f"load-{side}") for side in self.load_fns}
         self.save_ours(self.src["ours"])
-        meta = pickle.loads(self.fs.cat_file(
-            f"{self.src['ours'].split('://', 1)[1]}/{cdcp.METADATA_NAME}"))
-        files: dict[str, list[tuple[int, str]]] = {}
-        for index, info in meta.storage_data.items():
-            files.setdefault(info.relative_path, []).append((info.offset, index.fqn))
-        self.raw = {name.replace("/", "_"): b"".join(self.raw[f] for _, f in sorted(items))
-                    for name, items in sorted(files.items())}
+        self.raw = raw_by_file(self.fs, self.src["ours"], self.raw)
         for side in ("adlfs", "sdk"):
             self.save_fns[side](self.src[side])
             check_raw(f"{side} save -> load", self.load_fns[side](self.src[side]), self.raw)
         check_state("cloudckpt save -> load", self.load_ours(self.src["ours"]), self.sd)
 
-    def time_save(self, side: str, rep: int) -> tuple[float, float]:
-        uri = self.uri(f"save-{side}")
-        secs, cpu, _ = timed(lambda: self.save_fns[side](uri))
-        self.rm(uri)
-        return secs, cpu
+    time_save = Bench.time_save  # a fresh prefix, timed, then removed
 
     def time_load(self, side: str, rep: int) -> tuple[float, float]:
         for t in self.dst.values():

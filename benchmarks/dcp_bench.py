@@ -176,6 +176,17 @@ def check_raw(what: str, got: dict[str, bytes], want: dict[str, bytes]) -> None:
             raise SystemExit(f"FAIL {what}: {k} differs ({len(got[k])} bytes read, {len(v)})")
 
 
+def raw_by_file(fs: Any, uri: str, raw: dict[str, bytes]) -> dict[str, bytes]:
+    """One object per DCP file of the checkpoint at ``uri``: the raw bytes of the
+    tensors in that file, in its order, from ``raw`` (tensor name -> bytes)."""
+    meta = pickle.loads(fs.cat_file(f"{uri.split('://', 1)[1]}/{cdcp.METADATA_NAME}"))
+    files: dict[str, list[tuple[int, str]]] = {}
+    for index, info in meta.storage_data.items():
+        files.setdefault(info.relative_path, []).append((info.offset, index.fqn))
+    return {name.replace("/", "_"): b"".join(raw[fqn] for _, fqn in sorted(items))
+            for name, items in sorted(files.items())}
+
+
 def timed(fn: Callable[[], Any]) -> tuple[float, float, Any]:
     """Wall seconds, server CPU seconds and result of ``fn()``."""
     gc.collect()
@@ -354,12 +365,7 @@ class Bench:
     def group_raw_like(self, uri: str) -> None:
         """One baseline object per DCP file of ours at ``uri``: the raw bytes of the
         tensors in that file, in its order (its size less torch.save's framing)."""
-        meta = pickle.loads(self.fs.cat_file(f"{uri.split('://', 1)[1]}/{cdcp.METADATA_NAME}"))
-        files: dict[str, list[tuple[int, str]]] = {}
-        for index, info in meta.storage_data.items():
-            files.setdefault(info.relative_path, []).append((info.offset, index.fqn))
-        self.raw = {name.replace("/", "_"): b"".join(self.raw[fqn] for _, fqn in sorted(items))
-                    for name, items in sorted(files.items())}
+        self.raw = raw_by_file(self.fs, uri, self.raw)
         self.names = list(self.raw)
 
     def time_save(self, side: str, rep: int) -> tuple[float, float]:

@@ -52,53 +52,49 @@ class Backend:
                            for k, v in self.options.items()})
 
 
-@pytest.fixture(scope="session")
-def moto_server():
-    server = MotoServer(part_min_size=256 * 1024)
+def _serving(server: Any) -> Any:
     server.start()
     yield server
     server.stop()
+
+
+def _fresh(name: str, scheme: str, server: Any) -> Backend:
+    """An empty bucket on ``server`` and a fresh prefix in it, with fast retries."""
+    server.reset()
+    server.create_bucket(BUCKET)
+    opts = {**server.storage_options(), "retry": RetryPolicy(**FAST_RETRY)}
+    return Backend(name, f"{scheme}://{BUCKET}/runs/{uuid.uuid4().hex[:8]}", opts,
+                   server.env())
+
+
+@pytest.fixture(scope="session")
+def moto_server():
+    yield from _serving(MotoServer(part_min_size=256 * 1024))
 
 
 @pytest.fixture(scope="session")
 def gcs_server():
-    server = FakeGcsServer()
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def s3(moto_server) -> Backend:
-    moto_server.reset()
-    moto_server.create_bucket(BUCKET)
-    opts = {**moto_server.storage_options(), "retry": RetryPolicy(**FAST_RETRY)}
-    return Backend("s3", f"s3://{BUCKET}/runs/{uuid.uuid4().hex[:8]}", opts, moto_server.env())
-
-
-@pytest.fixture
-def gcs(gcs_server) -> Backend:
-    gcs_server.reset()
-    gcs_server.create_bucket(BUCKET)
-    opts = {**gcs_server.storage_options(), "retry": RetryPolicy(**FAST_RETRY)}
-    return Backend("gcs", f"gs://{BUCKET}/runs/{uuid.uuid4().hex[:8]}", opts, gcs_server.env())
+    yield from _serving(FakeGcsServer())
 
 
 @pytest.fixture(scope="session")
 def azurite_server():
-    server = AzuriteServer()
-    server.start()
-    yield server
-    server.stop()
+    yield from _serving(AzuriteServer())
+
+
+@pytest.fixture
+def s3(moto_server) -> Backend:
+    return _fresh("s3", "s3", moto_server)
+
+
+@pytest.fixture
+def gcs(gcs_server) -> Backend:
+    return _fresh("gcs", "gs", gcs_server)
 
 
 @pytest.fixture
 def azure(azurite_server) -> Backend:
-    azurite_server.reset()
-    azurite_server.create_bucket(BUCKET)
-    opts = {**azurite_server.storage_options(), "retry": RetryPolicy(**FAST_RETRY)}
-    return Backend("azure", f"az://{BUCKET}/runs/{uuid.uuid4().hex[:8]}", opts,
-                   azurite_server.env())
+    return _fresh("azure", "az", azurite_server)
 
 
 @pytest.fixture
