@@ -96,13 +96,11 @@ class AzureBackend(FsspecBackend):
                               "azure-storage-extensions: pip install 'cloudckpt[azure]', or "
                               "set the storage option transfer_checksum='md5' (or 'none')")
         self._check = check
-        rest = {k: v for k, v in options.items() if k != "transfer_checksum"}
-        check_filesystem_options(scheme, rest, self.filesystem_options())
+        check_filesystem_options(scheme, _adlfs_options(options), self.filesystem_options())
         return options
 
     def _filesystem(self, options: dict[str, Any]) -> adlfs.AzureBlobFileSystem:
-        fs = adlfs.AzureBlobFileSystem(
-            **{k: v for k, v in options.items() if k != "transfer_checksum"})
+        fs = adlfs.AzureBlobFileSystem(**_adlfs_options(options))
         # The requests of adlfs's whole-object reads (manifests, metadata): the SDK
         # holds each body whole, and its first is 32 MiB by default.
         config = fs.service_client._config
@@ -262,6 +260,12 @@ class AzureBackend(FsspecBackend):
 
     def classify(self, exc: BaseException) -> Classified | None:
         return classify(exc)
+
+
+def _adlfs_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The storage options less the backend's own (kept in ``storage_options``, so
+    that stores differing only there are told apart)."""
+    return {k: v for k, v in options.items() if k != "transfer_checksum"}
 
 
 async def _release(resp: Any) -> None:
