@@ -42,6 +42,20 @@ def test_gc_on_local_respects_the_grace_period(local):
     assert [(c.name, c.committed) for c in everything] == [("step-1", True), ("step-3", False)]
 
 
+def test_gc_leaves_an_unfinished_save_whose_age_it_cannot_tell(local, monkeypatch, caplog):
+    # a listing without times must not read as "abandoned at the epoch": on a
+    # backend that gives none, gc would delete saves in progress
+    import cloudckpt.storage.base as base
+
+    torn(local, "step-2", b"torn, old")
+    age(local.uri("step-2"), 7200)
+    monkeypatch.setattr(base, "mtime_of", lambda raw: None)
+    assert find_garbage(local.root, local.options, grace_seconds=3600) == []
+    assert "tells no modification times" in caplog.text
+    monkeypatch.undo()
+    assert len(find_garbage(local.root, local.options, grace_seconds=3600)) == 1
+
+
 def test_gc_removes_orphan_slot_generations_only(s3):
     slot = RecoverSlot(s3.uri("recover"), storage_options=s3.options)
     slot.save({"w": torch.ones(4)})

@@ -36,6 +36,21 @@ def test_put_get_range_info_list_delete(backend):
     assert store.list() == []
 
 
+def test_listings_tell_when_each_object_was_written(backend):
+    # gc and blob sweeps judge a save's age by these times: a missing one reads as
+    # "written at the epoch", and a live save would look abandoned
+    store = open_store(backend.root, backend.options)
+    before = time.time()
+    store.put("t/one.bin", b"1")
+    with store.open_write("t/two.bin") as f:
+        f.write(b"2")
+    after = time.time()
+    listed = store.list("t")
+    assert [o.key for o in listed] == ["t/one.bin", "t/two.bin"]
+    for o in listed:
+        assert o.mtime is not None and before - 2 <= o.mtime <= after + 2, (o.key, o.mtime)
+
+
 def test_batches_keep_order_and_content(backend):
     store = open_store(backend.root, backend.options)
     items = {f"obj-{i:02d}": os.urandom(1000 + i) for i in range(24)}

@@ -58,8 +58,17 @@ class Garbage:
     grace_seconds: float = DEFAULT_GRACE_SECONDS
 
 
+def _age(s: Survey, now: float) -> float:
+    """Seconds since the last write under ``s``; a listing without times counts as
+    written just now, since a prefix whose age is unknown is never provably abandoned."""
+    if s.newest is None:
+        log.warning("gc: leaving %s: its listing tells no modification times", s.uri)
+        return 0.0
+    return now - s.newest
+
+
 def _garbage(s: Survey, reason: str, kind: str, now: float, grace: float) -> Garbage:
-    return Garbage(s.uri, reason, len(s.objects), s.size, now - (s.newest or 0.0), kind, grace)
+    return Garbage(s.uri, reason, len(s.objects), s.size, _age(s, now), kind, grace)
 
 
 def find_garbage(root: str | Store, storage_options: Mapping[str, Any] | None = None, *,
@@ -140,7 +149,7 @@ def collect(garbage: list[Garbage], storage_options: Mapping[str, Any] | None = 
             removed += swept.blobs + swept.holds
             continue
         now = survey(sub)
-        if time.time() - (now.newest or 0.0) < g.grace_seconds:
+        if _age(now, time.time()) < g.grace_seconds:
             log.warning("gc: leaving %s: it was written to since it was found", g.uri)
             continue
         try:

@@ -29,7 +29,7 @@ def nbytes(data: Buffer) -> int:
 
 def mtime_of(raw: Mapping[str, Any]) -> float | None:
     """The modification time in a filesystem's listing entry, whatever it calls it."""
-    for k in ("mtime", "LastModified", "updated", "created"):
+    for k in ("mtime", "LastModified", "last_modified", "updated", "created"):
         v = raw.get(k)
         if v is None:
             continue
