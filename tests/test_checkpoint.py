@@ -151,13 +151,14 @@ def test_malformed_manifest_is_rejected(memory, garbage):
     assert [(c.committed, bool(c.error)) for c in listed] == [(False, True)]
 
 
-def test_copy_between_backends_keeps_identity(s3, gcs, local):
+def test_copy_between_backends_keeps_identity(s3, azure, gcs, local):
     objs = write_ckpt(s3.uri("step-4"), s3.options, 4, n=6, size=50_000)
-    to_gcs = copy_checkpoint(s3.uri("step-4"), gcs.uri("step-4"), src_options=s3.options,
-                             dst_options=gcs.options)
+    to_azure = copy_checkpoint(s3.uri("step-4"), azure.uri("step-4"), src_options=s3.options,
+                               dst_options=azure.options)
+    to_gcs = copy_checkpoint(to_azure, gcs.uri("step-4"), dst_options=gcs.options)
     to_local = copy_checkpoint(to_gcs, local.uri("step-4"), dst_options=local.options)
     src = open_checkpoint(s3.uri("step-4"), s3.options)
-    for ckpt in (to_gcs, to_local):
+    for ckpt in (to_azure, to_gcs, to_local):
         assert ckpt.manifest.to_json() == src.manifest.to_json()
         ckpt.verify(deep=True)
         assert dict(ckpt.iter_objects()) == objs

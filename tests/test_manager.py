@@ -50,14 +50,20 @@ def run(mgr: CheckpointManager, steps: range, value_of=float) -> Counter:
     return counter
 
 
-def test_saves_when_due_and_keeps_last_n(s3):
-    mgr = CheckpointManager(s3.root, ManagerOptions(every_steps=2, keep_last=2),
-                            storage_options=s3.options)
+@pytest.fixture(params=["s3", "gcs", "azure"])
+def cloud(request):
+    """Each object store in turn, over its real endpoint."""
+    return request.getfixturevalue(request.param)
+
+
+def test_saves_when_due_and_keeps_last_n(cloud):
+    mgr = CheckpointManager(cloud.root, ManagerOptions(every_steps=2, keep_last=2),
+                            storage_options=cloud.options)
     run(mgr, range(0, 10))
-    steps = [c.step for c in list_checkpoints(s3.root, s3.options)]
+    steps = [c.step for c in list_checkpoints(cloud.root, cloud.options)]
     assert steps == [7, 9]
     # Nothing else is left behind: exactly the two checkpoints' prefixes.
-    assert open_store(s3.root, s3.options).list_prefixes() == ["step-7", "step-9"]
+    assert open_store(cloud.root, cloud.options).list_prefixes() == ["step-7", "step-9"]
 
 
 def test_keep_every_and_keep_all(memory):
@@ -80,25 +86,25 @@ def test_restore_latest_with_state_and_schedule(local):
     assert CheckpointManager(local.uri("empty"), opts).restore({"w": torch.zeros(8)}) is None
 
 
-def test_restore_skips_torn_and_falls_back_from_corrupt(s3, caplog):
+def test_restore_skips_torn_and_falls_back_from_corrupt(cloud, caplog):
     opts = ManagerOptions(every_steps=1)
-    run(CheckpointManager(s3.root, opts, storage_options=s3.options), range(0, 3))
+    run(CheckpointManager(cloud.root, opts, storage_options=cloud.options), range(0, 3))
     # step-3: torn (objects but no manifest); step-2: corrupt shard.
-    torn_save(s3.uri("step-3"), s3.options, {"model/__0_0.distcp": b"partial"})
-    store = open_store(s3.uri("step-2"), s3.options)
+    torn_save(cloud.uri("step-3"), cloud.options, {"model/__0_0.distcp": b"partial"})
+    store = open_store(cloud.uri("step-2"), cloud.options)
     shard = next(o.key for o in store.list() if o.key.endswith(".distcp"))
     data = bytearray(store.get(shard))
     data[-40] ^= 0xFF
     store.put(shard, bytes(data))
     state = {"w": torch.zeros(8)}
     with caplog.at_level(logging.WARNING, logger="cloudckpt"):
-        info = CheckpointManager(s3.root, opts, storage_options=s3.options).restore(state)
+        info = CheckpointManager(cloud.root, opts, storage_options=cloud.options).restore(state)
     assert info.global_step == 1 and torch.equal(state["w"], torch.full((8,), 1.0))
     text = caplog.text
     assert "skipping" in text and "step-3" in text and "no manifest" in text
     assert "step-2 is corrupt" in text and "falling back" in text
-    strict = CheckpointManager(s3.root, ManagerOptions(every_steps=1, strict=True),
-                               storage_options=s3.options)
+    strict = CheckpointManager(cloud.root, ManagerOptions(every_steps=1, strict=True),
+                               storage_options=cloud.options)
     with pytest.raises(CorruptCheckpointError, match="is corrupt"):
         strict.restore({"w": torch.zeros(8)})
 
