@@ -243,6 +243,8 @@ def test_async_save_blocks_only_for_staging_and_surfaces_errors(s3):
     again = async_save(sample_state(), uri, storage_options=s3.options)
     with pytest.raises(CommitConflictError, match="already committed"):
         again.result(timeout=120)
+    open_checkpoint(uri, s3.options).verify(deep=True)  # refused before a byte went
+    assert_state_equal(load_single(uri, s3.options), expected)
 
 
 def test_writer_is_picklable(s3):

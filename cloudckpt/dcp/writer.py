@@ -24,7 +24,6 @@ from torch.futures import Future
 
 from cloudckpt.core.blobs import BlobArea
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter
-from cloudckpt.core.manifest import MANIFEST_NAME
 from cloudckpt.dcp.base import _OnStore
 from cloudckpt.dcp.budget import StagedState
 from cloudckpt.dcp.metadata import DCP_KIND, METADATA_NAME, SUFFIX, pack_item_crcs
@@ -36,7 +35,7 @@ from cloudckpt.dcp.units import (
     serialize,
     split_by_size,
 )
-from cloudckpt.errors import CommitConflictError, ConfigError
+from cloudckpt.errors import ConfigError
 from cloudckpt.storage import Store, as_store
 
 log = logging.getLogger("cloudckpt.dcp")
@@ -156,13 +155,6 @@ class CloudStorageWriter(_OnStore, StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank") or 0)
-        if is_coordinator and self.store.exists(MANIFEST_NAME):
-            # Refuse before any rank writes: objects of a committed checkpoint
-            # must never be overwritten.
-            raise CommitConflictError(
-                f"a checkpoint is already committed at {self.uri}; DCP checkpoints are "
-                "immutable here. Save to a new URI (e.g. one per step) or delete it first."
-            )
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.uri)
@@ -172,7 +164,8 @@ class CloudStorageWriter(_OnStore, StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # The coordinator claims the prefix before any rank writes into it: a second
-        # save to the same URI stops here instead of overwriting this one's files.
+        # save to the same URI, or one onto a committed checkpoint, stops here
+        # (CommitConflictError, on every rank) instead of overwriting its files.
         self._writer = CheckpointWriter(self.store, step=self.step, kind=DCP_KIND,
                                         blobs=self.blobs)
         self._writer.claim()
