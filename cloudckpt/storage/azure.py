@@ -173,6 +173,38 @@ class AzureBackend(FsspecBackend):
         except ResourceNotFoundError:
             raise FileNotFoundError(path) from None
 
+    def head(self, path: str) -> dict[str, Any] | None:
+        # One Get Blob Properties: adlfs's info lists the container after a 404 (to
+        # tell a "directory"), two requests for every check of a manifest not yet there.
+        if "/" not in path.strip("/"):
+            return None
+
+        async def properties() -> Any:
+            return await self._client(path).get_blob_properties()
+
+        try:
+            return _entry(path, sync(self.fs.loop, properties))
+        except ResourceNotFoundError:
+            return None
+
+    def find(self, path: str) -> dict[str, dict[str, Any]]:
+        # One List Blobs per 5,000 names: adlfs's find asks whether ``path`` is a
+        # blob itself first. Directory markers of accounts with a hierarchical
+        # namespace (metadata hdi_isfolder) are no objects.
+        container, _, key = path.strip("/").partition("/")
+
+        async def listing() -> dict[str, dict[str, Any]]:
+            client = self.fs.service_client.get_container_client(container)
+            return {f"{container}/{b.name}": _entry(f"{container}/{b.name}", b)
+                    async for b in client.list_blobs(name_starts_with=f"{key}/" if key else None,
+                                                     include=["metadata"])
+                    if (b.metadata or {}).get("hdi_isfolder") != "true"}
+
+        try:
+            return sync(self.fs.loop, listing)
+        except ResourceNotFoundError:  # no such container
+            return {}
+
     def version_of(self, info: Mapping[str, Any]) -> str | None:
         etag = info.get("etag")
         return str(etag) if etag else None
@@ -266,6 +298,12 @@ def _adlfs_options(options: Mapping[str, Any]) -> dict[str, Any]:
     """The storage options less the backend's own (kept in ``storage_options``, so
     that stores differing only there are told apart)."""
     return {k: v for k, v in options.items() if k != "transfer_checksum"}
+
+
+def _entry(name: str, props: Any) -> dict[str, Any]:
+    """A listing entry, as adlfs words one, from the SDK's blob properties."""
+    return {"name": name, "type": "file", "size": props.size, "etag": props.etag,
+            "last_modified": props.last_modified}
 
 
 async def _release(resp: Any) -> None:
