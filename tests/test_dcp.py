@@ -214,6 +214,19 @@ def test_malicious_pickled_item_does_not_execute(memory, tmp_path):
     assert not marker.exists()
 
 
+def test_a_metadata_the_manifest_does_not_vouch_for_is_corrupt(memory):
+    # .metadata is fetched beside the manifest; bytes that differ from what the
+    # manifest records must fail the load, not be planned from
+    uri = memory.uri("swapped-md")
+    save_local_single(sample_state(), uri)
+    store = open_store(uri)
+    other = memory.uri("other")
+    save_local_single({"w": torch.zeros(5)}, other)
+    store.put(".metadata", open_store(other).get(".metadata"))
+    with pytest.raises(CorruptCheckpointError, match="'.metadata' of .* is corrupt"):
+        load_single(uri)
+
+
 def test_malicious_metadata_does_not_execute(memory, tmp_path):
     marker = tmp_path / "pwned"
     uri = memory.uri("evil-md")

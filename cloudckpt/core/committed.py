@@ -99,6 +99,12 @@ class Checkpoint:
             )
         return data
 
+    def matches(self, path: str, data: bytes) -> bool:
+        """Whether ``data`` is object ``path`` as the manifest records it (for bytes
+        read before the manifest was)."""
+        entry = self.manifest.files.get(path)
+        return entry is not None and _problem(entry, data) is None
+
     def read(self, path: str) -> bytes:
         """Read a whole object, checking size and CRC32C.
 

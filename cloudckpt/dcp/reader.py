@@ -132,12 +132,25 @@ class CloudStorageReader(_OnStore, StorageReader):
         return self._metadata
 
     def _read_metadata(self) -> tuple[Metadata, Checkpoint]:
+        early = None
+        if self.checkpoint is None:
+            # The manifest and .metadata in one round trip: .metadata's bytes count
+            # only once the manifest vouches for them; else it is read through it.
+            _, early = self.store.map(lambda job: job(), [self._ckpt, self._metadata_bytes])
         ckpt = self._ckpt()
-        md = load_metadata(ckpt.read(METADATA_NAME), source=ckpt.store.key_uri(METADATA_NAME))
+        raw = early if early is not None and ckpt.matches(METADATA_NAME, early) else None
+        md = load_metadata(raw if raw is not None else ckpt.read(METADATA_NAME),
+                           source=ckpt.store.key_uri(METADATA_NAME))
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
         self._metadata = md
         return md, ckpt
+
+    def _metadata_bytes(self) -> bytes | None:
+        try:
+            return self.store.get(METADATA_NAME)
+        except Exception:  # noqa: BLE001 - read through the manifest then, whose error says why
+            return None
 
     def prime(self, metadata: Metadata | None, checkpoint: Checkpoint) -> None:
         """Use the ``.metadata`` and manifest (checkpoint) another rank read instead of
