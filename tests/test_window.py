@@ -69,6 +69,32 @@ def test_sent_parts_come_back_to_the_window_for_reuse(s3):
     assert part <= store.upload_window.kept <= window - store.upload_window.used
 
 
+def test_writers_in_a_full_window_take_over_each_others_mappings(gcs, monkeypatch):
+    """Single-request writes side by side, as many as the window holds: each takes
+    the mapping of one that finished (writing into a fresh one costs a page fault per
+    page, and was most of a save's CPU), rather than evicting it and mapping anew."""
+    store = open_store(gcs.root, {**gcs.options, "part_size": PART,
+                                  "upload_window": 4 * PART + 5})  # 2 writers at once
+    fresh, real = [0], ByteWindow.mapping
+
+    def counted(self, size):
+        fresh[0] += not self._kept.get(size)
+        return real(self, size)
+
+    monkeypatch.setattr(ByteWindow, "mapping", counted)
+    blobs = {f"obj-{i:02d}": os.urandom(PART + 1000 * i) for i in range(12)}
+
+    def write(key: str) -> None:
+        with store.open_write(key) as out:
+            out.write(blobs[key])
+
+    store.map(write, list(blobs))
+    assert store.get_many(list(blobs)) == blobs
+    assert fresh[0] <= 2  # one per writer the window lets run at once
+    assert store.upload_window.used == 0
+    assert store.upload_window.kept <= store.upload_window.capacity
+
+
 def test_one_thread_with_two_open_writers_does_not_wait_for_itself(gcs):
     """A thread filling two objects at once (each holding window bytes) goes on: only
     it could free what the window waits for."""

@@ -332,21 +332,21 @@ class PartWriter(RawWriter):
                 with self._buf.view() if len(self._buf) else memoryview(b"") as data:
                     self._retry("put", lambda: self._single(data, size, crc32c))
             finally:
+                self._release_held()  # first: its mapping is kept only beside what is used
                 self._buf.close()
-                self._release_held()
             return
         if self._buf:
             self._send(self._buf.copy())
-        self._buf.close()
         self._release_held()
+        self._buf.close()
         tokens = [f.result() for f in self._parts]
         self._retry("finish upload", lambda: self._finish(tokens, size, crc32c))
         self._shutdown()
         self._cleanup(tokens)
 
     def abort(self) -> None:
-        self._buf.close()
         self._release_held()
+        self._buf.close()
         self._aborted = True
         for f in self._parts:
             f.cancel()

@@ -39,7 +39,6 @@ class ByteWindow:
                 self._cond.wait()
             self.used += n
             self.peak = max(self.peak, self.used)
-            self._evict(self.capacity - self.used)
         return n
 
     @property
@@ -48,12 +47,17 @@ class ByteWindow:
         return self._kept_bytes
 
     def mapping(self, size: int) -> mmap.mmap:
-        """An anonymous mapping of ``size`` bytes for a part: a kept one if there is."""
+        """An anonymous mapping of ``size`` bytes for a part: a kept one if there is.
+
+        Kept mappings are evicted here, before a fresh one is made, not when bytes are
+        acquired: the writer that acquired them is usually about to take a kept one.
+        So the mappings alive stay within the window at every fresh mapping."""
         with self._cond:
             kept = self._kept.get(size)
             if kept:
                 self._kept_bytes -= size
                 return kept.pop()
+            self._evict(self.capacity - self.used)
         return mmap.mmap(-1, size)
 
     def keep(self, mapped: mmap.mmap) -> None:
