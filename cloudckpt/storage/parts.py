@@ -94,11 +94,15 @@ class PartBody(io.BytesIO):
                 yield view[lo:hi]
             start += len(view)
 
-    def read(self, size: int | None = -1) -> bytes:
+    def read(self, size: int | None = -1) -> bytes | memoryview:
+        """Up to ``size`` bytes; a view, not a copy, where they lie in one segment (the
+        buffers stay as they are until the request is over)."""
         end = self._size if size is None or size < 0 else min(self._size, self._pos + size)
-        data = b"".join(self._slices(end))
+        pieces = list(self._slices(end))
         self._pos = max(self._pos, end)
-        return data
+        if len(pieces) == 1:
+            return pieces[0].toreadonly()
+        return b"".join(pieces)
 
     def readinto(self, buffer: Any) -> int:  # type: ignore[override]
         out = memoryview(buffer).cast("B")
