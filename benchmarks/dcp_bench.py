@@ -437,16 +437,19 @@ def rotated(sides: list[str], rep: int) -> list[str]:
     return sides[k:] + sides[:k]
 
 
-def race(phases: dict[str, dict[str, Timer]], repeat: int,
+def race(phases: dict[str, dict[str, Timer]], repeat: int | range,
          total: int) -> tuple[dict[str, float], dict[str, float]]:
-    """Each repetition runs every side of every phase, rotating which goes first, and
-    prints a line per phase. Returns the best wall seconds per ``<phase>_<side>`` and
-    the server CPU seconds of that run (0.0 where a phase shows none)."""
+    """Each repetition (``repeat`` of them, or those of a range) runs every side of
+    every phase, rotating which goes first, and prints a line per phase. Returns the
+    best wall seconds per ``<phase>_<side>`` and the server CPU seconds of that run
+    (0.0 where a phase shows none)."""
     best: dict[str, float] = {}
     best_cpu: dict[str, float] = {}
-    print(f"\n{'rep':>3}  {'phase':<6} side: MB/s [server CPU s] (first listed ran first)",
-          flush=True)
-    for rep in range(repeat):
+    reps = range(repeat) if isinstance(repeat, int) else repeat
+    if reps.start == 0:
+        print(f"\n{'rep':>3}  {'phase':<6} side: MB/s [server CPU s] (first listed ran "
+              "first)", flush=True)
+    for rep in reps:
         for phase, timers in phases.items():
             cells = []
             for side in rotated(list(timers), rep):
