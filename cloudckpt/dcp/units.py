@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from cloudckpt.core.blobs import BlobArea, Holding
 from cloudckpt.errors import CorruptCheckpointError
+from cloudckpt.serialization.torchsave import save_item
 from cloudckpt.storage import Store
 from cloudckpt.util.crc import Crc32c
 
@@ -149,7 +150,8 @@ class _Digest:
 def serialize(items: Sequence[WriteItem], planner: SavePlanner, out: Any
               ) -> list[tuple[WriteItem, int, int, str]]:
     """Write ``items`` to the stream ``out`` as DCP's file format has them (raw bytes
-    for a byte item, ``torch.save`` for a tensor); each item's offset, length, CRC32C."""
+    for a byte item, ``torch.save``'s format for a tensor: see
+    :mod:`cloudckpt.serialization.torchsave`); each item's offset, length, CRC32C."""
     placed: list[tuple[WriteItem, int, int, str]] = []
     sink = Sink(out)
     for item in items:
@@ -158,7 +160,7 @@ def serialize(items: Sequence[WriteItem], planner: SavePlanner, out: Any
         if item.type == WriteItemType.BYTE_IO:
             sink.write(data.getbuffer())
         else:
-            torch.save(cpu_compact(data), sink)
+            save_item(cpu_compact(data), sink)
         placed.append((item, start, sink.pos - start, sink.item_crc()))
     return placed
 

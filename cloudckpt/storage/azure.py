@@ -14,7 +14,8 @@ whole; blocks never committed are invisible and the service drops them after a w
 Put Blob and ranged GETs go through the SDK's generated operations (its pipeline,
 credentials and errors) so that bodies stream from and to our buffers: the public
 calls copy each upload into one ``bytes`` and hold each download chunk whole.
-Listings, heads and whole-object reads are adlfs's.
+Heads and listings are one Get Blob Properties and one List Blobs per 5,000 names
+(adlfs's make two requests each); whole-object reads and ``ls`` are adlfs's.
 """
 
 from __future__ import annotations
