@@ -22,8 +22,10 @@ def command(backend, root: str, ranks: int, *extra: str) -> list[str]:
 
 
 def env(backend) -> dict:
+    # PYTHONFAULTHANDLER: a rank that aborts (a rare SIGABRT at exit, after "done")
+    # prints every thread's stack, which says who held what then.
     return {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(Path(__file__).parent.parent)}
+            "PYTHONFAULTHANDLER": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
 
 
 def run_to_end(backend, root: str, ranks: int, out: Path, *extra: str) -> str:
