@@ -138,9 +138,9 @@ class CloudStorageReader(_OnStore, StorageReader):
             # only once the manifest vouches for them; else it is read through it.
             _, early = self.store.map(lambda job: job(), [self._ckpt, self._metadata_bytes])
         ckpt = self._ckpt()
-        raw = early if early is not None and ckpt.matches(METADATA_NAME, early) else None
-        md = load_metadata(raw if raw is not None else ckpt.read(METADATA_NAME),
-                           source=ckpt.store.key_uri(METADATA_NAME))
+        raw = (early if early is not None and ckpt.matches(METADATA_NAME, early)
+               else ckpt.read(METADATA_NAME))
+        md = load_metadata(raw, source=ckpt.store.key_uri(METADATA_NAME))
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
         self._metadata = md
