@@ -1,11 +1,15 @@
 """A sync save that the parent interrupts with SIGINT (Ctrl-C).
 
 Usage: sigint_child.py HOW URI, storage options as JSON in CKPT_OPTIONS; HOW is
-``dcp`` (cloudckpt.dcp.save) or ``manager`` (a CheckpointManager's sync save).
+``dcp`` (cloudckpt.dcp.save), ``manager`` (a CheckpointManager's sync save) or
+``writer`` (a CheckpointWriter's ``with`` block).
 Prints "ready" just before the save starts, then one line: "interrupted SECONDS"
 when the save raised KeyboardInterrupt (the seconds since the save began),
 "saved" when it completed, or "other NAME: MESSAGE" for any other exception.
-With CATCH=0 in the environment the KeyboardInterrupt is not caught.
+With CATCH=0 in the environment the KeyboardInterrupt is not caught. With
+SWALLOW=1 the save interrupts itself where Python drops the KeyboardInterrupt (in
+a finalizer, as a Cython module's first import also does), instead of waiting
+for the parent's signal.
 """
 
 from __future__ import annotations
@@ -19,7 +23,25 @@ import time
 import torch
 
 import cloudckpt.dcp as cdcp
-from cloudckpt import CheckpointManager, StepInfo
+from cloudckpt import CheckpointManager, CheckpointWriter, StepInfo
+
+
+class _Dropped:
+    def __del__(self) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):  # the handler runs here; Python prints and drops its error
+            pass
+
+
+class SwallowsCtrlC:
+    """A stateful object whose ``state_dict()`` gets a Ctrl-C that never comes out."""
+
+    def state_dict(self) -> dict:
+        _Dropped()  # collected at once
+        return {"n": 1}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
 
 def main() -> None:
@@ -28,11 +50,19 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     how, uri = sys.argv[1], sys.argv[2]
     options = json.loads(os.environ.get("CKPT_OPTIONS", "{}"))
-    state = {f"t{i}": torch.full((512, 1024), float(i)) for i in range(16)}  # 32 MiB
+    state: dict = {f"t{i}": torch.full((512, 1024), float(i)) for i in range(16)}  # 32 MiB
+    swallow = os.environ.get("SWALLOW") == "1"
+    if swallow:
+        state["swallows"] = SwallowsCtrlC()
 
     def save() -> None:
         if how == "manager":
             CheckpointManager(uri, storage_options=options).save(StepInfo(), state, force=True)
+        elif how == "writer":
+            with CheckpointWriter(uri, storage_options=options) as ckpt:
+                ckpt.put("model.bin", state["t1"].numpy().tobytes())
+                if swallow:
+                    state["swallows"].state_dict()
         else:
             cdcp.save(state, uri, storage_options=options)
 

@@ -28,6 +28,7 @@ from cloudckpt.core.manifest import MANIFEST_NAME, FileEntry, Manifest, validate
 from cloudckpt.core.ownership import Survey
 from cloudckpt.errors import CommitConflictError, ConfigError, CorruptCheckpointError, StorageError
 from cloudckpt.names import WRITER_AREAS
+from cloudckpt.runtime import interrupts
 from cloudckpt.storage import ObjectInfo, ObjectWriter, Store, as_store
 from cloudckpt.storage.writers import CloseOnExit
 from cloudckpt.util.crc import Buffer, crc32c_hex
@@ -293,6 +294,7 @@ class CheckpointWriter:
                     f"{bad[:5]}; nothing was committed", {p: "differs" for p, _ in bad})
         with self._live():
             self._claim.check()
+            interrupts.raise_if_swallowed()  # a Ctrl-C during the save stops it here
             self.store.put_if_absent(MANIFEST_NAME, manifest.to_json())
         self._claim.release(committed=True)
         if manifest.blob_depth == 1:  # the run's checkpoint itself: its manifest holds now
@@ -303,9 +305,20 @@ class CheckpointWriter:
         return self._committed
 
     def __enter__(self) -> CheckpointWriter:
+        self._watch = interrupts.watching()
+        self._watch.__enter__()
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            self._end(exc_type, exc)
+        except BaseException as failure:
+            self._watch.__exit__(type(failure), failure, failure.__traceback__)
+            raise
+        self._watch.__exit__(exc_type, exc, tb)
+
+    def _end(self, exc_type: Any, exc: Any) -> None:
+        """Commit after a clean ``with`` block; abandon after a failed one."""
         if exc_type is None:
             self.commit()
         elif self._committed is None:

@@ -21,6 +21,7 @@ from cloudckpt.dcp.reader import CloudStorageReader
 from cloudckpt.dcp.writer import CloudStorageWriter
 from cloudckpt.errors import CloudCkptError, ConfigError, StateMismatchError, StorageError
 from cloudckpt.runtime import coordination as coord
+from cloudckpt.runtime import interrupts
 from cloudckpt.runtime.pending import SaveFuture, run_in_background
 from cloudckpt.runtime.state import check_state_dict, resolve_stateful
 from cloudckpt.serialization.torchload import refusal
@@ -123,6 +124,7 @@ def _dist_args(group: Any) -> dict[str, Any]:
     return {"process_group": None if alone else group, "no_dist": alone}
 
 
+@interrupts.watching()
 def save(
     state_dict: dict[str, Any],
     uri: str | Store,

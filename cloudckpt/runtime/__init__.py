@@ -1,1 +1,1 @@
-"""The training process: rank coordination, saves pending at exit, application state."""
+"""The training process: rank coordination, saves pending at exit, interrupts, application state."""

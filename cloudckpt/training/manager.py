@@ -26,6 +26,7 @@ from cloudckpt.errors import (
     IncompleteCheckpointError,
 )
 from cloudckpt.runtime import coordination as coord
+from cloudckpt.runtime import interrupts
 from cloudckpt.runtime.pending import SaveFuture, run_in_background
 from cloudckpt.runtime.preemption import Notice
 from cloudckpt.runtime.state import StepInfo
@@ -100,6 +101,7 @@ class CheckpointManager:
         epoch_end = step_info.epoch_step == step_info.steps_per_epoch - 1
         return self.schedule.check(steps=1, epochs=int(epoch_end))
 
+    @interrupts.watching()
     def save(self, step_info: StepInfo, state_dict: Mapping[str, Any], *,
              extra: Mapping[str, Any] | None = None, per_rank: Mapping[str, Any] | None = None,
              rng: bool = True, force: bool = False) -> bool:

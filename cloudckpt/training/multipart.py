@@ -28,6 +28,7 @@ from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter
 from cloudckpt.core.deletion import remove_leftovers
 from cloudckpt.errors import IncompleteCheckpointError
 from cloudckpt.runtime import coordination as coord
+from cloudckpt.runtime import interrupts
 from cloudckpt.storage import Store
 
 log = logging.getLogger("cloudckpt")
@@ -102,6 +103,7 @@ def commit(writer: CheckpointWriter, parts: Sequence[Part], written: Sequence[An
     return writer.commit()
 
 
+@interrupts.watching()
 def save(store: Store, parts: Sequence[Part], *, group: Any = None,
          deadline: float | None = None, **writer_options: Any) -> Checkpoint | None:
     """Claim ``store``, write ``parts`` on every rank, commit on rank 0; call on every
@@ -140,6 +142,7 @@ def save(store: Store, parts: Sequence[Part], *, group: Any = None,
         raise
 
 
+@interrupts.watching()
 def drive(store: Store, parts: Sequence[tuple[str, Callable[[str], Any]]],
           shared: Mapping[str, bytes | Callable[[], bytes]], **writer_options: Any
           ) -> Checkpoint:
