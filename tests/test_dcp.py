@@ -420,3 +420,26 @@ def test_items_reach_the_stream_in_a_few_writes_with_their_bytes_and_crcs():
         assert torch.equal(torch.load(io.BytesIO(stream[start:start + length])), t)
         pos += length
     assert pos == len(stream)
+
+
+def test_a_saved_tensor_is_sent_from_its_own_memory(s3, monkeypatch):
+    """A CPU tensor of the state is lent to the upload (no copy of its bytes); one
+    the writer had to copy first (a strided view, compacted) is written as a copy,
+    which the upload may not hold on to. Both load back bit-exact."""
+    from cloudckpt.storage.writers import ObjectWriter
+
+    lent: list[int] = []
+    real = ObjectWriter.lend
+
+    def recorded(self, data):
+        lent.append(torch.frombuffer(data, dtype=torch.uint8).data_ptr())
+        return real(self, data)
+
+    monkeypatch.setattr(ObjectWriter, "lend", recorded)
+    own = torch.randn(256, 1024)
+    strided = torch.randn(1024, 256).t()
+    cloud_dcp.save({"own": own, "strided": strided}, s3.uri("ckpt"), storage_options=s3.options)
+    assert lent == [own.data_ptr()]
+    back = {"own": torch.zeros_like(own), "strided": torch.zeros(256, 1024)}
+    cloud_dcp.load(back, s3.uri("ckpt"), storage_options=s3.options)
+    assert torch.equal(back["own"], own) and torch.equal(back["strided"], strided)

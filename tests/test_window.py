@@ -148,7 +148,7 @@ def test_part_body_reads_its_segments_as_one_file():
     the concatenation, from any position, again after a seek (a retried request)."""
     import io
 
-    from cloudckpt.storage.parts import PartBody
+    from cloudckpt.storage.bodies import PartBody
 
     segments = [b"head-", memoryview(bytearray(b"0123456789")), b"", b"-tail"]
     whole = b"head-0123456789-tail"
@@ -170,3 +170,73 @@ def test_part_body_reads_its_segments_as_one_file():
     piece = body.read(65536)
     assert isinstance(piece, memoryview) and piece.readonly and piece == big[:65536]
     assert piece.obj is big
+
+
+@pytest.mark.parametrize("where", ["gcs", "s3", "azure"])
+def test_lent_bytes_go_up_as_they_are(where, request, monkeypatch):
+    """Bytes lent to a writer (a tensor's own memory) are sent from the caller's buffer
+    while the object fits one request: no part mapping is filled, the window counts
+    them while they are in flight, and the object is the writes in order."""
+    backend = request.getfixturevalue(where)
+    part = PART if where == "gcs" else 5 * 1024 * 1024
+    store = open_store(backend.root, {**backend.options, "part_size": part,
+                                      "upload_window": 8 * part + 13})
+    mapped = [0]
+    real = ByteWindow.mapping
+    monkeypatch.setattr(ByteWindow, "mapping",
+                        lambda self, size: mapped.__setitem__(0, mapped[0] + 1) or real(self, size))
+    big, other = bytearray(os.urandom(part)), bytearray(os.urandom(part // 2))
+    with store.open_write("lent") as out:
+        out.write(b"header")
+        out.lend(big)
+        assert store.upload_window.used > 0  # in flight: counted, though not a copy
+        out.write(b"between")
+        out.lend(memoryview(other))
+        out.write(b"tail")
+    assert store.get("lent") == b"header" + big + b"between" + other + b"tail"
+    assert out.info is not None and out.info.size == len(big) + len(other) + 17
+    assert mapped[0] == 0, "lent bytes were copied into a part mapping"
+    assert store.upload_window.used == 0
+
+
+@pytest.mark.parametrize("where", ["gcs", "s3"])
+def test_lent_bytes_that_outgrow_one_request_are_streamed_in_parts(where, request):
+    backend = request.getfixturevalue(where)
+    part = PART if where == "gcs" else 5 * 1024 * 1024
+    store = open_store(backend.root, {**backend.options, "part_size": part,
+                                      "upload_window": 6 * part + 17})
+    pieces = [os.urandom(part // 2 + i) for i in range(6)]  # three parts in all
+    with store.open_write("grown") as out:
+        for i, piece in enumerate(pieces):
+            out.write(b"%d" % i)
+            out.lend(piece)
+    assert store.get("grown") == b"".join(b"%d" % i + p for i, p in enumerate(pieces))
+    assert store.upload_window.used == 0
+
+
+def test_an_aborted_lending_write_gives_its_bytes_back(s3):
+    store = open_store(s3.root, {**s3.options, "upload_window": 3 * 5 * 1024 * 1024 + 19})
+    with pytest.raises(RuntimeError), store.open_write("torn") as out:
+        out.lend(os.urandom(1024 * 1024))
+        raise RuntimeError("the caller fails mid-write")
+    assert store.upload_window.used == 0
+    assert not store.exists("torn")
+
+
+def test_part_body_sends_large_pieces_as_views_and_joins_small_ones():
+    """A body of headers between tensors: each tensor's bytes go out as views of the
+    tensor (a read stops short at its end rather than copy across), small pieces
+    between them in one read; read on until empty, the bytes are the pieces in order."""
+    from cloudckpt.storage.bodies import PartBody, Pieces
+
+    tensors = [bytearray(os.urandom(300_000)), bytearray(os.urandom(100_000))]
+    pieces = [b"zip-head", tensors[0], b"dir", b"pickle", tensors[1], b"end"]
+    body = PartBody(b"multipart-head", Pieces([memoryview(p) for p in pieces]))
+    reads = []
+    while chunk := body.read(256 * 1024):
+        reads.append(chunk)
+    assert b"".join(reads) == b"multipart-head" + b"".join(pieces)
+    from_tensors = [r for r in reads if isinstance(r, memoryview)]
+    assert {id(r.obj) for r in from_tensors} == {id(t) for t in tensors}
+    assert sum(len(r) for r in from_tensors) == sum(len(t) for t in tensors)
+    assert reads[0] == b"multipart-headzip-head" and reads[-1] == b"end"

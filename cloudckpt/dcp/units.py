@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from threading import Lock
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
@@ -56,18 +57,27 @@ class Sink:
     (zip headers, the pickle); they are gathered and passed on as one, so the
     stream beneath (checksum, window, parts) is called a few times per item, not
     forty. ``item_crc`` passes on what is gathered: an item ends on a boundary.
+
+    The one large write is the tensor's storage, from its own memory: when the item
+    is a tensor of the state itself (``start_item(tensor)``), a stream that can
+    send borrowed bytes (``lend``) gets a view of the tensor, which keeps it alive,
+    and sends it without a copy (torch's own view is valid only during the call).
     """
 
     SMALL = 64 << 10
 
     def __init__(self, out: Any) -> None:
         self._out = out
+        self._lend = getattr(out, "lend", None)
         self.pos = 0
         self._crc = Crc32c()
         self._small = bytearray()
+        self._tensor: torch.Tensor | None = None
 
-    def start_item(self) -> int:
+    def start_item(self, tensor: torch.Tensor | None = None) -> int:
+        """An item begins; ``tensor``: its bytes may be lent to the stream."""
         self._crc = Crc32c()
+        self._tensor = tensor if self._lend is not None else None
         return self.pos
 
     def item_crc(self) -> str:
@@ -84,8 +94,21 @@ class Sink:
                 self._pass_small()
         else:
             self._pass_small()
-            self._pass(view)
+            own = self._tensor_bytes(view)
+            if own is None:
+                self._pass(view)
+            else:
+                self._lend(own)
+                self._crc.update(own)
         return n
+
+    def _tensor_bytes(self, view: memoryview) -> memoryview | None:
+        """The item's tensor's own bytes if ``view`` is exactly them, else None."""
+        t = self._tensor
+        if t is None or view.nbytes != t.numel() * t.element_size() or \
+                np.frombuffer(view, np.uint8).ctypes.data != t.data_ptr():
+            return None
+        return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
     def _pass_small(self) -> None:
         if self._small:
@@ -156,11 +179,16 @@ def serialize(items: Sequence[WriteItem], planner: SavePlanner, out: Any
     sink = Sink(out)
     for item in items:
         data = planner.resolve_data(item)
-        start = sink.start_item()
         if item.type == WriteItemType.BYTE_IO:
+            start = sink.start_item()
             sink.write(data.getbuffer())
         else:
-            save_item(cpu_compact(data), sink)
+            tensor = cpu_compact(data)
+            # Lent only when it is the state's own memory: a copy made here (from a
+            # GPU, or compacted) would be held until its upload, outside the window.
+            start = sink.start_item(tensor if tensor.data_ptr() == data.data_ptr() and
+                                    data.device.type == "cpu" else None)
+            save_item(tensor, sink)
         placed.append((item, start, sink.pos - start, sink.item_crc()))
     return placed
 

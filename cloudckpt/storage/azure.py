@@ -51,9 +51,10 @@ from fsspec.asyn import sync
 from cloudckpt.errors import ConfigError, StorageError
 from cloudckpt.storage.backend import Backend, Host
 from cloudckpt.storage.base import Store
+from cloudckpt.storage.bodies import PartBody, Pieces, segments_of
 from cloudckpt.storage.objects import ObjectInfo
 from cloudckpt.storage.options import check_filesystem_options, init_options
-from cloudckpt.storage.parts import PartBody, PartWriter
+from cloudckpt.storage.parts import PartWriter
 from cloudckpt.storage.primitives import FsspecBackend
 from cloudckpt.storage.ranges import read_upto
 from cloudckpt.storage.retry import Classified, Failure
@@ -111,13 +112,16 @@ class AzureBackend(FsspecBackend):
         config.retry_policy.total_retries = 0
         return fs
 
-    def checked(self, data: Buffer) -> dict[str, Any]:
+    def checked(self, data: Buffer | Pieces) -> dict[str, Any]:
         """The keyword that has the service check a request's body (see
         ``transfer_checksum``): the SDK's transactional CRC64 or MD5 header."""
         if self._check == "crc64":
             return {"transactional_content_crc64": crc64_of(data).to_bytes(8, "little")}
         if self._check == "md5":
-            return {"transactional_content_md5": hashlib.md5(data).digest()}
+            md5 = hashlib.md5()
+            for view in segments_of(data):
+                md5.update(view)
+            return {"transactional_content_md5": md5.digest()}
         return {}
 
     def _root_of(self, root: str) -> str:
@@ -130,7 +134,7 @@ class AzureBackend(FsspecBackend):
         container, _, key = path.partition("/")
         return self.fs.service_client.get_blob_client(container, key)
 
-    def _upload(self, path: str, data: Buffer, **conditions: str) -> str:
+    def _upload(self, path: str, data: Buffer | Pieces, **conditions: str) -> str:
         # One Put Blob through the SDK's generated operation (its pipeline, credentials
         # and errors): the public upload_blob reads the body into one bytes copy first,
         # which held 16 MiB per request in flight. ``conditions``: If-None-Match or
@@ -145,7 +149,7 @@ class AzureBackend(FsspecBackend):
 
         return str(sync(self.fs.loop, upload)["ETag"])
 
-    def put(self, path: str, data: Buffer) -> str:
+    def put(self, path: str, data: Buffer | Pieces) -> str:
         return self._upload(path, data)
 
     def put_if_absent(self, path: str, data: Buffer) -> str:
@@ -317,14 +321,15 @@ def block_id_of(writer: str, number: int) -> str:
     return base64.b64encode(f"{writer}-{number:06d}".encode()).decode()
 
 
-def crc64_of(data: Buffer) -> int:
+def crc64_of(data: Buffer | Pieces) -> int:
     """Azure's CRC64 of ``data``: the extension takes only bytes, so a buffer is
     passed a slice at a time (a cache-sized copy, not one of the whole part)."""
     if isinstance(data, bytes):
         return _crc64.compute(data, 0)
-    view, crc = memoryview(data).cast("B"), 0
-    for i in range(0, len(view), _CRC_SLICE):
-        crc = _crc64.compute(bytes(view[i:i + _CRC_SLICE]), crc)
+    crc = 0
+    for view in segments_of(data):
+        for i in range(0, len(view), _CRC_SLICE):
+            crc = _crc64.compute(bytes(view[i:i + _CRC_SLICE]), crc)
     return crc
 
 
@@ -372,7 +377,7 @@ class _BlockWriter(PartWriter):
         sync(self._azure.fs.loop, commit)
         self._azure.fs.invalidate_cache(self._path)
 
-    def _single(self, data: memoryview, size: int, crc32c: str) -> None:
+    def _single(self, data: memoryview | Pieces, size: int, crc32c: str) -> None:
         self._azure.put(self._path, data)
 
 

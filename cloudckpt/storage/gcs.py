@@ -47,9 +47,10 @@ from cloudckpt.names import PART_SUFFIX  # noqa: E402
 from cloudckpt.storage import gcs_errors  # noqa: E402
 from cloudckpt.storage.backend import Backend, Host  # noqa: E402
 from cloudckpt.storage.base import Store  # noqa: E402
+from cloudckpt.storage.bodies import PartBody, Pieces  # noqa: E402
 from cloudckpt.storage.objects import ObjectInfo  # noqa: E402
 from cloudckpt.storage.options import init_options  # noqa: E402
-from cloudckpt.storage.parts import PartBody, PartWriter  # noqa: E402
+from cloudckpt.storage.parts import PartWriter  # noqa: E402
 from cloudckpt.storage.primitives import FsspecBackend  # noqa: E402
 from cloudckpt.storage.ranges import read_upto  # noqa: E402
 from cloudckpt.storage.retry import describe, mask_secrets  # noqa: E402
@@ -98,7 +99,7 @@ class GCSBackend(FsspecBackend):
         bucket, _, key = path.partition("/")
         return bucket, key
 
-    def _upload(self, path: str, data: Buffer, crc32c: str | None = None,
+    def _upload(self, path: str, data: Buffer | Pieces, crc32c: str | None = None,
                 **params: str) -> str:
         bucket, key = self._split(path)
         boundary = f"cloudckpt-{uuid.uuid4().hex}"
@@ -128,7 +129,7 @@ class GCSBackend(FsspecBackend):
     def put(self, path: str, data: Buffer) -> str:
         return self._upload(path, data)
 
-    def put_checked(self, path: str, data: Buffer, crc32c: str) -> str:
+    def put_checked(self, path: str, data: Buffer | Pieces, crc32c: str) -> str:
         return self._upload(path, data, crc32c)
 
     def _compose(self, path: str, sources: list[str]) -> dict[str, Any]:
@@ -307,7 +308,7 @@ class _ComposeWriter(PartWriter):
         self._gcs._compose(name, sources)
         return name
 
-    def _single(self, data: memoryview, size: int, crc32c: str) -> None:
+    def _single(self, data: memoryview | Pieces, size: int, crc32c: str) -> None:
         self._gcs.put_checked(self._path, data, crc32c)
 
     def _cleanup(self, tokens: list[Any]) -> None:

@@ -6,22 +6,24 @@ being filled and the parts in flight) are taken from the store's upload window
 (:mod:`.window`), shared by every streamed write of the process, so many objects
 written at once cannot hold more than the window. An object under two parts goes
 up as a single request on commit: parts would gain at most one in flight for extra
-requests and server-side assembly. Backends say *how* a part is stored and
+requests and server-side assembly. Until it outgrows that, the writer keeps what it
+was lent (:meth:`PartWriter.lend`: a tensor's own bytes) and small copies as
+:class:`Pieces` and sends them as they are: no copy of the tensor (the window
+still counts them, as bytes in flight). Backends say *how* a part is stored and
 how the parts become one object (S3 multipart upload, GCS compose).
 """
 
 from __future__ import annotations
 
-import io
 import mmap
 import threading
 from abc import abstractmethod
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from cloudckpt.errors import StorageError
 from cloudckpt.storage.backend import Backend, Host
+from cloudckpt.storage.bodies import Pieces
 from cloudckpt.storage.retry import ONE_TRY
 from cloudckpt.storage.window import ByteWindow, exported
 from cloudckpt.storage.writers import RawWriter
@@ -44,77 +46,6 @@ def part_copy(data: Buffer, window: ByteWindow | None = None) -> memoryview:
     mapped = window.mapping(len(view)) if window is not None else mmap.mmap(-1, len(view))
     mapped[:len(view)] = view
     return memoryview(mapped)
-
-
-class _Length:
-    """What aiohttp asks of ``getbuffer()``: a length, in a ``with`` block."""
-
-    def __init__(self, n: int) -> None:
-        self._n = n
-
-    def __len__(self) -> int:
-        return self._n
-
-    def __enter__(self) -> _Length:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        pass
-
-
-class PartBody(io.BytesIO):
-    """A request body as a read-only in-memory file over the caller's buffers, one
-    after the other (no copy, no concatenation). A BytesIO, so aiohttp streams it in
-    chunks on its event loop (a bytes body it would copy whole; another file it would
-    read through a thread per chunk)."""
-
-    def __init__(self, *segments: Buffer) -> None:
-        super().__init__()
-        self._views = [memoryview(s).cast("B") for s in segments]
-        self._size = sum(len(v) for v in self._views)
-        self._pos = 0
-
-    def getbuffer(self) -> Any:  # type: ignore[override]
-        return _Length(self._size)
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def _slices(self, end: int) -> Iterator[memoryview]:
-        """The bytes from the position to ``end``, segment by segment."""
-        start = 0
-        for view in self._views:
-            lo, hi = max(self._pos - start, 0), min(end - start, len(view))
-            if lo < hi:
-                yield view[lo:hi]
-            start += len(view)
-
-    def read(self, size: int | None = -1) -> bytes | memoryview:
-        """Up to ``size`` bytes; a view, not a copy, where they lie in one segment (the
-        buffers stay as they are until the request is over)."""
-        end = self._size if size is None or size < 0 else min(self._size, self._pos + size)
-        pieces = list(self._slices(end))
-        self._pos = max(self._pos, end)
-        if len(pieces) == 1:
-            return pieces[0].toreadonly()
-        return b"".join(pieces)
-
-    def readinto(self, buffer: Any) -> int:  # type: ignore[override]
-        out = memoryview(buffer).cast("B")
-        n = 0
-        for piece in self._slices(min(self._size, self._pos + len(out))):
-            out[n:n + len(piece)] = piece
-            n += len(piece)
-        self._pos += n
-        return n
-
-    def __len__(self) -> int:
-        return self._size
 
 
 class _Fill:
@@ -177,6 +108,9 @@ class PartWriter(RawWriter):
     IN_FLIGHT = 8
     #: The most parts one object may have (None: no limit of ours).
     MAX_PARTS: int | None = None
+    #: Bytes of small writes a writer copies and keeps beside what it was lent, before
+    #: it moves to a buffer (the pickles and headers between tensors).
+    SMALL_COPIES = 256 * 1024
 
     def __init__(self, backend: Backend, host: Host, path: str, part_size: int) -> None:
         self._backend = backend
@@ -194,6 +128,11 @@ class PartWriter(RawWriter):
         # the window only when it holds none of it, so writers never deadlock.
         self._window = host.upload_window
         self._held = 0
+        # Until the object outgrows one request or its small copies: what it was lent
+        # and copies of small writes, in order, sent as they are (see lend()).
+        self._pieces: list[memoryview] | None = []
+        self._pieces_size = 0
+        self._copied = 0
 
     # ------------------------------------------------------------------ hooks
 
@@ -213,8 +152,9 @@ class PartWriter(RawWriter):
         """Make one object of the parts; ``size``/``crc32c`` are of the whole (one attempt)."""
 
     @abstractmethod
-    def _single(self, data: memoryview, size: int, crc32c: str) -> None:
-        """Store a small object in one request (one attempt)."""
+    def _single(self, data: memoryview | Pieces, size: int, crc32c: str) -> None:
+        """Store a small object in one request (one attempt); ``data`` may be in
+        :class:`Pieces` (send them one after the other, see :class:`PartBody`)."""
 
     def _abort_upload(self, store: Host) -> None:
         """Best effort: drop what the parts left on the server (through ``store``,
@@ -258,10 +198,45 @@ class PartWriter(RawWriter):
         self._give_up(held)
         self._window.release(held)
 
+    def lend(self, data: Buffer) -> None:
+        """Keep ``data`` to send as it is while the object may go up in one request:
+        no copy; once the object outgrows one request it is copied as :meth:`write`
+        copies. Kept bytes hold window bytes as a buffer would, though they are not
+        copies: the window also bounds what the process has in flight."""
+        view = memoryview(data).cast("B")
+        if self._fits(len(view)):
+            self._keep(view)
+        else:
+            self.write(view)
+
+    def _fits(self, n: int) -> bool:
+        """Whether ``n`` more bytes keep the object among the pieces (one request)."""
+        return self._pieces is not None and self._pieces_size + n < self._single_limit
+
+    def _keep(self, view: memoryview) -> None:
+        assert self._pieces is not None
+        self._reserve(self._single_limit)
+        self._pieces.append(view)
+        self._pieces_size += len(view)
+
+    def _to_buffer(self) -> None:
+        """Copy the pieces kept so far into the buffer, from the window: the object is
+        streamed as usual from now on."""
+        pieces, self._pieces = self._pieces, None
+        if pieces:
+            for piece in pieces:
+                self._buf.append(piece)
+
     def write(self, data: Buffer) -> None:
         view = memoryview(data).cast("B")
         if not len(view):
             return
+        if self._pieces is not None:
+            if self._copied + len(view) <= self.SMALL_COPIES and self._fits(len(view)):
+                self._keep(memoryview(bytes(view)))  # the caller may reuse its buffer
+                self._copied += len(view)
+                return
+            self._to_buffer()
         if not self._started:
             self._reserve(self._single_limit)
             if len(self._buf) + len(view) < self._single_limit:
@@ -331,6 +306,14 @@ class PartWriter(RawWriter):
         self._parts.append(future)
 
     def commit(self, size: int, crc32c: str) -> None:
+        if self._pieces is not None:
+            data = Pieces(self._pieces)
+            try:
+                self._retry("put", lambda: self._single(data, size, crc32c))
+            finally:
+                self._pieces = None  # the caller's buffers are its own again
+                self._release_held()
+            return
         if not self._started:
             try:
                 with self._buf.view() if len(self._buf) else memoryview(b"") as data:
@@ -349,6 +332,7 @@ class PartWriter(RawWriter):
         self._cleanup(tokens)
 
     def abort(self) -> None:
+        self._pieces = None
         self._release_held()
         self._buf.close()
         self._aborted = True

@@ -27,9 +27,10 @@ from cloudckpt.errors import StorageError
 from cloudckpt.storage import s3_errors
 from cloudckpt.storage.backend import Backend, Host
 from cloudckpt.storage.base import Store
+from cloudckpt.storage.bodies import PartBody, Pieces
 from cloudckpt.storage.objects import ObjectInfo
 from cloudckpt.storage.options import init_options
-from cloudckpt.storage.parts import PartBody, PartWriter
+from cloudckpt.storage.parts import PartWriter
 from cloudckpt.storage.primitives import FsspecBackend
 from cloudckpt.storage.ranges import read_upto
 from cloudckpt.storage.retry import ONE_TRY, status_of
@@ -97,12 +98,12 @@ class S3Backend(FsspecBackend):
         return {"name": path, "type": "file", "size": int(resp.get("ContentLength") or 0),
                 "ETag": resp.get("ETag"), "LastModified": resp.get("LastModified")}
 
-    def put(self, path: str, data: Buffer, **cond: str) -> str:
-        # botocore takes bytes, bytearray or a file; a view goes as a file (no copy).
-        body = PartBody(data) if isinstance(data, memoryview) else data
+    def put(self, path: str, data: Buffer | Pieces, **cond: str) -> str:
+        # botocore takes bytes, bytearray or a file; views go as a file (no copy).
+        body = PartBody(data) if isinstance(data, (memoryview, Pieces)) else data
         return self._s3("put_object", path, Body=body, **cond)["ETag"]
 
-    def put_checked(self, path: str, data: Buffer, crc32c: str) -> str:
+    def put_checked(self, path: str, data: Buffer | Pieces, crc32c: str) -> str:
         # Send the CRC32C we already have: S3 verifies it against the bytes it
         # received (and keeps it), and botocore then skips hashing the body
         # again for its default CRC32 -- a full pass over the data saved.
@@ -423,7 +424,7 @@ class _MultipartWriter(PartWriter):
         return (head.get("ContentLength") == size
                 and head.get("ETag", "").strip('"') == f"{digest}-{len(tokens)}")
 
-    def _single(self, data: memoryview, size: int, crc32c: str) -> None:
+    def _single(self, data: memoryview | Pieces, size: int, crc32c: str) -> None:
         self._s3backend.put_checked(self._path, data, crc32c)
 
     def _abort_upload(self, store: Host) -> None:

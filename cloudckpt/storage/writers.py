@@ -40,6 +40,12 @@ class RawWriter(ABC):
     @abstractmethod
     def write(self, data: Buffer) -> None: ...
 
+    def lend(self, data: Buffer) -> None:
+        """Like :meth:`write`, but the writer may send ``data`` itself, without a copy:
+        the caller keeps it alive and unchanged until :meth:`commit` or :meth:`abort`
+        returns. By default it is copied as any write is."""
+        self.write(data)
+
     @abstractmethod
     def commit(self, size: int, crc32c: str) -> None:
         """Make the object durable and visible; ``size`` and ``crc32c`` (hex) are of
@@ -96,6 +102,15 @@ class ObjectWriter(CloseOnExit):
         self.closed = False
 
     def write(self, data: Buffer) -> int:
+        return self._pass(data, self._raw.write)
+
+    def lend(self, data: Buffer) -> int:
+        """Write ``data``, which the upload may send as it is, without copying it: keep
+        it alive and unchanged until the writer is closed (a tensor's bytes during a
+        save)."""
+        return self._pass(data, self._raw.lend)
+
+    def _pass(self, data: Buffer, to: Any) -> int:
         if self.closed:
             raise ValueError(f"write to closed writer for {self.key}")
         n = nbytes(data)
@@ -103,7 +118,7 @@ class ObjectWriter(CloseOnExit):
             try:
                 check_stop()  # the batch this write belongs to failed or was interrupted
                 self._crc.update(data)
-                self._raw.write(data)
+                to(data)
             except BaseException as exc:
                 self.failure = exc
                 raise
