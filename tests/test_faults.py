@@ -136,6 +136,36 @@ def test_truncated_responses_are_retried(proxied, s3):
     assert proxy.faults.get("truncate", 0) >= 2
 
 
+def test_a_range_read_into_buffers_on_the_event_loop_resumes_where_it_was_cut(
+        proxied, s3, caplog, monkeypatch):
+    """read_range_into copies each piece into the buffers where it arrives, the event
+    loop's thread; a body cut short resumes at its first missing byte, and the
+    buffers and the CRC32C are those of the whole range."""
+    import threading
+
+    from cloudckpt.storage import ranges
+    from cloudckpt.util.crc import Crc32c
+
+    via, proxy = proxied
+    data = os.urandom(3 << 20)
+    open_store(s3.root, s3.options).put("big.bin", data)
+    where: set[str] = set()
+    real = ranges.Filling.put
+    monkeypatch.setattr(ranges.Filling, "put", lambda self, piece: (
+        where.add(threading.current_thread().name), real(self, piece)))
+    proxy.set_plan(FaultPlan(error_rate=1.0, kinds=("truncate",), max_faults=2, match="big"))
+    outs = [bytearray(1 << 20), memoryview(bytearray(2 << 20))[:(2 << 20) - 100]]
+    with caplog.at_level(logging.WARNING, logger="cloudckpt"):
+        crc = open_store(via.root, via.options).read_range_into("big.bin", 100, outs)
+    assert bytes(outs[0]) + bytes(outs[1]) == data[100:]
+    whole = Crc32c()
+    whole.update(data[100:])
+    assert crc == whole.value
+    assert proxy.faults.get("truncate", 0) == 2
+    assert any("resuming get_range" in r.getMessage() for r in caplog.records)
+    assert where == {"fsspecIO"}, where
+
+
 
 def test_a_manifest_committed_during_the_open_is_read(proxied, s3):
     """A reader whose manifest GET lands just before a racing writer's commit (the

@@ -240,3 +240,23 @@ def test_part_body_sends_large_pieces_as_views_and_joins_small_ones():
     assert {id(r.obj) for r in from_tensors} == {id(t) for t in tensors}
     assert sum(len(r) for r in from_tensors) == sum(len(t) for t in tensors)
     assert reads[0] == b"multipart-headzip-head" and reads[-1] == b"end"
+
+
+def test_bytes_and_their_mapping_come_back_in_one_step():
+    """A writer let in by bytes given back finds their mapping kept for it: kept
+    after the bytes, it could map afresh in between (a page fault per page); kept
+    before, it would not fit beside the bytes still counted, and be unmapped."""
+    import mmap
+
+    w = ByteWindow(10)
+    w.acquire(10)
+    mine = mmap.mmap(-1, 10)
+    got: list[mmap.mmap] = []
+    t = threading.Thread(target=lambda: (w.acquire(10), got.append(w.mapping(10))))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive() and not got  # the window is full: it waits
+    w.release(10, keep=mine)
+    t.join(5)
+    assert got and got[0] is mine
+    assert w.used == 10 and w.kept == 0

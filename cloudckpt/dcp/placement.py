@@ -85,18 +85,25 @@ class _Rows:
             self.fill = 0
 
     def close(self) -> None:
-        if self.size:
-            self._window.keep(self.buffer)
-        self._window.release(self._held)
+        self._window.release(self._held, keep=self.buffer if self.size else None)
         self._held = 0
+
+
+class NotStraight(Exception):
+    """An item taken on the event loop whose bytes do not go straight into their
+    destination: read it again off the loop (converting may wait for window bytes)."""
 
 
 class _Stream:
     """Takes a whole item's bytes in order (one request): finds its tensor in the
-    first few KiB, then puts every byte where it goes, checksumming all of it."""
+    first few KiB, then puts every byte where it goes, checksumming all of it.
+    ``on_loop``: it runs where the bytes arrive, so it must never wait: an item that
+    does not go straight into its destination raises :class:`NotStraight`."""
 
-    def __init__(self, item: _Item, window: ByteWindow, row_budget: int) -> None:
+    def __init__(self, item: _Item, window: ByteWindow, row_budget: int, *,
+                 on_loop: bool = False) -> None:
         self.item, self._window, self._row_budget = item, window, row_budget
+        self._on_loop = on_loop
         self.crc = Crc32c()
         self._pending: list[tuple[int, memoryview]] | None = []
         self._got = 0
@@ -127,6 +134,8 @@ class _Stream:
             self._put(r, v)
 
     def _choose(self, saved: SavedTensor | None) -> None:
+        if self._on_loop and (saved is None or not _direct(self.item, saved)):
+            raise NotStraight(self.item.fqn)
         self._saved = self.item.saved = saved
         if saved is None:  # another layout: the whole item, torch.load'ed once checked
             self._held = self._window.acquire(self.item.info.length)
@@ -170,8 +179,7 @@ class _Stream:
         if self._rows is not None:
             self._rows.close()
         if self._whole is not None:
-            self._window.keep(self._whole)
-            self._window.release(self._held)
+            self._window.release(self._held, keep=self._whole)
             self._whole = None
 
 

@@ -30,6 +30,7 @@ from cloudckpt.core.checkpoint import Checkpoint, open_checkpoint
 from cloudckpt.dcp.base import _OnStore
 from cloudckpt.dcp.metadata import METADATA_NAME, ItemCrcs, load_metadata
 from cloudckpt.dcp.placement import (
+    NotStraight,
     _bytes_of,
     _deliver,
     _direct,
@@ -324,14 +325,40 @@ class CloudStorageReader(_OnStore, StorageReader):
             rows.close()
 
     def _stream(self, item: _Item, window: ByteWindow) -> None:
-        """One request for a whole item, its bytes put where they go as they arrive."""
-        sink = _Stream(item, window, self._row_budget())
+        """One request for a whole item, its bytes put where they go as they arrive: on
+        the event loop that receives them where they go straight into the destination
+        (as ``.metadata`` says they will; if the record says otherwise, again here)."""
+        if self._straight(item):
+            try:
+                self._stream_once(item, window, on_loop=True)
+                return
+            except NotStraight:
+                pass
+        self._stream_once(item, window, on_loop=False)
+
+    def _stream_once(self, item: _Item, window: ByteWindow, *, on_loop: bool) -> None:
+        sink = _Stream(item, window, self._row_budget(), on_loop=on_loop)
         try:
             self.store.read_range_to(item.path, item.info.offset,
-                                     item.info.offset + item.info.length, sink, chunk=READ_PIECE)
+                                     item.info.offset + item.info.length, sink,
+                                     chunk=READ_PIECE, on_loop=on_loop)
             sink.finish(self.uri)
         finally:
             sink.close()
+
+    def _straight(self, item: _Item) -> bool:
+        """Whether ``.metadata`` says the item's tensor is the whole of a saved chunk
+        of the destination's dtype, and the destination takes its bytes as they are."""
+        target, req = item.target, item.req
+        md = self._metadata.state_dict_metadata.get(req.storage_index.fqn) \
+            if self._metadata is not None else None
+        if target is None or md is None or not hasattr(md, "chunks") or \
+                target.device.type != "cpu" or not target.is_contiguous() or \
+                md.properties.dtype != target.dtype or any(req.storage_offsets):
+            return False
+        offset = tuple(req.storage_index.offset or ())
+        return any(tuple(c.offsets) == offset and tuple(c.sizes) == tuple(req.lengths)
+                   for c in md.chunks)
 
     def _fetch_group(self, path: str, start: int, end: int, members: list[_Item],
                      window: ByteWindow) -> None:
@@ -354,5 +381,4 @@ class CloudStorageReader(_OnStore, StorageReader):
                 _deliver(item, buf, item.info.offset - start, self.uri)
             view.release()
         finally:
-            window.keep(buf)
-            window.release(held)
+            window.release(held, keep=buf)

@@ -25,7 +25,7 @@ import base64
 import hashlib
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 try:
@@ -56,7 +56,7 @@ from cloudckpt.storage.objects import ObjectInfo
 from cloudckpt.storage.options import check_filesystem_options, init_options
 from cloudckpt.storage.parts import PartWriter
 from cloudckpt.storage.primitives import FsspecBackend
-from cloudckpt.storage.ranges import read_upto
+from cloudckpt.storage.ranges import StreamedRanges
 from cloudckpt.storage.retry import Classified, Failure
 from cloudckpt.storage.writers import RawWriter
 from cloudckpt.util.crc import Buffer
@@ -77,7 +77,7 @@ _COPY_TIMEOUT = 3600.0
 _TRANSIENT_CODES = frozenset({"ServerBusy", "OperationTimedOut", "InternalError"})
 
 
-class AzureBackend(FsspecBackend):
+class AzureBackend(StreamedRanges, FsspecBackend):
     """Blobs in an Azure container, below an optional prefix."""
 
     protocols: ClassVar[tuple[str, ...]] = ("az", "abfs", "abfss")
@@ -240,26 +240,22 @@ class AzureBackend(FsspecBackend):
     def open_writer(self, path: str, host: Host) -> RawWriter:
         return _BlockWriter(self, host, path)
 
-    def iter_range(self, path: str, start: int, end: int, chunk: int) -> Iterator[bytes]:
-        # One ranged GET whose body is read a piece at a time: the SDK's downloader
-        # would hold each request's whole body, so this takes the response from the
-        # SDK's generated operation (its pipeline, credentials and errors) unread.
-        async def open_range() -> Any:
-            return await self._client(path)._client.blob.download(
-                range=f"bytes={start}-{end - 1}", cls=lambda response, *_: response)
-
+    async def open_range(self, path: str, start: int, end: int
+                         ) -> tuple[Any, Callable[[], None]]:
+        # One ranged GET whose body is read as it arrives: the SDK's downloader would
+        # hold each request's whole body, so this takes the response from the SDK's
+        # generated operation (its pipeline, credentials and errors) unread.
         try:
-            resp = sync(self.fs.loop, open_range).http_response.internal_response
+            got = await self._client(path)._client.blob.download(
+                range=f"bytes={start}-{end - 1}", cls=lambda response, *_: response)
         except ResourceNotFoundError:
             raise FileNotFoundError(path) from None
-        try:
-            if resp.status != 206 and (start > 0 or (resp.content_length or 0) > end - start):
-                raise StorageError(f"az://{path}: the server ignored the byte range "
-                                   f"[{start}, {end})")
-            while pieces := sync(self.fs.loop, read_upto, resp.content, chunk):
-                yield from pieces
-        finally:
-            sync(self.fs.loop, _release, resp)
+        resp = got.http_response.internal_response
+        if resp.status != 206 and (start > 0 or (resp.content_length or 0) > end - start):
+            resp.release()
+            raise StorageError(f"az://{path}: the server ignored the byte range "
+                               f"[{start}, {end})")
+        return resp.content, resp.release
 
     def can_copy_from(self, other: Backend) -> bool:
         # Copy Blob reads the source with the destination's credentials: one account
@@ -309,10 +305,6 @@ def _entry(name: str, props: Any) -> dict[str, Any]:
     """A listing entry, as adlfs words one, from the SDK's blob properties."""
     return {"name": name, "type": "file", "size": props.size, "etag": props.etag,
             "last_modified": props.last_modified}
-
-
-async def _release(resp: Any) -> None:
-    resp.release()  # on the loop's thread: aiohttp is not thread-safe
 
 
 def block_id_of(writer: str, number: int) -> str:

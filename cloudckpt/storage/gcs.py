@@ -32,7 +32,7 @@ import json
 import logging
 import os
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 from urllib.parse import quote
 
@@ -52,7 +52,7 @@ from cloudckpt.storage.objects import ObjectInfo  # noqa: E402
 from cloudckpt.storage.options import init_options  # noqa: E402
 from cloudckpt.storage.parts import PartWriter  # noqa: E402
 from cloudckpt.storage.primitives import FsspecBackend  # noqa: E402
-from cloudckpt.storage.ranges import read_upto  # noqa: E402
+from cloudckpt.storage.ranges import StreamedRanges  # noqa: E402
 from cloudckpt.storage.retry import describe, mask_secrets  # noqa: E402
 from cloudckpt.storage.writers import RawWriter  # noqa: E402
 from cloudckpt.util.crc import Buffer, crc32c_hex  # noqa: E402
@@ -60,7 +60,7 @@ from cloudckpt.util.crc import Buffer, crc32c_hex  # noqa: E402
 log = logging.getLogger("cloudckpt")
 
 
-class GCSBackend(FsspecBackend):
+class GCSBackend(StreamedRanges, FsspecBackend):
     """Objects in a GCS bucket, below an optional prefix."""
 
     protocols: ClassVar[tuple[str, ...]] = ("gs", "gcs")
@@ -185,35 +185,28 @@ class GCSBackend(FsspecBackend):
     def open_writer(self, path: str, host: Host) -> RawWriter:
         return _ComposeWriter(self, host, path)
 
-    def iter_range(self, path: str, start: int, end: int, chunk: int) -> Iterator[bytes]:
-        # One ranged GET whose body is read a piece at a time (gcsfs's own calls read
-        # whole bodies): one request however long the range, one piece in memory.
+    async def open_range(self, path: str, start: int, end: int
+                         ) -> tuple[Any, Callable[[], None]]:
+        # One ranged GET whose body is read as it arrives (gcsfs's own calls read
+        # whole bodies).
         fs = self.fs
-
-        async def open_range() -> Any:
-            await fs._set_session()
-            resp = await fs.session.get(
-                fs.url(path), params=fs._get_params({}),
-                headers=fs._get_headers({"Range": f"bytes={start}-{end - 1}"}),
-                timeout=fs.requests_timeout)
-            if resp.status >= 300:
-                try:
-                    body = await resp.read()
-                finally:
-                    resp.release()
-                validate_response(resp.status, body, path)  # gcsfs's errors, as its calls
-                raise StorageError(f"GET gs://{path}: HTTP {resp.status}")
-            return resp
-
-        resp = sync(fs.loop, open_range)
-        try:
-            if resp.status != 206 and (start > 0 or (resp.content_length or 0) > end - start):
-                raise StorageError(f"gs://{path}: the server ignored the byte range "
-                                   f"[{start}, {end})")
-            while pieces := sync(fs.loop, read_upto, resp.content, chunk):
-                yield from pieces
-        finally:
-            sync(fs.loop, _release, resp)
+        await fs._set_session()
+        resp = await fs.session.get(
+            fs.url(path), params=fs._get_params({}),
+            headers=fs._get_headers({"Range": f"bytes={start}-{end - 1}"}),
+            timeout=fs.requests_timeout)
+        if resp.status >= 300:
+            try:
+                body = await resp.read()
+            finally:
+                resp.release()
+            validate_response(resp.status, body, path)  # gcsfs's errors, as its calls
+            raise StorageError(f"GET gs://{path}: HTTP {resp.status}")
+        if resp.status != 206 and (start > 0 or (resp.content_length or 0) > end - start):
+            resp.release()
+            raise StorageError(f"gs://{path}: the server ignored the byte range "
+                               f"[{start}, {end})")
+        return resp.content, resp.release
 
     def can_copy_from(self, other: Backend) -> bool:
         # A rewrite reads the source with the destination's credentials: only on one
@@ -393,8 +386,6 @@ def _no_credentials(root: str) -> AccessDeniedError:
         "option (token='anon' for public buckets)")
 
 
-async def _release(resp: Any) -> None:
-    resp.release()  # on the loop's thread: aiohttp is not thread-safe
 
 
 def _b64_crc(crc_hex: str) -> str:

@@ -91,12 +91,11 @@ class _Fill:
         assert self._map is not None
         return memoryview(self._map)[:self.n]
 
-    def close(self) -> None:
-        self.n = 0
-        if self._map is not None:
-            if not exported(self._map):  # else unmapped once no HTTP client holds a view
-                self._window.keep(self._map)
-            self._map = None
+    def detach(self) -> mmap.mmap | None:
+        """Empty the buffer; its mapping, for the window to keep, unless an HTTP
+        client still holds a view of it (then it is unmapped once that goes)."""
+        mapped, self._map, self.n = self._map, None, 0
+        return mapped if mapped is not None and not exported(mapped) else None
 
 
 class PartWriter(RawWriter):
@@ -194,9 +193,10 @@ class PartWriter(RawWriter):
         _thread.held = max(0, getattr(_thread, "held", 0) - n)
 
     def _release_held(self) -> None:
+        """Give back the buffer's window bytes and its mapping, in one step."""
         held = self._held
         self._give_up(held)
-        self._window.release(held)
+        self._window.release(held, keep=self._buf.detach())
 
     def lend(self, data: Buffer) -> None:
         """Keep ``data`` to send as it is while the object may go up in one request:
@@ -298,9 +298,8 @@ class PartWriter(RawWriter):
 
         def done(f: Future[Any], n: int = held) -> None:
             holder.clear()
-            self._window.release(n)
-            if exporter is not None and not f.cancelled() and f.exception() is None:
-                self._window.keep(exporter)  # sent: the mapping can serve again
+            sent = exporter is not None and not f.cancelled() and f.exception() is None
+            self._window.release(n, keep=exporter if sent else None)  # sent: it serves again
 
         future.add_done_callback(done)
         self._parts.append(future)
@@ -319,13 +318,11 @@ class PartWriter(RawWriter):
                 with self._buf.view() if len(self._buf) else memoryview(b"") as data:
                     self._retry("put", lambda: self._single(data, size, crc32c))
             finally:
-                self._release_held()  # first: its mapping is kept only beside what is used
-                self._buf.close()
+                self._release_held()
             return
         if self._buf:
             self._send(self._buf.copy())
         self._release_held()
-        self._buf.close()
         tokens = [f.result() for f in self._parts]
         self._retry("finish upload", lambda: self._finish(tokens, size, crc32c))
         self._shutdown()
@@ -334,7 +331,6 @@ class PartWriter(RawWriter):
     def abort(self) -> None:
         self._pieces = None
         self._release_held()
-        self._buf.close()
         self._aborted = True
         for f in self._parts:
             f.cancel()

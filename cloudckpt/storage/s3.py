@@ -17,7 +17,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import s3fs
@@ -32,7 +32,7 @@ from cloudckpt.storage.objects import ObjectInfo
 from cloudckpt.storage.options import init_options
 from cloudckpt.storage.parts import PartWriter
 from cloudckpt.storage.primitives import FsspecBackend
-from cloudckpt.storage.ranges import read_upto
+from cloudckpt.storage.ranges import StreamedRanges
 from cloudckpt.storage.retry import ONE_TRY, status_of
 from cloudckpt.storage.s3_errors import error_code as _code
 from cloudckpt.storage.s3_options import (
@@ -54,7 +54,7 @@ MIN_PART_SIZE = 5 * 1024 * 1024
 #: The largest object one CopyObject copies, and the largest part.
 MAX_COPY_OBJECT = 5 * 1024 * 1024 * 1024
 
-class S3Backend(FsspecBackend):
+class S3Backend(StreamedRanges, FsspecBackend):
     """Objects in an S3 bucket, below an optional key prefix."""
 
     protocols: ClassVar[tuple[str, ...]] = ("s3", "s3a")
@@ -223,21 +223,20 @@ class S3Backend(FsspecBackend):
     #: request's. Set on a store's backend (``store.backend``) to tune.
     copy_part_threshold: int = 512 * 1024 * 1024
 
-    def iter_range(self, path: str, start: int, end: int, chunk: int) -> Iterator[bytes]:
-        # One ranged GET whose body is read a piece at a time: one request however
-        # long the range, one piece in memory.
+    async def open_range(self, path: str, start: int, end: int
+                         ) -> tuple[Any, Callable[[], None]]:
         bucket, key = self._split(path)
-        resp = sync(self.fs.loop, self.fs._call_s3, "get_object", Bucket=bucket, Key=key,
-                    Range=f"bytes={start}-{end - 1}")
+        resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key,
+                                      Range=f"bytes={start}-{end - 1}")
         body = resp["Body"]
-        try:
-            if int(resp.get("ContentLength") or 0) > end - start:
-                raise StorageError(f"s3://{path}: the server ignored the byte range "
-                                   f"[{start}, {end}) and sent {resp.get('ContentLength')} bytes")
-            while pieces := sync(self.fs.loop, read_upto, body, chunk):
-                yield from pieces
-        finally:
-            sync(self.fs.loop, _close_body, body)
+        if int(resp.get("ContentLength") or 0) > end - start:
+            body.close()
+            raise StorageError(f"s3://{path}: the server ignored the byte range "
+                               f"[{start}, {end}) and sent {resp.get('ContentLength')} bytes")
+        # aiobotocore's body joins the pieces buffered on each read; the response's own
+        # stream hands them over as they came.
+        stream = getattr(getattr(body, "raw_stream", None), "content", None)
+        return (stream if hasattr(stream, "readany") else body), body.close
 
     def can_copy_from(self, other: Backend) -> bool:
         # CopyObject reads the source with the destination's credentials: only on one
@@ -246,10 +245,6 @@ class S3Backend(FsspecBackend):
 
     def copy(self, src_path: str, path: str, size: int, host: Host) -> ObjectInfo:
         return _ServerCopy(self, host, src_path, path, size).run()
-
-
-async def _close_body(body: Any) -> None:
-    body.close()  # on the loop's thread: aiohttp is not thread-safe
 
 
 class _ServerCopy:

@@ -63,12 +63,7 @@ class ByteWindow:
     def keep(self, mapped: mmap.mmap) -> None:
         """Take back a part's mapping: kept while it fits beside what is in use. Only
         for mappings nothing will write or send from any more (see :func:`exported`)."""
-        with self._cond:
-            if self.used + self._kept_bytes + len(mapped) <= self.capacity:
-                self._kept.setdefault(len(mapped), []).append(mapped)
-                self._kept_bytes += len(mapped)
-                return
-        _close(mapped)
+        self.release(0, keep=mapped)
 
     def _evict(self, room: int) -> None:
         """Close kept mappings until at most ``room`` bytes are kept (lock held)."""
@@ -81,12 +76,20 @@ class ByteWindow:
         # Unpickled in another process (a store sent to a worker): that process's window.
         return shared_window, (self.capacity,)
 
-    def release(self, n: int) -> None:
-        if n <= 0:
-            return
+    def release(self, n: int, *, keep: mmap.mmap | None = None) -> None:
+        """Give back ``n`` bytes and, in the same step, the mapping that held them
+        (see :meth:`keep`): a writer let in by the bytes then finds it kept, rather
+        than mapping afresh in between."""
         with self._cond:
-            self.used -= n
-            self._cond.notify_all()
+            self.used -= max(n, 0)
+            if keep is not None and self.used + self._kept_bytes + len(keep) <= self.capacity:
+                self._kept.setdefault(len(keep), []).append(keep)
+                self._kept_bytes += len(keep)
+                keep = None
+            if n > 0:
+                self._cond.notify_all()
+        if keep is not None:
+            _close(keep)
 
 
 def exported(mapped: mmap.mmap) -> bool:
