@@ -19,6 +19,7 @@ With a node-local tier in front of the bucket (local saves every 2 steps, every
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -117,6 +118,25 @@ def main() -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rc = run(args, world)
+    if world > 1:
+        end_process_group()
+    return rc
+
+
+def end_process_group() -> None:
+    """Tear the process groups down once the run's objects are freed and every rank is
+    past its last collective. FSDP2's modules hold their last collectives' gloo work
+    in reference cycles, which only the garbage collector frees: left to interpreter
+    shutdown, that work is freed on gloo's threads, which then abort the process
+    (SIGABRT, "terminate called without an active exception", after a clean run)."""
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace, world: int) -> int:
+    """Train (resuming if the root holds a checkpoint) to ``args.steps``."""
     rank = dist.get_rank() if world > 1 else 0
     torch.set_num_threads(1)
     if args.crash_mid_save is not None:
@@ -177,12 +197,6 @@ def main() -> int:
         if args.out:
             torch.save({k: v.detach().clone() for k, v in full.items()}, args.out)
         print("done", flush=True)
-    if world > 1:
-        # Every rank past its last collective before any tears the groups down: a rank
-        # that does so while a peer's gloo work is in flight can abort at exit (SIGABRT,
-        # "terminate called without an active exception", seen once in ~20 CI runs).
-        dist.barrier()
-        dist.destroy_process_group()
     return 0
 
 

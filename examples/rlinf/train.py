@@ -26,6 +26,7 @@ and pass the JSON it prints as ``--storage-options``.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -141,6 +142,15 @@ def main() -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rc = run(args, cfg, world)
+    if world > 1:  # once the run's FSDP2 modules are freed (see examples/train_resume.py)
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
+    return rc
+
+
+def run(args: argparse.Namespace, cfg: dict[str, Any], world: int) -> int:
     rank = dist.get_rank() if world > 1 else 0
     torch.set_num_threads(1)
     if args.crash_mid_save is not None:
@@ -192,10 +202,6 @@ def main() -> int:
         if args.out:
             torch.save({k: v.detach().clone() for k, v in full.items()}, args.out)
         print("done", flush=True)
-    if world > 1:
-        # every rank past its last collective first (see examples/train_resume.py)
-        dist.barrier()
-        dist.destroy_process_group()
     return 0
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import logging
 import os
@@ -166,10 +167,19 @@ def broadcast(obj, world: int):
 
 
 def train(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.set)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rc = run(args, world)
+    if world > 1:  # once the run's FSDP2 modules are freed (see examples/train_resume.py)
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
+    return rc
+
+
+def run(args: argparse.Namespace, world: int) -> int:
+    cfg = load_config(args.config, args.set)
     rank = dist.get_rank() if world > 1 else 0
     torch.set_num_threads(1)
     out = Path(cfg["output_dir"])
@@ -235,10 +245,6 @@ def train(args: argparse.Namespace) -> int:
             torch.save({k: v.detach().clone() for k, v in full.items()}, args.out)
         if rc == 0:
             print("done", flush=True)
-    if world > 1:
-        # every rank past its last collective first (see examples/train_resume.py)
-        dist.barrier()
-        dist.destroy_process_group()
     return rc
 
 

@@ -17,6 +17,7 @@ and the dataloader's next batch.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -124,6 +125,7 @@ def main() -> None:
     rlinf_strategy_ranks.WORLD = 1
     for name in ("save", "resume"):
         Path(args.out, f"{name}.json").write_text(json.dumps(phase(name, args.output_dir)))
+    gc.collect()  # FSDP2's gloo work freed now, not at shutdown (examples/train_resume.py)
     dist.destroy_process_group()
 
 

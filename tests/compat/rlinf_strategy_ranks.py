@@ -42,6 +42,7 @@ machine without an accelerator). No RLinf file is edited.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -247,6 +248,7 @@ def rank_main(rank: int, port: int, root: str, formats: list[str], out: str) -> 
                 json.dump(report, f)
             dist.barrier()
     finally:
+        gc.collect()  # FSDP2's gloo work freed now, not at shutdown (examples/train_resume.py)
         dist.destroy_process_group()
 
 

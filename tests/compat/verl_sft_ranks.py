@@ -23,6 +23,7 @@ the CPU model to a GPU first (what that policy means: the parameters live on the
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -139,6 +140,7 @@ def rank_main(rank: int, port: int, plan: dict, out: str) -> None:
         report["traceback"] = traceback.format_exc()
     finally:
         Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+        gc.collect()  # FSDP2's gloo work freed now, not at shutdown (examples/train_resume.py)
         dist.destroy_process_group()
 
 
