@@ -27,6 +27,7 @@ from cloudckpt import (
 from cloudckpt.cli import main as cli
 from cloudckpt.dcp import CloudStorageReader, CloudStorageWriter, adopt, async_save
 from cloudckpt.movement.transfer import copy_checkpoint
+from cloudckpt.util.crc import crc32c_hex
 
 
 def sample_state() -> dict:
@@ -391,10 +392,13 @@ def test_items_reach_the_stream_in_a_few_writes_with_their_bytes_and_crcs():
     from cloudckpt.util.crc import crc32c_hex
 
     class Recorder(io.BytesIO):
-        calls = 0
+        calls = given = 0
 
-        def write(self, data):  # type: ignore[override]
+        def write(self, data, crc32c=None):  # type: ignore[override]
             Recorder.calls += 1
+            if crc32c is not None:  # a large write's CRC32C, computed once for both
+                assert f"{crc32c:08x}" == crc32c_hex(data)
+                Recorder.given += 1
             return super().write(data)
 
     class Item:
@@ -410,6 +414,7 @@ def test_items_reach_the_stream_in_a_few_writes_with_their_bytes_and_crcs():
     placed = serialize([Item(t) for t in tensors], Planner(), out)
     stream = out.getvalue()
     assert Recorder.calls <= 3 * len(tensors)
+    assert Recorder.given == 1  # the 1.2 MB tensor's bytes
     pos = 0
     for t, (_, start, length, crc) in zip(tensors, placed, strict=True):
         alone = io.BytesIO()
@@ -431,15 +436,21 @@ def test_a_saved_tensor_is_sent_from_its_own_memory(s3, monkeypatch):
     lent: list[int] = []
     real = ObjectWriter.lend
 
-    def recorded(self, data):
+    def recorded(self, data, crc32c=None):
         lent.append(torch.frombuffer(data, dtype=torch.uint8).data_ptr())
-        return real(self, data)
+        return real(self, data, crc32c)
 
     monkeypatch.setattr(ObjectWriter, "lend", recorded)
     own = torch.randn(256, 1024)
     strided = torch.randn(1024, 256).t()
     cloud_dcp.save({"own": own, "strided": strided}, s3.uri("ckpt"), storage_options=s3.options)
     assert lent == [own.data_ptr()]
+    # The tensors' CRC32Cs were computed once and combined into the files': the
+    # manifest's are those of the bytes stored.
+    ckpt = open_checkpoint(s3.uri("ckpt"), storage_options=s3.options)
+    store = open_store(s3.uri("ckpt"), s3.options)
+    for path, entry in ckpt.manifest.files.items():
+        assert crc32c_hex(store.get(path)) == entry.crc32c, path
     back = {"own": torch.zeros_like(own), "strided": torch.zeros(256, 1024)}
     cloud_dcp.load(back, s3.uri("ckpt"), storage_options=s3.options)
     assert torch.equal(back["own"], own) and torch.equal(back["strided"], strided)

@@ -95,6 +95,24 @@ def test_crc32c_combine_matches_the_whole() -> None:
     assert (whole.hexdigest(), whole.size) == (crc32c_hex(data), len(data))
 
 
+def test_a_writer_combines_the_crcs_it_is_given_with_those_it_computes() -> None:
+    """Writes that come with their CRC32C (a DCP tensor's, computed once for its item
+    and its file) are combined, not hashed again: the object's CRC32C is still that
+    of every byte, and a wrong one given would show in it."""
+    store = open_store("memory://combine")
+    pieces = [os.urandom(n) for n in (10, 70_000, 3, 1 << 20, 5)]
+    with store.open_write("obj") as out:
+        for i, piece in enumerate(pieces):
+            given = google_crc32c.value(piece) if i % 2 else None
+            (out.lend if i == 3 else out.write)(piece, given)
+    whole = b"".join(pieces)
+    assert out.info is not None and out.info.crc32c == crc32c_hex(whole)
+    assert out.info.size == len(whole) and store.get("obj") == whole
+    with store.open_write("wrong") as out:
+        out.write(pieces[1], google_crc32c.value(pieces[3]))
+    assert out.info is not None and out.info.crc32c != crc32c_hex(pieces[1])
+
+
 def test_composite_s3_checksums_become_the_whole_objects() -> None:
     data = os.urandom(3 * PART + 5)
     parts = [data[i:i + PART] for i in range(0, len(data), PART)]

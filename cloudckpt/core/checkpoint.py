@@ -339,8 +339,8 @@ class _TrackedWriter(CloseOnExit):
         self._w: ObjectWriter = owner._out.open_write(path)
         self._moved = owner._out.written_under is not None
 
-    def write(self, data: Buffer) -> int:
-        return self._w.write(data)
+    def write(self, data: Buffer, crc32c: int | None = None) -> int:
+        return self._w.write(data, crc32c)
 
     @property
     def failure(self) -> BaseException | None:  # type: ignore[override]

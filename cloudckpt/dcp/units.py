@@ -26,7 +26,7 @@ from cloudckpt.core.blobs import BlobArea, Holding
 from cloudckpt.errors import CorruptCheckpointError
 from cloudckpt.serialization.torchsave import save_item
 from cloudckpt.storage import Store
-from cloudckpt.util.crc import Crc32c
+from cloudckpt.util.crc import Crc32c, crc32c_value
 
 log = logging.getLogger("cloudckpt.dcp")
 
@@ -51,7 +51,9 @@ class ItemInfo(_StorageInfo):
 
 
 class Sink:
-    """Write-only stream that tracks position and a CRC32C per item.
+    """Write-only stream that tracks position and a CRC32C per item. ``out`` is an
+    :class:`~cloudckpt.storage.ObjectWriter` or anything with its ``write(data,
+    crc32c=None)``: a large write comes with its CRC32C, computed once for both.
 
     ``torch.save`` hands over each item as about 40 writes, all but one a few bytes
     (zip headers, the pickle); they are gathered and passed on as one, so the
@@ -95,11 +97,14 @@ class Sink:
         else:
             self._pass_small()
             own = self._tensor_bytes(view)
+            # One pass over the bytes: the stream beneath combines this CRC into the
+            # file's rather than computing its own (3.5 ms per 16 MiB, GIL held).
+            crc = crc32c_value(view)
+            self._crc.append(crc, n)
             if own is None:
-                self._pass(view)
+                self._out.write(view, crc)
             else:
-                self._lend(own)
-                self._crc.update(own)
+                self._lend(own, crc)
         return n
 
     def _tensor_bytes(self, view: memoryview) -> memoryview | None:
@@ -163,10 +168,13 @@ class _Digest:
         self.sha = hashlib.sha256()
         self.crc = Crc32c()
 
-    def write(self, data: Any) -> int:
+    def write(self, data: Any, crc32c: int | None = None) -> int:
         view = memoryview(data).cast("B")
         self.sha.update(view)
-        self.crc.update(view)
+        if crc32c is None:
+            self.crc.update(view)
+        else:
+            self.crc.append(crc32c, view.nbytes)
         return view.nbytes
 
 

@@ -101,23 +101,29 @@ class ObjectWriter(CloseOnExit):
         self.info: ObjectInfo | None = None
         self.closed = False
 
-    def write(self, data: Buffer) -> int:
-        return self._pass(data, self._raw.write)
+    def write(self, data: Buffer, crc32c: int | None = None) -> int:
+        """Write ``data``. ``crc32c``: its CRC32C where the caller computed it already
+        (an int, as :func:`~cloudckpt.util.crc.crc32c_value` gives it), combined into
+        the object's rather than computed again over the bytes."""
+        return self._pass(data, self._raw.write, crc32c)
 
-    def lend(self, data: Buffer) -> int:
+    def lend(self, data: Buffer, crc32c: int | None = None) -> int:
         """Write ``data``, which the upload may send as it is, without copying it: keep
         it alive and unchanged until the writer is closed (a tensor's bytes during a
-        save)."""
-        return self._pass(data, self._raw.lend)
+        save). ``crc32c`` as for :meth:`write`."""
+        return self._pass(data, self._raw.lend, crc32c)
 
-    def _pass(self, data: Buffer, to: Any) -> int:
+    def _pass(self, data: Buffer, to: Any, crc32c: int | None) -> int:
         if self.closed:
             raise ValueError(f"write to closed writer for {self.key}")
         n = nbytes(data)
         if n:
             try:
                 check_stop()  # the batch this write belongs to failed or was interrupted
-                self._crc.update(data)
+                if crc32c is None:
+                    self._crc.update(data)
+                else:
+                    self._crc.append(crc32c, n)
                 to(data)
             except BaseException as exc:
                 self.failure = exc

@@ -8,11 +8,12 @@ server's per-part checksums) can be checked against one whole-object value.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import google_crc32c
 
-__all__ = ["Crc32c", "crc32c_combine", "crc32c_hex"]
+__all__ = ["Crc32c", "crc32c_combine", "crc32c_hex", "crc32c_value"]
 
 Buffer = bytes | bytearray | memoryview
 
@@ -29,9 +30,14 @@ def _readonly(data: Buffer) -> Any:
     return np.frombuffer(data, dtype=np.uint8)
 
 
+def crc32c_value(data: Buffer) -> int:
+    """Return the CRC32C of ``data`` as an integer (what :meth:`Crc32c.append` takes)."""
+    return int(google_crc32c.value(_readonly(data)))
+
+
 def crc32c_hex(data: Buffer) -> str:
     """Return the CRC32C of ``data`` as 8 hex digits."""
-    return f"{google_crc32c.value(_readonly(data)):08x}"
+    return f"{crc32c_value(data):08x}"
 
 
 class Crc32c:
@@ -98,8 +104,10 @@ for _ in range(63):
     _X8_POWERS.append(_mulmod(_X8_POWERS[-1], _X8_POWERS[-1]))
 
 
+@functools.lru_cache(maxsize=1024)
 def _x_to_8n(n: int) -> int:
-    """``x^(8 n) mod P``: the shift that appending ``n`` bytes applies to a CRC."""
+    """``x^(8 n) mod P``: the shift that appending ``n`` bytes applies to a CRC
+    (cached: the lengths combined recur, a model's tensors come in few sizes)."""
     result, k = _ONE, 0
     while n:
         if n & 1:
