@@ -214,6 +214,44 @@ def test_lent_bytes_that_outgrow_one_request_are_streamed_in_parts(where, reques
     assert store.upload_window.used == 0
 
 
+@pytest.mark.parametrize("where", ["gcs", "s3"])
+def test_whole_parts_of_lent_bytes_are_sent_from_them(where, request, monkeypatch):
+    """Lent bytes several parts long (a large tensor): every part that lies within
+    them goes up as a view of them, not copied into a mapping of the window; only
+    the part begun before them and the one they leave begun are copies."""
+    import numpy as np
+
+    from cloudckpt.storage import parts
+
+    backend = request.getfixturevalue(where)
+    part = PART if where == "gcs" else 5 * 1024 * 1024
+    store = open_store(backend.root, {**backend.options, "part_size": part,
+                                      "upload_window": 4 * part + 7})
+    big = bytearray(os.urandom(4 * part + 1000))
+    start = np.frombuffer(big, np.uint8).ctypes.data
+    copies, views = [0], []
+    real_copy, real_send = parts.part_copy, parts.PartWriter._send
+
+    def send(self, data):
+        at = np.frombuffer(data, np.uint8).ctypes.data - start
+        if 0 <= at < len(big):
+            views.append((at, len(data)))
+        return real_send(self, data)
+
+    monkeypatch.setattr(parts, "part_copy",
+                        lambda *a: copies.__setitem__(0, copies[0] + 1) or real_copy(*a))
+    monkeypatch.setattr(parts.PartWriter, "_send", send)
+    with store.open_write("lent-parts") as out:
+        out.write(b"header")
+        out.lend(big)
+        out.write(b"tail")
+    assert store.get("lent-parts") == b"header" + big + b"tail"
+    # Part 1: the header and the first bytes lent (copied); 2-4: views; 5: the rest.
+    assert views == [(part - 6 + k * part, part) for k in range(3)]
+    assert copies[0] == 2
+    assert store.upload_window.used == 0
+
+
 def test_an_aborted_lending_write_gives_its_bytes_back(s3):
     store = open_store(s3.root, {**s3.options, "upload_window": 3 * 5 * 1024 * 1024 + 19})
     with pytest.raises(RuntimeError), store.open_write("torn") as out:

@@ -199,15 +199,17 @@ class PartWriter(RawWriter):
         self._window.release(held, keep=self._buf.detach())
 
     def lend(self, data: Buffer) -> None:
-        """Keep ``data`` to send as it is while the object may go up in one request:
-        no copy; once the object outgrows one request it is copied as :meth:`write`
-        copies. Kept bytes hold window bytes as a buffer would, though they are not
-        copies: the window also bounds what the process has in flight."""
+        """Send ``data`` as it is, without a copy: kept while the object may go up in
+        one request, and once it has outgrown one, every whole part that lies within
+        ``data`` is sent as a view of it (the bytes that top up a part begun before,
+        or are left after the last whole one, are copied as :meth:`write` copies).
+        Lent bytes hold window bytes as a buffer would, though they are not copies:
+        the window also bounds what the process has in flight."""
         view = memoryview(data).cast("B")
         if self._fits(len(view)):
             self._keep(view)
         else:
-            self.write(view)
+            self._stream(view, lent=True)
 
     def _fits(self, n: int) -> bool:
         """Whether ``n`` more bytes keep the object among the pieces (one request)."""
@@ -228,7 +230,9 @@ class PartWriter(RawWriter):
                 self._buf.append(piece)
 
     def write(self, data: Buffer) -> None:
-        view = memoryview(data).cast("B")
+        self._stream(memoryview(data).cast("B"), lent=False)
+
+    def _stream(self, view: memoryview, *, lent: bool) -> None:
         if not len(view):
             return
         if self._pieces is not None:
@@ -259,7 +263,8 @@ class PartWriter(RawWriter):
                 self._send(self._buf.copy())
             elif len(view) - pos >= size:  # whole parts straight from the caller's buffer
                 self._reserve(size)
-                self._send(part_copy(view[pos:pos + size], self._window))
+                part = view[pos:pos + size]
+                self._send(part if lent else part_copy(part, self._window))
                 pos += size
             elif pos < len(view):
                 self._reserve(size)
