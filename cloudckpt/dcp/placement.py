@@ -123,6 +123,8 @@ class _Stream:
         self._got += view.nbytes
         if self._got >= min(HEAD_BYTES, self.item.info.length):
             self._locate_pending()
+        else:  # kept past this call, which is all a piece lasts: copied (a few KiB)
+            self._pending[-1] = (rel, memoryview(bytes(view)))
 
     def _locate_pending(self) -> None:
         """Find the tensor in the bytes held back so far, then put them where they go."""

@@ -88,7 +88,8 @@ class RangeReadMixin:
         ``on_loop``: where the backend's GET is a response on an event loop
         (:class:`StreamedRanges`), ``sink`` is called there with each piece as it
         arrives, none handed to this thread and back (a round trip each, which cost
-        a GCS load a third of its speed); it must then never block.
+        a GCS load a third of its speed); it must then never block, and a piece is
+        valid only during the call (a view of the client's buffer: copy what is kept).
         """
         if start < 0 or end < start or chunk < 1:
             raise ConfigError(f"invalid byte range [{start}, {end}) for {key}")
@@ -204,22 +205,26 @@ class StreamedRanges:
             sync(self.fs.loop, _call_async, release)
 
     def stream_range(self, path: str, done: list[int], end: int,
-                     give: Callable[[bytes], None]) -> None:
+                     give: Callable[[memoryview], None]) -> None:
         """One ranged GET from byte ``done[0]`` to ``end``, each piece given to ``give``
-        on the loop as it arrives (``give`` moves ``done`` on)."""
-        async def run() -> None:
-            body, release = await self.open_range(path, done[0], end)
-            read = getattr(body, "readany", None)  # a buffered piece, not joined ones
-            try:
-                while done[0] < end:
-                    data = await (read() if read is not None else body.read(READ_PIECE))
-                    if not data:
-                        return
-                    give(data)
-            finally:
-                release()
+        on the loop as it arrives (``give`` moves ``done`` on). A piece may be a view
+        of the client's buffer, valid only during the call."""
+        sync(self.fs.loop, self.range_pieces, path, done, end, give)
 
-        sync(self.fs.loop, run)
+    async def range_pieces(self, path: str, done: list[int], end: int,
+                           give: Callable[[memoryview], None]) -> None:
+        """:meth:`stream_range` on the loop: through the response of :meth:`open_range`
+        (a backend with a leaner GET of its own overrides this)."""
+        body, release = await self.open_range(path, done[0], end)
+        read = getattr(body, "readany", None)  # a buffered piece, not joined ones
+        try:
+            while done[0] < end:
+                data = await (read() if read is not None else body.read(READ_PIECE))
+                if not data:
+                    return
+                give(memoryview(data))
+        finally:
+            release()
 
 
 async def _call_async(fn: Callable[[], None]) -> None:

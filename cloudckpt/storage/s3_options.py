@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import ssl
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -95,3 +96,48 @@ def sends_checksums(config: Mapping[str, Any]) -> bool:
     """Whether uploads carry a flexible checksum: botocore's switch, which turns ours
     off too (for servers without flexible checksums)."""
     return config.get("request_checksum_calculation") != "when_required"
+
+
+#: Environment variables that send requests through a proxy (botocore honours them).
+_PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy")
+
+
+class TlsContext:
+    """The TLS context presigned GETs verify servers with: the CA bundle botocore would
+    use, loaded on first use (and not pickled: an ``SSLContext`` does not pickle)."""
+
+    def __init__(self, cafile: str | None) -> None:
+        self.cafile = cafile
+        self._made: ssl.SSLContext | None = None
+
+    def __call__(self) -> ssl.SSLContext:
+        if self._made is None:
+            cafile = self.cafile
+            if cafile is None:
+                import certifi  # botocore's own default bundle
+
+                cafile = certifi.where()
+            self._made = ssl.create_default_context(cafile=cafile)
+        return self._made
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"cafile": self.cafile, "_made": None}
+
+
+def direct_gets_context(options: Mapping[str, Any], extra_kwargs: bool) -> TlsContext | None:
+    """Whether ranged GETs may take the lean HTTP client (:mod:`.httpget`) with
+    presigned URLs, and if so the TLS context it verifies servers with. None where
+    botocore would send anything a presigned URL leaves out: a proxy, request-payer
+    or SSE-C headers (``extra_kwargs``), or no verification (``client_kwargs=
+    {"verify": False}``); or where the storage option ``direct_gets=False`` asked
+    for botocore's client."""
+    client = options.get("client_kwargs")
+    client = client if isinstance(client, Mapping) else {}
+    config = options.get("config_kwargs")
+    config = config if isinstance(config, Mapping) else {}
+    verify = client.get("verify", True)
+    if options.get("direct_gets") is False or extra_kwargs or verify is False or \
+            config.get("proxies") or \
+            any(os.environ.get(v) or os.environ.get(v.upper()) for v in _PROXY_VARIABLES):
+        return None
+    return TlsContext(verify if isinstance(verify, str) else os.environ.get("AWS_CA_BUNDLE"))

@@ -1,0 +1,304 @@
+"""Ranged GETs on a minimal HTTP/1.1 client, for a backend whose GET can be put as a
+URL (S3: a presigned one), run on the backend's event loop.
+
+A load's CPU goes to its pieces. Through aiohttp every piece of a response is a
+fresh ``bytes`` (allocated, faulted in, copied into), parsed, queued in a stream
+reader and awaited, before the caller copies it where it goes. Here asyncio's
+:class:`~asyncio.BufferedProtocol` has the kernel copy each piece into one buffer
+per connection, and the caller's ``give`` is handed a view of it on the loop,
+where it copies the bytes on: no object per piece, no wake-up of a coroutine.
+
+Only what a ranged GET of an object store needs: a body of a known length in a
+200 or 206 response. Any other answer (an error status, a chunked body) is
+:class:`Unanswered`, and the caller asks again through its full client, which
+reads and classifies the error. Connections are kept per host and reused; a
+request on a kept connection that the server had closed meanwhile is sent once
+more on a fresh one; a response silent for ``timeout`` seconds is a
+``TimeoutError``, and one cut short a ``ConnectionResetError`` (both transient:
+the caller resumes where the bytes stopped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import ssl
+import weakref
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+from cloudckpt.errors import StorageError
+
+#: Bytes the kernel may copy into a connection's buffer at a time.
+PIECE = 1 << 20
+#: The longest response head read.
+_HEAD_LIMIT = 64 << 10
+#: The longest error body read before the connection is dropped.
+_ERROR_BODY_LIMIT = 1 << 20
+#: Idle connections kept per host.
+_KEPT = 64
+
+
+class Unanswered(Exception):
+    """A response this client does not read (``status``: an error, or a body without
+    a length): ask again through the full client, which says what it was."""
+
+    def __init__(self, status: int, why: str) -> None:
+        super().__init__(f"HTTP {status}: {why}")
+        self.status = status
+
+
+class _Connection(asyncio.BufferedProtocol):
+    """One keep-alive connection, one request at a time."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._buf = memoryview(bytearray(PIECE))
+        self._transport: asyncio.Transport | None = None
+        self._head = bytearray()
+        self._state = "idle"  # "head", "body", "error", "idle" or "closed"
+        self._done: asyncio.Future[None] | None = None
+        self._give: Callable[[memoryview], None] | None = None
+        self._start = 0
+        self._want = 0
+        self._left = 0
+        self._keep = True
+        self._error: BaseException | None = None
+        self._answered = False  # a byte of the current response came
+        self._last = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+
+    # -- the request ----------------------------------------------------------
+    @property
+    def usable(self) -> bool:
+        return self._state == "idle" and self._transport is not None and \
+            not self._transport.is_closing()
+
+    def request(self, head: bytes, start: int, want: int,
+                give: Callable[[memoryview], None], timeout: float) -> asyncio.Future[None]:
+        """Send ``head``; the body's bytes (``want`` of them, from ``start``) go to
+        ``give``. The future is done when the body is whole."""
+        assert self._transport is not None and self._state == "idle"
+        self._state, self._head, self._answered = "head", bytearray(), False
+        self._start, self._want, self._give = start, want, give
+        self._done = self._loop.create_future()
+        self._last = self._loop.time()
+        self._watch(timeout)
+        self._transport.write(head)
+        return self._done
+
+    @property
+    def answered(self) -> bool:
+        return self._answered
+
+    def close(self) -> None:
+        self._state = "closed"
+        if self._transport is not None:
+            self._transport.abort()
+
+    # -- the protocol ---------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._buf
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._last = self._loop.time()
+        self._answered = True
+        data = self._buf[:nbytes]
+        try:
+            if self._state == "head":
+                self._read_head(data)
+            elif self._state == "body":
+                self._read_body(data)
+            elif self._state == "error":
+                self._read_error(data)
+            else:
+                raise StorageError("the server sent bytes no request asked for")
+        except BaseException as exc:  # noqa: BLE001 - the request's, raised where awaited
+            self._fail(exc)
+
+    def eof_received(self) -> bool:
+        return False  # close: connection_lost says what it cut short
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        state, self._state = self._state, "closed"
+        if state in ("head", "body", "error"):
+            got = self._want - self._left if state == "body" else 0
+            cut = ConnectionResetError(f"the server closed the connection after {got} of "
+                                       f"{self._want} bytes")
+            cut.__cause__ = exc
+            self._finish(cut)
+
+    # -- reading --------------------------------------------------------------
+    def _read_head(self, data: memoryview) -> None:
+        self._head += data
+        end = self._head.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self._head) > _HEAD_LIMIT:
+                raise StorageError("a response head longer than 64 KiB")
+            return
+        lines = bytes(self._head[:end]).decode("latin-1").split("\r\n")
+        rest = bytes(self._head[end + 4:])
+        self._head = bytearray()
+        parts = lines[0].split(" ", 2)
+        status = int(parts[1])
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        self._keep = headers.get("connection", "").lower() != "close" and \
+            parts[0] == "HTTP/1.1"
+        length = headers.get("content-length")
+        if status in (200, 206) and length is not None and \
+                "transfer-encoding" not in headers:
+            self._check_range(status, headers, int(length))
+            self._state, self._left = "body", int(length)
+        else:
+            self._state = "error"
+            self._error = Unanswered(status, parts[2] if len(parts) > 2 else "")
+            self._left = int(length) if length is not None else _ERROR_BODY_LIMIT
+            if self._left > _ERROR_BODY_LIMIT or length is None:
+                self._finish(self._error)  # not worth reading: the connection goes
+                self.close()
+                return
+        if rest or self._left == 0:
+            (self._read_body if self._state == "body" else self._read_error)(memoryview(rest))
+
+    def _check_range(self, status: int, headers: dict[str, str], length: int) -> None:
+        if status == 206:
+            spec = headers.get("content-range", "")
+            first = spec.removeprefix("bytes ").split("-", 1)[0]
+            if not first.isdigit() or int(first) != self._start or length > self._want:
+                raise StorageError(f"the server answered the byte range from {self._start} "
+                                   f"with {spec!r}")
+        elif self._start > 0 or length > self._want:
+            raise StorageError(f"the server ignored the byte range [{self._start}, "
+                               f"{self._start + self._want}) and sent {length} bytes")
+
+    def _read_body(self, data: memoryview) -> None:
+        n = min(len(data), self._left)
+        if n:
+            self._left -= n
+            assert self._give is not None
+            self._give(data[:n])
+        if len(data) > n:
+            raise StorageError("the server sent more bytes than its Content-Length")
+        if self._left == 0:
+            self._state = "idle"
+            self._finish(None)
+            if not self._keep:
+                self.close()
+
+    def _read_error(self, data: memoryview) -> None:
+        self._left -= len(data)
+        if self._left <= 0:
+            self._state = "idle"
+            self._finish(self._error)
+            self.close()  # its body may not have been all of it
+
+    # -- ending ---------------------------------------------------------------
+    def _fail(self, exc: BaseException) -> None:
+        self._finish(exc)
+        self.close()
+
+    def _finish(self, exc: BaseException | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._give = None
+        done, self._done = self._done, None
+        if done is not None and not done.done():
+            if exc is None:
+                done.set_result(None)
+            else:
+                done.set_exception(exc)
+
+    def _watch(self, timeout: float) -> None:
+        def check() -> None:
+            if self._done is None:
+                return
+            idle = self._loop.time() - self._last
+            if idle >= timeout:
+                self._fail(TimeoutError(f"no byte of the response for {idle:.0f} s"))
+            else:
+                self._timer = self._loop.call_later(timeout - idle, check)
+
+        self._timer = self._loop.call_later(timeout, check)
+
+
+_Key = tuple[str, str, int, "ssl.SSLContext | None"]
+
+
+class _Pool:
+    """Kept connections of one event loop, per (scheme, host, port, TLS context): a
+    connection verified under one context serves no request made under another."""
+
+    def __init__(self) -> None:
+        self.idle: dict[_Key, list[_Connection]] = {}
+
+    async def connect(self, key: _Key) -> tuple[_Connection, bool]:
+        """A connection to ``key``, and whether it was kept from before."""
+        kept = self.idle.get(key, [])
+        while kept:
+            conn = kept.pop()
+            if conn.usable:
+                return conn, True
+        loop = asyncio.get_running_loop()
+        scheme, host, port, context = key
+        _, conn = await loop.create_connection(
+            lambda: _Connection(loop), host, port,
+            ssl=context if scheme == "https" else None,
+            server_hostname=host if scheme == "https" else None)
+        return conn, False
+
+    def keep(self, key: _Key, conn: _Connection) -> None:
+        kept = self.idle.setdefault(key, [])
+        if conn.usable and len(kept) < _KEPT:
+            kept.append(conn)
+        else:
+            conn.close()
+
+
+_pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Pool] = \
+    weakref.WeakKeyDictionary()
+
+
+def _forget_pools() -> None:
+    _pools.clear()  # a forked child must not use its parent's connections
+
+
+os.register_at_fork(after_in_child=_forget_pools)
+
+
+async def get_range(url: str, start: int, end: int, give: Callable[[memoryview], None], *,
+                    context: ssl.SSLContext | None = None, timeout: float = 60.0) -> None:
+    """GET bytes ``[start, end)`` of ``url``, each piece handed to ``give`` in order as
+    a view valid only during the call (on this event loop: it must not block).
+    :class:`Unanswered` for a response this client does not read; ``context``: the
+    TLS context of an ``https`` URL."""
+    parts = urlsplit(url)
+    scheme = parts.scheme
+    if scheme not in ("http", "https") or not parts.hostname:
+        raise Unanswered(0, f"not an http(s) URL: {scheme}")
+    port = parts.port or (443 if scheme == "https" else 80)
+    key = (scheme, parts.hostname, port, context if scheme == "https" else None)
+    target = parts.path + (f"?{parts.query}" if parts.query else "")
+    head = (f"GET {target} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+            f"Range: bytes={start}-{end - 1}\r\nAccept-Encoding: identity\r\n"
+            "User-Agent: cloudckpt\r\n\r\n").encode("latin-1")
+    pool = _pools.setdefault(asyncio.get_running_loop(), _Pool())
+    for attempt in range(2):
+        conn, kept = await pool.connect(key)
+        try:
+            await conn.request(head, start, end - start, give, timeout)
+        except ConnectionResetError:
+            if kept and attempt == 0 and not conn.answered:
+                continue  # the server had closed the kept connection: once more, afresh
+            raise
+        except BaseException:
+            conn.close()
+            raise
+        pool.keep(key, conn)
+        return

@@ -1,0 +1,252 @@
+"""The lean HTTP client of ranged GETs (cloudckpt/storage/httpget.py): over moto
+through the S3 backend, and against a small HTTP server on loopback for what moto
+never does (a kept connection closed under it, a stall, a chunked answer)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from cloudckpt import open_store
+from cloudckpt.storage import httpget
+from cloudckpt.storage.httpget import Unanswered, get_range
+
+
+def test_s3_ranged_reads_take_the_lean_client(s3, monkeypatch):
+    """read_range_into on S3 goes through presigned GETs on the lean client, bit-exact;
+    ``direct_gets=False`` keeps botocore's; an error status is asked again through
+    botocore, which says what it was."""
+    used: list[tuple[int, int]] = []
+    real = httpget.get_range
+
+    async def counted(url, start, end, give, **kw):
+        used.append((start, end))
+        return await real(url, start, end, give, **kw)
+
+    monkeypatch.setattr("cloudckpt.storage.s3.get_range", counted)
+    data = os.urandom(3 * httpget.PIECE + 12345)
+    store = open_store(s3.root, s3.options)
+    store.put("obj.bin", data)
+    outs = [bytearray(1000), bytearray(len(data) - 1000 - 7)]
+    store.read_range_into("obj.bin", 7, outs)
+    assert bytes(outs[0]) + bytes(outs[1]) == data[7:]
+    assert used == [(7, len(data))]
+
+    plain = open_store(s3.root, {**s3.options, "direct_gets": False})
+    out = bytearray(100)
+    plain.read_range_into("obj.bin", 5, [out])
+    assert bytes(out) == data[5:105] and len(used) == 1
+
+    with pytest.raises(FileNotFoundError):
+        store.read_range_into("missing.bin", 0, [bytearray(10)])
+    assert len(used) == 2  # tried on the lean client, answered 404: botocore said so
+    with pytest.raises(EOFError):
+        store.read_range_into("obj.bin", len(data) + 10, [bytearray(10)])
+
+
+def test_a_bad_direct_gets_option_is_refused(s3):
+    from cloudckpt.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="direct_gets"):
+        open_store(s3.root, {**s3.options, "direct_gets": "yes"})
+
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[bool]]
+
+
+async def _serve(handler: Handler) -> tuple[asyncio.base_events.Server, str, list[int]]:
+    """A loopback HTTP server: ``handler(reader, writer, n)`` answers the ``n``-th
+    request of a connection and says whether to keep it open. Returns the server, a
+    URL and the number of connections made so far (in a list)."""
+    connections = [0]
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections[0] += 1
+        n = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if not head:
+                    break
+                if not await handler(reader, writer, n):
+                    break
+                n += 1
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}/obj", connections
+
+
+def _answer(body: bytes) -> bytes:
+    return (f"HTTP/1.1 206 Partial Content\r\nContent-Length: {len(body)}\r\n"
+            f"Content-Range: bytes 0-{len(body) - 1}/{len(body)}\r\n\r\n").encode() + body
+
+
+async def _read(url: str, n: int, **kw) -> bytes:
+    got = bytearray()
+    await get_range(url, 0, n, lambda piece: got.extend(piece), **kw)
+    return bytes(got)
+
+
+def test_a_kept_connection_the_server_closed_is_replaced_once():
+    """A server may close a kept connection just as a request goes out on it: the
+    request is sent once more on a fresh connection, not failed."""
+    body = os.urandom(5000)
+
+    async def once_per_connection(reader, writer, n):
+        if n > 0:
+            return False  # closes the kept connection without answering
+        writer.write(_answer(body))
+        await writer.drain()
+        return True
+
+    async def run() -> tuple[bytes, bytes, int]:
+        server, url, connections = await _serve(once_per_connection)
+        async with server:
+            first = await _read(url, len(body))
+            second = await _read(url, len(body))
+            return first, second, connections[0]
+
+    first, second, made = asyncio.run(run())
+    assert first == body and second == body and made == 2
+
+
+def test_a_silent_server_times_out_and_a_cut_body_is_a_reset():
+    """A response that stops coming is a TimeoutError after ``timeout``; one whose
+    connection closes early a ConnectionResetError (both transient: the caller
+    resumes from the bytes it was given)."""
+    async def stall(reader, writer, n):
+        writer.write(_answer(b"x" * 1000)[:-500])
+        await writer.drain()
+        await asyncio.sleep(5)
+        return False
+
+    async def cut(reader, writer, n):
+        writer.write(_answer(b"x" * 1000)[:-500])
+        await writer.drain()
+        return False
+
+    async def run(handler: Handler, **kw) -> BaseException:
+        server, url, _ = await _serve(handler)
+        async with server:
+            with pytest.raises((TimeoutError, ConnectionResetError)) as caught:
+                await _read(url, 1000, **kw)
+            return caught.value
+
+    assert isinstance(asyncio.run(run(stall, timeout=0.3)), TimeoutError)
+    assert isinstance(asyncio.run(run(cut)), ConnectionResetError)
+
+
+def test_what_the_lean_client_does_not_read_is_unanswered():
+    """An error status or a chunked body is Unanswered (the full client asks again);
+    an exception of ``give`` comes out as it was raised."""
+    async def error(reader, writer, n):
+        writer.write(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 5\r\n\r\nnope!")
+        await writer.drain()
+        return True
+
+    async def chunked(reader, writer, n):
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"5\r\nhello\r\n0\r\n\r\n")
+        await writer.drain()
+        return True
+
+    async def fine(reader, writer, n):
+        writer.write(_answer(b"y" * 100))
+        await writer.drain()
+        return True
+
+    class Stop(Exception):
+        pass
+
+    def refuse(piece: memoryview) -> None:
+        raise Stop
+
+    async def run() -> None:
+        for handler, status in ((error, 403), (chunked, 200)):
+            server, url, _ = await _serve(handler)
+            async with server:
+                with pytest.raises(Unanswered) as caught:
+                    await _read(url, 5)
+                assert caught.value.status == status
+        server, url, _ = await _serve(fine)
+        async with server:
+            with pytest.raises(Stop):
+                await get_range(url, 0, 100, refuse)
+
+    asyncio.run(run())
+
+
+def _self_signed(tmp_path) -> tuple[str, str]:
+    """A certificate for localhost and its key, as PEM files."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    cert_file, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_file), str(key_file)
+
+
+def test_https_bodies_land_through_tls_and_an_unknown_certificate_is_refused(tmp_path):
+    """Over TLS the pieces land the same way (asyncio's TLS transport fills the
+    protocol's buffer); a server whose certificate the context does not trust is
+    refused, not read."""
+    import ssl
+
+    cert, key = _self_signed(tmp_path)
+    server_side = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_side.load_cert_chain(cert, key)
+    body = os.urandom(3 * httpget.PIECE + 77)
+
+    async def answer(reader, writer, n):
+        writer.write(_answer(body))
+        await writer.drain()
+        return True
+
+    async def run() -> bytes:
+        connections = [0]
+
+        async def on_connect(reader, writer):
+            connections[0] += 1
+            try:
+                while await reader.readuntil(b"\r\n\r\n"):
+                    await answer(reader, writer, 0)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            finally:
+                writer.close()
+
+        server = await asyncio.start_server(on_connect, "127.0.0.1", 0, ssl=server_side)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            url = f"https://localhost:{port}/obj"
+            got = await _read(url, len(body), context=ssl.create_default_context(cafile=cert))
+            with pytest.raises(ssl.SSLCertVerificationError):
+                await _read(url, len(body), context=ssl.create_default_context())
+            return got
+
+    assert asyncio.run(run()) == body
