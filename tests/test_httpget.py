@@ -1,6 +1,7 @@
-"""The lean HTTP client of ranged GETs (cloudckpt/storage/httpget.py): over moto
-through the S3 backend, and against a small HTTP server on loopback for what moto
-never does (a kept connection closed under it, a stall, a chunked answer)."""
+"""The lean HTTP client of ranged GETs (cloudckpt/storage/httpget.py): over moto and
+fake-gcs-server through the S3 and GCS backends, and against a small HTTP server on
+loopback for what they never do (a kept connection closed under it, a stall, a
+chunked answer)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ from cloudckpt.storage import httpget
 from cloudckpt.storage.httpget import Unanswered, get_range
 
 
-def test_s3_ranged_reads_take_the_lean_client(s3, monkeypatch):
-    """read_range_into on S3 goes through presigned GETs on the lean client, bit-exact;
-    ``direct_gets=False`` keeps botocore's; an error status is asked again through
-    botocore, which says what it was."""
+@pytest.mark.parametrize("where", ["s3", "gcs"])
+def test_ranged_reads_take_the_lean_client(where, request, monkeypatch):
+    """read_range_into on S3 (presigned GETs) and GCS (media GETs with gcsfs's
+    headers) goes through the lean client, bit-exact; ``direct_gets=False`` keeps the
+    full client; an error status is asked again through the full client, which says
+    what it was."""
+    backend = request.getfixturevalue(where)
     used: list[tuple[int, int]] = []
     real = httpget.get_range
 
@@ -26,32 +30,34 @@ def test_s3_ranged_reads_take_the_lean_client(s3, monkeypatch):
         used.append((start, end))
         return await real(url, start, end, give, **kw)
 
-    monkeypatch.setattr("cloudckpt.storage.s3.get_range", counted)
+    monkeypatch.setattr(f"cloudckpt.storage.{where}.get_range", counted)
     data = os.urandom(3 * httpget.PIECE + 12345)
-    store = open_store(s3.root, s3.options)
+    store = open_store(backend.root, backend.options)
     store.put("obj.bin", data)
     outs = [bytearray(1000), bytearray(len(data) - 1000 - 7)]
     store.read_range_into("obj.bin", 7, outs)
     assert bytes(outs[0]) + bytes(outs[1]) == data[7:]
     assert used == [(7, len(data))]
 
-    plain = open_store(s3.root, {**s3.options, "direct_gets": False})
+    plain = open_store(backend.root, {**backend.options, "direct_gets": False})
     out = bytearray(100)
     plain.read_range_into("obj.bin", 5, [out])
     assert bytes(out) == data[5:105] and len(used) == 1
 
     with pytest.raises(FileNotFoundError):
         store.read_range_into("missing.bin", 0, [bytearray(10)])
-    assert len(used) == 2  # tried on the lean client, answered 404: botocore said so
+    assert len(used) == 2  # tried on the lean client, answered 404: the full one said so
     with pytest.raises(EOFError):
         store.read_range_into("obj.bin", len(data) + 10, [bytearray(10)])
 
 
-def test_a_bad_direct_gets_option_is_refused(s3):
+@pytest.mark.parametrize("where", ["s3", "gcs"])
+def test_a_bad_direct_gets_option_is_refused(where, request):
     from cloudckpt.errors import ConfigError
 
+    backend = request.getfixturevalue(where)
     with pytest.raises(ConfigError, match="direct_gets"):
-        open_store(s3.root, {**s3.options, "direct_gets": "yes"})
+        open_store(backend.root, {**backend.options, "direct_gets": "yes"})
 
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[bool]]

@@ -21,13 +21,15 @@ the caller resumes where the bytes stopped).
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import ssl
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
-from cloudckpt.errors import StorageError
+from cloudckpt.errors import ConfigError, StorageError
 
 #: Bytes the kernel may copy into a connection's buffer at a time.
 PIECE = 1 << 20
@@ -272,12 +274,39 @@ def _forget_pools() -> None:
 os.register_at_fork(after_in_child=_forget_pools)
 
 
+def direct_gets_option(scheme: str, options: dict[str, Any]) -> bool:
+    """Take the storage option ``direct_gets`` (default True) out of ``options``:
+    False has a backend read through its full client instead of this one."""
+    direct = options.pop("direct_gets", True)
+    if not isinstance(direct, bool):
+        raise ConfigError(f"{scheme}:// storage option direct_gets must be True or False, "
+                          f"got {direct!r}")
+    return direct
+
+
+#: Environment variables that send requests through a proxy.
+_PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy")
+
+
+def proxies_in_environment() -> bool:
+    """Whether the environment names a proxy (this client does not go through one:
+    a backend then reads through its full client, which does)."""
+    return any(os.environ.get(v) or os.environ.get(v.upper()) for v in _PROXY_VARIABLES)
+
+
+@functools.cache
+def default_tls() -> ssl.SSLContext:
+    """The system's trusted CAs, as aiohttp verifies servers by default."""
+    return ssl.create_default_context()
+
+
 async def get_range(url: str, start: int, end: int, give: Callable[[memoryview], None], *,
+                    headers: Mapping[str, str] | None = None,
                     context: ssl.SSLContext | None = None, timeout: float = 60.0) -> None:
     """GET bytes ``[start, end)`` of ``url``, each piece handed to ``give`` in order as
     a view valid only during the call (on this event loop: it must not block).
-    :class:`Unanswered` for a response this client does not read; ``context``: the
-    TLS context of an ``https`` URL."""
+    :class:`Unanswered` for a response this client does not read. ``headers``: sent
+    besides the range (credentials); ``context``: the TLS context of an ``https`` URL."""
     parts = urlsplit(url)
     scheme = parts.scheme
     if scheme not in ("http", "https") or not parts.hostname:
@@ -285,9 +314,11 @@ async def get_range(url: str, start: int, end: int, give: Callable[[memoryview],
     port = parts.port or (443 if scheme == "https" else 80)
     key = (scheme, parts.hostname, port, context if scheme == "https" else None)
     target = parts.path + (f"?{parts.query}" if parts.query else "")
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items()
+                    if k.lower() not in ("host", "range", "accept-encoding", "user-agent"))
     head = (f"GET {target} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
             f"Range: bytes={start}-{end - 1}\r\nAccept-Encoding: identity\r\n"
-            "User-Agent: cloudckpt\r\n\r\n").encode("latin-1")
+            f"User-Agent: cloudckpt\r\n{extra}\r\n").encode("latin-1")
     pool = _pools.setdefault(asyncio.get_running_loop(), _Pool())
     for attempt in range(2):
         conn, kept = await pool.connect(key)

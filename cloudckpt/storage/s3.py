@@ -23,12 +23,12 @@ from typing import Any, ClassVar
 import s3fs
 from fsspec.asyn import sync
 
-from cloudckpt.errors import ConfigError, StorageError
+from cloudckpt.errors import StorageError
 from cloudckpt.storage import s3_errors
 from cloudckpt.storage.backend import Backend, Host
 from cloudckpt.storage.base import Store
 from cloudckpt.storage.bodies import PartBody, Pieces
-from cloudckpt.storage.httpget import Unanswered, get_range
+from cloudckpt.storage.httpget import Unanswered, direct_gets_option, get_range
 from cloudckpt.storage.objects import ObjectInfo
 from cloudckpt.storage.options import init_options
 from cloudckpt.storage.parts import PartWriter
@@ -74,11 +74,7 @@ class S3Backend(StreamedRanges, FsspecBackend):
         # The store's own create-only header (e.g. Alibaba OSS's
         # "x-oss-forbid-overwrite: true"), sent instead of If-None-Match: *.
         self.create_only_header = create_only_header(options.pop("create_only_header", None))
-        direct = options.pop("direct_gets", True)
-        if not isinstance(direct, bool):
-            raise ConfigError(f"{scheme}:// storage option direct_gets must be True or "
-                              f"False, got {direct!r}")
-        self._direct_option = direct
+        self._direct_option = direct_gets_option(scheme, options)
         return super()._read_options(scheme, options)
 
     def _filesystem(self, options: dict[str, Any]) -> s3fs.S3FileSystem:

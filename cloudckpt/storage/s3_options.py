@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from cloudckpt.errors import ConfigError
+from cloudckpt.storage.httpget import proxies_in_environment
 from cloudckpt.storage.retry import mask_secrets
 
 # botocore's DEBUG lines carry the session token (the request headers it sends and
@@ -98,10 +99,6 @@ def sends_checksums(config: Mapping[str, Any]) -> bool:
     return config.get("request_checksum_calculation") != "when_required"
 
 
-#: Environment variables that send requests through a proxy (botocore honours them).
-_PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy")
-
-
 class TlsContext:
     """The TLS context presigned GETs verify servers with: the CA bundle botocore would
     use, loaded on first use (and not pickled: an ``SSLContext`` does not pickle)."""
@@ -138,6 +135,6 @@ def direct_gets_context(options: Mapping[str, Any], extra_kwargs: bool) -> TlsCo
     verify = client.get("verify", True)
     if options.get("direct_gets") is False or extra_kwargs or verify is False or \
             config.get("proxies") or \
-            any(os.environ.get(v) or os.environ.get(v.upper()) for v in _PROXY_VARIABLES):
+            proxies_in_environment():
         return None
     return TlsContext(verify if isinstance(verify, str) else os.environ.get("AWS_CA_BUNDLE"))
