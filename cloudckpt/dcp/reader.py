@@ -45,6 +45,7 @@ from cloudckpt.serialization.records import HEAD_BYTES, try_locate
 from cloudckpt.storage import Store, as_store
 from cloudckpt.storage.ranges import READ_PIECE
 from cloudckpt.storage.window import ByteWindow, shared_window
+from cloudckpt.util import pages
 from cloudckpt.util.crc import crc32c_hex
 
 #: Bytes of buffers a load holds at once (fetched small items, rows being converted);
@@ -329,6 +330,10 @@ class CloudStorageReader(_OnStore, StorageReader):
         the event loop that receives them where they go straight into the destination
         (as ``.metadata`` says they will; if the record says otherwise, again here)."""
         if self._straight(item):
+            target = item.target
+            assert target is not None
+            # Here, not page by page on the loop as the bytes arrive (see util/pages).
+            pages.populate(target.data_ptr(), target.numel() * target.element_size())
             try:
                 self._stream_once(item, window, on_loop=True)
                 return
