@@ -256,3 +256,39 @@ def test_https_bodies_land_through_tls_and_an_unknown_certificate_is_refused(tmp
             return got
 
     assert asyncio.run(run()) == body
+
+
+def test_concurrent_responses_share_the_loops_buffer_and_keep_their_own_bytes():
+    """Every connection of a loop receives into one buffer (memory does not grow with
+    the connections a load opens): responses read at once each get their own
+    bytes, in order."""
+    bodies = [os.urandom(2 * httpget.PIECE + 1000 * i) for i in range(8)]
+
+    async def run() -> list[bytes]:
+        async def on_connect(reader, writer):
+            try:
+                while True:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    i = int(head.split(b" ", 2)[1].rsplit(b"/", 1)[1])
+                    body = bodies[i]
+                    for k in range(0, len(body), 300_000):  # in bits, interleaved
+                        writer.write((_answer(body)[:-len(body)] if k == 0 else b"")
+                                     + body[k:k + 300_000])
+                        await writer.drain()
+                        await asyncio.sleep(0)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            finally:
+                writer.close()
+
+        server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            return list(await asyncio.gather(*(
+                _read(f"http://127.0.0.1:{port}/obj/{i}", len(b))
+                for i, b in enumerate(bodies))))
+
+    assert asyncio.run(run()) == bodies
+    buffers = {id(p.buffer.obj) for p in httpget._pools.values()}
+    conns = [c for p in httpget._pools.values() for kept in p.idle.values() for c in kept]
+    assert conns and all(id(c._buf.obj) in buffers for c in conns)

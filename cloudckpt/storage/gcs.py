@@ -199,7 +199,7 @@ class GCSBackend(StreamedRanges, FsspecBackend):
     async def range_pieces(self, path: str, done: list[int], end: int,
                            give: Callable[[memoryview], None]) -> None:
         # The media GET with gcsfs's headers (its credentials) on the lean client
-        # (httpget), as S3's: each piece lands in one buffer per connection. Whatever
+        # (httpget), as S3's: each piece lands in the loop's one receive buffer. Whatever
         # it does not read is asked again through gcsfs's session, which says what
         # the error was. Not through a proxy or session settings of the user's.
         fs = self.fs

@@ -5,8 +5,10 @@ A load's CPU goes to its pieces. Through aiohttp every piece of a response is a
 fresh ``bytes`` (allocated, faulted in, copied into), parsed, queued in a stream
 reader and awaited, before the caller copies it where it goes. Here asyncio's
 :class:`~asyncio.BufferedProtocol` has the kernel copy each piece into one buffer
-per connection, and the caller's ``give`` is handed a view of it on the loop,
-where it copies the bytes on: no object per piece, no wake-up of a coroutine.
+per event loop, and the caller's ``give`` is handed a view of it on the loop,
+where it copies the bytes on: no object per piece, no wake-up of a coroutine. One
+buffer serves every connection of a loop, as the loop runs one callback at a time
+and each piece is used up within its callback.
 
 Only what a ranged GET of an object store needs: a body of a known length in a
 200 or 206 response. Any other answer (an error status, a chunked body) is
@@ -24,14 +26,13 @@ import asyncio
 import functools
 import os
 import ssl
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
 from cloudckpt.errors import ConfigError, StorageError
 
-#: Bytes the kernel may copy into a connection's buffer at a time.
+#: Bytes the kernel may copy into the loop's receive buffer at a time.
 PIECE = 1 << 20
 #: The longest response head read.
 _HEAD_LIMIT = 64 << 10
@@ -53,9 +54,8 @@ class Unanswered(Exception):
 class _Connection(asyncio.BufferedProtocol):
     """One keep-alive connection, one request at a time."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._buf = memoryview(bytearray(PIECE))
+    def __init__(self, buffer: memoryview) -> None:
+        self._buf = buffer  # the loop's: each piece is used up in buffer_updated
         self._transport: asyncio.Transport | None = None
         self._head = bytearray()
         self._state = "idle"  # "head", "body", "error", "idle" or "closed"
@@ -83,8 +83,9 @@ class _Connection(asyncio.BufferedProtocol):
         assert self._transport is not None and self._state == "idle"
         self._state, self._head, self._answered = "head", bytearray(), False
         self._start, self._want, self._give = start, want, give
-        self._done = self._loop.create_future()
-        self._last = self._loop.time()
+        loop = asyncio.get_running_loop()
+        self._done = loop.create_future()
+        self._last = loop.time()
         self._watch(timeout)
         self._transport.write(head)
         return self._done
@@ -106,7 +107,7 @@ class _Connection(asyncio.BufferedProtocol):
         return self._buf
 
     def buffer_updated(self, nbytes: int) -> None:
-        self._last = self._loop.time()
+        self._last = asyncio.get_running_loop().time()
         self._answered = True
         data = self._buf[:nbytes]
         try:
@@ -218,16 +219,18 @@ class _Connection(asyncio.BufferedProtocol):
                 done.set_exception(exc)
 
     def _watch(self, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+
         def check() -> None:
             if self._done is None:
                 return
-            idle = self._loop.time() - self._last
+            idle = loop.time() - self._last
             if idle >= timeout:
                 self._fail(TimeoutError(f"no byte of the response for {idle:.0f} s"))
             else:
-                self._timer = self._loop.call_later(timeout - idle, check)
+                self._timer = loop.call_later(timeout - idle, check)
 
-        self._timer = self._loop.call_later(timeout, check)
+        self._timer = loop.call_later(timeout, check)
 
 
 _Key = tuple[str, str, int, "ssl.SSLContext | None"]
@@ -239,6 +242,7 @@ class _Pool:
 
     def __init__(self) -> None:
         self.idle: dict[_Key, list[_Connection]] = {}
+        self.buffer = memoryview(bytearray(PIECE))
 
     async def connect(self, key: _Key) -> tuple[_Connection, bool]:
         """A connection to ``key``, and whether it was kept from before."""
@@ -250,7 +254,7 @@ class _Pool:
         loop = asyncio.get_running_loop()
         scheme, host, port, context = key
         _, conn = await loop.create_connection(
-            lambda: _Connection(loop), host, port,
+            lambda: _Connection(self.buffer), host, port,
             ssl=context if scheme == "https" else None,
             server_hostname=host if scheme == "https" else None)
         return conn, False
@@ -263,8 +267,8 @@ class _Pool:
             conn.close()
 
 
-_pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Pool] = \
-    weakref.WeakKeyDictionary()
+#: The pools of the event loops that read; those of closed loops are dropped.
+_pools: dict[asyncio.AbstractEventLoop, _Pool] = {}
 
 
 def _forget_pools() -> None:
@@ -300,6 +304,15 @@ def default_tls() -> ssl.SSLContext:
     return ssl.create_default_context()
 
 
+def _pool_of(loop: asyncio.AbstractEventLoop) -> _Pool:
+    pool = _pools.get(loop)
+    if pool is None:
+        for closed in [k for k in _pools if k.is_closed()]:
+            del _pools[closed]
+        pool = _pools[loop] = _Pool()
+    return pool
+
+
 async def get_range(url: str, start: int, end: int, give: Callable[[memoryview], None], *,
                     headers: Mapping[str, str] | None = None,
                     context: ssl.SSLContext | None = None, timeout: float = 60.0) -> None:
@@ -319,7 +332,7 @@ async def get_range(url: str, start: int, end: int, give: Callable[[memoryview],
     head = (f"GET {target} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
             f"Range: bytes={start}-{end - 1}\r\nAccept-Encoding: identity\r\n"
             f"User-Agent: cloudckpt\r\n{extra}\r\n").encode("latin-1")
-    pool = _pools.setdefault(asyncio.get_running_loop(), _Pool())
+    pool = _pool_of(asyncio.get_running_loop())
     for attempt in range(2):
         conn, kept = await pool.connect(key)
         try:

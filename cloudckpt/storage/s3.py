@@ -249,7 +249,7 @@ class S3Backend(StreamedRanges, FsspecBackend):
     async def range_pieces(self, path: str, done: list[int], end: int,
                            give: Callable[[memoryview], None]) -> None:
         # A presigned GET on the lean client (httpget): a load's pieces land in one
-        # buffer per connection, not in a bytes object each behind aiohttp's parser
+        # receive buffer of the loop, not in a bytes object each behind aiohttp's parser
         # and stream reader (CPU per GB of a 256 MiB load about a third lower).
         # Whatever it does not read (an error status) is asked again through
         # botocore, which reads and classifies it.
