@@ -16,12 +16,12 @@ from cloudckpt.storage import httpget
 from cloudckpt.storage.httpget import Unanswered, get_range
 
 
-@pytest.mark.parametrize("where", ["s3", "gcs"])
+@pytest.mark.parametrize("where", ["s3", "gcs", "azure"])
 def test_ranged_reads_take_the_lean_client(where, request, monkeypatch):
-    """read_range_into on S3 (presigned GETs) and GCS (media GETs with gcsfs's
-    headers) goes through the lean client, bit-exact; ``direct_gets=False`` keeps the
-    full client; an error status is asked again through the full client, which says
-    what it was."""
+    """read_range_into on S3 (presigned GETs), GCS (media GETs with gcsfs's headers)
+    and Azure (a read-only SAS from the account key) goes through the lean client,
+    bit-exact; ``direct_gets=False`` keeps the full client; an error status is asked
+    again through the full client, which says what it was."""
     backend = request.getfixturevalue(where)
     used: list[tuple[int, int]] = []
     real = httpget.get_range
@@ -51,7 +51,7 @@ def test_ranged_reads_take_the_lean_client(where, request, monkeypatch):
         store.read_range_into("obj.bin", len(data) + 10, [bytearray(10)])
 
 
-@pytest.mark.parametrize("where", ["s3", "gcs"])
+@pytest.mark.parametrize("where", ["s3", "gcs", "azure"])
 def test_a_bad_direct_gets_option_is_refused(where, request):
     from cloudckpt.errors import ConfigError
 
