@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -60,34 +61,32 @@ def test_a_bad_direct_gets_option_is_refused(where, request):
         open_store(backend.root, {**backend.options, "direct_gets": "yes"})
 
 
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[bool]]
+Handler = Callable[[bytes, asyncio.StreamWriter, int], Awaitable[bool]]
 
 
-async def _serve(handler: Handler) -> tuple[asyncio.base_events.Server, str, list[int]]:
-    """A loopback HTTP server: ``handler(reader, writer, n)`` answers the ``n``-th
-    request of a connection and says whether to keep it open. Returns the server, a
-    URL and the number of connections made so far (in a list)."""
+async def _serve(handler: Handler, tls: ssl.SSLContext | None = None
+                 ) -> tuple[asyncio.base_events.Server, str, list[int]]:
+    """A loopback HTTP server: ``handler(head, writer, n)`` answers the ``n``-th
+    request of a connection (``head``: its request head) and says whether to keep
+    the connection open. Returns the server, a URL (``https://localhost`` with
+    ``tls``) and the number of connections made so far (in a list)."""
     connections = [0]
 
     async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connections[0] += 1
         n = 0
         try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                if not head:
-                    break
-                if not await handler(reader, writer, n):
-                    break
+            while await handler(await reader.readuntil(b"\r\n\r\n"), writer, n):
                 n += 1
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
             writer.close()
 
-    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0, ssl=tls)
     port = server.sockets[0].getsockname()[1]
-    return server, f"http://127.0.0.1:{port}/obj", connections
+    where = f"https://localhost:{port}" if tls else f"http://127.0.0.1:{port}"
+    return server, f"{where}/obj", connections
 
 
 def _answer(body: bytes) -> bytes:
@@ -106,7 +105,7 @@ def test_a_kept_connection_the_server_closed_is_replaced_once():
     request is sent once more on a fresh connection, not failed."""
     body = os.urandom(5000)
 
-    async def once_per_connection(reader, writer, n):
+    async def once_per_connection(head, writer, n):
         if n > 0:
             return False  # closes the kept connection without answering
         writer.write(_answer(body))
@@ -128,13 +127,13 @@ def test_a_silent_server_times_out_and_a_cut_body_is_a_reset():
     """A response that stops coming is a TimeoutError after ``timeout``; one whose
     connection closes early a ConnectionResetError (both transient: the caller
     resumes from the bytes it was given)."""
-    async def stall(reader, writer, n):
+    async def stall(head, writer, n):
         writer.write(_answer(b"x" * 1000)[:-500])
         await writer.drain()
         await asyncio.sleep(5)
         return False
 
-    async def cut(reader, writer, n):
+    async def cut(head, writer, n):
         writer.write(_answer(b"x" * 1000)[:-500])
         await writer.drain()
         return False
@@ -153,18 +152,18 @@ def test_a_silent_server_times_out_and_a_cut_body_is_a_reset():
 def test_what_the_lean_client_does_not_read_is_unanswered():
     """An error status or a chunked body is Unanswered (the full client asks again);
     an exception of ``give`` comes out as it was raised."""
-    async def error(reader, writer, n):
+    async def error(head, writer, n):
         writer.write(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 5\r\n\r\nnope!")
         await writer.drain()
         return True
 
-    async def chunked(reader, writer, n):
+    async def chunked(head, writer, n):
         writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
                      b"5\r\nhello\r\n0\r\n\r\n")
         await writer.drain()
         return True
 
-    async def fine(reader, writer, n):
+    async def fine(head, writer, n):
         writer.write(_answer(b"y" * 100))
         await writer.drain()
         return True
@@ -221,35 +220,19 @@ def test_https_bodies_land_through_tls_and_an_unknown_certificate_is_refused(tmp
     """Over TLS the pieces land the same way (asyncio's TLS transport fills the
     protocol's buffer); a server whose certificate the context does not trust is
     refused, not read."""
-    import ssl
-
     cert, key = _self_signed(tmp_path)
     server_side = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_side.load_cert_chain(cert, key)
     body = os.urandom(3 * httpget.PIECE + 77)
 
-    async def answer(reader, writer, n):
+    async def answer(head, writer, n):
         writer.write(_answer(body))
         await writer.drain()
         return True
 
     async def run() -> bytes:
-        connections = [0]
-
-        async def on_connect(reader, writer):
-            connections[0] += 1
-            try:
-                while await reader.readuntil(b"\r\n\r\n"):
-                    await answer(reader, writer, 0)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                pass
-            finally:
-                writer.close()
-
-        server = await asyncio.start_server(on_connect, "127.0.0.1", 0, ssl=server_side)
-        port = server.sockets[0].getsockname()[1]
+        server, url, _ = await _serve(answer, server_side)
         async with server:
-            url = f"https://localhost:{port}/obj"
             got = await _read(url, len(body), context=ssl.create_default_context(cafile=cert))
             with pytest.raises(ssl.SSLCertVerificationError):
                 await _read(url, len(body), context=ssl.create_default_context())
@@ -264,29 +247,19 @@ def test_concurrent_responses_share_the_loops_buffer_and_keep_their_own_bytes():
     bytes, in order."""
     bodies = [os.urandom(2 * httpget.PIECE + 1000 * i) for i in range(8)]
 
-    async def run() -> list[bytes]:
-        async def on_connect(reader, writer):
-            try:
-                while True:
-                    head = await reader.readuntil(b"\r\n\r\n")
-                    i = int(head.split(b" ", 2)[1].rsplit(b"/", 1)[1])
-                    body = bodies[i]
-                    for k in range(0, len(body), 300_000):  # in bits, interleaved
-                        writer.write((_answer(body)[:-len(body)] if k == 0 else b"")
-                                     + body[k:k + 300_000])
-                        await writer.drain()
-                        await asyncio.sleep(0)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                pass
-            finally:
-                writer.close()
+    async def in_bits(head, writer, n):
+        body = bodies[int(head.split(b" ", 2)[1].rsplit(b"/", 1)[1])]
+        for k in range(0, len(body), 300_000):  # in bits, interleaved with the others
+            writer.write((_answer(body)[:-len(body)] if k == 0 else b"") + body[k:k + 300_000])
+            await writer.drain()
+            await asyncio.sleep(0)
+        return True
 
-        server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
+    async def run() -> list[bytes]:
+        server, url, _ = await _serve(in_bits)
         async with server:
-            return list(await asyncio.gather(*(
-                _read(f"http://127.0.0.1:{port}/obj/{i}", len(b))
-                for i, b in enumerate(bodies))))
+            return list(await asyncio.gather(*(_read(f"{url}/{i}", len(b))
+                                               for i, b in enumerate(bodies))))
 
     assert asyncio.run(run()) == bodies
     buffers = {id(p.buffer.obj) for p in httpget._pools.values()}
