@@ -17,7 +17,8 @@ from cloudckpt.errors import CommitConflictError, CorruptCheckpointError
 from cloudckpt.movement.transfer import _copy_objects, copy_checkpoint
 from cloudckpt.storage import ObjectInfo
 from cloudckpt.storage.backend import Backend, Host
-from cloudckpt.storage.s3 import S3Backend, _whole_crc32c
+from cloudckpt.storage.s3 import S3Backend
+from cloudckpt.storage.s3_copy import whole_crc32c
 from cloudckpt.util.crc import Crc32c, crc32c_combine, crc32c_hex
 
 PART = 256 * 1024  # the test moto server accepts parts this small (conftest)
@@ -76,7 +77,7 @@ def assert_same(ckpt: Any, src: Any, objs: dict[str, bytes]) -> None:
 def small_s3_parts(monkeypatch: pytest.MonkeyPatch) -> None:
     """S3 part copies as small as the test server allows, so a few hundred KiB make
     several parts."""
-    monkeypatch.setattr("cloudckpt.storage.s3.MIN_PART_SIZE", PART)
+    monkeypatch.setattr("cloudckpt.storage.s3_copy.MIN_PART_SIZE", PART)
 
 
 # ------------------------------------------------------------ crc32c combination
@@ -121,15 +122,15 @@ def test_composite_s3_checksums_become_the_whole_objects() -> None:
     composite = base64.b64encode(google_crc32c.value(b"".join(raw)).to_bytes(4, "big")).decode()
     head = {"ChecksumCRC32C": f"{composite}-{len(parts)}", "ChecksumType": "COMPOSITE"}
     sized = [(c, len(p)) for c, p in zip(b64, parts, strict=True)]
-    assert _whole_crc32c(head, sized) == crc32c_hex(data)
+    assert whole_crc32c(head, sized) == crc32c_hex(data)
     # Not made of these parts, or parts without checksums: unknown, never a guess.
-    assert _whole_crc32c(head, sized[:-1]) is None
-    assert _whole_crc32c(head, [(None, n) for _, n in sized]) is None
-    assert _whole_crc32c(head, None) is None
+    assert whole_crc32c(head, sized[:-1]) is None
+    assert whole_crc32c(head, [(None, n) for _, n in sized]) is None
+    assert whole_crc32c(head, None) is None
     full = base64.b64encode(google_crc32c.value(data).to_bytes(4, "big")).decode()
-    assert _whole_crc32c({"ChecksumCRC32C": full, "ChecksumType": "FULL_OBJECT"}, None) == \
+    assert whole_crc32c({"ChecksumCRC32C": full, "ChecksumType": "FULL_OBJECT"}, None) == \
         crc32c_hex(data)
-    assert _whole_crc32c({}, None) is None
+    assert whole_crc32c({}, None) is None
 
 
 # ------------------------------------------------------------ server-side copies

@@ -26,7 +26,6 @@ talking to an emulator; this module sets that default itself.
 
 from __future__ import annotations
 
-import base64
 import http.client
 import json
 import logging
@@ -62,7 +61,7 @@ from cloudckpt.storage.primitives import FsspecBackend  # noqa: E402
 from cloudckpt.storage.ranges import StreamedRanges  # noqa: E402
 from cloudckpt.storage.retry import describe, mask_secrets  # noqa: E402
 from cloudckpt.storage.writers import RawWriter  # noqa: E402
-from cloudckpt.util.crc import Buffer, crc32c_hex  # noqa: E402
+from cloudckpt.util.crc import Buffer, crc32c_b64, crc32c_from_b64, crc32c_hex  # noqa: E402
 
 log = logging.getLogger("cloudckpt")
 
@@ -116,7 +115,7 @@ class GCSBackend(StreamedRanges, FsspecBackend):
         boundary = f"cloudckpt-{uuid.uuid4().hex}"
         meta: dict[str, str] = {"name": key}
         if crc32c is not None:  # GCS refuses the upload if the bytes do not match
-            meta["crc32c"] = _b64_crc(crc32c)
+            meta["crc32c"] = crc32c_b64(crc32c)
         head = (
             f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n"
             f"{json.dumps(meta)}\r\n--{boundary}\r\n"
@@ -268,7 +267,7 @@ class GCSBackend(StreamedRanges, FsspecBackend):
         res = out.get("resource") or {}
         crc = res.get("crc32c")
         try:
-            crc_hex = _hex_crc(crc) if crc else None
+            crc_hex = crc32c_from_b64(crc) if crc else None
         except ValueError:
             crc_hex = None
         gen = res.get("generation")
@@ -319,11 +318,11 @@ class _ComposeWriter(PartWriter):
                        for i, j in enumerate(range(0, len(sources), _COMPOSE_SOURCES))]
         meta = self._gcs._compose(self._path, sources)
         got_size, got_crc = int(meta.get("size", -1)), meta.get("crc32c")
-        if got_size != size or (got_crc is not None and got_crc != _b64_crc(crc32c)):
+        if got_size != size or (got_crc is not None and got_crc != crc32c_b64(crc32c)):
             self._store.delete([self._gcs_key(self._path)])  # a failed write leaves no object
             raise StorageError(
                 f"gs://{self._path} was composed with {got_size} bytes (CRC32C {got_crc}), "
-                f"but {size} bytes (CRC32C {_b64_crc(crc32c)}) were written: a part was "
+                f"but {size} bytes (CRC32C {crc32c_b64(crc32c)}) were written: a part was "
                 "stored wrongly; the write failed and the object was removed")
 
     def _compose_into(self, name: str, sources: list[str]) -> str:
@@ -417,17 +416,6 @@ def _no_credentials(root: str) -> AccessDeniedError:
         "option (token='anon' for public buckets)")
 
 
-
-
-def _b64_crc(crc_hex: str) -> str:
-    return base64.b64encode(bytes.fromhex(crc_hex)).decode()
-
-
-def _hex_crc(b64: str) -> str:
-    raw = base64.b64decode(b64, validate=True)
-    if len(raw) != 4:
-        raise ValueError(f"not a CRC32C: {b64!r}")
-    return raw.hex()
 
 
 def _mask(text: str, token: Any) -> str:

@@ -8,12 +8,14 @@ server's per-part checksums) can be checked against one whole-object value.
 
 from __future__ import annotations
 
+import base64
 import functools
 from typing import Any
 
 import google_crc32c
 
-__all__ = ["Crc32c", "crc32c_combine", "crc32c_hex", "crc32c_value"]
+__all__ = ["Crc32c", "crc32c_b64", "crc32c_combine", "crc32c_from_b64", "crc32c_hex",
+           "crc32c_value"]
 
 Buffer = bytes | bytearray | memoryview
 
@@ -38,6 +40,19 @@ def crc32c_value(data: Buffer) -> int:
 def crc32c_hex(data: Buffer) -> str:
     """Return the CRC32C of ``data`` as 8 hex digits."""
     return f"{crc32c_value(data):08x}"
+
+
+def crc32c_b64(crc_hex: str) -> str:
+    """8 hex digits -> the base64 of the 4 big-endian bytes S3 and GCS headers carry."""
+    return base64.b64encode(bytes.fromhex(crc_hex)).decode("ascii")
+
+
+def crc32c_from_b64(b64: str) -> str:
+    """A CRC32C as S3 and GCS give it (base64 of 4 bytes) -> 8 hex digits."""
+    raw = base64.b64decode(b64, validate=True)
+    if len(raw) != 4:
+        raise ValueError(f"not a CRC32C: {b64!r}")
+    return raw.hex()
 
 
 class Crc32c:
