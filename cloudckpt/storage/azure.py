@@ -53,15 +53,9 @@ from cloudckpt.errors import ConfigError, StorageError
 from cloudckpt.storage.backend import Backend, Host
 from cloudckpt.storage.base import Store
 from cloudckpt.storage.bodies import PartBody, Pieces, segments_of
-from cloudckpt.storage.httpget import (
-    Unanswered,
-    default_tls,
-    direct_gets_option,
-    get_range,
-    proxies_in_environment,
-)
+from cloudckpt.storage.httpget import DirectGet
 from cloudckpt.storage.objects import ObjectInfo
-from cloudckpt.storage.options import check_filesystem_options, init_options
+from cloudckpt.storage.options import init_options
 from cloudckpt.storage.parts import PartWriter
 from cloudckpt.storage.primitives import FsspecBackend
 from cloudckpt.storage.ranges import StreamedRanges
@@ -101,7 +95,6 @@ class AzureBackend(StreamedRanges, FsspecBackend):
         return init_options(adlfs.AzureBlobFileSystem) - {"loop", "asynchronous"}
 
     def _read_options(self, scheme: str, options: dict[str, Any]) -> dict[str, Any]:
-        self._direct = direct_gets_option(scheme, options)
         check = options.get("transfer_checksum", "crc64")
         if check not in _TRANSFER_CHECKS:
             raise ConfigError(f"{scheme}:// storage option transfer_checksum={check!r}: "
@@ -111,8 +104,10 @@ class AzureBackend(StreamedRanges, FsspecBackend):
                               "azure-storage-extensions: pip install 'cloudckpt[azure]', or "
                               "set the storage option transfer_checksum='md5' (or 'none')")
         self._check = check
-        check_filesystem_options(scheme, _adlfs_options(options), self.filesystem_options())
-        return options
+        # adlfs's options checked as every backend's (direct_gets taken out there);
+        # transfer_checksum stays, so that stores differing only there are told apart.
+        rest = super()._read_options(scheme, _adlfs_options(options))
+        return {**rest, **{k: v for k, v in options.items() if k == "transfer_checksum"}}
 
     def _filesystem(self, options: dict[str, Any]) -> adlfs.AzureBlobFileSystem:
         fs = adlfs.AzureBlobFileSystem(**_adlfs_options(options))
@@ -270,24 +265,11 @@ class AzureBackend(StreamedRanges, FsspecBackend):
                                f"[{start}, {end})")
         return resp.content, resp.release
 
-    async def range_pieces(self, path: str, done: list[int], end: int,
-                           give: Callable[[memoryview], None]) -> None:
-        # With an account key: a GET of the blob's URL under a read-only SAS of a few
-        # minutes on the lean client (httpget), as S3's presigned GETs; its pieces land
-        # in the loop's one receive buffer, where aiohttp buffers each response of the
-        # load apart (6-9 MiB for 16 at once). Whatever it does not read is asked
-        # again through the SDK, which says what the error was.
-        url = self._signed_url(path) if self._direct and not proxies_in_environment() \
-            else None
-        if url is not None:
-            try:
-                await get_range(url, done[0], end, give,
-                                context=default_tls() if url.startswith("https:") else None,
-                                timeout=_READ_TIMEOUT)
-                return
-            except Unanswered:
-                pass
-        await super().range_pieces(path, done, end, give)
+    async def direct_get(self, path: str) -> DirectGet | None:
+        # With an account key: the blob's URL under a read-only SAS of a few minutes
+        # (aiohttp would buffer each response of a load apart, 6-9 MiB for 16 at once).
+        url = self._signed_url(path)
+        return None if url is None else DirectGet(url, timeout=_READ_TIMEOUT)
 
     def _signed_url(self, path: str) -> str | None:
         """The blob's URL with a read-only SAS of :data:`_SAS_FOR` seconds, signed with

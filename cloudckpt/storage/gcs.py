@@ -47,13 +47,7 @@ from cloudckpt.storage import gcs_errors  # noqa: E402
 from cloudckpt.storage.backend import Backend, Host  # noqa: E402
 from cloudckpt.storage.base import Store  # noqa: E402
 from cloudckpt.storage.bodies import PartBody, Pieces  # noqa: E402
-from cloudckpt.storage.httpget import (  # noqa: E402
-    Unanswered,
-    default_tls,
-    direct_gets_option,
-    get_range,
-    proxies_in_environment,
-)
+from cloudckpt.storage.httpget import DirectGet  # noqa: E402
 from cloudckpt.storage.objects import ObjectInfo  # noqa: E402
 from cloudckpt.storage.options import init_options  # noqa: E402
 from cloudckpt.storage.parts import PartWriter  # noqa: E402
@@ -77,10 +71,6 @@ class GCSBackend(StreamedRanges, FsspecBackend):
     @classmethod
     def filesystem_options(cls) -> frozenset[str] | None:
         return init_options(_OneTryGCSFileSystem) - {"loop", "asynchronous"}
-
-    def _read_options(self, scheme: str, options: dict[str, Any]) -> dict[str, Any]:
-        self._direct = direct_gets_option(scheme, options)
-        return super()._read_options(scheme, options)
 
     def _filesystem(self, options: dict[str, Any]) -> gcsfs.GCSFileSystem:
         root = self.root
@@ -195,25 +185,17 @@ class GCSBackend(StreamedRanges, FsspecBackend):
     def open_writer(self, path: str, host: Host) -> RawWriter:
         return _ComposeWriter(self, host, path)
 
-    async def range_pieces(self, path: str, done: list[int], end: int,
-                           give: Callable[[memoryview], None]) -> None:
-        # The media GET with gcsfs's headers (its credentials) on the lean client
-        # (httpget), as S3's: each piece lands in the loop's one receive buffer. Whatever
-        # it does not read is asked again through gcsfs's session, which says what
-        # the error was. Not through a proxy or session settings of the user's.
+    async def direct_get(self, path: str) -> DirectGet | None:
+        # The media GET with gcsfs's headers (its credentials); not where the user set
+        # session options, which only gcsfs's session honours.
         fs = self.fs
         await fs._set_session()
-        if not self._direct or fs.session_kwargs or proxies_in_environment():
-            await super().range_pieces(path, done, end, give)
-            return
+        if fs.session_kwargs:
+            return None
         params = fs._get_params({})
-        url = fs.url(path) + (f"&{urlencode(params)}" if params else "")
-        try:
-            await get_range(url, done[0], end, give, headers=fs._get_headers({}),
-                            context=default_tls() if url.startswith("https:") else None,
-                            timeout=float(fs.requests_timeout or 60))
-        except Unanswered:
-            await super().range_pieces(path, done, end, give)
+        return DirectGet(fs.url(path) + (f"&{urlencode(params)}" if params else ""),
+                         headers=fs._get_headers({}),
+                         timeout=float(fs.requests_timeout or 60))
 
     async def open_range(self, path: str, start: int, end: int
                          ) -> tuple[Any, Callable[[], None]]:

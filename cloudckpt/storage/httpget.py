@@ -27,6 +27,7 @@ import functools
 import os
 import ssl
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -288,6 +289,18 @@ def direct_gets_option(scheme: str, options: dict[str, Any]) -> bool:
     return direct
 
 
+@dataclass(frozen=True)
+class DirectGet:
+    """A backend's ranged GET put as a URL, for this client: ``headers`` sent besides
+    the range (credentials), ``context`` the TLS context of an ``https`` URL (None:
+    the system's CAs), ``timeout`` the seconds a response may go without a byte."""
+
+    url: str
+    headers: Mapping[str, str] | None = None
+    context: ssl.SSLContext | None = None
+    timeout: float = 60.0
+
+
 #: Environment variables that send requests through a proxy.
 _PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy")
 
@@ -319,12 +332,15 @@ async def get_range(url: str, start: int, end: int, give: Callable[[memoryview],
     """GET bytes ``[start, end)`` of ``url``, each piece handed to ``give`` in order as
     a view valid only during the call (on this event loop: it must not block).
     :class:`Unanswered` for a response this client does not read. ``headers``: sent
-    besides the range (credentials); ``context``: the TLS context of an ``https`` URL."""
+    besides the range (credentials); ``context``: the TLS context of an ``https`` URL
+    (None: :func:`default_tls`)."""
     parts = urlsplit(url)
     scheme = parts.scheme
     if scheme not in ("http", "https") or not parts.hostname:
         raise Unanswered(0, f"not an http(s) URL: {scheme}")
     port = parts.port or (443 if scheme == "https" else 80)
+    if scheme == "https" and context is None:
+        context = default_tls()
     key = (scheme, parts.hostname, port, context if scheme == "https" else None)
     target = parts.path + (f"?{parts.query}" if parts.query else "")
     extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items()

@@ -20,6 +20,13 @@ from fsspec.asyn import sync
 
 from cloudckpt.errors import CloudCkptError, ConfigError, StorageError
 from cloudckpt.storage.backend import Backend
+from cloudckpt.storage.httpget import (
+    DirectGet,
+    Unanswered,
+    direct_gets_option,
+    get_range,
+    proxies_in_environment,
+)
 from cloudckpt.storage.retry import describe, is_transient, status_of
 from cloudckpt.util.crc import Crc32c
 
@@ -188,6 +195,16 @@ class StreamedRanges:
 
     fs: Any
 
+    def _read_options(self, scheme: str, options: dict[str, Any]) -> dict[str, Any]:
+        self.direct_gets = direct_gets_option(scheme, options)
+        return super()._read_options(scheme, options)  # type: ignore[misc]
+
+    async def direct_get(self, path: str) -> DirectGet | None:
+        """The GET of ``path`` as a URL for the lean client (:mod:`.httpget`), or None
+        where only the backend's own client may send it (credentials a URL cannot
+        carry, settings of the user's that client honours)."""
+        return None
+
     async def open_range(self, path: str, start: int, end: int
                          ) -> tuple[Any, Callable[[], None]]:
         """A GET of bytes ``[start, end)``: its body (``await body.read(n)``, and
@@ -213,8 +230,22 @@ class StreamedRanges:
 
     async def range_pieces(self, path: str, done: list[int], end: int,
                            give: Callable[[memoryview], None]) -> None:
-        """:meth:`stream_range` on the loop: through the response of :meth:`open_range`
-        (a backend with a leaner GET of its own overrides this)."""
+        """:meth:`stream_range` on the loop: on the lean client where the backend puts
+        the GET as a URL (:meth:`direct_get`; each piece lands in the loop's one
+        receive buffer, not in a ``bytes`` object behind aiohttp's parser and stream
+        reader), unless the storage option ``direct_gets=False`` or a proxy in the
+        environment says otherwise; else, and for an answer that client does not
+        read (an error), through the response of :meth:`open_range`, whose client
+        says what it was."""
+        if self.direct_gets and not proxies_in_environment():
+            get = await self.direct_get(path)
+            if get is not None:
+                try:
+                    await get_range(get.url, done[0], end, give, headers=get.headers,
+                                    context=get.context, timeout=get.timeout)
+                    return
+                except Unanswered:
+                    pass
         body, release = await self.open_range(path, done[0], end)
         read = getattr(body, "readany", None)  # a buffered piece, not joined ones
         try:

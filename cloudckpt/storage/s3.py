@@ -27,7 +27,7 @@ from cloudckpt.storage import s3_errors
 from cloudckpt.storage.backend import Backend, Host
 from cloudckpt.storage.base import Store
 from cloudckpt.storage.bodies import PartBody, Pieces
-from cloudckpt.storage.httpget import Unanswered, direct_gets_option, get_range
+from cloudckpt.storage.httpget import DirectGet
 from cloudckpt.storage.objects import ObjectInfo
 from cloudckpt.storage.options import init_options
 from cloudckpt.storage.parts import PartWriter
@@ -38,8 +38,8 @@ from cloudckpt.storage.s3_copy import MIN_PART_SIZE, ServerCopy
 from cloudckpt.storage.s3_errors import error_code as _code
 from cloudckpt.storage.s3_options import (
     create_only_header,
-    direct_gets_context,
     mask_credentials,
+    presigned_gets_tls,
     s3fs_options,
     sends_checksums,
 )
@@ -70,7 +70,6 @@ class S3Backend(StreamedRanges, FsspecBackend):
         # The store's own create-only header (e.g. Alibaba OSS's
         # "x-oss-forbid-overwrite: true"), sent instead of If-None-Match: *.
         self.create_only_header = create_only_header(options.pop("create_only_header", None))
-        self._direct_option = direct_gets_option(scheme, options)
         return super()._read_options(scheme, options)
 
     def _filesystem(self, options: dict[str, Any]) -> s3fs.S3FileSystem:
@@ -78,8 +77,7 @@ class S3Backend(StreamedRanges, FsspecBackend):
         fs = s3fs.S3FileSystem(**s3fs_options(options, self.max_concurrency))
         fs.retries = 1  # one attempt per s3fs call: retries are ours (see module doc)
         self._send_checksums = sends_checksums(options.get("config_kwargs") or {})
-        self._direct = direct_gets_context({**options, "direct_gets": self._direct_option},
-                                           bool(fs.req_kw or fs.s3_additional_kwargs))
+        self._tls = presigned_gets_tls(options, bool(fs.req_kw or fs.s3_additional_kwargs))
         self._read_timeout = float(fs.config_kwargs.get("read_timeout") or 60)
         return fs
 
@@ -242,27 +240,17 @@ class S3Backend(StreamedRanges, FsspecBackend):
         stream = getattr(getattr(body, "raw_stream", None), "content", None)
         return (stream if hasattr(stream, "readany") else body), body.close
 
-    async def range_pieces(self, path: str, done: list[int], end: int,
-                           give: Callable[[memoryview], None]) -> None:
-        # A presigned GET on the lean client (httpget): a load's pieces land in one
-        # receive buffer of the loop, not in a bytes object each behind aiohttp's parser
-        # and stream reader (CPU per GB of a 256 MiB load about a third lower).
-        # Whatever it does not read (an error status) is asked again through
-        # botocore, which reads and classifies it.
-        if self._direct is not None:
-            bucket, key = self._split(path)
-            await self.fs.set_session()
-            s3 = await self.fs.get_s3(bucket)
-            url = await s3.generate_presigned_url(
-                "get_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=_PRESIGNED_FOR)
-            try:
-                await get_range(url, done[0], end, give,
-                                context=self._direct() if url.startswith("https:") else None,
-                                timeout=self._read_timeout)
-                return
-            except Unanswered:
-                pass
-        await super().range_pieces(path, done, end, give)
+    async def direct_get(self, path: str) -> DirectGet | None:
+        # A presigned GET, where it carries all botocore would send (see s3_options).
+        if self._tls is None:
+            return None
+        bucket, key = self._split(path)
+        await self.fs.set_session()
+        s3 = await self.fs.get_s3(bucket)
+        url = await s3.generate_presigned_url(
+            "get_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=_PRESIGNED_FOR)
+        return DirectGet(url, context=self._tls() if url.startswith("https:") else None,
+                         timeout=self._read_timeout)
 
     def can_copy_from(self, other: Backend) -> bool:
         # CopyObject reads the source with the destination's credentials: only on one

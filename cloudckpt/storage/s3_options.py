@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from cloudckpt.errors import ConfigError
-from cloudckpt.storage.httpget import proxies_in_environment
 from cloudckpt.storage.retry import mask_secrets
 
 # botocore's DEBUG lines carry the session token (the request headers it sends and
@@ -121,20 +120,18 @@ class TlsContext:
         return {"cafile": self.cafile, "_made": None}
 
 
-def direct_gets_context(options: Mapping[str, Any], extra_kwargs: bool) -> TlsContext | None:
-    """Whether ranged GETs may take the lean HTTP client (:mod:`.httpget`) with
-    presigned URLs, and if so the TLS context it verifies servers with. None where
+def presigned_gets_tls(options: Mapping[str, Any], extra_kwargs: bool) -> TlsContext | None:
+    """Whether ranged GETs may be presigned URLs on the lean HTTP client
+    (:mod:`.httpget`), and if so the TLS context it verifies servers with. None where
     botocore would send anything a presigned URL leaves out: a proxy, request-payer
     or SSE-C headers (``extra_kwargs``), or no verification (``client_kwargs=
-    {"verify": False}``); or where the storage option ``direct_gets=False`` asked
-    for botocore's client."""
+    {"verify": False}``). ``direct_gets=False`` and proxies in the environment are
+    :class:`~cloudckpt.storage.ranges.StreamedRanges`' to judge, for every backend."""
     client = options.get("client_kwargs")
     client = client if isinstance(client, Mapping) else {}
     config = options.get("config_kwargs")
     config = config if isinstance(config, Mapping) else {}
     verify = client.get("verify", True)
-    if options.get("direct_gets") is False or extra_kwargs or verify is False or \
-            config.get("proxies") or \
-            proxies_in_environment():
+    if extra_kwargs or verify is False or config.get("proxies"):
         return None
     return TlsContext(verify if isinstance(verify, str) else os.environ.get("AWS_CA_BUNDLE"))
