@@ -454,3 +454,36 @@ def test_a_saved_tensor_is_sent_from_its_own_memory(s3, monkeypatch):
     back = {"own": torch.zeros_like(own), "strided": torch.zeros(256, 1024)}
     cloud_dcp.load(back, s3.uri("ckpt"), storage_options=s3.options)
     assert torch.equal(back["own"], own) and torch.equal(back["strided"], strided)
+
+
+def test_a_loaded_tensor_is_received_into_its_own_memory(s3, monkeypatch):
+    """A tensor whose destination takes its bytes as they are is received there
+    straight from the socket: the sinks are handed views of the destination, not
+    copies to make, both for an item read in one request and for one read as
+    parallel parts (here over 2 MiB, two reader parts)."""
+    import numpy as np
+
+    from cloudckpt.dcp.placement import _Stream
+    from cloudckpt.storage.ranges import Filling
+
+    pieces: list[tuple[int, int]] = []  # (address, bytes) of every piece a sink took
+
+    def recorded(real):
+        def sink(self, *args):
+            data = args[-1]
+            pieces.append((np.frombuffer(data, np.uint8).ctypes.data, memoryview(data).nbytes))
+            return real(self, *args)
+        return sink
+
+    monkeypatch.setattr(_Stream, "__call__", recorded(_Stream.__call__))
+    monkeypatch.setattr(Filling, "put", recorded(Filling.put))
+    g = torch.Generator().manual_seed(5)
+    sd = {"one": torch.randn(384, 1024, generator=g), "parts": torch.randn(1024, 1024, generator=g)}
+    cloud_dcp.save(sd, s3.uri("ckpt"), storage_options=s3.options)
+    back = {k: torch.zeros_like(v) for k, v in sd.items()}
+    cloud_dcp.load(back, s3.uri("ckpt"), storage_options={**s3.options, "part_size": 1 << 20})
+    for name, t in back.items():
+        assert torch.equal(t, sd[name]), name
+        lo, hi = t.data_ptr(), t.data_ptr() + t.nbytes
+        inside = sum(n for at, n in pieces if lo <= at and at + n <= hi)
+        assert inside >= t.nbytes - (1 << 20), (name, inside, t.nbytes)

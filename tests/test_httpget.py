@@ -61,6 +61,42 @@ def test_a_bad_direct_gets_option_is_refused(where, request):
         open_store(backend.root, {**backend.options, "direct_gets": "yes"})
 
 
+class _Landing:
+    """A sink that offers its own memory for the bytes from ``skip`` on, and counts the
+    bytes it was handed there (received in place) and elsewhere (copied in)."""
+
+    def __init__(self, n: int, skip: int = 0) -> None:
+        self.dest = bytearray(n)
+        self.view = memoryview(self.dest)
+        self.skip = skip
+        self.in_place = self.copied = 0
+
+    def space(self, offset: int, n: int) -> memoryview | None:
+        return None if offset < self.skip else self.view[offset:offset + n]
+
+    def __call__(self, offset: int, piece: memoryview) -> None:
+        if piece.obj is self.dest:
+            self.in_place += piece.nbytes
+        else:
+            self.view[offset:offset + piece.nbytes] = piece
+            self.copied += piece.nbytes
+
+
+@pytest.mark.parametrize("where", ["s3", "gcs", "azure"])
+def test_a_sink_that_offers_memory_receives_the_bytes_there(where, request):
+    """read_range_to with a sink that says where the bytes go (``space``) has the
+    lean client receive them straight into that memory on every backend: the sink
+    is handed views of it, and only bytes before the memory it offers are copied."""
+    backend = request.getfixturevalue(where)
+    data = os.urandom(4 * httpget.PIECE + 4321)
+    store = open_store(backend.root, backend.options)
+    store.put("obj.bin", data)
+    sink = _Landing(len(data), skip=1000)
+    store.read_range_to("obj.bin", 0, len(data), sink, on_loop=True)
+    assert bytes(sink.dest) == data
+    assert sink.copied >= 1000 and sink.in_place >= len(data) - 2 * httpget.PIECE
+
+
 Handler = Callable[[bytes, asyncio.StreamWriter, int], Awaitable[bool]]
 
 
@@ -265,3 +301,46 @@ def test_concurrent_responses_share_the_loops_buffer_and_keep_their_own_bytes():
     buffers = {id(p.buffer.obj) for p in httpget._pools.values()}
     conns = [c for p in httpget._pools.values() for kept in p.idle.values() for c in kept]
     assert conns and all(id(c._buf.obj) in buffers for c in conns)
+
+
+@pytest.mark.parametrize("tls", [False, True])
+def test_bodies_land_in_the_memory_room_offers_and_its_error_comes_out(tls, tmp_path):
+    """``room`` has the body received into the caller's memory (over TLS too, where
+    asyncio's transport copies the decrypted bytes into it): ``give`` is handed views
+    of that memory. An exception ``room`` raises comes out of get_range as raised,
+    not as a cut connection that would be retried."""
+    server_side = client_side = None
+    if tls:
+        cert, key = _self_signed(tmp_path)
+        server_side = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        server_side.load_cert_chain(cert, key)
+        client_side = ssl.create_default_context(cafile=cert)
+    body = os.urandom(3 * httpget.PIECE + 5)
+
+    async def answer(head, writer, n):
+        writer.write(_answer(body))
+        await writer.drain()
+        return True
+
+    class Full(Exception):
+        pass
+
+    def no_room(n: int) -> memoryview:
+        raise Full
+
+    async def run() -> _Landing:
+        sink = _Landing(len(body))
+        server, url, _ = await _serve(answer, server_side)
+        async with server:
+            await get_range(url, 0, len(body), lambda piece: sink(sink.in_place + sink.copied,
+                                                                  piece),
+                            room=lambda n: sink.space(sink.in_place + sink.copied, n),
+                            context=client_side)
+            with pytest.raises(Full):
+                await get_range(url, 0, len(body), lambda piece: None, room=no_room,
+                                context=client_side)
+        return sink
+
+    sink = asyncio.run(run())
+    assert bytes(sink.dest) == body
+    assert sink.in_place >= len(body) - httpget.PIECE

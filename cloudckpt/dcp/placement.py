@@ -126,6 +126,16 @@ class _Stream:
         else:  # kept past this call, which is all a piece lasts: copied (a few KiB)
             self._pending[-1] = (rel, memoryview(bytes(view)))
 
+    def space(self, offset: int, n: int) -> memoryview | None:
+        """The destination's memory for the bytes from ``offset`` (up to ``n``), once
+        located, where they are the tensor's: the client may receive them there."""
+        if self._dest is None or self._saved is None:
+            return None
+        pos = offset - self.item.info.offset - self._saved.data_start
+        if not 0 <= pos < self._saved.nbytes:
+            return None
+        return self._dest[pos:pos + min(n, self._saved.nbytes - pos)]
+
     def _locate_pending(self) -> None:
         """Find the tensor in the bytes held back so far, then put them where they go."""
         assert self._pending is not None
@@ -161,7 +171,8 @@ class _Stream:
             return
         piece, pos = view[a - rel:b - rel], a - saved.data_start
         if self._dest is not None:
-            self._dest[pos:pos + piece.nbytes] = piece
+            if piece.obj is not self._dest.obj:  # else received there (space)
+                self._dest[pos:pos + piece.nbytes] = piece
             return
         assert self._rows is not None
         self._rows.put(piece)  # in order: the rows follow one another

@@ -8,7 +8,9 @@ reader and awaited, before the caller copies it where it goes. Here asyncio's
 per event loop, and the caller's ``give`` is handed a view of it on the loop,
 where it copies the bytes on: no object per piece, no wake-up of a coroutine. One
 buffer serves every connection of a loop, as the loop runs one callback at a time
-and each piece is used up within its callback.
+and each piece is used up within its callback. A caller that knows where the body's
+bytes go (``room``: a tensor's memory) has the kernel copy them there instead, and
+``give`` is handed a view of its own memory: no copy of them on the loop at all.
 
 Only what a ranged GET of an object store needs: a body of a known length in a
 200 or 206 response. Any other answer (an error status, a chunked body) is
@@ -42,6 +44,10 @@ _ERROR_BODY_LIMIT = 1 << 20
 #: Idle connections kept per host.
 _KEPT = 64
 
+#: Where the next bytes of a body go, given how many may come: writable memory of
+#: the caller's (a view of at most that many bytes), or None for the loop's buffer.
+Room = Callable[[int], "memoryview | None"]
+
 
 class Unanswered(Exception):
     """A response this client does not read (``status``: an error, or a body without
@@ -62,6 +68,8 @@ class _Connection(asyncio.BufferedProtocol):
         self._state = "idle"  # "head", "body", "error", "idle" or "closed"
         self._done: asyncio.Future[None] | None = None
         self._give: Callable[[memoryview], None] | None = None
+        self._room: Room | None = None
+        self._lent: memoryview | None = None  # the caller's memory the next piece lands in
         self._start = 0
         self._want = 0
         self._left = 0
@@ -77,13 +85,14 @@ class _Connection(asyncio.BufferedProtocol):
         return self._state == "idle" and self._transport is not None and \
             not self._transport.is_closing()
 
-    def request(self, head: bytes, start: int, want: int,
-                give: Callable[[memoryview], None], timeout: float) -> asyncio.Future[None]:
+    def request(self, head: bytes, start: int, want: int, give: Callable[[memoryview], None],
+                timeout: float, room: Room | None = None) -> asyncio.Future[None]:
         """Send ``head``; the body's bytes (``want`` of them, from ``start``) go to
-        ``give``. The future is done when the body is whole."""
+        ``give``, received where ``room`` says when it offers memory. The future is
+        done when the body is whole."""
         assert self._transport is not None and self._state == "idle"
         self._state, self._head, self._answered = "head", bytearray(), False
-        self._start, self._want, self._give = start, want, give
+        self._start, self._want, self._give, self._room = start, want, give, room
         loop = asyncio.get_running_loop()
         self._done = loop.create_future()
         self._last = loop.time()
@@ -105,12 +114,23 @@ class _Connection(asyncio.BufferedProtocol):
         self._transport = transport  # type: ignore[assignment]
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        self._lent = None
+        if self._state == "body" and self._room is not None and self._left:
+            try:
+                lent = self._room(min(self._left, PIECE))
+            except BaseException as exc:  # noqa: BLE001 - the caller's, raised where awaited
+                self._fail(exc)
+                return self._buf
+            if lent is not None and 0 < lent.nbytes <= self._left:
+                self._lent = lent
+                return lent
         return self._buf
 
     def buffer_updated(self, nbytes: int) -> None:
         self._last = asyncio.get_running_loop().time()
         self._answered = True
-        data = self._buf[:nbytes]
+        lent, self._lent = self._lent, None
+        data = (self._buf if lent is None else lent)[:nbytes]
         try:
             if self._state == "head":
                 self._read_head(data)
@@ -211,7 +231,7 @@ class _Connection(asyncio.BufferedProtocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self._give = None
+        self._give = self._room = self._lent = None
         done, self._done = self._done, None
         if done is not None and not done.done():
             if exc is None:
@@ -327,13 +347,15 @@ def _pool_of(loop: asyncio.AbstractEventLoop) -> _Pool:
 
 
 async def get_range(url: str, start: int, end: int, give: Callable[[memoryview], None], *,
-                    headers: Mapping[str, str] | None = None,
+                    room: Room | None = None, headers: Mapping[str, str] | None = None,
                     context: ssl.SSLContext | None = None, timeout: float = 60.0) -> None:
     """GET bytes ``[start, end)`` of ``url``, each piece handed to ``give`` in order as
     a view valid only during the call (on this event loop: it must not block).
-    :class:`Unanswered` for a response this client does not read. ``headers``: sent
-    besides the range (credentials); ``context``: the TLS context of an ``https`` URL
-    (None: :func:`default_tls`)."""
+    :class:`Unanswered` for a response this client does not read. ``room``: where
+    the next bytes go (see :data:`Room`); a piece received there is handed to
+    ``give`` as a view of that memory. ``headers``: sent besides the range
+    (credentials); ``context``: the TLS context of an ``https`` URL (None:
+    :func:`default_tls`)."""
     parts = urlsplit(url)
     scheme = parts.scheme
     if scheme not in ("http", "https") or not parts.hostname:
@@ -352,7 +374,7 @@ async def get_range(url: str, start: int, end: int, give: Callable[[memoryview],
     for attempt in range(2):
         conn, kept = await pool.connect(key)
         try:
-            await conn.request(head, start, end - start, give, timeout)
+            await conn.request(head, start, end - start, give, timeout, room)
         except ConnectionResetError:
             if kept and attempt == 0 and not conn.answered:
                 continue  # the server had closed the kept connection: once more, afresh

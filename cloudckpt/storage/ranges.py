@@ -22,6 +22,7 @@ from cloudckpt.errors import CloudCkptError, ConfigError, StorageError
 from cloudckpt.storage.backend import Backend
 from cloudckpt.storage.httpget import (
     DirectGet,
+    Room,
     Unanswered,
     direct_gets_option,
     get_range,
@@ -61,12 +62,28 @@ class Filling:
         self.done = 0
         self.crc = Crc32c()
 
+    def __call__(self, offset: int, data: Any) -> None:
+        self.put(data)
+
+    def space(self, offset: int, n: int) -> memoryview | None:
+        """Where the range's next bytes go: the rest of the buffer being filled, up
+        to ``n`` bytes (see :meth:`RangeReadMixin.read_range_to`)."""
+        i = bisect.bisect_right(self.bounds, self.done) - 1
+        if i >= len(self.views):
+            return None
+        at = self.done - self.bounds[i]
+        return self.views[i][at:at + n]
+
     def put(self, data: Any) -> None:
-        """The range's next bytes, copied where they go."""
+        """The range's next bytes, copied where they go (unless they were received
+        there, into the memory :meth:`space` gave)."""
         got = memoryview(data).cast("B")
         self.crc.update(got)
         pos = self.done
         i = bisect.bisect_right(self.bounds, pos) - 1
+        if got.obj is self.views[i].obj and got.nbytes <= self.bounds[i + 1] - pos:
+            self.done = pos + got.nbytes
+            return
         while got.nbytes:
             at = pos - self.bounds[i]
             n = min(got.nbytes, self.views[i].nbytes - at)
@@ -97,6 +114,10 @@ class RangeReadMixin:
         arrives, none handed to this thread and back (a round trip each, which cost
         a GCS load a third of its speed); it must then never block, and a piece is
         valid only during the call (a view of the client's buffer: copy what is kept).
+        There, a sink with a method ``space(offset, n)`` may say where the bytes from
+        ``offset`` go (writable memory for at most ``n`` of them, or None): the client
+        may receive them straight into it, and then calls the sink with a view of
+        that memory, so that nothing is copied.
         """
         if start < 0 or end < start or chunk < 1:
             raise ConfigError(f"invalid byte range [{start}, {end}) for {key}")
@@ -115,9 +136,13 @@ class RangeReadMixin:
                 raise _SinkError(exc) from exc
             done[0] += len(data)
 
+        space = getattr(sink, "space", None)
+
         def attempt(done: list[int]) -> None:
             if stream is not None:
-                stream(path, done, end, lambda data: give(done, data))
+                room = None if space is None else \
+                    (lambda n: space(done[0], min(n, end - done[0])))
+                stream(path, done, end, lambda data: give(done, data), room)
                 return
             pieces = self.backend.iter_range(path, done[0], end, min(chunk, end - done[0]))
             try:
@@ -183,8 +208,8 @@ class RangeReadMixin:
             for v in filling.views:
                 filling.crc.update(v)
             return filling.crc.value
-        self.read_range_to(key, start, start + filling.total,
-                           lambda _, data: filling.put(data), chunk=READ_PIECE, on_loop=True)
+        self.read_range_to(key, start, start + filling.total, filling, chunk=READ_PIECE,
+                           on_loop=True)
         return filling.crc.value
 
 
@@ -222,14 +247,16 @@ class StreamedRanges:
             sync(self.fs.loop, _call_async, release)
 
     def stream_range(self, path: str, done: list[int], end: int,
-                     give: Callable[[memoryview], None]) -> None:
+                     give: Callable[[memoryview], None], room: Room | None = None) -> None:
         """One ranged GET from byte ``done[0]`` to ``end``, each piece given to ``give``
         on the loop as it arrives (``give`` moves ``done`` on). A piece may be a view
-        of the client's buffer, valid only during the call."""
-        sync(self.fs.loop, self.range_pieces, path, done, end, give)
+        of the client's buffer, valid only during the call, or of the memory ``room``
+        offered for it (:data:`.httpget.Room`)."""
+        sync(self.fs.loop, self.range_pieces, path, done, end, give, room)
 
     async def range_pieces(self, path: str, done: list[int], end: int,
-                           give: Callable[[memoryview], None]) -> None:
+                           give: Callable[[memoryview], None], room: Room | None = None
+                           ) -> None:
         """:meth:`stream_range` on the loop: on the lean client where the backend puts
         the GET as a URL (:meth:`direct_get`; each piece lands in the loop's one
         receive buffer, not in a ``bytes`` object behind aiohttp's parser and stream
@@ -241,8 +268,9 @@ class StreamedRanges:
             get = await self.direct_get(path)
             if get is not None:
                 try:
-                    await get_range(get.url, done[0], end, give, headers=get.headers,
-                                    context=get.context, timeout=get.timeout)
+                    await get_range(get.url, done[0], end, give, room=room,
+                                    headers=get.headers, context=get.context,
+                                    timeout=get.timeout)
                     return
                 except Unanswered:
                     pass
