@@ -94,6 +94,11 @@ def test_crc32c_combine_matches_the_whole() -> None:
         piece = data[i:i + 7777]
         whole.append(google_crc32c.value(piece), len(piece))
     assert (whole.hexdigest(), whole.size) == (crc32c_hex(data), len(data))
+    mixed = Crc32c()  # add: hashed where no CRC is given, combined where one is
+    for k, i in enumerate(range(0, len(data), 7777)):
+        piece = memoryview(data)[i:i + 7777]
+        mixed.add(piece, google_crc32c.value(bytes(piece)) if k % 2 else None)
+    assert (mixed.hexdigest(), mixed.size) == (crc32c_hex(data), len(data))
 
 
 def test_a_writer_combines_the_crcs_it_is_given_with_those_it_computes() -> None:

@@ -171,10 +171,7 @@ class _Digest:
     def write(self, data: Any, crc32c: int | None = None) -> int:
         view = memoryview(data).cast("B")
         self.sha.update(view)
-        if crc32c is None:
-            self.crc.update(view)
-        else:
-            self.crc.append(crc32c, view.nbytes)
+        self.crc.add(view, crc32c)
         return view.nbytes
 
 

@@ -33,7 +33,7 @@ from cloudckpt.storage import conditional
 from cloudckpt.storage.backend import Backend
 from cloudckpt.storage.batch import BatchMixin
 from cloudckpt.storage.keys import validate_key
-from cloudckpt.storage.objects import ObjectInfo, T, chunks, mtime_of, nbytes
+from cloudckpt.storage.objects import ObjectInfo, T, chunks, mtime_of
 from cloudckpt.storage.options import (
     DEFAULT_CONCURRENCY,
     DEFAULT_PART_SIZE,
@@ -48,7 +48,7 @@ from cloudckpt.storage.writers import (
     ObjectWriter,
     RangeWriter,
 )
-from cloudckpt.util.crc import Buffer, crc32c_hex
+from cloudckpt.util.crc import Buffer, crc32c_hex, nbytes
 
 __all__ = ["Store"]
 

@@ -1,13 +1,11 @@
 """What a store says of an object, and the small helpers every module of the
-storage layer shares on sizes, listings and batches of keys."""
+storage layer shares on listings and batches of keys."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
-
-from cloudckpt.util.crc import Buffer
 
 T = TypeVar("T")
 
@@ -21,10 +19,6 @@ class ObjectInfo:
     crc32c: str | None = None
     version: str | None = None
     mtime: float | None = None
-
-
-def nbytes(data: Buffer) -> int:
-    return data.nbytes if isinstance(data, memoryview) else len(data)
 
 
 def mtime_of(raw: Mapping[str, Any]) -> float | None:

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from cloudckpt.errors import CommitConflictError, ConfigError
 from cloudckpt.storage import conditional
 from cloudckpt.storage.backend import Backend
-from cloudckpt.storage.objects import ObjectInfo, nbytes
-from cloudckpt.util.crc import Buffer, crc32c_hex
+from cloudckpt.storage.objects import ObjectInfo
+from cloudckpt.util.crc import Buffer, crc32c_hex, nbytes
 
 log = logging.getLogger("cloudckpt.storage")
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-from cloudckpt.storage.objects import ObjectInfo, nbytes
+from cloudckpt.storage.objects import ObjectInfo
 from cloudckpt.storage.stopping import check_stop
-from cloudckpt.util.crc import Buffer, Crc32c
+from cloudckpt.util.crc import Buffer, Crc32c, nbytes
 
 
 class RangeWriter(ABC):
@@ -120,10 +120,7 @@ class ObjectWriter(CloseOnExit):
         if n:
             try:
                 check_stop()  # the batch this write belongs to failed or was interrupted
-                if crc32c is None:
-                    self._crc.update(data)
-                else:
-                    self._crc.append(crc32c, n)
+                self._crc.add(data, crc32c)
                 to(data)
             except BaseException as exc:
                 self.failure = exc

@@ -14,10 +14,15 @@ from typing import Any
 
 import google_crc32c
 
-__all__ = ["Crc32c", "crc32c_b64", "crc32c_combine", "crc32c_from_b64", "crc32c_hex",
-           "crc32c_value"]
+__all__ = ["Buffer", "Crc32c", "crc32c_b64", "crc32c_combine", "crc32c_from_b64",
+           "crc32c_hex", "crc32c_value", "nbytes"]
 
 Buffer = bytes | bytearray | memoryview
+
+
+def nbytes(data: Buffer) -> int:
+    """The size of a buffer in bytes (a memoryview's ``len`` counts its items)."""
+    return data.nbytes if isinstance(data, memoryview) else len(data)
 
 
 def _readonly(data: Buffer) -> Any:
@@ -66,7 +71,7 @@ class Crc32c:
 
     def update(self, data: Buffer) -> None:
         self._crc = google_crc32c.extend(self._crc, _readonly(data))
-        self.size += len(data) if not isinstance(data, memoryview) else data.nbytes
+        self.size += nbytes(data)
 
     def hexdigest(self) -> str:
         return f"{self._crc:08x}"
@@ -80,6 +85,14 @@ class Crc32c:
         passed to :meth:`update` (pieces checked elsewhere, joined here in order)."""
         self._crc = crc32c_combine(self._crc, crc, size)
         self.size += size
+
+    def add(self, data: Buffer, crc: int | None = None) -> None:
+        """:meth:`update` with ``data``, or, where its CRC32C ``crc`` is known already
+        (computed once by whoever made the bytes), :meth:`append` it."""
+        if crc is None:
+            self.update(data)
+        else:
+            self.append(crc, nbytes(data))
 
 
 # --- combining ---------------------------------------------------------------
