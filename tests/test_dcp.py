@@ -460,11 +460,13 @@ def test_a_loaded_tensor_is_received_into_its_own_memory(s3, monkeypatch):
     """A tensor whose destination takes its bytes as they are is received there
     straight from the socket: the sinks are handed views of the destination, not
     copies to make, both for an item read in one request and for one read as
-    parallel parts (here over 2 MiB, two reader parts)."""
+    parallel parts (here over 2 MiB, two reader parts); its pages are faulted in
+    beforehand, off the loop that receives."""
     import numpy as np
 
     from cloudckpt.dcp.placement import _Stream
     from cloudckpt.storage.ranges import Filling
+    from cloudckpt.util import pages
 
     pieces: list[tuple[int, int]] = []  # (address, bytes) of every piece a sink took
 
@@ -477,6 +479,10 @@ def test_a_loaded_tensor_is_received_into_its_own_memory(s3, monkeypatch):
 
     monkeypatch.setattr(_Stream, "__call__", recorded(_Stream.__call__))
     monkeypatch.setattr(Filling, "put", recorded(Filling.put))
+    faulted: list[tuple[int, int]] = []  # pages faulted in before the bytes came
+    real_populate = pages.populate
+    monkeypatch.setattr(pages, "populate",
+                        lambda at, n: faulted.append((at, n)) or real_populate(at, n))
     g = torch.Generator().manual_seed(5)
     sd = {"one": torch.randn(384, 1024, generator=g), "parts": torch.randn(1024, 1024, generator=g)}
     cloud_dcp.save(sd, s3.uri("ckpt"), storage_options=s3.options)
@@ -487,3 +493,4 @@ def test_a_loaded_tensor_is_received_into_its_own_memory(s3, monkeypatch):
         lo, hi = t.data_ptr(), t.data_ptr() + t.nbytes
         inside = sum(n for at, n in pieces if lo <= at and at + n <= hi)
         assert inside >= t.nbytes - (1 << 20), (name, inside, t.nbytes)
+        assert sum(n for at, n in faulted if lo <= at and at + n <= hi) == t.nbytes, name

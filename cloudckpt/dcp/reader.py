@@ -296,7 +296,8 @@ class CloudStorageReader(_OnStore, StorageReader):
             bounds = _split_range(0, saved.nbytes, max(self.store.part_size, 1 << 20))
             item.crcs = [None] * len(bounds)
             return [functools.partial(self._read_direct, item, k, base + a,
-                                      [dest[a:b], *([tail] if b == saved.nbytes else [])])
+                                      [dest[a:b], *([tail] if b == saved.nbytes else [])],
+                                      target.data_ptr() + a)
                     for k, (a, b) in enumerate(bounds)]
         step = saved.rows_within(self._row_budget())
         spans = [(r, min(r + step, saved.rows)) for r in range(0, saved.rows, step)] or [(0, 0)]
@@ -309,7 +310,10 @@ class CloudStorageReader(_OnStore, StorageReader):
         """Bytes of rows converted at once: about a part, within the read window."""
         return max(1, min(max(self.store.part_size, 1 << 20), self.read_window))
 
-    def _read_direct(self, item: _Item, k: int, start: int, outs: list[Any]) -> None:
+    def _read_direct(self, item: _Item, k: int, start: int, outs: list[Any],
+                     address: int) -> None:
+        # Faulted in here, not page by page on the loop as the bytes arrive.
+        pages.populate(address, memoryview(outs[0]).nbytes)
         item.crcs[k] = (self.store.read_range_into(item.path, start, outs),
                         sum(memoryview(o).nbytes for o in outs))
 

@@ -1,6 +1,6 @@
 """Faulting in memory before bytes are copied into it, on the thread that asks.
 
-A load copies each piece of a response into its destination tensor on the event
+A load receives each piece of a response into its destination tensor on the event
 loop's thread; a destination freshly allocated (``torch.empty``) is not yet backed
 by pages, so every first write to a 4 KiB page stops that thread for the kernel to
 find and zero one (about 65,000 times per 256 MiB). ``madvise(MADV_POPULATE_WRITE)``
