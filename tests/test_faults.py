@@ -138,9 +138,10 @@ def test_truncated_responses_are_retried(proxied, s3):
 
 def test_a_range_read_into_buffers_on_the_event_loop_resumes_where_it_was_cut(
         proxied, s3, caplog, monkeypatch):
-    """read_range_into copies each piece into the buffers where it arrives, the event
-    loop's thread; a body cut short resumes at its first missing byte, and the
-    buffers and the CRC32C are those of the whole range."""
+    """read_range_into puts each piece into the buffers where it arrives, the event
+    loop's thread, most of them received there in place; a body cut short resumes
+    at its first missing byte, and the buffers and the CRC32C are those of the
+    whole range."""
     import threading
 
     from cloudckpt.storage import ranges
@@ -150,9 +151,15 @@ def test_a_range_read_into_buffers_on_the_event_loop_resumes_where_it_was_cut(
     data = os.urandom(3 << 20)
     open_store(s3.root, s3.options).put("big.bin", data)
     where: set[str] = set()
+    in_place = [0]
     real = ranges.Filling.put
-    monkeypatch.setattr(ranges.Filling, "put", lambda self, piece: (
-        where.add(threading.current_thread().name), real(self, piece)))
+
+    def put(self, piece):
+        where.add(threading.current_thread().name)
+        in_place[0] += piece.nbytes if any(piece.obj is v.obj for v in self.views) else 0
+        return real(self, piece)
+
+    monkeypatch.setattr(ranges.Filling, "put", put)
     proxy.set_plan(FaultPlan(error_rate=1.0, kinds=("truncate",), max_faults=2, match="big"))
     outs = [bytearray(1 << 20), memoryview(bytearray(2 << 20))[:(2 << 20) - 100]]
     with caplog.at_level(logging.WARNING, logger="cloudckpt"):
@@ -164,6 +171,7 @@ def test_a_range_read_into_buffers_on_the_event_loop_resumes_where_it_was_cut(
     assert proxy.faults.get("truncate", 0) == 2
     assert any("resuming get_range" in r.getMessage() for r in caplog.records)
     assert where == {"fsspecIO"}, where
+    assert in_place[0] >= len(data) // 2, in_place
 
 
 

@@ -97,6 +97,52 @@ def test_a_sink_that_offers_memory_receives_the_bytes_there(where, request):
     assert sink.copied >= 1000 and sink.in_place >= len(data) - 2 * httpget.PIECE
 
 
+def test_filling_offers_its_buffers_and_takes_views_of_them_as_in_place():
+    """``Filling`` (read_range_into's sink) offers the rest of the buffer being filled,
+    never past its end; a piece that is a view of that buffer is taken as received
+    there (not copied: here a view of other bytes of it, which a copy would have
+    written over the slot), any other piece is copied in, and the CRC32C covers
+    both."""
+    from cloudckpt.storage.ranges import Filling
+    from cloudckpt.util.crc import crc32c_value
+
+    first, second = bytearray(b"abcdefghij"), bytearray(b"-" * 6)
+    filling = Filling([first, second])
+    room = filling.space(0, 100)
+    assert room is not None and room.obj is first and room.nbytes == 10
+    filling(0, memoryview(first)[2:6])  # "in place": bytes 0-3 left as they are
+    filling(4, b"XYZ")  # copied
+    assert filling.space(7, 100).nbytes == 3
+    filling(7, b"123456789")  # copied across both buffers
+    assert filling.space(16, 100) is None
+    assert bytes(first) == b"abcdXYZ123" and bytes(second) == b"456789"
+    assert filling.crc.value == crc32c_value(b"cdef" + b"XYZ" + b"123456789")
+
+
+class Refused(Exception):
+    pass
+
+
+@pytest.mark.parametrize("error", [Refused("no room"), ConnectionError("no room")])
+def test_an_error_of_the_sinks_space_comes_out_as_raised(s3, error):
+    """What a sink's ``space`` raises is the caller's error: it stops the read and
+    comes out unchanged, not taken for the store's (a ConnectionError is not
+    retried as a dropped connection would be)."""
+    data = os.urandom(3 * httpget.PIECE)
+    store = open_store(s3.root, s3.options)
+    store.put("obj.bin", data)
+    calls = []
+
+    class Sink(_Landing):
+        def space(self, offset: int, n: int) -> memoryview | None:
+            calls.append(offset)
+            raise error
+
+    with pytest.raises(type(error)) as caught:
+        store.read_range_to("obj.bin", 0, len(data), Sink(len(data)), on_loop=True)
+    assert caught.value is error and len(calls) == 1
+
+
 Handler = Callable[[bytes, asyncio.StreamWriter, int], Awaitable[bool]]
 
 
@@ -344,3 +390,47 @@ def test_bodies_land_in_the_memory_room_offers_and_its_error_comes_out(tls, tmp_
     sink = asyncio.run(run())
     assert bytes(sink.dest) == body
     assert sink.in_place >= len(body) - httpget.PIECE
+
+
+def test_room_is_taken_as_bytes_and_memory_that_cannot_take_them_is_refused():
+    """Memory ``room`` offers is received into as bytes, whatever its item type (a
+    view of 4-byte items takes 4 bytes an item); read-only memory is a TypeError of
+    the caller's, not a failed connection."""
+    import array
+
+    body = os.urandom(2 * httpget.PIECE + 8)
+
+    async def answer(head, writer, n):
+        whole = _answer(body)
+        writer.write(whole[:-len(body)])  # the head alone: the body starts in the room
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(body)
+        await writer.drain()
+        return True
+
+    dest = array.array("I", bytes(len(body)))
+    items, raw = memoryview(dest), memoryview(dest).cast("B")
+    got, in_place = [0], [0]
+
+    def give(piece: memoryview) -> None:
+        if piece.obj is dest:
+            in_place[0] += piece.nbytes
+        else:  # the bytes that came with the head
+            raw[got[0]:got[0] + piece.nbytes] = piece
+        got[0] += piece.nbytes
+
+    def room(n: int) -> memoryview | None:  # whole items only
+        return None if got[0] % 4 else items[got[0] // 4:(got[0] + n) // 4]
+
+    async def run() -> None:
+        server, url, _ = await _serve(answer)
+        async with server:
+            await get_range(url, 0, len(body), give, room=room)
+            with pytest.raises(TypeError, match="writable"):
+                await get_range(url, 0, len(body), lambda piece: None,
+                                room=lambda n: memoryview(bytes(n)))
+
+    asyncio.run(run())
+    assert got[0] == len(body) and dest.tobytes() == body
+    assert in_place[0] > 0

@@ -49,6 +49,18 @@ _KEPT = 64
 Room = Callable[[int], "memoryview | None"]
 
 
+def receivable(memory: Any) -> memoryview:
+    """``memory`` as the bytes a socket may receive into: a writable, contiguous
+    buffer, viewed as bytes (a typed view counts its bytes, not its items);
+    ``TypeError`` for any other."""
+    view = memoryview(memory)
+    if view.readonly or not view.c_contiguous:
+        raise TypeError("memory to receive into must be writable and contiguous, got a "
+                        f"{'read-only' if view.readonly else 'non-contiguous'} "
+                        f"{type(memory).__name__}")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
 class Unanswered(Exception):
     """A response this client does not read (``status``: an error, or a body without
     a length): ask again through the full client, which says what it was."""
@@ -117,7 +129,8 @@ class _Connection(asyncio.BufferedProtocol):
         self._lent = None
         if self._state == "body" and self._room is not None and self._left:
             try:
-                lent = self._room(min(self._left, PIECE))
+                offered = self._room(min(self._left, PIECE))
+                lent = None if offered is None else receivable(offered)
             except BaseException as exc:  # noqa: BLE001 - the caller's, raised where awaited
                 self._fail(exc)
                 return self._buf

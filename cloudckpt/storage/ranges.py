@@ -11,6 +11,7 @@ can also hand each piece to a sink there, as it arrives (``stream_range``).
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import logging
 from collections.abc import Callable, Iterator, Sequence
@@ -27,6 +28,7 @@ from cloudckpt.storage.httpget import (
     direct_gets_option,
     get_range,
     proxies_in_environment,
+    receivable,
 )
 from cloudckpt.storage.retry import describe, is_transient, status_of
 from cloudckpt.util.crc import Crc32c
@@ -115,9 +117,10 @@ class RangeReadMixin:
         a GCS load a third of its speed); it must then never block, and a piece is
         valid only during the call (a view of the client's buffer: copy what is kept).
         There, a sink with a method ``space(offset, n)`` may say where the bytes from
-        ``offset`` go (writable memory for at most ``n`` of them, or None): the client
-        may receive them straight into it, and then calls the sink with a view of
-        that memory, so that nothing is copied.
+        ``offset`` go (writable, contiguous memory for at most ``n`` of them, or
+        None): the client may receive them straight into it, and then calls the sink
+        with a view of that memory, so that nothing is copied. What ``space`` raises
+        passes through as the sink's errors do.
         """
         if start < 0 or end < start or chunk < 1:
             raise ConfigError(f"invalid byte range [{start}, {end}) for {key}")
@@ -138,11 +141,17 @@ class RangeReadMixin:
 
         space = getattr(sink, "space", None)
 
+        def room(done: list[int], n: int) -> memoryview | None:
+            try:
+                offered = space(done[0], min(n, end - done[0]))
+                return None if offered is None else receivable(offered)
+            except BaseException as exc:
+                raise _SinkError(exc) from exc
+
         def attempt(done: list[int]) -> None:
             if stream is not None:
-                room = None if space is None else \
-                    (lambda n: space(done[0], min(n, end - done[0])))
-                stream(path, done, end, lambda data: give(done, data), room)
+                stream(path, done, end, lambda data: give(done, data),
+                       None if space is None else functools.partial(room, done))
                 return
             pieces = self.backend.iter_range(path, done[0], end, min(chunk, end - done[0]))
             try:
