@@ -380,7 +380,7 @@ class _BlockWriter(PartWriter):
         self._azure = backend
         self._id = uuid.uuid4().hex[:16]
 
-    def _upload(self, number: int, part: memoryview) -> str:
+    def _upload(self, number: int, part: memoryview | Pieces) -> str:
         block_id, body = block_id_of(self._id, number), PartBody(part)
 
         async def stage() -> None:

@@ -9,7 +9,7 @@ import io
 import itertools
 from typing import Any
 
-from cloudckpt.util.crc import Buffer
+from cloudckpt.util.crc import Buffer, Crc32c
 
 
 class _Length:
@@ -46,6 +46,14 @@ def segments_of(data: Buffer | Pieces) -> list[memoryview]:
     if isinstance(data, Pieces):
         return data.views
     return [memoryview(data).cast("B")]
+
+
+def crc32c_hex_of(data: Buffer | Pieces) -> str:
+    """The CRC32C of ``data``'s bytes, in hex, over its segments in turn."""
+    crc = Crc32c()
+    for view in segments_of(data):
+        crc.update(view)
+    return crc.hexdigest()
 
 
 class PartBody(io.BytesIO):

@@ -46,7 +46,7 @@ from cloudckpt.names import PART_SUFFIX  # noqa: E402
 from cloudckpt.storage import gcs_errors  # noqa: E402
 from cloudckpt.storage.backend import Backend, Host  # noqa: E402
 from cloudckpt.storage.base import Store  # noqa: E402
-from cloudckpt.storage.bodies import PartBody, Pieces  # noqa: E402
+from cloudckpt.storage.bodies import PartBody, Pieces, crc32c_hex_of  # noqa: E402
 from cloudckpt.storage.httpget import DirectGet  # noqa: E402
 from cloudckpt.storage.objects import ObjectInfo  # noqa: E402
 from cloudckpt.storage.options import init_options  # noqa: E402
@@ -55,7 +55,7 @@ from cloudckpt.storage.primitives import FsspecBackend  # noqa: E402
 from cloudckpt.storage.ranges import StreamedRanges  # noqa: E402
 from cloudckpt.storage.retry import describe, mask_secrets  # noqa: E402
 from cloudckpt.storage.writers import RawWriter  # noqa: E402
-from cloudckpt.util.crc import Buffer, crc32c_b64, crc32c_from_b64, crc32c_hex  # noqa: E402
+from cloudckpt.util.crc import Buffer, crc32c_b64, crc32c_from_b64  # noqa: E402
 
 log = logging.getLogger("cloudckpt")
 
@@ -285,9 +285,9 @@ class _ComposeWriter(PartWriter):
     def _part_name(self, tag: str) -> str:
         return f"{self._path}.{self._id}-{tag}{PART_SUFFIX}"
 
-    def _upload(self, number: int, part: memoryview) -> str:
+    def _upload(self, number: int, part: memoryview | Pieces) -> str:
         name = self._part_name(f"{number:04d}")
-        self._gcs.put_checked(name, part, crc32c_hex(part))
+        self._gcs.put_checked(name, part, crc32c_hex_of(part))
         return name
 
     def _finish(self, tokens: list[Any], size: int, crc32c: str) -> None:

@@ -36,16 +36,28 @@ _thread = threading.local()
 #: caller's error back for another retry deadline.
 
 
-def part_copy(data: Buffer, window: ByteWindow | None = None) -> memoryview:
+def part_copy(data: Buffer, window: ByteWindow | None = None,
+              capacity: int | None = None) -> memoryview:
     """A copy of ``data`` in an anonymous mapping (the window's, when given: see
-    :meth:`ByteWindow.keep`). Not malloc: it would keep freed 16 MiB parts in its
-    arenas, and a save's memory would grow with the state."""
+    :meth:`ByteWindow.keep`) of ``capacity`` bytes (default: the data's), so that it
+    is one of the part-sized mappings the window keeps and hands out again (one of
+    another size would be mapped afresh, a page fault per page written). Not malloc:
+    it would keep freed 16 MiB parts in its arenas, and a save's memory would grow
+    with the state."""
     view = memoryview(data).cast("B")
     if not len(view):
         return memoryview(b"")
-    mapped = window.mapping(len(view)) if window is not None else mmap.mmap(-1, len(view))
+    size = max(capacity or 0, len(view))
+    mapped = window.mapping(size) if window is not None else mmap.mmap(-1, size)
     mapped[:len(view)] = view
-    return memoryview(mapped)
+    return memoryview(mapped)[:len(view)]
+
+
+def _mapping_of(part: memoryview | Pieces) -> mmap.mmap | None:
+    """The window mapping a part was copied into (its first segment's), to go back to
+    the window once the part is sent; None for bytes of the caller's."""
+    with (part.views[0] if isinstance(part, Pieces) else part)[:0] as first:
+        return first.obj if isinstance(first.obj, mmap.mmap) else None
 
 
 class _Fill:
@@ -69,12 +81,13 @@ class _Fill:
         self._map[self.n:self.n + len(data)] = data
         self.n += len(data)
 
-    def copy(self, size: int | None = None) -> memoryview:
-        """A copy of the first ``size`` bytes (all by default), which then leave."""
+    def copy(self, size: int | None = None, capacity: int | None = None) -> memoryview:
+        """A copy of the first ``size`` bytes (all by default), which then leave, in a
+        mapping of ``capacity`` bytes (see :func:`part_copy`)."""
         size = self.n if size is None else size
         assert self._map is not None
         with memoryview(self._map) as whole:
-            part = part_copy(whole[:size])
+            part = part_copy(whole[:size], self._window, capacity)
         self._map.move(0, size, self.n - size)
         self.n -= size
         self.drop_tail(self.n)  # an open writer holds only what it has not sent
@@ -143,7 +156,7 @@ class PartWriter(RawWriter):
         return self._part_size
 
     @abstractmethod
-    def _upload(self, number: int, part: memoryview) -> Any:
+    def _upload(self, number: int, part: memoryview | Pieces) -> Any:
         """Store part ``number``; return what :meth:`_finish` needs of it (one attempt)."""
 
     @abstractmethod
@@ -201,8 +214,10 @@ class PartWriter(RawWriter):
     def lend(self, data: Buffer) -> None:
         """Send ``data`` as it is, without a copy: kept while the object may go up in
         one request, and once it has outgrown one, every whole part that lies within
-        ``data`` is sent as a view of it (the bytes that top up a part begun before,
-        or are left after the last whole one, are copied as :meth:`write` copies).
+        ``data`` is sent as a view of it, and so are the bytes of it that complete a
+        part begun before (that part goes up as the buffered bytes, copied, then the
+        view: :class:`Pieces`); only the bytes left after the last whole part are
+        copied, as :meth:`write` copies.
         Lent bytes hold window bytes as a buffer would, though they are not copies:
         the window also bounds what the process has in flight."""
         view = memoryview(data).cast("B")
@@ -256,6 +271,11 @@ class PartWriter(RawWriter):
             elif self._buf:  # top up the part being filled
                 self._reserve(size)
                 take = min(size - len(self._buf), len(view) - pos)
+                if lent and len(self._buf) + take == size:
+                    # what was buffered, then the lent bytes as they are: not copied
+                    self._send(Pieces([self._buf.copy(capacity=size), view[pos:pos + take]]))
+                    pos += take
+                    continue
                 self._buf.append(view[pos:pos + take])
                 pos += take
                 if len(self._buf) < size:
@@ -273,7 +293,7 @@ class PartWriter(RawWriter):
             else:
                 return
 
-    def _send(self, part: memoryview) -> None:
+    def _send(self, part: memoryview | Pieces) -> None:
         number = len(self._parts) + 1
         if self.MAX_PARTS is not None and number > self.MAX_PARTS:
             raise StorageError(
@@ -293,7 +313,7 @@ class PartWriter(RawWriter):
         # when it is stored (or fails, or is cancelled).
         held = min(self._held, len(part))
         self._give_up(held)
-        exporter = part.obj if isinstance(part.obj, mmap.mmap) else None
+        exporter = _mapping_of(part)
         # The request holds the part's only view, dropped once it is over: a mapping
         # with a view left could not be unmapped when the window evicts it.
         holder = [part]

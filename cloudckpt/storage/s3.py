@@ -276,7 +276,7 @@ class _MultipartWriter(PartWriter):
     def _start(self) -> None:
         self._upload_id = self._s3backend._s3("create_multipart_upload", self._path)["UploadId"]
 
-    def _upload(self, number: int, part: memoryview) -> dict[str, Any]:
+    def _upload(self, number: int, part: memoryview | Pieces) -> dict[str, Any]:
         resp = self._s3backend._s3("upload_part", self._path, UploadId=self._upload_id,
                                  PartNumber=number, Body=PartBody(part))
         return {"PartNumber": number, "ETag": resp["ETag"]}
