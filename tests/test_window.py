@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from cloudckpt import open_store
+from cloudckpt.storage.parts import PartWriter
 from cloudckpt.storage.window import ByteWindow, shared_window
 
 PART = 256 * 1024  # fake-gcs-server takes parts this small
@@ -82,7 +83,10 @@ def test_writers_in_a_full_window_take_over_each_others_mappings(gcs, monkeypatc
         return real(self, size)
 
     monkeypatch.setattr(ByteWindow, "mapping", counted)
-    blobs = {f"obj-{i:02d}": os.urandom(PART + 1000 * i) for i in range(12)}
+    # Each over SMALL_COPIES: one of it or less is kept as a heap copy, not in a
+    # mapping, so the writer it lets in would find none kept and map one.
+    blobs = {f"obj-{i:02d}": os.urandom(PART + 1000 * (i + 1)) for i in range(12)}
+    assert min(map(len, blobs.values())) > PartWriter.SMALL_COPIES
 
     def write(key: str) -> None:
         with store.open_write(key) as out:
