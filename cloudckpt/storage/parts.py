@@ -56,8 +56,8 @@ def part_copy(data: Buffer, window: ByteWindow | None = None,
 def _mapping_of(part: memoryview | Pieces) -> mmap.mmap | None:
     """The window mapping a part was copied into (its first segment's), to go back to
     the window once the part is sent; None for bytes of the caller's."""
-    with (part.views[0] if isinstance(part, Pieces) else part)[:0] as first:
-        return first.obj if isinstance(first.obj, mmap.mmap) else None
+    first = part.views[0] if isinstance(part, Pieces) else part
+    return first.obj if isinstance(first.obj, mmap.mmap) else None
 
 
 class _Fill:
