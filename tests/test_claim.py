@@ -6,11 +6,14 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
 from cloudckpt import CheckpointWriter, CommitConflictError, open_checkpoint, open_store
 from cloudckpt.core.claim import CLAIM_NAME
+from cloudckpt.core.deletion import delete_checkpoint
 
 
 def _claim(backend, uri: str) -> dict:
@@ -58,13 +61,28 @@ def test_claim_of_a_dead_process_is_taken_over(s3):
     assert open_checkpoint(uri, s3.options).read("a.bin") == b"alive"
 
 
+def _renewing(store, record: dict, seconds: float) -> threading.Thread:
+    """A writer elsewhere, as its claim shows it: renewed every 0.2 s for ``seconds``."""
+    def renew() -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            store.put(CLAIM_NAME, json.dumps({**record, "renewed": time.time()}).encode())
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=renew)
+    thread.start()
+    return thread
+
+
 def test_claim_of_another_host_blocks_until_takeover(local):
     uri = local.uri("step-4")
     store = open_store(uri, local.options)
-    store.put(CLAIM_NAME, json.dumps({"writer": "x", "host": "other-node", "pid": 1,
-                                      "since": 0}).encode())
-    with pytest.raises(CommitConflictError, match="other-node.*cloudckpt rm --force"):
+    elsewhere = {"writer": "x", "host": "other-node", "pid": 1, "since": time.time(),
+                 "lease": 1.0}
+    renewing = _renewing(store, elsewhere, 3.0)
+    with pytest.raises(CommitConflictError, match="other-node.*renewed its claim"):
         CheckpointWriter(uri, step=4, storage_options=local.options).put("a.bin", b"a")
+    renewing.join()
     assert [o.key for o in store.list(internal=True)] == [CLAIM_NAME]  # nothing written
     assert store.list() == []  # claims are bookkeeping, hidden from listings
     with CheckpointWriter(uri, step=4, storage_options=local.options, takeover=True) as w:
@@ -86,21 +104,29 @@ def test_writer_taken_over_does_not_commit(gcs):
 
 def test_same_hostname_in_another_pid_namespace_is_not_judged(local):
     """Containers sharing a hostname (host networking) do not share pids: a claim
-    from another pid namespace or boot is never taken for dead, whatever its pid."""
-    from cloudckpt.core.claim import _whoami
+    from another pid namespace or boot is never taken for dead by its pid, only once
+    its lease runs out."""
+    from cloudckpt.core.liveness import _whoami
 
     uri = local.uri("step-6")
     store = open_store(uri, local.options)
     here = _whoami()
     for other in ({"pid_ns": "4026531836-elsewhere"}, {"boot_id": "another-boot"}):
         store.put(CLAIM_NAME, json.dumps({**here, **other, "writer": "x", "pid": 2**22 + 7,
-                                          "since": 0}).encode())
-        with pytest.raises(CommitConflictError, match="another save is writing"):
-            CheckpointWriter(uri, storage_options=local.options).put("a.bin", b"a")
+                                          "since": time.time(), "renewed": time.time(),
+                                          "lease": 1.5}).encode())
+        start = time.monotonic()
+        with CheckpointWriter(uri, storage_options=local.options) as w:
+            w.put("a.bin", b"a")
+        assert time.monotonic() - start > 1.0  # waited out the lease: the pid was not judged
+        delete_checkpoint(uri, local.options)
     store.put(CLAIM_NAME, json.dumps({**here, "writer": "x", "pid": 2**22 + 7,
-                                      "since": 0}).encode())  # same host, boot, namespace
+                                      "since": time.time(), "renewed": time.time(),
+                                      "lease": 600}).encode())  # same host, boot, namespace
+    start = time.monotonic()
     with CheckpointWriter(uri, storage_options=local.options) as w:  # pid is dead: taken
         w.put("a.bin", b"a")
+    assert time.monotonic() - start < 1.0
 
 
 def test_retry_while_the_failed_attempt_is_still_referenced(backend):

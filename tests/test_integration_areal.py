@@ -11,6 +11,7 @@ import logging
 import pickle
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from test_resume import assert_same_params, assert_same_run
 from training_runs import losses, run_and_kill
 
 from cloudckpt import StepInfo, open_store
+from cloudckpt.core.liveness import _whoami
 from cloudckpt.errors import CommitConflictError, ConfigError
 from cloudckpt.hf import load_state_dict as load_export
 from cloudckpt.integrations import areal
@@ -334,8 +336,8 @@ def test_saver_reexport_after_a_restart(s3):
     assert open_checkpoint(uri, s3.options).manifest.commit_id == kept
 
     torn = relaunched.export_uri(0, 1, 1)
-    open_store(torn, s3.options).put(CLAIM_NAME, json.dumps(
-        {"writer": "dead", "host": "node-that-died", "pid": 7, "since": 0}).encode())
+    open_store(torn, s3.options).put(CLAIM_NAME, json.dumps(  # a live save's, pid 1 here
+        {"writer": "live", **_whoami(), "pid": 1, "since": time.time()}).encode())
     with pytest.raises(CommitConflictError):  # a plain writer may not take it
         CheckpointWriter(torn, storage_options=s3.options).put("x", b"x")
     relaunched.save(engine, 0, 1, 1)

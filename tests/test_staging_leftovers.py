@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from cloudckpt import open_checkpoint
-from cloudckpt.core.claim import this_process
+from cloudckpt.core.liveness import this_process
 from cloudckpt.training.staging import MARKER_FORMAT, remove_leftovers, staging_dir
 
 CHILD = Path(__file__).parent / "staging_child.py"

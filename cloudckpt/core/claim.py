@@ -15,12 +15,17 @@ claim then still proves that the objects left in the prefix are cloudckpt's, so
 ``gc`` and ``rm --force`` may remove them (:mod:`cloudckpt.core.ownership`); a delete
 writes one before it starts, for the same reason.
 
-A claim whose writer is gone does not block a retry of the same save: an
-abandoned claim, a writer in this process whose write failed, or that was
-closed or collected, or a process on this host, boot and pid namespace that no
-longer runs, is replaced by compare-and-swap. A writer elsewhere (another host,
-container or boot) cannot be checked; its claim is taken over only with
-``takeover=True`` or after ``cloudckpt rm --force`` / ``cloudckpt gc``.
+A claim is a lease (:mod:`cloudckpt.core.leases`): its writer renews it while it holds
+it, and a claim whose writer is gone does not block a save for longer than the lease
+(:mod:`cloudckpt.core.liveness`). It is taken over, by compare-and-swap, at once when it
+is abandoned, when its writer is a writer of this process that failed or was dropped, or
+a process of this host, boot and pid namespace that no longer runs, or when it belongs
+to an earlier attempt of this process's run (a relaunch: :mod:`cloudckpt.runtime.attempt`);
+a claim of another run, container or node is taken over once it has not been renewed
+for a whole lease, which a contender waits out, and a renewal seen meanwhile means a live
+writer. ``takeover=True`` takes any claim over at once. A writer taken over while it
+still runs cannot change what the new writer commits (invariant 12 of
+docs/architecture.md): it fails at its commit.
 """
 
 from __future__ import annotations
@@ -29,13 +34,22 @@ import gc
 import json
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
+from cloudckpt.core.leases import Lease
+from cloudckpt.core.liveness import (
+    State,
+    Verdict,
+    here,
+    judge,
+    lease_seconds,
+    stamp,
+)
 from cloudckpt.core.ownership import (
     COMMITTED,
     FOREIGN,
@@ -54,6 +68,8 @@ log = logging.getLogger("cloudckpt")
 
 _live: set[str] = set()  # claims held by writers of this process that are still open
 _live_lock = threading.Lock()
+# A record that changes while a contender waits is judged again, a bounded number of times.
+_LOOKS = 8
 
 
 def _after_fork() -> None:
@@ -65,99 +81,53 @@ def _after_fork() -> None:
 os.register_at_fork(after_in_child=_after_fork)
 
 
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
+def _own_writer_gone(record: dict[str, Any]) -> bool | None:
+    """For a record of this very process: whether its writer is gone (None: the record
+    is another process's)."""
+    if record.get("pid") != os.getpid() or not here(record):
         return None
+    with _live_lock:
+        if record.get("writer") not in _live:
+            return True
+    # An abandoned writer may sit in a reference cycle (an exception's traceback
+    # holds the frames of every call it passed): collect, then look again. Only on
+    # a conflict within one process, so the pause is rare.
+    gc.collect()
+    with _live_lock:
+        return record.get("writer") not in _live
 
 
-def _pid_namespace() -> str | None:
-    """Which pid namespace this process is in: pids mean nothing across them."""
-    try:
-        return str(os.stat("/proc/self/ns/pid").st_ino)
-    except OSError:
-        return None
-
-
-def _start_ticks(pid: int) -> str | None:
-    """The process start time (clock ticks since boot), to tell a reused pid apart."""
-    stat = _read(f"/proc/{pid}/stat")
-    return stat.rsplit(")", 1)[-1].split()[19] if stat else None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _whoami() -> dict[str, Any]:
-    """Where this process runs. Liveness is only judged when all of it matches: a
-    hostname alone is shared by containers on one host (host networking) whose pids
-    are in other namespaces, and by sandboxes that all call themselves localhost."""
-    return {"host": socket.gethostname(), "boot_id": _read("/proc/sys/kernel/random/boot_id"),
-            "pid_ns": _pid_namespace()}
-
-
-def this_process() -> dict[str, Any]:
-    """This process, as records of ownership name it (a claim, a staging marker):
-    enough for :func:`process_gone` to judge later that it no longer runs."""
-    pid = os.getpid()
-    return {**_whoami(), "pid": pid, "started_ticks": _start_ticks(pid)}
-
-
-def _here(record: Mapping[str, Any]) -> bool:
-    return all(record.get(k) == v for k, v in _whoami().items())
-
-
-def process_gone(record: Mapping[str, Any]) -> bool:
-    """Whether the process a :func:`this_process` record names provably no longer runs:
-    it ran on this host, boot and pid namespace, and its pid is free or now belongs
-    to a process started later. Anything unknown means it may still run."""
-    pid = record.get("pid")
-    if not _here(record) or isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
-        return False
-    if not _pid_alive(pid):
-        return True
-    started = record.get("started_ticks")
-    return started is not None and _start_ticks(pid) not in (None, started)
-
-
-def _holder_gone(record: dict[str, Any]) -> bool:
-    """Whether the writer that made ``record`` provably no longer runs."""
+def _verdict(record: dict[str, Any]) -> Verdict:
+    """Whether the writer that made ``record`` runs, is gone, or holds a lease."""
     if record.get("abandoned"):
-        return True
-    if record.get("pid") == os.getpid() and _here(record):
-        with _live_lock:
-            if record.get("writer") not in _live:
-                return True
-        # An abandoned writer may sit in a reference cycle (an exception's traceback
-        # holds the frames of every call it passed): collect, then look again. Only on
-        # a conflict within one process, so the pause is rare.
-        gc.collect()
-        with _live_lock:
-            return record.get("writer") not in _live
-    return process_gone(record)
+        return Verdict(State.GONE, "its save failed and gave it up")
+    own = _own_writer_gone(record)
+    if own is None:
+        return judge(record)
+    if own:
+        return Verdict(State.GONE, "its writer in this process failed or was dropped")
+    return Verdict(State.LIVE, "a writer of this process holds it")
 
 
 def _describe(record: dict[str, Any]) -> str:
     when = record.get("since")
     age = f", {time.time() - when:.0f} s ago" if isinstance(when, int | float) else ""
-    return f"host {record.get('host')!r}, pid {record.get('pid')}{age}"
+    run = f", run {record['run']!r}" if record.get("run") else ""
+    return f"host {record.get('host')!r}, pid {record.get('pid')}{run}{age}"
+
+
+def _version(store: Store, info: ObjectInfo) -> str:
+    """The version a write left (read back where the backend does not return one)."""
+    return info.version or store.get_with_version(info.key)[1]
 
 
 class WriterClaim:
     """The claim of one writer on one prefix; cheap to create, acquired lazily.
 
-    While it is held the writer is live in this process; :meth:`suspend` marks a
-    writer whose operation failed as no longer live (its claim object stays), so a
-    retry in this process may take over, and the writer itself may re-acquire.
+    While it is held the writer is live in this process and its lease is renewed;
+    :meth:`suspend` marks a writer whose operation failed as no longer live (its claim
+    object stays), so a retry in this process may take over, and the writer itself may
+    re-acquire.
     """
 
     def __init__(self, store: Store, *, takeover: bool = False, foreign_ok: bool = False,
@@ -169,6 +139,7 @@ class WriterClaim:
         # e.g. other ranks): not someone else's data when a fresh claim looks.
         self.declared = declared or (lambda: ())
         self.writer = uuid.uuid4().hex
+        self.lease = lease_seconds()
         self.held = False
         self.used = False  # acquired at least once: this writer has written objects
         self.abandoned = False  # its claim object was marked abandoned
@@ -176,6 +147,10 @@ class WriterClaim:
         # Whether its first acquire created the claim on a prefix that had none: only
         # then may no other writer of it still be running (see checkpoint.py).
         self.fresh = False
+        # What the claim holds, renewed by a lease that must not keep this object alive
+        # (a writer dropped without a release is let go when it is collected).
+        self._data = _recorder(self.writer, self.lease)
+        self._renewing: Lease | None = None
         self._lock = threading.Lock()
 
     def acquire(self) -> None:
@@ -186,26 +161,30 @@ class WriterClaim:
         unfinished save of cloudckpt's (a root, or objects cloudckpt did not write):
         the claim would otherwise make them look like cloudckpt's to ``gc`` and
         ``rm --force`` (see :mod:`cloudckpt.core.ownership`). ``foreign_ok`` writers
-        (``adopt``) claim such a prefix on purpose.
+        (``adopt``) claim such a prefix on purpose. A claim another process took over
+        while this writer held it raises here, at the writer's next write.
         """
         with self._lock:
+            if self.held and self._renewing is not None and self._renewing.lost:
+                self._drop(delete=False, verify=False)
+                raise self._taken_over(None)
             if self.held:
                 return
-            data = _record(self.writer)
             with _live_lock:
                 _live.add(self.writer)
             try:
                 try:
-                    self.store.put_if_absent(CLAIM_NAME, data)
-                    fresh = True
+                    info = self.store.put_if_absent(CLAIM_NAME, self._data())
+                    fresh, version = True, _version(self.store, info)
                 except CommitConflictError:
-                    fresh = self._replace(data)
+                    fresh, version = self._replace()
+                self._renewing = Lease(self.store, CLAIM_NAME, self._data, version,
+                                       self.lease).start()
                 self._check_prefix(fresh)
                 if not self.used:
                     self.fresh = fresh
             except BaseException:
-                with _live_lock:
-                    _live.discard(self.writer)
+                self._drop(delete=False, verify=False)
                 raise
             self.held = self.used = True
             self.abandoned = False
@@ -233,28 +212,77 @@ class WriterClaim:
                 f"cannot save into {self.store.uri}: {not_a_checkpoint(refused)} Nothing was "
                 "written: save to a new URI.")
 
-    def _replace(self, data: bytes) -> bool:
-        """Take over an existing claim if its writer is gone; True when there was none
-        after all (released meanwhile) and a fresh one was made."""
+    def _replace(self) -> tuple[bool, str]:
+        """Take over an existing claim once its writer is gone, waiting out its lease
+        where only that can tell. Returns whether the claim was made fresh after all
+        (released meanwhile), and the version written."""
         try:
             raw, version = self.store.get_with_version(CLAIM_NAME)
         except FileNotFoundError:  # released meanwhile: try once more from scratch
-            self.store.put_if_absent(CLAIM_NAME, data)
-            return True
+            return True, self._create()
         record = _parse(raw)
-        if record.get("writer") == self.writer:
-            if record.get("abandoned"):  # this writer again, after it failed: live again
-                self.store.put_if_match(CLAIM_NAME, data, version)
-            return False
-        if not (self.takeover or _holder_gone(record)):
-            raise CommitConflictError(
-                f"another save is writing {self.store.uri} ({_describe(record)}); one writer "
-                "per checkpoint. Wait for it, or if that save is dead, remove its leftovers "
-                "with `cloudckpt rm --force URI` (or pass takeover=True) and save again.")
-        log.warning("taking over %s from a save that is gone (%s)", self.store.uri,
-                    _describe(record))
-        self.store.put_if_match(CLAIM_NAME, data, version)
-        return False
+        for _ in range(_LOOKS):
+            if record.get("writer") == self.writer:
+                if record.get("abandoned"):  # this writer again, after it failed: live again
+                    version = _version(self.store, self.store.put_if_match(
+                        CLAIM_NAME, self._data(), version))
+                return False, version
+            verdict = Verdict(State.GONE, "takeover=True") if self.takeover \
+                else _verdict(record)
+            if verdict.state is State.LEASED:
+                seen = self._watch(record, version, verdict)
+                if seen is None:
+                    return True, self._create()
+                if seen[1] != version:  # changed while watched: judge the new record
+                    record, version = seen
+                    continue
+                verdict = Verdict(State.GONE, f"it was not renewed for {verdict.left:.0f} s")
+            if verdict.state is State.LIVE:
+                raise CommitConflictError(
+                    f"another save is writing {self.store.uri} ({_describe(record)}: "
+                    f"{verdict.why}); one writer per checkpoint. Wait for it; if that save "
+                    "is dead, its claim expires with its lease (or remove its leftovers "
+                    "with `cloudckpt rm --force URI`, or pass takeover=True).")
+            log.warning("taking over %s from a save that is gone (%s: %s)", self.store.uri,
+                        _describe(record), verdict.why)
+            return False, _version(self.store, self.store.put_if_match(
+                CLAIM_NAME, self._data(), version))
+        raise CommitConflictError(f"the claim of {self.store.uri} kept changing hands while "
+                                  "this save waited for it; one writer per checkpoint")
+
+    def _create(self) -> str:
+        return _version(self.store, self.store.put_if_absent(CLAIM_NAME, self._data()))
+
+    def _watch(self, record: dict[str, Any], version: str, verdict: Verdict
+               ) -> tuple[dict[str, Any], str] | None:
+        """Watch a claim whose lease may still run, on this process's clock: returns it
+        as it is once changed (a renewal by a live writer, or another's takeover), or
+        unchanged once ``verdict.left`` passed without a renewal; None once removed."""
+        log.info("%s is claimed by a save elsewhere (%s; %s): waiting up to %.0f s for "
+                 "a renewal", self.store.uri, _describe(record), verdict.why, verdict.left)
+        deadline = time.monotonic() + verdict.left
+        poll = min(max(lease_seconds(), 1.0) / 8, 5.0)
+        while (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(poll, left))
+            try:
+                raw, seen = self.store.get_with_version(CLAIM_NAME)
+            except FileNotFoundError:
+                return None
+            if seen != version:
+                new = _parse(raw)
+                if new.get("writer") == record.get("writer") and not new.get("abandoned"):
+                    raise CommitConflictError(
+                        f"another save is writing {self.store.uri} ({_describe(new)}): it "
+                        "renewed its claim while this save waited; one writer per "
+                        "checkpoint. Wait for it to end, or stop it.")
+                return new, seen
+        return record, version
+
+    def _taken_over(self, record: dict[str, Any] | None) -> CommitConflictError:
+        who = f" by {_describe(record)}" if record else ""
+        return CommitConflictError(
+            f"this save to {self.store.uri} was taken over{who} while it ran; not "
+            "committing. Only one job should write a checkpoint URI.")
 
     def check(self) -> None:
         """Raise :class:`CommitConflictError` unless the claim is still ours (a writer
@@ -268,17 +296,12 @@ class WriterClaim:
             record = {}
         if record.get("writer") != self.writer:
             self.suspend()
-            who = f" by {_describe(record)}" if record else " (its claim was removed)"
-            raise CommitConflictError(
-                f"this save to {self.store.uri} was taken over{who} while it ran; not "
-                "committing. Only one job should write a checkpoint URI.")
+            raise self._taken_over(record or None)
 
     def suspend(self) -> None:
         """The writer's operation failed: it is no longer live (the object stays)."""
         with self._lock:
-            self.held = False
-            with _live_lock:
-                _live.discard(self.writer)
+            self._drop(delete=False, verify=False)
 
     def release(self, *, committed: bool) -> None:
         """Drop the claim. After a commit (``committed``) its object is removed, with
@@ -307,7 +330,7 @@ class WriterClaim:
                 store.put_if_match(CLAIM_NAME, json.dumps({**record, "abandoned": True,
                                                            "until": time.time()}).encode(),
                                    version)
-        except Exception as exc:  # noqa: BLE001 - the claim stays; liveness still judges it
+        except Exception as exc:  # noqa: BLE001 - the claim stays; its lease runs out
             log.warning("could not mark the writer claim of %s abandoned: %s",
                         self.store.uri, exc)
 
@@ -315,6 +338,8 @@ class WriterClaim:
         self.held = False
         with _live_lock:
             _live.discard(self.writer)
+        if self._renewing is not None:
+            self._renewing.stop()  # before the claim is rewritten or removed
         if not delete:
             return
         store = self.store
@@ -329,42 +354,60 @@ class WriterClaim:
         try:
             with _live_lock:
                 _live.discard(self.writer)
+            if self._renewing is not None:
+                self._renewing.stop()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
 
-def _record(writer: str, **extra: Any) -> bytes:
-    return json.dumps({"writer": writer, **this_process(), "since": time.time(),
-                       **extra}).encode()
+def _recorder(writer: str, lease: float, **extra: Any) -> Callable[[], bytes]:
+    """The bytes of ``writer``'s claim, each time it is written (renewed) from now on."""
+    since = time.time()
+    return lambda: json.dumps({"writer": writer, **stamp(lease, since), **extra}).encode()
 
 
-def mark_deleting(store: Store) -> None:
+@contextmanager
+def deleting(store: Store) -> Iterator[None]:
     """Write a claim saying a delete of ``store``'s committed prefix is under way,
-    before its manifest goes: a delete cut short then leaves objects that still prove
-    to be cloudckpt's (see :mod:`cloudckpt.core.ownership`). The claim is this process's,
-    live while it runs, so no writer takes the prefix over mid-delete."""
-    store.put(CLAIM_NAME, _record(uuid.uuid4().hex, deleting=True))
+    before its manifest goes, and hold it while the block runs: a delete cut short
+    then leaves objects that still prove to be cloudckpt's (see
+    :mod:`cloudckpt.core.ownership`), and no writer takes the prefix over mid-delete."""
+    lease = lease_seconds()
+    record = _recorder(uuid.uuid4().hex, lease, deleting=True)
+    info = store.put(CLAIM_NAME, record())
+    held = Lease(store, CLAIM_NAME, record, _version(store, info), lease).start()
+    try:
+        yield
+    finally:
+        held.stop()
 
 
-def seize(store: Store, objects: Sequence[ObjectInfo]) -> bool:
+@contextmanager
+def seized(store: Store, objects: Sequence[ObjectInfo]) -> Iterator[bool]:
     """Before deleting an unfinished save surveyed as ``objects``: replace its claim,
     by compare-and-swap on the version surveyed, with this process's "deleting"
-    claim (create it where there was none). A writer that took the prefix over
-    since then keeps it (False: delete nothing); one that comes later finds it held;
-    one that held it all along fails its check before committing."""
-    data = _record(uuid.uuid4().hex, deleting=True)
+    claim (create it where there was none), held while the block runs. A writer that
+    took the prefix over since then keeps it (False: delete nothing); one that comes
+    later finds it held; one that held it all along fails its check before committing."""
+    lease = lease_seconds()
+    record = _recorder(uuid.uuid4().hex, lease, deleting=True)
     claim = next((o for o in objects if o.key == CLAIM_NAME), None)
     try:
         if claim is None:
-            store.put_if_absent(CLAIM_NAME, data)
-            return True
-        version = claim.version
-        if version is None:  # a listing without versions: read it (a narrower race)
-            _, version = store.get_with_version(CLAIM_NAME)
-        store.put_if_match(CLAIM_NAME, data, version)
+            info = store.put_if_absent(CLAIM_NAME, record())
+        else:
+            version = claim.version
+            if version is None:  # a listing without versions: read it (a narrower race)
+                _, version = store.get_with_version(CLAIM_NAME)
+            info = store.put_if_match(CLAIM_NAME, record(), version)
     except (CommitConflictError, FileNotFoundError):
-        return False
-    return True
+        yield False
+        return
+    held = Lease(store, CLAIM_NAME, record, _version(store, info), lease).start()
+    try:
+        yield True
+    finally:
+        held.stop()
 
 
 def _parse(raw: bytes) -> dict[str, Any]:

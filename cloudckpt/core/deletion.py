@@ -12,10 +12,9 @@ import logging
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
-from cloudckpt.core import plugins
+from cloudckpt.core import claim, plugins
 from cloudckpt.core.blobs import sweep
 from cloudckpt.core.checkpoint import read_manifest
-from cloudckpt.core.claim import mark_deleting, seize
 from cloudckpt.core.ownership import (
     COMMITTED,
     OURS,
@@ -65,21 +64,21 @@ def delete_checkpoint(uri: str | Store, storage_options: Mapping[str, Any] | Non
         if not force:
             raise
         log.warning("deleting %s, whose manifest cannot be read, with all it holds", store.uri)
-        mark_deleting(store)
-        store.delete([MANIFEST_NAME])
+        with claim.deleting(store):
+            store.delete([MANIFEST_NAME])
         return store.delete_prefix("")
     # A claim marked "deleting" first: a delete cut short leaves objects that still
     # prove to be cloudckpt's, for gc and rm --force.
-    mark_deleting(store)
-    store.delete([MANIFEST_NAME])  # invisible from here on
-    listed = [o for o in store.list(internal=True) if o.key != CLAIM_NAME]
-    found = classify(store.uri, listed)
-    units = (*found.checkpoints, *found.saves)
-    markers = plugins.marker_dirs()
-    mine = [o.key for o in listed if o.key in manifest.files
-            or (is_reserved(o.key, markers) and not inside(o.key, units))]
-    left = sorted({o.key for o in listed} - set(mine))
-    store.delete(mine)
+    with claim.deleting(store):
+        store.delete([MANIFEST_NAME])  # invisible from here on
+        listed = [o for o in store.list(internal=True) if o.key != CLAIM_NAME]
+        found = classify(store.uri, listed)
+        units = (*found.checkpoints, *found.saves)
+        markers = plugins.marker_dirs()
+        mine = [o.key for o in listed if o.key in manifest.files
+                or (is_reserved(o.key, markers) and not inside(o.key, units))]
+        left = sorted({o.key for o in listed} - set(mine))
+        store.delete(mine)
     store.delete([CLAIM_NAME])  # the mark goes last
     if manifest.blob_depth == 1:
         release_blobs(store.ancestor(1), manifest.blobs.values())
@@ -115,24 +114,25 @@ def delete_unfinished(store: Store, found: Survey) -> int:
     """Delete the unfinished save of cloudckpt's that ``found`` surveyed at ``store``.
 
     Its claim is seized first, by compare-and-swap on what the survey saw
-    (:func:`cloudckpt.core.claim.seize`): a save that took the prefix over since keeps it
+    (:func:`cloudckpt.core.claim.seized`): a save that took the prefix over since keeps it
     (:class:`CommitConflictError`, nothing deleted), and a writer that held it all
     along can no longer commit into what is deleted. Returns the objects deleted.
     """
     if found.kind != OURS:
         raise missing_manifest_error(found) if found.kind != COMMITTED else CommitConflictError(
             f"{store.uri} was committed meanwhile; not deleting it as an unfinished save")
-    if not seize(store, found.objects):
-        raise CommitConflictError(
-            f"another save took {store.uri} over while it was to be deleted; nothing was "
-            "deleted")
-    keys = remove_leftovers(store, (o.key for o in store.list(internal=True)))
-    if store.exists(MANIFEST_NAME):
-        # Its writer passed its last check just before the claim was seized and
-        # committed while the data went: hide the torn result rather than show it.
-        log.error("a save committed %s while it was deleted as unfinished; its data is "
-                  "gone, so its manifest is removed too", store.uri)
-        store.delete([MANIFEST_NAME])
+    with claim.seized(store, found.objects) as ours:
+        if not ours:
+            raise CommitConflictError(
+                f"another save took {store.uri} over while it was to be deleted; nothing "
+                "was deleted")
+        keys = remove_leftovers(store, (o.key for o in store.list(internal=True)))
+        if store.exists(MANIFEST_NAME):
+            # Its writer passed its last check just before the claim was seized and
+            # committed while the data went: hide the torn result rather than show it.
+            log.error("a save committed %s while it was deleted as unfinished; its data "
+                      "is gone, so its manifest is removed too", store.uri)
+            store.delete([MANIFEST_NAME])
     store.delete([CLAIM_NAME])
     return len(keys) + int(any(o.key == CLAIM_NAME for o in found.objects))
 

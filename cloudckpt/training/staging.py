@@ -35,7 +35,7 @@ from typing import Any
 
 from cloudckpt.core.blobs import BlobArea
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter
-from cloudckpt.core.claim import process_gone, this_process
+from cloudckpt.core.liveness import process_gone, this_process
 from cloudckpt.movement.transfer import download
 from cloudckpt.names import MANIFEST_NAME
 from cloudckpt.runtime import coordination as coord

@@ -1,0 +1,51 @@
+"""Another "node" for a command: a fresh pid namespace, its own hostname and local disk.
+
+A job relaunched on a cluster comes back in a new container or on another node: the
+crashed attempt's pids, hostname and local directories are gone or mean nothing there.
+Relaunching a test's process in the same pid namespace hides exactly the bugs that
+judge ownership by pid, so recovery tests launch each attempt through :func:`as_node`:
+``unshare --pid --fork --mount-proc --uts`` (a new pid namespace with its own
+``/proc``, and a hostname of its own), with ``TMPDIR`` and ``HOME`` on a directory of
+that node. Needs root or unprivileged user namespaces; fails loudly without them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+# Set the node's hostname, then become the command (pid 1 of the new namespace is the
+# shell; exec keeps it so, and SIGKILL of the unshare's child ends the whole node).
+_ENTER = 'hostname "$0" && exec "$@"'
+
+
+def as_node(command: Sequence[str], host: str) -> list[str]:
+    """``command`` run as on a node called ``host``: a new pid namespace with its own
+    ``/proc`` and its own hostname (and so no pid, host or namespace of the caller's)."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        raise RuntimeError("unshare (util-linux) is not installed: recovery tests launch "
+                           "each attempt in a new pid namespace with it")
+    return [unshare, "--pid", "--fork", "--mount-proc", "--uts", "--kill-child",
+            "sh", "-c", _ENTER, host, *command]
+
+
+def node_env(base: Path, host: str, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a process on node ``host``: ``TMPDIR`` and ``HOME`` on a
+    directory of its own below ``base`` (a node's local disk), over ``env``."""
+    local = base / f"node-{host}"
+    (local / "tmp").mkdir(parents=True, exist_ok=True)
+    return {**(os.environ if env is None else env), "TMPDIR": str(local / "tmp"),
+            "HOME": str(local)}
+
+
+def check_unshare() -> None:
+    """Fail (not skip) where this machine cannot make a node: tests need it."""
+    out = subprocess.run(as_node(["cat", "/proc/self/stat"], "probe-node"),
+                         capture_output=True, text=True, timeout=30)
+    if out.returncode != 0 or not out.stdout.startswith("1 "):
+        raise RuntimeError(f"cannot start a process in a new pid namespace here "
+                           f"(rc {out.returncode}): {out.stderr.strip()}")
