@@ -226,3 +226,25 @@ def test_attempts_are_ordered_by_number_then_by_start():
     assert plain.relation({"run": "r", "attempt_started": 1000.5}) is Relation.UNRELATED
     assert plain.relation({"run": "r", "attempt_started": 1000.0}) is Relation.SAME
     assert attempt.Attempt(None, None, 1.0).relation({"run": None}) is Relation.UNRELATED
+
+
+def test_cloudckpt_run_makes_its_processes_one_attempt_of_the_run():
+    """Every process one ``cloudckpt run`` starts shares the attempt's start; a second
+    launch with the same ``--run-id`` is a later attempt of the same run."""
+    show = ("import json, os; from cloudckpt.runtime import attempt; "
+            "print(json.dumps(attempt.current().record()))")
+    launch = [sys.executable, "-m", "cloudckpt", "run", "--run-id", "job-1", "--", "sh",
+              "-c", '"$0" -c "$1"; "$0" -c "$1"', sys.executable, show]
+    env = {k: v for k, v in os.environ.items() if k not in RUN_ENV}
+
+    def launched() -> list[str]:
+        return subprocess.run(launch, capture_output=True, text=True, check=True, env=env,
+                              timeout=120).stdout.splitlines()
+
+    first = launched()
+    time.sleep(2.5)  # more than two machines' clocks may differ by
+    again = launched()
+    a, b = (json.loads(line) for line in first)
+    assert a == b and a["run"] == "job-1"  # one attempt: same run, same start
+    later = attempt.Attempt("job-1", None, json.loads(again[0])["attempt_started"])
+    assert later.relation(a) is Relation.EARLIER

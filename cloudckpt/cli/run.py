@@ -12,6 +12,7 @@ import sys
 
 from cloudckpt import activation
 from cloudckpt.errors import ConfigError
+from cloudckpt.runtime import attempt
 
 log = logging.getLogger("cloudckpt")
 
@@ -26,6 +27,11 @@ def add_run(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--print-env", choices=("shell", "json"), nargs="?", const="shell",
                     default=None, help="print the variables that activate it (for workers "
                     "started elsewhere, e.g. a Ray runtime_env) instead of running anything")
+    sp.add_argument("--run-id", metavar="ID", default=None,
+                    help="the id of the run this command is an attempt of "
+                    f"(${attempt.RUN_ENV}): a relaunch with the same id takes over the saves "
+                    "its crashed attempt left claimed at once (SLURM's and torchrun's ids "
+                    "are read without it)")
     sp.add_argument("launch", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                     help="the usual launch command (torchrun ..., python -m ..., a Ray "
                     "driver script)")
@@ -43,6 +49,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not command:
         raise ConfigError("cloudckpt run: no command to run; e.g. cloudckpt run -- torchrun "
                           "--nproc-per-node 8 train.py")
+    # Every process of this launch is one attempt of its run (see runtime/attempt.py).
+    env.update(attempt.launch_environment())
+    if args.run_id:
+        env[attempt.RUN_ENV] = args.run_id
     log.info("cloudckpt run: %s=%s for %s", activation.ENV_INTEGRATIONS,
              env[activation.ENV_INTEGRATIONS], shlex.join(command))
     sys.stdout.flush()

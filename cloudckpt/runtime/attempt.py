@@ -36,6 +36,8 @@ from typing import Any
 
 #: The environment variable ``cloudckpt run`` sets: when this attempt of the run began.
 STARTED_ENV = "CLOUDCKPT_ATTEMPT_STARTED"
+#: The run's id where no launcher names it (``cloudckpt run --run-id``).
+RUN_ENV = "CLOUDCKPT_RUN_ID"
 
 # Two attempts starting within this many seconds of each other are not ordered by time:
 # wall clocks of different machines differ by about that much.
@@ -96,8 +98,8 @@ def _number(env: Mapping[str, str], name: str) -> int | None:
 
 
 def _run(env: Mapping[str, str]) -> tuple[str | None, int | None]:
-    if env.get("CLOUDCKPT_RUN_ID"):
-        return env["CLOUDCKPT_RUN_ID"], _number(env, "CLOUDCKPT_RUN_ATTEMPT")
+    if env.get(RUN_ENV):
+        return env[RUN_ENV], _number(env, "CLOUDCKPT_RUN_ATTEMPT")
     if env.get("SLURM_JOB_ID"):
         return f"slurm:{env['SLURM_JOB_ID']}", _number(env, "SLURM_RESTART_COUNT") or 0
     if env.get("TORCHELASTIC_RUN_ID", "none") != "none":
