@@ -236,7 +236,8 @@ class WriterClaim:
                 if seen[1] != version:  # changed while watched: judge the new record
                     record, version = seen
                     continue
-                verdict = Verdict(State.GONE, f"it was not renewed for {verdict.left:.0f} s")
+                verdict = Verdict(State.GONE, f"{verdict.why}, and not in the "
+                                              f"{verdict.left:.0f} s left of it")
             if verdict.state is State.LIVE:
                 raise CommitConflictError(
                     f"another save is writing {self.store.uri} ({_describe(record)}: "
