@@ -30,6 +30,16 @@ def in_child(name: str, *args: object) -> None:
     getattr(framework_workers, name)(*args)
 
 
+def in_node(host: str | None, name: str, *args: object) -> None:
+    """:func:`in_child` as pid 1 of a new pid namespace called ``host`` (None: here), as a
+    relaunched job on another node runs (see cloudckpt_testkit.nodes)."""
+    if host is not None:
+        from cloudckpt_testkit.nodes import enter_node
+
+        enter_node(host)
+    in_child(name, *args)
+
+
 def run_child(forks: Any, name: str, *args: object, timeout: float = 300) -> int | None:
     """``in_child(name, *args)`` in a forked child, waited for; its exit code."""
     proc = forks.Process(target=in_child, args=(name, *args))

@@ -3,7 +3,9 @@ RLinf's step, AReaL's recover dump, verl's step (framework_workers.py), each SIG
 at a random instant, then checked from a fresh process with the framework's own resume: every
 acknowledged save is visible, nothing unsaved is, and the resume loads the newest
 committed state, bit-exact. Trials reuse the root, so each also resumes after the
-previous kill. A few trials in ``make compat``; at full scale (``make torture``,
+previous kill, two in three as on another node (a new pid namespace and hostname), as
+the next attempt of the same run or, every fourth, as another run that waits out the
+killed save's lease. A few trials in ``make compat``; at full scale (``make torture``,
 ``CLOUDCKPT_TORTURE=full``) at least 100 per framework. verl's save is also killed at
 chosen points of a step: mid-upload, before its commit, between the commit and the
 tracker.
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from crash_worker import judge, read_events  # tests/torture, on sys.path through conftest
-from forked import forkserver, in_child, run_child
+from forked import forkserver, in_child, in_node, run_child
 from knobs import FULL, scale
 
 from cloudckpt.errors import ConfigError
@@ -41,14 +43,24 @@ def _count(log: str, kind: str) -> int:
     return sum(k == kind for k, _ in read_events(log))
 
 
+def _attempt(framework: str, trial: int, env: dict) -> tuple[str | None, dict]:
+    """Where trial ``trial`` runs (a node's name, None: here) and its environment: the
+    run, the attempt, a short lease (what a relaunch of another run waits out)."""
+    run = f"{framework}-{'other' if trial % 12 == 4 else 'run'}"
+    return (None if trial % 3 == 2 else f"node-{trial}"), {
+        **env, "CLOUDCKPT_CLAIM_LEASE": "2", "CLOUDCKPT_RUN_ID": run,
+        "CLOUDCKPT_RUN_ATTEMPT": str(trial)}
+
+
 def _trial(forks, framework: str, root: str, opts: dict, env: dict, log: str,
-           rng: random.Random, window: float) -> list[str]:
+           rng: random.Random, window: float, trial: int) -> list[str]:
     # At full scale the kill lands anywhere from the start; a short run waits for one
     # acknowledged save first, so that its one trial always checks a resume.
     kind = "ready" if FULL else "commit"
     seen = _count(log, kind)
-    proc = forks.Process(target=in_child,
-                         args=(f"{framework}_ops", root, opts, env, log, rng.randrange(2**31)))
+    node, env = _attempt(framework, trial, env)
+    proc = forks.Process(target=in_node, args=(node, f"{framework}_ops", root, opts, env, log,
+                                               rng.randrange(2**31)))
     proc.start()
     deadline = time.monotonic() + 120
     while _count(log, kind) == seen:
@@ -90,7 +102,7 @@ def test_framework_crash_torture(framework, forks, s3, tmp_path):
     rng = random.Random(f"{framework}-{os.environ.get('CLOUDCKPT_TORTURE_SEED', '0')}")
     failures, mid_save = [], 0
     for i in range(trials):
-        problems = _trial(forks, framework, root, opts, s3.env, log, rng, window)
+        problems = _trial(forks, framework, root, opts, s3.env, log, rng, window, i)
         events = read_events(log)
         kinds = [k for k, _ in events if k in ("start", "commit")]
         mid_save += bool(kinds) and kinds[-1] == "start"
@@ -99,8 +111,10 @@ def test_framework_crash_torture(framework, forks, s3, tmp_path):
                                  str(tmp_path / "report.json")))
         failures += [f"trial {i}: {p}" for p in problems]
     acked = sum(k == "commit" for k, _ in read_events(log))
+    on_nodes = sum(_attempt(framework, i, {})[0] is not None for i in range(trials))
     row = {"case": f"{framework} own save path, activated (s3)", "trials": trials,
-           "kills": trials, "killed_mid_save": mid_save, "acked_saves": acked,
+           "kills": trials, "killed_on_other_nodes": on_nodes, "killed_mid_save": mid_save,
+           "acked_saves": acked,
            "failures": len(failures)}
     print(json.dumps(row))
     report = os.environ.get("CLOUDCKPT_TORTURE_REPORT")

@@ -9,7 +9,8 @@ step, so a check can tell that what it loads is the state of that step.
 
 The functions run in processes forked from a server that imported torch and
 cloudckpt once (multiprocessing's forkserver), so a trial costs milliseconds
-of start-up, not seconds.
+of start-up, not seconds; :func:`on_node` runs one as a relaunch on another node
+would (a new pid namespace, its own hostname).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from cloudckpt_testkit.nodes import enter_node
 
 import cloudckpt.dcp as cdcp
 from cloudckpt import (
@@ -113,6 +115,18 @@ def _retire(root: str, opts: dict[str, Any], events: Events, step: int) -> None:
 
 
 # --------------------------------------------------------------- workloads
+
+
+def on_node(host: str | None, env: dict[str, str], workload: str, *args: Any) -> None:
+    """Run ``workload`` (a function of this module) with ``env`` (its run, attempt and
+    lease) as pid 1 of a new pid namespace called ``host`` (None: here): where a
+    relaunched job comes back, no pid of an earlier attempt means anything."""
+    if host is None:
+        os.environ.update(env)
+    else:
+        enter_node(host, env)
+    globals()[workload](*args)
+
 
 
 def store_ops(root: str, opts: dict[str, Any], log: str, seed: int, with_gc: bool) -> None:

@@ -9,7 +9,11 @@ gloo ranks (sometimes one rank is killed first, like a lost node), and
 incremental DCP saves with retention beside a ``gc`` loop, both killed. The kill
 lands anywhere: uniformly within a window of a few save cycles after start.
 Trials reuse each root, so every trial also resumes after the previous kill
-and rewrites what that kill left torn.
+and rewrites what that kill left torn. Two trials in three are relaunched as on
+another node (a new pid namespace and hostname, ``cloudckpt_testkit.nodes``), where the
+earlier trial's pids mean nothing: mostly as the next attempt of the same run (which
+takes its claims over at once), every fourth as another run (which waits out their
+lease, short here).
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ import pytest
 from dist_run import free_port
 from knobs import scale
 
+#: The claims' lease in every trial: what a relaunch of another run waits out.
+LEASE = "2"
+
 # scenario -> (backends, trials in the regular run, under `make torture`, kill window in s);
 # trials cycle through the backends in this order.
 SCENARIOS: dict[str, tuple[tuple[str, ...], int, int, float]] = {
@@ -45,6 +52,7 @@ class Tally:
     trials: int = 0
     kills: int = 0
     mid_operation: int = 0  # kills that landed while a save or delete was running
+    on_nodes: int = 0  # kills of a workload relaunched in a new pid namespace
     acked: int = 0  # saves acknowledged over all trials
     failures: list[str] = field(default_factory=list)
     backends: Counter = field(default_factory=Counter)
@@ -64,28 +72,40 @@ def _wait_ready(log: str, before: int, procs: list[Any], timeout: float = 90.0) 
     raise AssertionError(f"workload never became ready: {cw.read_events(log)[-5:]}")
 
 
+def _attempt(scenario: str, trial: int) -> tuple[str | None, dict[str, str]]:
+    """Where trial ``trial`` runs (a node's name, None: here) and its run's environment."""
+    env = {"CLOUDCKPT_CLAIM_LEASE": LEASE, "CLOUDCKPT_RUN_ATTEMPT": str(trial),
+           "CLOUDCKPT_RUN_ID": f"{scenario}-{'other' if trial % 12 == 4 else 'run'}"}
+    return (None if trial % 3 == 2 else f"node-{trial}"), env
+
+
 def _run_trial(forks: Any, scenario: str, root: str, opts: dict[str, Any], log: str,
-               rng: random.Random, window: float) -> list[str]:
+               rng: random.Random, window: float, trial: int) -> list[str]:
     """Start the workload, kill it at a random instant; return problems before the check.
 
     When one rank is killed before the others (a lost node), the survivors may fail
     on their own: that is what they should do; only the check afterwards counts.
     """
     seed = rng.randrange(2**31)
+    node, env = _attempt(scenario, trial)
+
+    def process(workload: str, *args: Any, rank: int = 0) -> Any:
+        host = None if node is None else f"{node}-{rank}"
+        return forks.Process(target=cw.on_node, args=(host, env, workload, *args))
+
     if scenario == "dcp":
         port = free_port()
-        procs = [forks.Process(target=cw.dcp_rank, args=(r, 2, port, root, opts, log, seed))
+        procs = [process("dcp_rank", r, 2, port, root, opts, log, seed, rank=r)
                  for r in range(2)]
     elif scenario == "slot":
-        procs = [forks.Process(target=cw.slot_ops, args=(root, opts, log, seed))]
+        procs = [process("slot_ops", root, opts, log, seed)]
     elif scenario == "async":
-        procs = [forks.Process(target=cw.async_ops, args=(root, opts, log, seed))]
+        procs = [process("async_ops", root, opts, log, seed)]
     elif scenario == "incremental":  # the saves and a gc, each killed
-        procs = [forks.Process(target=cw.incremental_ops, args=(root, opts, log, seed)),
-                 forks.Process(target=cw.gc_ops, args=(root, opts, log, seed))]
+        procs = [process("incremental_ops", root, opts, log, seed),
+                 process("gc_ops", root, opts, log, seed, rank=1)]
     else:
-        procs = [forks.Process(target=cw.store_ops,
-                               args=(root, opts, log, seed, scenario == "gc"))]
+        procs = [process("store_ops", root, opts, log, seed, scenario == "gc")]
     before = _readies(log)
     errors_before = sum(k == "error" for k, _ in cw.read_events(log))
     for p in procs:
@@ -145,7 +165,7 @@ def test_crash_torture(scenario, forks, request, tmp_path, record):
         # async saves start a fresh run each trial; the rest resume where the kill left them
         root = backend.uri(scenario, f"trial-{i}" if scenario == "async" else "run")
         log = str(tmp_path / f"{name}-{i if scenario == 'async' else 'run'}.log")
-        problems = _run_trial(forks, scenario, root, opts, log, rng, window)
+        problems = _run_trial(forks, scenario, root, opts, log, rng, window, i)
         events = cw.read_events(log)
         tally.mid_operation += _mid_operation(scenario, events)
         tally.acked += len(cw.steps(events, "commit")) if scenario == "async" else 0
@@ -153,10 +173,13 @@ def test_crash_torture(scenario, forks, request, tmp_path, record):
         problems += cw.judge(scenario, events, report)
         tally.trials += 1
         tally.kills += 2 if scenario == "incremental" else 1
+        tally.on_nodes += (2 if scenario == "incremental" else 1) * (_attempt(scenario, i)[0]
+                                                                     is not None)
         tally.backends[name] += 1
         tally.failures += [f"trial {i} on {name}: {p}" for p in problems]
     record("crash", f"{scenario} ({', '.join(backends)})", tally.trials, faults=tally.kills,
            failures=len(tally.failures), killed_mid_operation=tally.mid_operation,
+           killed_on_other_nodes=tally.on_nodes,
            acked_saves=tally.acked or None,
            backends=dict(tally.backends))
     assert not tally.failures, "\n".join(tally.failures[:10])
