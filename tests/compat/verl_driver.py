@@ -11,7 +11,8 @@ The plan: ``{"config": {...trainer keys...}, "critic": bool, "world": int,
 "phases": [{"save": [steps...]} | {"resume": true}, each with optional "config"
 overrides and "world"]}``. Each phase starts from fresh models, optimizers and managers
 (step 0's state, in the same worker processes, or new ones for another world size); a
-save phase trains one round per step and saves it, a resume phase loads. OUT_JSON gets
+save phase trains one round per step and saves it, a resume phase loads, and one with
+both loads, then trains and saves on (a relaunched job). OUT_JSON gets
 per phase the digests per rank and the dataloader's next batch, or the error.
 """
 
@@ -112,10 +113,12 @@ def main() -> None:
 
 
 def run_phase(phase: dict, t, made: dict) -> dict:
-    if "save" not in phase:
-        loaded = t._load_checkpoint()
-        return {"resumed": True, "returned": loaded, **report(t, made)}
     saved: dict = {"saved": []}
+    if phase.get("resume"):
+        loaded = t._load_checkpoint()
+        if "save" not in phase:
+            return {"resumed": True, "returned": loaded, **report(t, made)}
+        saved["resumed_at"] = t.global_steps  # then trains on, as fit() does
     it = iter(t.train_dataloader)
     for step in phase["save"]:
         next(it)  # one batch per step, as fit() draws them
