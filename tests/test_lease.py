@@ -226,6 +226,9 @@ def test_attempts_are_ordered_by_number_then_by_start():
     assert plain.relation({"run": "r", "attempt_started": 1000.5}) is Relation.UNRELATED
     assert plain.relation({"run": "r", "attempt_started": 1000.0}) is Relation.SAME
     assert attempt.Attempt(None, None, 1.0).relation({"run": None}) is Relation.UNRELATED
+    unknown = attempt.Attempt("r", None, None)  # neither a number nor a launcher's start
+    assert unknown.relation({"run": "r", "attempt_started": 900.0}) is Relation.UNRELATED
+    assert unknown.relation({"run": "r", "attempt": 1}) is Relation.UNRELATED
 
 
 def test_cloudckpt_run_makes_its_processes_one_attempt_of_the_run():
@@ -248,3 +251,23 @@ def test_cloudckpt_run_makes_its_processes_one_attempt_of_the_run():
     assert a == b and a["run"] == "job-1"  # one attempt: same run, same start
     later = attempt.Attempt("job-1", None, json.loads(again[0])["attempt_started"])
     assert later.relation(a) is Relation.EARLIER
+
+
+def test_a_relaunch_takes_over_from_its_earlier_attempt_still_running_on_this_host(
+        s3, tmp_path, monkeypatch):
+    """The crashed attempt's process may still run (hung) on the same host: an earlier
+    attempt of this run is replaced all the same; it cannot commit."""
+    monkeypatch.setenv("CLOUDCKPT_CLAIM_LEASE", "600")
+    monkeypatch.setenv("CLOUDCKPT_RUN_ID", "run-x")
+    monkeypatch.setenv("CLOUDCKPT_RUN_ATTEMPT", "1")
+    uri = s3.uri("run", "step-1")
+    go = tmp_path / "go"
+    hung = subprocess.Popen(
+        [sys.executable, CHILD, uri, s3.options_json(), str(go)], stdout=subprocess.PIPE,
+        text=True, env={**os.environ, **s3.env, "CLOUDCKPT_RUN_ATTEMPT": "0"})
+    assert hung.stdout.readline() == "claimed\n"
+    assert save(s3, uri) < 10
+    go.touch()
+    out, _ = hung.communicate(timeout=60)
+    assert out.startswith("conflict: this save")
+    assert open_checkpoint(uri, s3.options).read("model.bin") == b"B" * 4096

@@ -7,7 +7,8 @@ Records name their writer three ways, each judged where it can be:
   this host, boot and pid namespace can be checked (its pid is free, or now another
   process's); pids mean nothing across containers, nodes and reboots.
 - **the attempt of the run** (:mod:`cloudckpt.runtime.attempt`): a record of an earlier
-  attempt of this process's own run is dead, wherever it ran: that attempt was replaced.
+  attempt of this process's own run is dead, wherever it ran and whether or not its
+  process still runs: that attempt was replaced.
 - **the lease**: the writer rewrites its record every quarter of the lease while it
   works (:mod:`cloudckpt.core.leases`), so a record not renewed for a whole lease is dead
   wherever its writer ran. Judged first by the record's ``renewed`` time (clocks of a
@@ -153,17 +154,18 @@ def judge(record: Mapping[str, Any], *, now: float | None = None) -> Verdict:
     """Judge the writer of ``record``, written by another process than this one."""
     if record.get("abandoned"):
         return Verdict(State.GONE, "its save failed and gave it up")
-    if here(record):
-        if process_gone(record):
-            return Verdict(State.GONE, "its process no longer runs")
-        if _seconds(record.get("pid")) is not None:
-            return Verdict(State.LIVE, "its process runs on this host")
+    # An earlier attempt of this run was replaced, even where its processes still run.
     relation = attempt.current().relation(record)
     if relation is Relation.EARLIER:
         return Verdict(State.GONE, f"it belongs to {relation.value} ({record.get('run')})")
     if relation is Relation.LATER:
         return Verdict(State.LIVE, f"it belongs to {relation.value}: this process is of an "
                                    "attempt that was replaced")
+    if here(record):
+        if process_gone(record):
+            return Verdict(State.GONE, "its process no longer runs")
+        if _seconds(record.get("pid")) is not None:
+            return Verdict(State.LIVE, "its process runs on this host")
     lease = lease_of(record)
     renewed = _seconds(record.get("renewed"))
     if renewed is None:

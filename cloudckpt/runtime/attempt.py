@@ -21,8 +21,10 @@ The run's id, first found of:
   which a restarted container keeps.
 
 Attempts of one run are ordered by their numbers where both have one, else by when they
-started: ``CLOUDCKPT_ATTEMPT_STARTED`` (set by ``cloudckpt run`` for every process it
-launches, so that the processes of one attempt share it), else this process's start.
+started, where a launcher says so: ``CLOUDCKPT_ATTEMPT_STARTED``, which ``cloudckpt run``
+sets for every process it launches, so that the processes of one attempt share it.
+Without either, two processes of one run cannot be told apart from two attempts of it,
+and nothing is taken over by the run alone.
 """
 
 from __future__ import annotations
@@ -43,8 +45,6 @@ RUN_ENV = "CLOUDCKPT_RUN_ID"
 # wall clocks of different machines differ by about that much.
 _CLOCK_SLACK = 2.0
 
-_PROCESS_STARTED = time.time()
-
 
 class Relation(enum.Enum):
     """How another attempt (the one that wrote a record) relates to this one."""
@@ -57,11 +57,12 @@ class Relation(enum.Enum):
 
 @dataclass(frozen=True)
 class Attempt:
-    """This process's run (None: no launcher names it) and attempt of it."""
+    """This process's run (None: no launcher names it) and attempt of it: the
+    launcher's restart count, and when the attempt started (None where unknown)."""
 
     run: str | None
     number: int | None
-    started: float
+    started: float | None
 
     def record(self) -> dict[str, Any]:
         """The fields a record of ownership carries to name this attempt."""
@@ -78,7 +79,8 @@ class Attempt:
                 return Relation.SAME
             return Relation.EARLIER if theirs < self.number else Relation.LATER
         started = record.get("attempt_started")
-        if not isinstance(started, int | float) or isinstance(started, bool):
+        if (not isinstance(started, int | float) or isinstance(started, bool)
+                or self.started is None):
             return Relation.UNRELATED
         if abs(started - self.started) <= _CLOCK_SLACK:
             return Relation.SAME if started == self.started else Relation.UNRELATED
@@ -116,9 +118,9 @@ def current(env: Mapping[str, str] | None = None) -> Attempt:
     env = os.environ if env is None else env
     run, number = _run(env)
     try:
-        started = float(env.get(STARTED_ENV, ""))
+        started: float | None = float(env.get(STARTED_ENV, ""))
     except ValueError:
-        started = _PROCESS_STARTED
+        started = None
     return Attempt(run, number, started)
 
 
