@@ -97,16 +97,16 @@ def test_a_killed_writer_of_another_run_is_taken_over_once_its_lease_runs_out(
 
 
 def test_a_live_writer_elsewhere_keeps_its_claim_and_commits(s3, tmp_path, monkeypatch):
-    monkeypatch.setenv("CLOUDCKPT_CLAIM_LEASE", "2")
+    monkeypatch.setenv("CLOUDCKPT_CLAIM_LEASE", "6")
     uri = s3.uri("run", "step-1")
-    node = Node(s3, uri, tmp_path, "node-a", CLOUDCKPT_CLAIM_LEASE="2")
-    time.sleep(2.5)  # longer than its lease: only its renewals keep it
+    node = Node(s3, uri, tmp_path, "node-a", CLOUDCKPT_CLAIM_LEASE="6")
+    time.sleep(2)  # past its first renewal, at a quarter of the lease
     first = claim_record(s3, uri)
     assert first["renewed"] > first["since"]
     start = time.monotonic()
     with pytest.raises(CommitConflictError, match="node-a.*renewed its claim"):
         save(s3, uri)
-    assert time.monotonic() - start < 2 + 3
+    assert time.monotonic() - start < 6 + 6  # refused within the lease, not after it
     assert node.finish() == "committed\n"
     ckpt = open_checkpoint(uri, s3.options)
     assert ckpt.read("model.bin") == b"Z" * 4096 and ckpt.read("extra.bin") == b"zombie"
@@ -124,7 +124,7 @@ def test_a_relaunch_of_the_same_run_takes_over_at_once(s3, tmp_path, monkeypatch
         monkeypatch.setenv(name, value)
     uri = s3.uri("run", "step-1")
     Node(s3, uri, tmp_path, "node-a", CLOUDCKPT_CLAIM_LEASE="600", **first).kill()
-    assert save(s3, uri) < 10  # not 600 s
+    assert save(s3, uri) < 30  # not 600 s
     assert open_checkpoint(uri, s3.options).read("model.bin") == b"B" * 4096
 
 
@@ -137,7 +137,7 @@ def test_attempts_launched_by_cloudckpt_run_are_ordered_by_their_start(
     Node(s3, uri, tmp_path, "node-a", CLOUDCKPT_CLAIM_LEASE="600", CLOUDCKPT_RUN_ID="run-x",
          **{attempt.STARTED_ENV: earlier}).kill()
     monkeypatch.setenv(attempt.STARTED_ENV, repr(time.time()))
-    assert save(s3, uri) < 10
+    assert save(s3, uri) < 30  # not its 600 s lease
 
 
 def test_the_zombie_a_relaunch_replaced_cannot_change_what_it_committed(
@@ -152,7 +152,7 @@ def test_the_zombie_a_relaunch_replaced_cannot_change_what_it_committed(
     zombie = Node(s3, uri, tmp_path, "node-a", CLOUDCKPT_CLAIM_LEASE="600",
                   CLOUDCKPT_RUN_ID="run-x", CLOUDCKPT_RUN_ATTEMPT="0")
     with caplog.at_level(logging.WARNING, "cloudckpt"):
-        assert save(s3, uri) < 10
+        assert save(s3, uri) < 30  # not its 600 s lease
     assert "an earlier attempt of this run" in caplog.text
     committed = open_checkpoint(uri, s3.options).manifest.commit_id
     assert zombie.finish().startswith("conflict: this save")
@@ -266,7 +266,7 @@ def test_a_relaunch_takes_over_from_its_earlier_attempt_still_running_on_this_ho
         [sys.executable, CHILD, uri, s3.options_json(), str(go)], stdout=subprocess.PIPE,
         text=True, env={**os.environ, **s3.env, "CLOUDCKPT_RUN_ATTEMPT": "0"})
     assert hung.stdout.readline() == "claimed\n"
-    assert save(s3, uri) < 10
+    assert save(s3, uri) < 30  # not its 600 s lease
     go.touch()
     out, _ = hung.communicate(timeout=60)
     assert out.startswith("conflict: this save")

@@ -47,6 +47,7 @@ from cloudckpt.core.liveness import (
     Verdict,
     here,
     judge,
+    lease_of,
     lease_seconds,
     stamp,
 )
@@ -262,7 +263,7 @@ class WriterClaim:
         log.info("%s is claimed by a save elsewhere (%s; %s): waiting up to %.0f s for "
                  "a renewal", self.store.uri, _describe(record), verdict.why, verdict.left)
         deadline = time.monotonic() + verdict.left
-        poll = min(max(lease_seconds(), 1.0) / 8, 5.0)
+        poll = min(max(lease_of(record), 1.0) / 8, 5.0)  # a few looks per renewal
         while (left := deadline - time.monotonic()) > 0:
             time.sleep(min(poll, left))
             try:
