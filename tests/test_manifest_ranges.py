@@ -141,3 +141,23 @@ def test_gc_leaves_the_blob_area_while_a_manifest_is_unreadable(local, caplog, c
     assert "leaving the blobs" in caplog.text and "step-1" in caplog.text
     assert sorted(o.key for o in area.list()) == sorted([*blobs, "0" * 64])
     assert not open_store(local.uri("step-7"), local.options).list()
+
+
+@pytest.mark.parametrize("world", ['"eight"', "0", "null", str(2**40)])
+def test_a_bad_world_size_is_a_corrupt_checkpoint_resume_falls_back_from(local, world,
+                                                                          caplog):
+    """What a training checkpoint's metadata says cloudckpt reads (``world_size``) is
+    range-checked like the manifest's own fields: a bad one is corruption, not a
+    crash of the resume."""
+    opts = ManagerOptions(every_steps=1)
+    run(CheckpointManager(local.root, opts, storage_options=local.options), range(0, 3))
+    store = open_store(local.uri("step-2"), local.options)
+    doc = json.loads(store.get(MANIFEST_NAME))
+    doc["metadata"]["world_size"] = "@BAD@"
+    store.delete([MANIFEST_NAME])
+    store.put(MANIFEST_NAME, json.dumps(doc).replace('"@BAD@"', world).encode())
+    state = {"w": torch.zeros(8)}
+    with caplog.at_level(logging.WARNING, logger="cloudckpt"):
+        info = CheckpointManager(local.root, opts, storage_options=local.options).restore(state)
+    assert info.global_step == 1 and torch.equal(state["w"], torch.full((8,), 1.0))
+    assert "step-2 is corrupt" in caplog.text and "world_size" in caplog.text

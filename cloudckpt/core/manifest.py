@@ -50,6 +50,8 @@ _MAX_STEP = 2**63
 #: Latest commit time a manifest may state: the end of year 9999 (UTC), the last
 #: time every platform can show; earliest: the epoch.
 MAX_CREATED = 253402300799.0
+#: Most ranks a checkpoint's metadata may say saved it.
+MAX_RANKS = 2**31 - 1
 #: Longest ``kind`` or ``commit_id`` (cloudckpt's are a word and 32 hex digits).
 _MAX_NAME = 256
 
@@ -245,6 +247,15 @@ def _created(value: Any, source: str) -> float:
                             f"seconds since 1970 up to {MAX_CREATED:.0f} (the end of year "
                             f"9999). {_MALFORMED}")
     return at
+
+
+def metadata_int(manifest: Manifest, key: str, source: str, *, default: int, low: int,
+                 high: int) -> int:
+    """The integer a part or kind of checkpoint keeps under ``key`` of its manifest's
+    metadata (``default`` when absent), from ``low`` to ``high``: any other value makes
+    the manifest malformed (:class:`ManifestError`), like a bad field of its own."""
+    return _bounded(manifest.metadata.get(key, default), f"metadata {key!r}", source, low,
+                    high)
 
 
 def _writer_area(doc: Any, files: Mapping[str, FileEntry], source: str
