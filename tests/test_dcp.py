@@ -336,7 +336,7 @@ def test_item_checksums_are_packed_and_a_wrong_one_is_refused(s3):
         assert offsets == sorted(i.offset for i in md.storage_data.values()
                                  if i.relative_path == path)
 
-    def recommit(dcp_meta: dict) -> None:
+    def recommit(dcp_meta: object) -> None:
         manifest["metadata"]["dcp"] = dcp_meta
         store.delete([MANIFEST_NAME])
         store.put(MANIFEST_NAME, json.dumps(manifest).encode())
@@ -357,6 +357,11 @@ def test_item_checksums_are_packed_and_a_wrong_one_is_refused(s3):
     recommit({"item_crcs": {p: "not base64!" for p in packed}, "key_spread": 0})
     with pytest.raises(CorruptCheckpointError, match="item checksums .* malformed"):
         load_single(uri, s3.options)
+    for malformed in ({"item_crcs": {p: 7 for p in packed}}, {"item_crcs": list(packed)},
+                      ["item_crcs"]):
+        recommit(malformed)
+        with pytest.raises(CorruptCheckpointError, match="item checksums .*malformed"):
+            load_single(uri, s3.options)
 
 
 @pytest.mark.parametrize("how", ["cloudckpt", "torch"])

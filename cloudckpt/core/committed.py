@@ -9,12 +9,24 @@ manifest gives.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from cloudckpt.core.blobs import BlobArea, digest_of
-from cloudckpt.core.manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest_bytes
+from cloudckpt.core.manifest import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    FileEntry,
+    Manifest,
+    read_manifest_bytes,
+)
 from cloudckpt.core.ownership import COMMITTED, EMPTY, missing_manifest_error, survey
-from cloudckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from cloudckpt.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    ManifestError,
+)
 from cloudckpt.storage import Store, as_store
 from cloudckpt.util.crc import crc32c_hex
 
@@ -105,6 +117,25 @@ class Checkpoint:
         entry = self.manifest.files.get(path)
         return entry is not None and _problem(entry, data) is None
 
+    @contextmanager
+    def reading(self, path: str) -> Iterator[None]:
+        """Reads of object ``path`` inside: one that finds it missing, or ending before
+        the bytes asked for, raises :class:`CorruptCheckpointError` naming it, since
+        the manifest lists it with its size. Failures of the store itself (denied, an
+        outage) pass as they are: they say nothing of the checkpoint."""
+        try:
+            yield
+        except FileNotFoundError as exc:
+            raise self._disagrees(path, "missing", exc) from exc
+        except EOFError as exc:
+            raise self._disagrees(path, "shorter than the manifest says", exc) from exc
+
+    def _disagrees(self, path: str, problem: str, exc: BaseException) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"object {path!r} of {self.uri} is {problem} ({exc}); the manifest lists it "
+            f"with {self.entry(path).size} bytes. Restore it from a copy or fall back to an "
+            "earlier checkpoint.", {path: problem})
+
     def read(self, path: str) -> bytes:
         """Read a whole object, checking size and CRC32C.
 
@@ -112,18 +143,13 @@ class Checkpoint:
         """
         entry = self.entry(path)
         chunk = max(self.store.part_size, 1 << 20)
-        try:
+        with self.reading(path):
             if entry.size > 2 * chunk:
                 ranges = [(path, s, min(s + chunk, entry.size))
                           for s in range(0, entry.size, chunk)]
                 data = b"".join(self.store.get_ranges(ranges))
             else:
                 data = self.store.get(path)
-        except (FileNotFoundError, EOFError) as exc:
-            raise CorruptCheckpointError(
-                f"object {path!r} of {self.uri} is listed in the manifest but missing or "
-                f"short ({exc})", {path: "missing or short"},
-            ) from None
         return self._check(path, data)
 
     def read_many(self, paths: Sequence[str]) -> dict[str, bytes]:
@@ -141,12 +167,25 @@ class Checkpoint:
         entry = self.entry(path)
         if not 0 <= start <= end <= entry.size:
             raise ValueError(f"range [{start}, {end}) outside {path!r} of size {entry.size}")
-        try:
+        with self.reading(path):
             return self.store.get_range(path, start, end)
-        except (FileNotFoundError, EOFError) as exc:
+
+    def part(self, prefix: str) -> Checkpoint:
+        """The checkpoint committed at ``prefix`` inside this one (a part of a
+        multi-part save), its manifest read as one of this checkpoint's objects: one
+        that is missing or not the bytes committed here is corrupt, like any other."""
+        key = f"{prefix}/{MANIFEST_NAME}"
+        entry = self.manifest.files.get(key)
+        if entry is None:
             raise CorruptCheckpointError(
-                f"object {path!r} of {self.uri} is missing or short: {exc}", {path: "short"}
-            ) from None
+                f"the manifest of {self.uri} lists no part at {prefix}/ (no {key}); the "
+                "checkpoint is not whole. Fall back to an earlier checkpoint.",
+                {key: "not in the manifest"})
+        if entry.size > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"the manifest of {self.uri} says {key} is {entry.size} "
+                                f"bytes, over the {MAX_MANIFEST_BYTES} limit of a manifest")
+        return Checkpoint(self.store.child(prefix),
+                          Manifest.from_json(self.read(key), source=self.store.key_uri(key)))
 
     def iter_objects(self) -> Iterator[tuple[str, bytes]]:
         """Yield ``(path, bytes)`` for every object, checked, in parallel batches."""

@@ -11,7 +11,8 @@ Two kinds of garbage, both invisible to readers but taking space:
   during the old generation's deletion);
 - blobs of the root's blob area that no committed checkpoint references and no
   live save holds, older than the grace period, and holds older than it
-  (:func:`cloudckpt.core.blobs.sweep`).
+  (:func:`cloudckpt.core.blobs.sweep`); none while a manifest there cannot be read
+  (what it references is unknown), which is a WARNING.
 
 Nothing else is ever touched: prefixes holding objects cloudckpt did not write
 (``logs/``, ``datasets/``) and roots holding checkpoints further down are
@@ -33,7 +34,7 @@ from cloudckpt.core.blobs import sweep
 from cloudckpt.core.deletion import delete_checkpoint, delete_unfinished
 from cloudckpt.core.ownership import COMMITTED, OURS, ROOT, Survey, survey
 from cloudckpt.core.slots import GENERATION_RE, Slot
-from cloudckpt.errors import CommitConflictError
+from cloudckpt.errors import CommitConflictError, CorruptCheckpointError
 from cloudckpt.names import BLOB_AREA, MANIFEST_NAME, SLOT_POINTER_NAME
 from cloudckpt.storage import Store, as_store, open_store
 
@@ -118,7 +119,11 @@ def find_garbage(root: str | Store, storage_options: Mapping[str, Any] | None = 
             if g.age_seconds >= grace_seconds:
                 found.append(g)
     if BLOB_AREA in listed:
-        swept = sweep(store, grace_seconds=grace_seconds, dry_run=True)
+        try:
+            swept = sweep(store, grace_seconds=grace_seconds, dry_run=True)
+        except CorruptCheckpointError as exc:  # what it references cannot be known
+            log.warning("gc: leaving the blobs of %s: %s", store.child(BLOB_AREA).uri, exc)
+            return found
         if swept.blobs or swept.holds:
             found.append(Garbage(store.child(BLOB_AREA).uri, "only the blobs in it that no "
                                  "committed checkpoint references and no live save holds, "
@@ -143,7 +148,7 @@ def collect(garbage: list[Garbage], storage_options: Mapping[str, Any] | None = 
         if g.kind == BLOBS:  # marked and swept again, under the sweep record
             try:
                 swept = sweep(sub.ancestor(1), grace_seconds=g.grace_seconds)
-            except CommitConflictError as exc:
+            except (CommitConflictError, CorruptCheckpointError) as exc:
                 log.warning("gc: leaving the blobs of %s: %s", g.uri, exc)
                 continue
             removed += swept.blobs + swept.holds

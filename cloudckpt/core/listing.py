@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -13,6 +14,8 @@ from cloudckpt.core.ownership import COMMITTED, EMPTY, FOREIGN, OURS, ROOT, surv
 from cloudckpt.errors import CorruptCheckpointError
 from cloudckpt.names import BLOB_AREA
 from cloudckpt.storage import Store, as_store
+
+log = logging.getLogger("cloudckpt")
 
 
 @dataclass(frozen=True)
@@ -76,8 +79,10 @@ def list_checkpoints(
 ) -> list[CheckpointInfo]:
     """The checkpoints directly below ``root``, oldest step first.
 
-    Only committed checkpoints by default; ``include_uncommitted`` adds every
-    other prefix there, flagged ``committed=False`` with its ``status``.
+    Only committed checkpoints by default, with a WARNING naming each one skipped
+    because its manifest cannot be read (malformed, or a field out of range);
+    ``include_uncommitted`` adds every other prefix there, flagged
+    ``committed=False`` with its ``status``.
     Raises :class:`BucketNotFoundError` when the bucket does not exist.
     """
     store = as_store(root, storage_options)
@@ -107,6 +112,9 @@ def list_checkpoints(
 
     infos = [i for i in store.map(probe, names) if i is not None]
     if not include_uncommitted:
+        for i in infos:
+            if i.status == "unreadable":  # never a silent gap in a run
+                log.warning("skipping %s: its manifest cannot be read (%s)", i.uri, i.error)
         infos = [i for i in infos if i.committed]
     return sorted(infos, key=_sort_key)
 

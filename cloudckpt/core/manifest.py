@@ -47,6 +47,13 @@ FIRST_READ = 1024 * 1024
 MAX_OBJECT_SIZE = 5 * 1024**4
 #: Steps are 64-bit signed integers, as every framework stores them.
 _MAX_STEP = 2**63
+#: Latest commit time a manifest may state: the end of year 9999 (UTC), the last
+#: time every platform can show; earliest: the epoch.
+MAX_CREATED = 253402300799.0
+#: Most ranks a checkpoint's metadata may say saved it.
+MAX_RANKS = 2**31 - 1
+#: Longest ``kind`` or ``commit_id`` (cloudckpt's are a word and 32 hex digits).
+_MAX_NAME = 256
 
 _CRC_RE = re.compile(r"^[0-9a-f]{8}$")
 #: A blob's name: the SHA-256 of its bytes, in hex.
@@ -165,10 +172,9 @@ class Manifest:
             validate_path(path, source=source)
             if not isinstance(entry, dict):
                 raise ManifestError(f"{source}: entry for {_short(path)} must be an object")
-            size, crc = entry.get("size"), entry.get("crc32c")
-            if (not isinstance(size, int) or isinstance(size, bool)
-                    or not 0 <= size <= MAX_OBJECT_SIZE):
-                raise ManifestError(f"{source}: bad size {_short(size)} for {_short(path)}")
+            crc = entry.get("crc32c")
+            size = _bounded(entry.get("size"), "size", source, 0, MAX_OBJECT_SIZE,
+                            of=f" for {_short(path)}")
             if not isinstance(crc, str) or not _CRC_RE.match(crc):
                 raise ManifestError(f"{source}: bad crc32c {_short(crc)} for {_short(path)}")
             blob = entry.get("blob")
@@ -181,25 +187,18 @@ class Manifest:
                                     f"{_short(path)}: true or false, and not for a blob")
             files[path] = FileEntry(size, crc, blob, moved)
         step = doc.get("step")
-        if step is not None and (not isinstance(step, int) or isinstance(step, bool)
-                                 or not -_MAX_STEP <= step < _MAX_STEP):
-            raise ManifestError(f"{source}: bad step {_short(step)}")
+        if step is not None:
+            step = _bounded(step, "step", source, -_MAX_STEP, _MAX_STEP - 1)
         metadata = doc.get("metadata") or {}
         if not isinstance(metadata, dict):
             raise ManifestError(f"{source}: 'metadata' must be an object")
-        created = doc.get("created")
-        created_at = math.nan
-        if isinstance(created, (int, float)) and not isinstance(created, bool):
-            try:
-                created_at = float(created)
-            except OverflowError:
-                pass
-        if not math.isfinite(created_at):
-            raise ManifestError(f"{source}: bad 'created' time {_short(created)}")
+        created = _created(doc.get("created"), source)
         kind, commit_id = doc.get("kind", kinds.GENERIC), doc.get("commit_id", "")
         for name, value in (("kind", kind), ("commit_id", commit_id)):
-            if not isinstance(value, str) or _CONTROL_RE.search(value):
-                raise ManifestError(f"{source}: bad {name!r} {_short(value)}")
+            if not isinstance(value, str) or _CONTROL_RE.search(value) \
+                    or len(value) > _MAX_NAME:
+                raise ManifestError(f"{source}: bad {name!r} {_short(value)}: it must be "
+                                    f"text of at most {_MAX_NAME} characters. {_MALFORMED}")
         depth = doc.get("blob_depth")
         has_blobs = any(e.blob for e in files.values())
         if (depth is not None or has_blobs) and (
@@ -214,12 +213,49 @@ class Manifest:
             step=step,
             metadata=metadata,
             kind=kind,
-            created=created_at,
+            created=created,
             commit_id=commit_id,
             blob_depth=depth,
             writer_area=area,
             writer_depth=writer_depth,
         )
+
+
+_MALFORMED = ("The manifest is malformed, so the checkpoint cannot be trusted: fall back to "
+              "an earlier one, or delete it (cloudckpt rm --force).")
+
+
+def _bounded(value: Any, what: str, source: str, low: int, high: int, of: str = "") -> int:
+    """``value``, a manifest's field, as an integer from ``low`` to ``high``;
+    :class:`ManifestError` naming ``what`` (``of`` what) otherwise (a bool is no integer)."""
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ManifestError(f"{source}: bad {what} {_short(value)}{of}: it must be an "
+                            f"integer from {low} to {high}. {_MALFORMED}")
+    return value
+
+
+def _created(value: Any, source: str) -> float:
+    """The commit time: seconds since the epoch, up to the end of year 9999."""
+    at = math.nan
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            at = float(value)
+        except OverflowError:
+            pass
+    if not 0 <= at <= MAX_CREATED:  # NaN fails this too
+        raise ManifestError(f"{source}: bad 'created' time {_short(value)}: it must be "
+                            f"seconds since 1970 up to {MAX_CREATED:.0f} (the end of year "
+                            f"9999). {_MALFORMED}")
+    return at
+
+
+def metadata_int(manifest: Manifest, key: str, source: str, *, default: int, low: int,
+                 high: int) -> int:
+    """The integer a part or kind of checkpoint keeps under ``key`` of its manifest's
+    metadata (``default`` when absent), from ``low`` to ``high``: any other value makes
+    the manifest malformed (:class:`ManifestError`), like a bad field of its own."""
+    return _bounded(manifest.metadata.get(key, default), f"metadata {key!r}", source, low,
+                    high)
 
 
 def _writer_area(doc: Any, files: Mapping[str, FileEntry], source: str

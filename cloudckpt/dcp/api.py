@@ -163,7 +163,7 @@ def save(
 
 def load(
     state_dict: dict[str, Any],
-    uri: str | Store,
+    uri: str | Store | Checkpoint,
     *,
     storage_options: Mapping[str, Any] | None = None,
     process_group: Any = None,
@@ -174,7 +174,10 @@ def load(
     Rank 0 reads the manifest and ``.metadata`` first and shares them, so a
     missing, torn or unadopted checkpoint raises
     :class:`CheckpointNotFoundError`/:class:`IncompleteCheckpointError` on every
-    rank at once, and the bucket sees one read of each per job, not per rank.
+    rank at once, and the bucket sees one read of each per job, not per rank. A
+    :class:`Checkpoint` given (every rank the same) is not read again. An object that
+    disagrees with the manifest (missing, short, another CRC32C) raises
+    :class:`CorruptCheckpointError` naming it.
     """
     import torch.distributed.checkpoint as dcp
 

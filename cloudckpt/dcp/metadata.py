@@ -85,7 +85,13 @@ class ItemCrcs:
 
     def __init__(self, dcp_metadata: Mapping[str, Any] | None) -> None:
         meta = dcp_metadata or {}
-        self._packed: Mapping[str, str] = meta.get("item_crcs") or {}
+        packed = (meta.get("item_crcs") if isinstance(meta, Mapping) else meta) or {}
+        if not isinstance(packed, Mapping):  # a manifest's metadata is read as hostile
+            raise CorruptCheckpointError(
+                f"the manifest's item checksums are malformed ({type(packed).__name__}, not "
+                "an object of packed checksums per file); the checkpoint cannot be trusted",
+                {"item_crcs": "malformed"})
+        self._packed: Mapping[str, Any] = packed
         self._files: dict[str, dict[int, str]] = {}
 
     def get(self, path: str, offset: int) -> str | None:
@@ -98,6 +104,8 @@ class ItemCrcs:
         if not packed:
             return {}
         try:
+            if not isinstance(packed, str):
+                raise ValueError(f"{type(packed).__name__}, not base64 text")
             raw = base64.b64decode(packed, validate=True)
             return {off: crc.hex() for off, crc in _ITEM.iter_unpack(raw)}
         except (ValueError, struct.error) as exc:

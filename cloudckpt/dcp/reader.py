@@ -82,12 +82,13 @@ class CloudStorageReader(_OnStore, StorageReader):
     Byte ranges are fetched concurrently (adjacent items coalesced, large ones
     split), each item's bytes are checked against the CRC32C recorded at save
     time, and nothing is unpickled beyond DCP's own metadata types and
-    ``weights_only`` tensors.
+    ``weights_only`` tensors. ``uri`` may be a :class:`Checkpoint` opened already
+    (a part of a larger checkpoint, its manifest read through that one's).
     """
 
     def __init__(
         self,
-        uri: str | Store,
+        uri: str | Store | Checkpoint,
         *,
         storage_options: Mapping[str, Any] | None = None,
         read_window: int = DEFAULT_READ_WINDOW,
@@ -96,13 +97,16 @@ class CloudStorageReader(_OnStore, StorageReader):
     ) -> None:
         super().__init__()
         self.storage_options = dict(storage_options or {})
-        self.store = as_store(uri, self.storage_options)
         self.read_window = read_window
         self.share_metadata = share_metadata
         self.process_group = process_group
         self.checkpoint: Checkpoint | None = None
         self._metadata: Metadata | None = None
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
+        if isinstance(uri, Checkpoint):  # its manifest read already (a part of a larger one)
+            self.prime(None, uri)
+        else:
+            self.store = as_store(uri, self.storage_options)
 
     def reset(self, checkpoint_id: Any = None) -> None:
         # DCP calls this at the start of every load; keep what was already read
@@ -250,10 +254,19 @@ class CloudStorageReader(_OnStore, StorageReader):
             raise CorruptCheckpointError(
                 f"{self.uri}: item {index.fqn} uses stream transforms "
                 f"{info.transform_descriptors}, which cloudckpt does not read")
-        entry = self._ckpt().entry(path)  # must be in the manifest
-        if info.offset + info.length > entry.size:
+        entry = self._ckpt().manifest.files.get(path) if isinstance(path, str) else None
+        if entry is None:
             raise CorruptCheckpointError(
-                f"{self.uri}: item {index.fqn} lies past the end of {path}", {path: "short"})
+                f"{self.uri}/.metadata puts item {index.fqn} in {path!r}, which the "
+                "manifest does not list: the .metadata is not this checkpoint's. Fall back "
+                "to an earlier checkpoint.", {METADATA_NAME: f"names {path!r}"})
+        offset, length = info.offset, info.length
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                   for n in (offset, length)) or offset + length > entry.size:
+            raise CorruptCheckpointError(
+                f"{self.uri}: .metadata puts item {index.fqn} at bytes [{offset!r}, +{length!r})"
+                f" of {path}, which the manifest lists with {entry.size} bytes",
+                {path: "short"})
         expected = item_crcs.get(path, info.offset)
         if expected is None:
             raise CorruptCheckpointError(
@@ -277,7 +290,8 @@ class CloudStorageReader(_OnStore, StorageReader):
     def _locate(self, item: _Item) -> None:
         """Read an item's head and find its tensor's bytes (None: read it whole)."""
         n = min(item.info.length, HEAD_BYTES)
-        head = self.store.get_range(item.path, item.info.offset, item.info.offset + n)
+        with self._ckpt().reading(item.path):
+            head = self.store.get_range(item.path, item.info.offset, item.info.offset + n)
         item.saved = try_locate(head, item.info.length)
         if item.saved is not None:
             item.head = head[:item.saved.data_start]
@@ -314,8 +328,9 @@ class CloudStorageReader(_OnStore, StorageReader):
                      address: int) -> None:
         # Faulted in here, not page by page on the loop as the bytes arrive.
         pages.populate(address, memoryview(outs[0]).nbytes)
-        item.crcs[k] = (self.store.read_range_into(item.path, start, outs),
-                        sum(memoryview(o).nbytes for o in outs))
+        with self._ckpt().reading(item.path):
+            crc = self.store.read_range_into(item.path, start, outs)
+        item.crcs[k] = (crc, sum(memoryview(o).nbytes for o in outs))
 
     def _read_rows(self, item: _Item, k: int, r0: int, r1: int, base: int,
                    window: ByteWindow, last: bool) -> None:
@@ -323,7 +338,8 @@ class CloudStorageReader(_OnStore, StorageReader):
         rows = _Rows(item, window, r1 - r0, first_row=r0)
         try:
             outs = [rows.buffer, *([item.tail] if last else [])]
-            crc = self.store.read_range_into(item.path, base + r0 * rows.row_bytes, outs)
+            with self._ckpt().reading(item.path):
+                crc = self.store.read_range_into(item.path, base + r0 * rows.row_bytes, outs)
             item.crcs[k] = (crc, rows.size + (len(item.tail) if last else 0))
             rows.filled(rows.size)
         finally:
@@ -348,9 +364,10 @@ class CloudStorageReader(_OnStore, StorageReader):
     def _stream_once(self, item: _Item, window: ByteWindow, *, on_loop: bool) -> None:
         sink = _Stream(item, window, self._row_budget(), on_loop=on_loop)
         try:
-            self.store.read_range_to(item.path, item.info.offset,
-                                     item.info.offset + item.info.length, sink,
-                                     chunk=READ_PIECE, on_loop=on_loop)
+            with self._ckpt().reading(item.path):
+                self.store.read_range_to(item.path, item.info.offset,
+                                         item.info.offset + item.info.length, sink,
+                                         chunk=READ_PIECE, on_loop=on_loop)
             sink.finish(self.uri)
         finally:
             sink.close()
@@ -377,7 +394,8 @@ class CloudStorageReader(_OnStore, StorageReader):
         held = window.acquire(n)
         buf = window.mapping(n)
         try:
-            self.store.read_range_into(path, start, [buf])
+            with self._ckpt().reading(path):
+                self.store.read_range_into(path, start, [buf])
             view = memoryview(buf)
             for item in members:
                 data = view[item.info.offset - start:item.info.offset - start + item.info.length]

@@ -199,12 +199,8 @@ class ExportReader:
             def sink(offset: int, data: bytes) -> None:
                 view[offset - span.start:offset - span.start + len(data)] = data
 
-            try:
+            with self.checkpoint.reading(span.file):
                 store.read_range_to(span.file, a, b, sink)
-            except EOFError:
-                raise CorruptCheckpointError(
-                    f"{span.file} of {self.checkpoint.uri} is short: tensor {span.name} "
-                    "lies past its end", {span.file: "short"}) from None
 
         store.map(read, jobs)
         for span in spans:

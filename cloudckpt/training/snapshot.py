@@ -25,9 +25,10 @@ from cloudckpt import dcp as cdcp
 from cloudckpt.core import kinds
 from cloudckpt.core.blobs import BlobArea
 from cloudckpt.core.checkpoint import Checkpoint, open_checkpoint
+from cloudckpt.core.manifest import MAX_RANKS, metadata_int
 from cloudckpt.dcp.budget import StagedState
 from cloudckpt.errors import ConfigError, CorruptCheckpointError, WorldSizeError
-from cloudckpt.names import MODEL_PART
+from cloudckpt.names import MANIFEST_NAME, MODEL_PART
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.runtime.state import (
     Stateful,
@@ -197,23 +198,33 @@ def read(
     ``.metadata`` and the shared state, and shares them; every rank reads its own
     per-rank state and its shards. ``planner`` is DCP's load planner; ``as_rank``
     the per-rank state to read, for a checkpoint :func:`write` saved with one.
+
+    Before anything is loaded, rank 0 checks that every object the manifest lists is
+    there with its size (one listing): a checkpoint holding a missing, truncated or
+    oversized object raises :class:`CorruptCheckpointError` naming it, as one whose
+    bytes fail their CRC32C does while it loads, so a resume can fall back from either.
     """
 
-    def opened() -> tuple[Checkpoint, dict[str, Any]]:
+    def opened() -> tuple[Checkpoint, int, dict[str, Any], Checkpoint | None]:
         ckpt = uri if isinstance(uri, Checkpoint) else open_checkpoint(uri, storage_options)
         if ckpt.manifest.kind != KIND:
             raise CorruptCheckpointError(
                 f"{ckpt.uri} is a {ckpt.manifest.kind!r} checkpoint, not a training checkpoint")
-        return ckpt, loads_state(ckpt.read(SHARED), source=f"{ckpt.uri}/{SHARED}")
+        saved_world = metadata_int(ckpt.manifest, "world_size", ckpt.store.key_uri(
+            MANIFEST_NAME), default=1, low=1, high=MAX_RANKS)
+        ckpt.verify()
+        shared_bytes, model = ckpt.store.map(lambda job: job(), [
+            lambda: ckpt.read(SHARED), lambda: ckpt.part(MODEL_PART) if app_state else None])
+        return (ckpt, saved_world, loads_state(shared_bytes, source=f"{ckpt.uri}/{SHARED}"),
+                model)
 
     found = coord.on_coordinator(opened, group)
     assert found is not None
-    ckpt, saved_shared = found
-    if app_state:
-        cdcp.load(app_state, ckpt.store.child(MODEL_PART), process_group=group, planner=planner)
+    ckpt, saved_world, saved_shared, model = found
+    if model is not None:
+        cdcp.load(app_state, model, process_group=group, planner=planner)
     _restore_into(shared or {}, saved_shared, ckpt.uri)
     if per_rank or rng:
-        saved_world = int(ckpt.metadata.get("world_size", 1))
         world, rank = coord.world_size(group), coord.rank(group)
         if saved_world != world:
             raise WorldSizeError(

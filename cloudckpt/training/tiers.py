@@ -111,7 +111,7 @@ class LocalCopies:
         for c in list_checkpoints(self.store):
             n = self.managed(c)
             job = (c.manifest.metadata.get(TIER_KEY) if c.manifest else None) or {}
-            if n is not None and job.get("world_size") == self.world \
+            if n is not None and isinstance(job, dict) and job.get("world_size") == self.world \
                     and job.get("rank") == self.rank:
                 found[n] = c.name
         return found
