@@ -296,6 +296,16 @@ def test_a_drain_at_close_that_fails_or_runs_late_raises_on_every_rank(s3, tmp_p
                    "only on the nodes' local disks" in line for line in ranks[0]["logged"])
 
 
+def test_a_local_step_one_rank_refuses_is_loaded_by_no_rank(s3, tmp_path):
+    """Rank 1's local copy of the only step fails its check: rank 0 must not have
+    loaded its own copy meanwhile, since nothing else resumes over it."""
+    ranks = run_ranks("tier_workers.refused_local_step", 2, s3.root, s3.options,
+                      str(tmp_path / "nodes"), timeout=240)
+    for out in ranks.values():
+        assert out["info"] is None and out["untouched"], out
+    assert any("cannot be resumed from" in line for line in ranks[0]["logged"])
+
+
 def test_close_skips_a_step_another_drain_committed(s3, tmp_path, caplog):
     """The bucket holds the newest local step already (drained by another process):
     close() finds it there and sends nothing."""

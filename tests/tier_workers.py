@@ -1,5 +1,5 @@
 """Rank functions for the local tier's two-rank tests (run by dist_run.run_ranks):
-what ``close()`` does with the newest local step."""
+what ``close()`` does with the newest local step, and a local step one rank refuses."""
 
 from __future__ import annotations
 
@@ -87,3 +87,30 @@ def close_drain(rank: int, world: int, root: str, options: dict, local_dir: str,
         "step": info.global_step, "weight": fresh["model"]["weight"].tolist(),
         "same": torch.equal(fresh["model"]["weight"], weight), "position": back.n}
     return out
+
+
+def refused_local_step(rank: int, world: int, root: str, options: dict, local_dir: str
+                       ) -> dict[str, Any]:
+    """A local save of step 0 on both ranks (not drained), then rank 1's per-rank state
+    damaged on its disk, then a fresh manager's restore: every rank refuses step 0
+    before loading anything, so rank 0's model stays as it was (and nothing resumes)."""
+    tier = LocalTier(local_dir, every_steps=1, drain_at_close=False)
+    mgr = CheckpointManager(root, ManagerOptions(local=tier), storage_options=options)
+    _train(mgr, 1, rank)
+    mgr.close()
+    import torch.distributed as dist
+
+    if rank == 1:
+        state = Path(local_dir) / "rank-00001" / "step-0" / "state" / "rank-00001.bin"
+        data = bytearray(state.read_bytes())
+        data[-1] ^= 0xFF
+        state.write_bytes(bytes(data))
+    dist.barrier()
+    logged = Logged()
+    untouched = torch.full((8, 8), -7.0)
+    fresh = {"model": {"weight": untouched.clone(), "bias": torch.zeros(8)}}
+    info = CheckpointManager(root, ManagerOptions(local=tier), storage_options=options
+                             ).restore(fresh, per_rank={"data": Position(-1)})
+    return {"info": None if info is None else info.global_step,
+            "untouched": torch.equal(fresh["model"]["weight"], untouched),
+            "logged": logged.lines}

@@ -388,7 +388,9 @@ class CheckpointManager:
                 where: Store | Checkpoint = (open_store(cand, self._storage_options) if uri
                                              else listed.get(cand) or self.store.child(cand))
                 restored = training.read(where, state_dict, shared=shared, per_rank=per_rank,
-                                         rng=rng, group=self.group, planner=planner)
+                                         rng=rng, group=self.group, planner=planner,
+                                         step=self.managed.number(cand.rstrip("/")
+                                                                  .rpartition("/")[2]))
             except CorruptCheckpointError as exc:
                 err = exc
             try:

@@ -137,9 +137,10 @@ class LocalCopies:
         return open_checkpoint(self.store.child(name))
 
     def restore(self, name: str, state: Mapping[str, Any], **read: Any) -> training.Restored:
-        """Load this rank's local checkpoint ``name`` in place (no collective)."""
-        return training.read(self.open(name), state, group=coord.SOLO, as_rank=self.rank,
-                             **read)
+        """Load this rank's local checkpoint ``name`` in place (no collective but the
+        agreement of ``checks_group``, when given, on the checks made first)."""
+        return training.read(self.store.child(name), state, group=coord.SOLO,
+                             as_rank=self.rank, **read)
 
     def prune_after(self, step: int | None) -> list[str]:
         """Delete this rank's local checkpoints newer than ``step`` (every one, for
@@ -177,14 +178,15 @@ def restore_newest(local: LocalCopies, state: Mapping[str, Any], newest: int | N
                    group: Any = None, **read: Any) -> training.Restored | None:
     """Resume from the local tier when every rank holds a step at least as new as
     the bucket's ``newest`` and can read it; None (on every rank) to go on to the
-    bucket. A step some rank cannot read sends every rank to an older one."""
+    bucket. A step some rank cannot read sends every rank to an older one; one that
+    some rank refuses (its checks) is loaded by none."""
     mine = local.steps()
     for step in common_steps(mine, group):
         if newest is not None and step < newest:
             break
         restored, err = None, None
         try:
-            restored = local.restore(mine[step], state, **read)
+            restored = local.restore(mine[step], state, step=step, checks_group=group, **read)
         except CloudCkptError as exc:
             err = exc
         try:
