@@ -323,6 +323,23 @@ def test_close_skips_a_step_another_drain_committed(s3, tmp_path, caplog):
         there.store.get("cloudckpt-manifest.json")  # the same commit, not a new one
 
 
+def test_close_does_not_mistake_another_run_of_steps_for_its_own(s3, tmp_path):
+    """The bucket's step-1 is of an abandoned run of steps (other weights): close()
+    must not take it for its own step 1 and drain nothing; the drain it tries is
+    refused, loudly, as the name is taken."""
+    from cloudckpt.errors import CommitConflictError
+
+    old = CheckpointManager(s3.root, ManagerOptions(every_steps=1), storage_options=s3.options)
+    _train(old, torch.nn.Linear(4, 4), range(2))
+    old.close()
+    tier = LocalTier(str(tmp_path / "local"), every_steps=1)
+    mgr = CheckpointManager(s3.root, ManagerOptions(local=tier), storage_options=s3.options)
+    torch.manual_seed(1)
+    _train(mgr, torch.nn.Linear(4, 4), range(2))
+    with pytest.raises(CommitConflictError):
+        mgr.close()
+
+
 @pytest.mark.parametrize("bad", [{"path": "s3://b/x"}, {"every_steps": 0},
                                  {"drain_every": -1}, {"keep_last": 0}, {"drain_timeout": 0}])
 def test_a_bad_local_tier_is_refused(bad):

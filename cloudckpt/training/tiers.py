@@ -74,9 +74,9 @@ class LocalTier:
     each local file durable against a power loss, not only a killed process.
 
     ``drain_at_close``: the manager's ``close()`` drains the newest local step unless
-    the bucket holds it (or a newer one) already, and raises if that drain fails or
-    has not committed within ``drain_timeout`` seconds; off, ``close()`` only warns
-    that the steps stay on the nodes' disks.
+    the bucket holds it (or a newer step this process saved) already, and raises if
+    that drain fails or has not committed within ``drain_timeout`` seconds; off,
+    ``close()`` only warns that the steps stay on the nodes' disks.
     """
 
     path: str
@@ -358,14 +358,19 @@ def drain(local: Checkpoint, dest: Store, *, group: Any = None,
                                     "drained": True})
 
 
-def in_bucket(dest: Store, step: int) -> bool:
-    """Whether ``dest`` holds ``step`` committed already (a drain at close need not
-    send it again)."""
+def in_bucket(dest: Store, local: Checkpoint) -> bool:
+    """Whether ``dest`` holds this rank's local checkpoint ``local`` committed already
+    (drained before): the same step, and this rank's files there with the CRC32Cs of
+    its local copy. A step of the same number from an abandoned run of steps is not it."""
     try:
         ckpt = open_checkpoint(dest)
     except (CheckpointNotFoundError, IncompleteCheckpointError):
         return False
-    return ckpt.manifest.kind == training.KIND and ckpt.step == step
+    if ckpt.manifest.kind != training.KIND or ckpt.step != local.step:
+        return False
+    own = [p for p in local.manifest.files if p in ckpt.manifest.files
+           and (p.endswith(".distcp") or p.startswith("state/rank-"))]
+    return bool(own) and all(ckpt.entry(p).crc32c == local.entry(p).crc32c for p in own)
 
 
 def drain_at_close(local: LocalCopies, name: str, step: int, dest: Store, group: Any,
@@ -375,9 +380,9 @@ def drain_at_close(local: LocalCopies, name: str, step: int, dest: Store, group:
     every rank. It raises on every rank if the drain fails, or has not committed by
     ``LocalTier.drain_timeout`` (a commit past it is refused); a drain still hung
     :data:`LATE` seconds later raises on the ranks that waited for it."""
-    if coord.on_coordinator(lambda: in_bucket(dest, step), group):
-        return
     mine = coord.checked(lambda: local.open(name), group)
+    if coord.on_coordinator(lambda: in_bucket(dest, mine), group):
+        return
     bound = local.tier.drain_timeout
     deadline = time.monotonic() + bound
     future = run_in_background(lambda: drain(mine, deadline), f"drain at close of the "
