@@ -26,6 +26,7 @@ from cloudckpt.core.liveness import _whoami
 from cloudckpt.errors import CommitConflictError, ConfigError
 from cloudckpt.hf import load_state_dict as load_export
 from cloudckpt.integrations import areal
+from cloudckpt.integrations.areal.plugin import KIND
 
 INFO_FILES = ("saver_info.json", "evaluator_info.json", "stats_logger_info.json",
               "checkpoint_info.json", "dataloader_info.pkl", "step_info.json")
@@ -312,6 +313,53 @@ def test_torn_dump_areal_trusts_stale_info_cloudckpt_does_not(s3, tmp_path, monk
     assert areal.RecoverHandler(empty, spe, storage_options=s3.options).load(
         areal.Engine(*_tiny()), *nothing) is None
     assert "starting from scratch" in caplog.text
+
+
+class _Kept:
+    """A stateful component (AReaL's stats logger): what a load gives it is visible."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.n = state["n"]
+
+
+@pytest.mark.parametrize("bad", ["rng", "kind"])
+def test_a_dump_the_load_refuses_leaves_everything_as_it_was(s3, tmp_path, bad):
+    """The current generation holds an RNG state that cannot be decoded (committed so:
+    its CRC32C holds), or is not an AReaL dump at all: the load refuses before it gives
+    the engine, the stats logger or the RNG anything."""
+    from cloudckpt.errors import CorruptCheckpointError
+    from cloudckpt.movement.transfer import download
+    from cloudckpt.training.staging import upload_dir
+
+    spe = 6
+    _, recover_cfg = configs(s3, f"refused-{bad}")
+    handler = areal.RecoverHandler(replace(recover_cfg, freq_steps=1), spe,
+                                   storage_options=s3.options)
+    model, optim = _tiny()
+    _train(model, optim, 3)
+    handler.dump(areal.Engine(model, optim), StepInfo(0, 2, 2, spe), None, None, _Kept(5),
+                 None)
+    local = tmp_path / "gen"
+    download(handler.slot.current(), local)
+    (local / "cloudckpt-manifest.json").unlink()
+    if bad == "rng":
+        (local / "recover_info" / "cloudckpt_rng_rank00000.bin").write_bytes(b"?not a state")
+    kind = "generic" if bad == "kind" else KIND
+    handler.slot.commit(lambda gen: upload_dir(local, gen, kind=kind, step=2), step=2)
+
+    fresh, fresh_optim = _tiny(seed=1)
+    before, stats, rng = _params(fresh), _Kept(-1), torch.get_rng_state()
+    with pytest.raises(CorruptCheckpointError,
+                       match="unknown encoding" if bad == "rng" else "not an AReaL"):
+        handler.load(areal.Engine(fresh, fresh_optim), None, None, stats, None)
+    assert _same(_params(fresh), before) and not fresh_optim.state_dict()["state"]
+    assert stats.n == -1 and torch.equal(torch.get_rng_state(), rng)
 
 
 def test_saver_reexport_after_a_restart(s3):

@@ -143,6 +143,38 @@ def test_time_limit_and_keep_last(memory):
     assert not disabled.should_save(3)
 
 
+def test_a_load_the_checkpoint_refuses_applies_nothing(memory):
+    """A critic asked of a step that has none, or a step copied under a newer name:
+    refused before a tensor of the actor (or the RNG) is loaded, by the checkpointer and
+    by ``resume_dir: auto``, which RLinf's workers load from."""
+    from cloudckpt.movement.transfer import copy_checkpoint
+
+    ck = rlinf.RLinfCheckpointer(memory.uri("out"), "exp", save_interval=1, max_steps=10)
+    model = torch.nn.Linear(3, 2)
+    optim = torch.optim.AdamW(model.parameters())
+    ck.save(1, rlinf.fsdp_state_dict(model, optim), data_state={"pos": 1})
+    other = torch.nn.Linear(3, 2)
+    actor = rlinf.fsdp_state_dict(other, torch.optim.AdamW(other.parameters()))
+    critic_optim = torch.optim.AdamW(other.parameters())
+    before = {k: v.clone() for k, v in actor["fsdp_checkpoint"]["model"].items()}
+    rng = torch.get_rng_state()
+
+    def untouched() -> bool:
+        now = actor["fsdp_checkpoint"]["model"]
+        return all(torch.equal(now[k], v) for k, v in before.items()) and torch.equal(
+            torch.get_rng_state(), rng)
+
+    with pytest.raises(ConfigError, match="has no critic/ part"):
+        ck.load(ck.step_uri(1), actor, critic=rlinf.fsdp_state_dict(other, critic_optim))
+    assert untouched()
+    copy_checkpoint(ck.step_uri(1), ck.step_uri(5))
+    for load in (lambda: rlinf.resolve_resume_dir("auto", ck.root),
+                 lambda: ck.load(ck.step_uri(5), actor)):
+        with pytest.raises(CorruptCheckpointError, match="named for step 5 but its manifest"):
+            load()
+        assert untouched()
+
+
 # ------------------------------------------------------------------ end to end
 
 

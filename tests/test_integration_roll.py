@@ -33,6 +33,7 @@ from training_runs import launcher, losses, run_and_kill
 
 from cloudckpt import (
     MANIFEST_NAME,
+    CheckpointWriter,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     RetryPolicy,
@@ -251,6 +252,28 @@ def test_torn_latest_old_rule_differs_and_download_verifies(s3, tmp_path):
     store.put("model.safetensors", bytes(data))
     with pytest.raises(CorruptCheckpointError, match="model.safetensors"):
         download_checkpoint(s3.uri("checkpoint-3"), tmp_path / "dl3", s3.options)
+
+
+def test_a_checkpoint_under_another_name_or_kind_is_refused_before_it_downloads(s3, tmp_path):
+    """checkpoint-3 copied to checkpoint-9 (its manifest still says step 3): ROLL would
+    resume at step 3 from files named 9, then save over the names it skipped. The newest
+    (what get_latest_ckpt takes) and the name itself are refused before a file comes
+    down; a committed checkpoint-10 that is not ROLL's is refused too."""
+    from cloudckpt.movement.transfer import copy_checkpoint
+
+    up = roll_manager_uploader(config(s3, expected_uploads=2))
+    commit_checkpoint(up, tmp_path, 3)
+    copy_checkpoint(s3.uri("checkpoint-3"), s3.uri("checkpoint-9"), src_options=s3.options,
+                    dst_options=s3.options)
+    for where in (s3.root, s3.uri("checkpoint-9")):
+        with pytest.raises(CorruptCheckpointError, match="named for step 9 but its manifest"):
+            download_checkpoint(where, tmp_path / "dl", s3.options)
+    with pytest.raises(CorruptCheckpointError, match="named for step 9"):
+        up.get_latest_ckpt()
+    CheckpointWriter(s3.uri("checkpoint-10"), step=10, storage_options=s3.options).commit()
+    with pytest.raises(CorruptCheckpointError, match="'generic' checkpoint, not a ROLL"):
+        download_checkpoint(s3.uri("checkpoint-10"), tmp_path / "dl", s3.options)
+    assert not (tmp_path / "dl").exists() and not s3.download_dir.exists()  # nothing came down
 
 
 def test_stale_parts_of_a_crashed_attempt_are_not_committed(s3, tmp_path):

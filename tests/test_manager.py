@@ -13,14 +13,16 @@ from helpers import torn_save
 from cloudckpt import (
     MANIFEST_NAME,
     CheckpointManager,
+    ConfigError,
     CorruptCheckpointError,
     ManagerOptions,
     StepInfo,
     StorageError,
+    WorldSizeError,
     list_checkpoints,
     open_store,
 )
-from cloudckpt.training.snapshot import WorldSizeError
+from cloudckpt.movement.transfer import copy_checkpoint
 
 
 class Counter:
@@ -158,13 +160,42 @@ def test_async_stages_a_copy(memory):
     assert torch.equal(state["w"], torch.ones(1000))
 
 
-def test_per_rank_state_from_another_world_size_is_refused(memory):
+def test_per_rank_state_from_another_world_size_is_refused_before_anything_loads(memory):
     run(CheckpointManager(memory.root, ManagerOptions(every_steps=1)), range(0, 1))
     store = open_store(memory.uri("step-0"))
     doc = json.loads(store.get(MANIFEST_NAME))
     doc["metadata"]["world_size"] = 2
     store.put(MANIFEST_NAME, json.dumps(doc).encode())
-    with pytest.raises(WorldSizeError, match="of 2 ranks; this job has 1"):
-        CheckpointManager(memory.root).restore({"w": torch.zeros(8)}, per_rank={"d": Counter()})
+    state, counter, rng = {"w": torch.full((8,), -1.0)}, Counter(), torch.get_rng_state()
+    with pytest.raises(WorldSizeError, match="of 2 ranks; this job has 1 rank"):
+        CheckpointManager(memory.root).restore(state, per_rank={"d": counter})
+    # Refused before anything was applied: the tensors, the objects, the RNG as they were.
+    assert torch.equal(state["w"], torch.full((8,), -1.0)) and counter.n == 0
+    assert torch.equal(torch.get_rng_state(), rng)
     state = {"w": torch.zeros(8)}
     assert CheckpointManager(memory.root).restore(state, rng=False).global_step == 0
+
+
+def test_a_state_the_checkpoint_lacks_is_refused_before_anything_loads(memory):
+    run(CheckpointManager(memory.root, ManagerOptions(every_steps=1)), range(0, 2))
+    for where in ({"extra": {"sched": Counter()}}, {"per_rank": {"loader": Counter()}}):
+        state = {"w": torch.full((8,), -1.0)}
+        with pytest.raises(ConfigError, match="has no saved state named"):
+            CheckpointManager(memory.root).restore(state, **where)
+        assert torch.equal(state["w"], torch.full((8,), -1.0))
+
+
+def test_a_checkpoint_copied_under_a_newer_name_is_refused_before_anything_loads(memory):
+    """step-1 copied to step-5: its manifest says step 1. The newest (step-5) is refused
+    before its tensors load, and the manager falls back to step-1 (strict: raises)."""
+    run(CheckpointManager(memory.root, ManagerOptions(every_steps=1)), range(0, 2))
+    copy_checkpoint(memory.uri("step-1"), memory.uri("step-5"))
+    state = {"w": torch.full((8,), -1.0)}
+    with pytest.raises(CorruptCheckpointError, match="named for step 5 but its manifest says"):
+        CheckpointManager(memory.root, ManagerOptions(strict=True)).restore(state)
+    assert torch.equal(state["w"], torch.full((8,), -1.0))
+    with pytest.raises(CorruptCheckpointError, match="named for step 5"):
+        CheckpointManager(memory.root).restore(state, uri=memory.uri("step-5"))
+    assert torch.equal(state["w"], torch.full((8,), -1.0))
+    info = CheckpointManager(memory.root).restore(state)
+    assert info.global_step == 1 and torch.equal(state["w"], torch.full((8,), 1.0))

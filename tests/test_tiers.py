@@ -9,6 +9,7 @@ one stands for a replaced node.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_run import run_ranks
 from test_resume import EXAMPLE, assert_same_params, assert_same_run, env
 from training_runs import launcher, losses, run_and_kill, run_crashing, run_through
 
@@ -152,7 +154,7 @@ def test_retention_per_tier_and_the_drained_checkpoint_is_standard(s3, tmp_path)
     with CheckpointManager(s3.root, opts, storage_options=s3.options) as mgr:
         weights = _train(mgr, model, range(7))
     assert local_steps(tmp_path / "local", 0) == [5, 6]
-    assert committed(s3, s3.root) == [5]  # drains at 2 and 5; the bucket keeps one
+    assert committed(s3, s3.root) == [6]  # drains at 2 and 5, 6 at close; the bucket keeps one
     record = json.loads(open_store(s3.root, s3.options).get("cloudckpt-tiers.json"))
     assert record["complete"] == [5, 6] and record["ranks"][0]["steps"] == [5, 6]
     assert record["ranks"][0]["host"] == socket.gethostname()
@@ -161,14 +163,15 @@ def test_retention_per_tier_and_the_drained_checkpoint_is_standard(s3, tmp_path)
 
     from cloudckpt.movement.transfer import download
 
-    download(s3.uri("step-5"), tmp_path / "down", s3.options)
+    download(s3.uri("step-6"), tmp_path / "down", s3.options)
     state = {"model": torch.nn.Linear(4, 4).state_dict()}
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(tmp_path / "down" / "model")))
-    assert torch.equal(state["model"]["weight"], weights[5])
+    assert torch.equal(state["model"]["weight"], weights[6])
 
 
 def test_resume_prefers_local_then_falls_back_to_the_bucket(s3, tmp_path, caplog):
-    tier = LocalTier(str(tmp_path / "local"), every_steps=1, drain_every=2)
+    tier = LocalTier(str(tmp_path / "local"), every_steps=1, drain_every=2,
+                     drain_at_close=False)
     opts = ManagerOptions(local=tier)
     model = torch.nn.Linear(4, 4)
     with CheckpointManager(s3.root, opts, storage_options=s3.options) as mgr:
@@ -234,8 +237,111 @@ def test_merge_keeps_one_copy_of_each_replicated_chunk():
     assert used == {"__0_0.distcp", "__0_1.distcp", "__1_1.distcp"}  # rank 1's copy stays
 
 
+# ------------------------------------------------------------ close, on two gloo ranks
+
+
+def _close(s3, tmp_path: Path, mode: str) -> list[dict]:
+    ranks = run_ranks("tier_workers.close_drain", 2, s3.root, s3.options,
+                      str(tmp_path / "nodes"), mode, timeout=240)
+    return [ranks[0], ranks[1]]
+
+
+def test_close_drains_the_newest_local_step_and_it_restores_bit_exact(s3, tmp_path):
+    """Local saves only (no drain_every): close() commits the newest local step in the
+    bucket, says so, and a fresh manager on both ranks restores it bit-exact."""
+    ranks = _close(s3, tmp_path, "drain")
+    assert committed(s3, s3.root) == [3]
+    assert f"INFO local tier: drained step 3 to {s3.uri('step-3')} at close" in \
+        ranks[0]["logged"]
+    for r, out in enumerate(ranks):
+        assert "error" not in out, out["error"]
+        assert not any("only on the nodes' local disks" in line for line in out["logged"])
+        assert out["restored"]["step"] == 3 and out["restored"]["same"]
+        assert out["restored"]["position"] == out["position"] == 100 * r + 3
+
+
+def test_close_without_drain_at_close_warns_and_leaves_the_bucket_alone(s3, tmp_path):
+    ranks = _close(s3, tmp_path, "keep")
+    assert committed(s3, s3.root) == []
+    assert "WARNING local tier: step(s) [0, 1, 2, 3] are only on the nodes' local disks, " \
+        "not in the bucket: a lost node loses them" in ranks[0]["logged"]
+    assert all(out["restored"] is None and "error" not in out for out in ranks)
+    assert local_steps(tmp_path / "nodes", 1) == [2, 3]  # still there, on the nodes
+
+
+def test_close_does_not_drain_again_what_the_bucket_holds(s3, tmp_path):
+    """The newest local step was drained on schedule: close() sends nothing more."""
+    ranks = _close(s3, tmp_path, "held")
+    assert ranks[0]["drains"] == [1, 3]  # the scheduled drains only, no third one
+    assert committed(s3, s3.root) == [1, 3]
+    assert not any("at close" in line for out in ranks for line in out["logged"])
+    assert all(out["restored"]["same"] and "error" not in out for out in ranks)
+
+
+@pytest.mark.parametrize("mode, says", [
+    ("lost", "CheckpointNotFoundError"),
+    ("late", "IncompleteCheckpointError: .*was written .* after its deadline")])
+def test_a_drain_at_close_that_fails_or_runs_late_raises_on_every_rank(s3, tmp_path, mode,
+                                                                        says):
+    """Rank 1's newest local copy gone, or a drain_timeout no drain meets: close()
+    raises on both ranks (no hang), nothing is committed, and it says the step is
+    only on the nodes' disks."""
+    ranks = _close(s3, tmp_path, mode)
+    for out in ranks:
+        assert re.match(says, out["error"]), out["error"]
+        assert out["restored"] is None
+    assert committed(s3, s3.root) == []
+    if mode == "late":
+        assert any(line.startswith("ERROR local tier: the drain at close of step 3") and
+                   "only on the nodes' local disks" in line for line in ranks[0]["logged"])
+
+
+def test_a_local_step_one_rank_refuses_is_loaded_by_no_rank(s3, tmp_path):
+    """Rank 1's local copy of the only step fails its check: rank 0 must not have
+    loaded its own copy meanwhile, since nothing else resumes over it."""
+    ranks = run_ranks("tier_workers.refused_local_step", 2, s3.root, s3.options,
+                      str(tmp_path / "nodes"), timeout=240)
+    for out in ranks.values():
+        assert out["info"] is None and out["untouched"], out
+    assert any("cannot be resumed from" in line for line in ranks[0]["logged"])
+
+
+def test_close_skips_a_step_another_drain_committed(s3, tmp_path, caplog):
+    """The bucket holds the newest local step already (drained by another process):
+    close() finds it there and sends nothing."""
+    tier = LocalTier(str(tmp_path / "local"), every_steps=1)
+    drains = []
+    mgr = CheckpointManager(s3.root, ManagerOptions(local=tier, on_report=lambda r: drains.append(
+        r) if r.op == "drain" else None), storage_options=s3.options)
+    _train(mgr, torch.nn.Linear(4, 4), range(2))
+    there = tiers.drain(tiers.LocalCopies(tier, mgr.managed).open("step-1"),
+                        mgr.store.child("step-1"))
+    with caplog.at_level(logging.INFO, logger="cloudckpt"):
+        mgr.close()
+    assert drains == [] and "at close" not in caplog.text
+    assert open_store(s3.uri("step-1"), s3.options).get("cloudckpt-manifest.json") == \
+        there.store.get("cloudckpt-manifest.json")  # the same commit, not a new one
+
+
+def test_close_does_not_mistake_another_run_of_steps_for_its_own(s3, tmp_path):
+    """The bucket's step-1 is of an abandoned run of steps (other weights): close()
+    must not take it for its own step 1 and drain nothing; the drain it tries is
+    refused, loudly, as the name is taken."""
+    from cloudckpt.errors import CommitConflictError
+
+    old = CheckpointManager(s3.root, ManagerOptions(every_steps=1), storage_options=s3.options)
+    _train(old, torch.nn.Linear(4, 4), range(2))
+    old.close()
+    tier = LocalTier(str(tmp_path / "local"), every_steps=1)
+    mgr = CheckpointManager(s3.root, ManagerOptions(local=tier), storage_options=s3.options)
+    torch.manual_seed(1)
+    _train(mgr, torch.nn.Linear(4, 4), range(2))
+    with pytest.raises(CommitConflictError):
+        mgr.close()
+
+
 @pytest.mark.parametrize("bad", [{"path": "s3://b/x"}, {"every_steps": 0},
-                                 {"drain_every": -1}, {"keep_last": 0}])
+                                 {"drain_every": -1}, {"keep_last": 0}, {"drain_timeout": 0}])
 def test_a_bad_local_tier_is_refused(bad):
     with pytest.raises(ConfigError, match="LocalTier"):
         LocalTier(**{"path": "/tmp/x", "every_steps": 1, **bad})

@@ -159,6 +159,20 @@ def each_rank(fn: Callable[[], T], group: Any = None) -> list[T]:
     return [g[1] for g in gathered]
 
 
+def checked(fn: Callable[[], T], group: Any = None) -> T:
+    """Run ``fn()`` on every rank (its own checks before a load applies anything) and
+    return this rank's result; raise on every rank if any rank's ``fn`` failed. Unlike
+    :func:`each_rank`, only the failures are exchanged."""
+    result: Any = None
+    error: BaseException | None = None
+    try:
+        result = fn()
+    except Exception as exc:  # noqa: BLE001 - every rank raises it below
+        error = exc
+    agree(error, group)
+    return result
+
+
 def on_coordinator(fn: Callable[[], T], group: Any = None, *, share: bool = True) -> T | None:
     """Run ``fn()`` on rank 0 and give every rank its result (rank 0 only, with
     ``share=False``: others get None, for results that cannot be sent, such as a

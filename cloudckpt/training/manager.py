@@ -262,12 +262,13 @@ class CheckpointManager:
                 lambda: self._drain(ckpt, name, timing.start),
                 f"drain of the local checkpoint {name} to {self.store.child(name).uri}")
 
-    def _drain(self, local: Checkpoint, name: str, start: float) -> Checkpoint | None:
+    def _drain(self, local: Checkpoint, name: str, start: float,
+               deadline: float | None = None) -> Checkpoint | None:
         timing = Timing(start, blocked=0.0)
         with counting() as tally:
             ckpt = tiers.drain(local, self.store.child(name), group=self._io_group,
                                figures=reports.Figures(start, tally),
-                               incremental=self.options.incremental)
+                               incremental=self.options.incremental, deadline=deadline)
             durable = time.monotonic() - start
             self._retain(name)
         self._in_bucket = max(self._in_bucket, local.step or 0)
@@ -283,14 +284,21 @@ class CheckpointManager:
             pending.result()
 
     def close(self) -> None:
-        """Flush the pending save (raising its error) and free the staging buffers."""
+        """Flush the pending save (raising its error), drain the newest local step to
+        the bucket (``LocalTier.drain_at_close``; every rank must call ``close``), and
+        free the staging buffers."""
+        self._close(drain=True)
+
+    def _close(self, drain: bool) -> None:
         if self._closed:
             return
         self._closed = True
         try:
             self.wait()
             only = [s for s in self._local_steps if s > self._in_bucket]
-            if only and coord.rank(self.group) == 0:
+            if only and drain and self._local is not None and self._local.tier.drain_at_close:
+                self._drain_at_close(max(only))
+            elif only and coord.rank(self.group) == 0:
                 log.warning("local tier: step(s) %s are only on the nodes' local disks, not "
                             "in the bucket: a lost node loses them", only)
         finally:
@@ -301,11 +309,18 @@ class CheckpointManager:
             if self._stager is not None:
                 self._stager.close()
 
+    def _drain_at_close(self, step: int) -> None:
+        name, start = self.options.name_format.format(step=step), time.monotonic()
+        assert self._local is not None
+        tiers.drain_at_close(self._local, name, step, self.store.child(name), self.group,
+                             lambda local, deadline: self._drain(local, name, start, deadline))
+
     def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.close()
+        # Left by an exception, another rank may never reach close: no drain, a warning.
+        self._close(drain=exc[0] is None)
 
     # ---------------------------------------------------------------- resuming
 
@@ -373,7 +388,9 @@ class CheckpointManager:
                 where: Store | Checkpoint = (open_store(cand, self._storage_options) if uri
                                              else listed.get(cand) or self.store.child(cand))
                 restored = training.read(where, state_dict, shared=shared, per_rank=per_rank,
-                                         rng=rng, group=self.group, planner=planner)
+                                         rng=rng, group=self.group, planner=planner,
+                                         step=self.managed.number(cand.rstrip("/")
+                                                                  .rpartition("/")[2]))
             except CorruptCheckpointError as exc:
                 err = exc
             try:

@@ -25,9 +25,10 @@ from cloudckpt import dcp as cdcp
 from cloudckpt.core import kinds
 from cloudckpt.core.blobs import BlobArea
 from cloudckpt.core.checkpoint import Checkpoint, open_checkpoint
+from cloudckpt.core.expected import expect_kind, expect_step, expect_world_size
 from cloudckpt.core.manifest import MAX_RANKS, metadata_int
 from cloudckpt.dcp.budget import StagedState
-from cloudckpt.errors import ConfigError, CorruptCheckpointError, WorldSizeError
+from cloudckpt.errors import ConfigError
 from cloudckpt.names import MANIFEST_NAME, MODEL_PART
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.runtime.state import (
@@ -43,11 +44,13 @@ from cloudckpt.runtime.state import (
 )
 from cloudckpt.storage import Store, as_store
 from cloudckpt.training import multipart
-from cloudckpt.util.text import plural
 
 KIND = kinds.TRAINING
 SHARED = "state/shared.bin"
 _STEP_INFO = "__step_info__"
+#: :func:`read`'s checks are agreed on by the group that loads (a local tier's loads
+#: are each rank's own, its checks the job's).
+SAME_GROUP: Any = object()
 _RNG = "__rng__"
 
 
@@ -190,6 +193,8 @@ def read(
     group: Any = None,
     planner: LoadPlanner | None = None,
     as_rank: int | None = None,
+    step: int | None = None,
+    checks_group: Any = SAME_GROUP,
 ) -> Restored:
     """Load a training checkpoint: ``app_state`` in place (DCP, any world size),
     stateful ``shared``/``per_rank`` objects via ``load_state_dict``, and RNG.
@@ -199,54 +204,66 @@ def read(
     per-rank state and its shards. ``planner`` is DCP's load planner; ``as_rank``
     the per-rank state to read, for a checkpoint :func:`write` saved with one.
 
-    Before anything is loaded, rank 0 checks that every object the manifest lists is
-    there with its size (one listing): a checkpoint holding a missing, truncated or
-    oversized object raises :class:`CorruptCheckpointError` naming it, as one whose
-    bytes fail their CRC32C does while it loads, so a resume can fall back from either.
+    Everything refusable is checked before anything is applied: the kind, ``step``
+    (the one its name says, when given), the world size of per-rank state, the
+    names of the states to restore, and that every object the manifest lists is there
+    with its size (one listing: a missing, truncated or oversized object raises
+    :class:`CorruptCheckpointError` naming it, as one whose bytes fail their CRC32C
+    does while it loads, so a resume can fall back from either). If any rank refuses,
+    every rank of ``checks_group`` (by default ``group``) raises, and nothing was
+    loaded anywhere.
     """
 
-    def opened() -> tuple[Checkpoint, int, dict[str, Any], Checkpoint | None]:
+    def opened() -> tuple[Checkpoint, dict[str, Any], Checkpoint | None]:
         ckpt = uri if isinstance(uri, Checkpoint) else open_checkpoint(uri, storage_options)
-        if ckpt.manifest.kind != KIND:
-            raise CorruptCheckpointError(
-                f"{ckpt.uri} is a {ckpt.manifest.kind!r} checkpoint, not a training checkpoint")
-        saved_world = metadata_int(ckpt.manifest, "world_size", ckpt.store.key_uri(
-            MANIFEST_NAME), default=1, low=1, high=MAX_RANKS)
+        expect_step(expect_kind(ckpt, KIND, "a training checkpoint"), step)
+        if per_rank or rng:
+            saved_world = metadata_int(ckpt.manifest, "world_size", ckpt.store.key_uri(
+                MANIFEST_NAME), default=1, low=1, high=MAX_RANKS)
+            expect_world_size(
+                ckpt.uri, saved_world, coord.world_size(group),
+                holds="per-rank state (RNG, dataloader positions)",
+                otherwise=", or restore without per-rank state (per_rank=None, rng=False): "
+                          "model, optimizer and shared state reshard freely")
         ckpt.verify()
         shared_bytes, model = ckpt.store.map(lambda job: job(), [
             lambda: ckpt.read(SHARED), lambda: ckpt.part(MODEL_PART) if app_state else None])
-        return (ckpt, saved_world, loads_state(shared_bytes, source=f"{ckpt.uri}/{SHARED}"),
-                model)
+        return ckpt, loads_state(shared_bytes, source=f"{ckpt.uri}/{SHARED}"), model
 
-    found = coord.on_coordinator(opened, group)
-    assert found is not None
-    ckpt, saved_world, saved_shared, model = found
+    def checked() -> tuple[Checkpoint, dict[str, Any], dict[str, Any], Checkpoint | None]:
+        found = coord.on_coordinator(opened, group)
+        assert found is not None
+        ckpt, saved_shared, model = found
+        _check_names(shared or {}, saved_shared, ckpt.uri)
+        saved: dict[str, Any] = {}
+        if per_rank or rng:
+            key = _rank_key(coord.rank(group) if as_rank is None else as_rank)
+            saved = loads_state(ckpt.read(key), source=f"{ckpt.uri}/{key}")
+            _check_names(per_rank or {}, saved, ckpt.uri)
+        return ckpt, saved_shared, saved, model
+
+    # Checked on every rank before anything is applied; from here on, state is.
+    ckpt, saved_shared, saved, model = coord.checked(
+        checked, group if checks_group is SAME_GROUP else checks_group)
     if model is not None:
         cdcp.load(app_state, model, process_group=group, planner=planner)
-    _restore_into(shared or {}, saved_shared, ckpt.uri)
-    if per_rank or rng:
-        world, rank = coord.world_size(group), coord.rank(group)
-        if saved_world != world:
-            raise WorldSizeError(
-                f"{ckpt.uri} holds per-rank state (RNG, dataloader positions) of "
-                f"{plural(saved_world, 'rank')}; this job has {world}. Resume with "
-                f"{plural(saved_world, 'rank')}, or restore "
-                "without per-rank state (per_rank=None, rng=False): model, optimizer and "
-                "shared state reshard freely.")
-        key = _rank_key(rank if as_rank is None else as_rank)
-        saved = loads_state(ckpt.read(key), source=f"{ckpt.uri}/{key}")
-        _restore_into(per_rank or {}, saved, ckpt.uri)
-        if rng and _RNG in saved:
-            set_rng_state(saved[_RNG])
+    _restore_into(shared or {}, saved_shared)
+    _restore_into(per_rank or {}, saved)
+    if rng and _RNG in saved:
+        set_rng_state(saved[_RNG])
     info = saved_shared.get(_STEP_INFO)
     return Restored(ckpt, StepInfo.from_dict(info) if info else None,
                     {k: v for k, v in saved_shared.items() if k != _STEP_INFO})
 
 
-def _restore_into(targets: Mapping[str, Any], saved: Mapping[str, Any], uri: str) -> None:
-    for name, target in targets.items():
+def _check_names(targets: Mapping[str, Any], saved: Mapping[str, Any], uri: str) -> None:
+    for name in targets:
         if name not in saved:
             raise ConfigError(f"{uri} has no saved state named {name!r}; it has "
                               f"{sorted(k for k in saved if not k.startswith('__'))}")
+
+
+def _restore_into(targets: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
+    for name, target in targets.items():
         if isinstance(target, Stateful):
             target.load_state_dict(saved[name])

@@ -24,7 +24,7 @@ import os
 import pickle
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,9 +41,16 @@ from cloudckpt.core.deletion import delete_checkpoint
 from cloudckpt.core.listing import list_checkpoints
 from cloudckpt.core.retention import Managed, apply_retention
 from cloudckpt.dcp.metadata import DCP_KIND, METADATA_NAME, load_metadata
-from cloudckpt.errors import CloudCkptError, ConfigError, CorruptCheckpointError
+from cloudckpt.errors import (
+    CheckpointNotFoundError,
+    CloudCkptError,
+    ConfigError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+)
 from cloudckpt.names import MANIFEST_NAME, MODEL_PART, TIERS_RECORD
 from cloudckpt.runtime import coordination as coord
+from cloudckpt.runtime.pending import run_in_background
 from cloudckpt.storage import ObjectInfo, Store, as_store
 from cloudckpt.training import multipart
 from cloudckpt.training import snapshot as training
@@ -52,6 +59,9 @@ log = logging.getLogger("cloudckpt")
 
 #: The manifest metadata key of a local-tier checkpoint: the job it belongs to.
 TIER_KEY = "local_tier"
+#: How long past ``LocalTier.drain_timeout`` a drain at close is waited for: its commit
+#: was refused at the timeout on every rank; only a hung one runs on.
+LATE = 30.0
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,11 @@ class LocalTier:
     then copied to the bucket in the background (None: none is); each rank keeps its
     newest ``keep_last`` local checkpoints, and one still draining. ``fsync`` makes
     each local file durable against a power loss, not only a killed process.
+
+    ``drain_at_close``: the manager's ``close()`` drains the newest local step unless
+    the bucket holds it (or a newer step this process saved) already, and raises if
+    that drain fails or has not committed within ``drain_timeout`` seconds; off,
+    ``close()`` only warns that the steps stay on the nodes' disks.
     """
 
     path: str
@@ -69,11 +84,13 @@ class LocalTier:
     drain_every: int | None = None
     keep_last: int = 2
     fsync: bool = False
+    drain_at_close: bool = True
+    drain_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         if not self.path or "://" in self.path:
             raise ConfigError(f"LocalTier.path must be a local directory, got {self.path!r}")
-        for name in ("every_steps", "keep_last", "drain_every"):
+        for name in ("every_steps", "keep_last", "drain_every", "drain_timeout"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"LocalTier.{name} must be positive, got {value}")
@@ -120,9 +137,10 @@ class LocalCopies:
         return open_checkpoint(self.store.child(name))
 
     def restore(self, name: str, state: Mapping[str, Any], **read: Any) -> training.Restored:
-        """Load this rank's local checkpoint ``name`` in place (no collective)."""
-        return training.read(self.open(name), state, group=coord.SOLO, as_rank=self.rank,
-                             **read)
+        """Load this rank's local checkpoint ``name`` in place (no collective but the
+        agreement of ``checks_group``, when given, on the checks made first)."""
+        return training.read(self.store.child(name), state, group=coord.SOLO,
+                             as_rank=self.rank, **read)
 
     def prune_after(self, step: int | None) -> list[str]:
         """Delete this rank's local checkpoints newer than ``step`` (every one, for
@@ -160,14 +178,15 @@ def restore_newest(local: LocalCopies, state: Mapping[str, Any], newest: int | N
                    group: Any = None, **read: Any) -> training.Restored | None:
     """Resume from the local tier when every rank holds a step at least as new as
     the bucket's ``newest`` and can read it; None (on every rank) to go on to the
-    bucket. A step some rank cannot read sends every rank to an older one."""
+    bucket. A step some rank cannot read sends every rank to an older one; one that
+    some rank refuses (its checks) is loaded by none."""
     mine = local.steps()
     for step in common_steps(mine, group):
         if newest is not None and step < newest:
             break
         restored, err = None, None
         try:
-            restored = local.restore(mine[step], state, **read)
+            restored = local.restore(mine[step], state, step=step, checks_group=group, **read)
         except CloudCkptError as exc:
             err = exc
         try:
@@ -322,20 +341,66 @@ def _sent_by_rank(key: str, used: set[str]) -> bool:
 
 
 def drain(local: Checkpoint, dest: Store, *, group: Any = None,
-          figures: multipart.Part | None = None, incremental: bool = False
-          ) -> Checkpoint | None:
+          figures: multipart.Part | None = None, incremental: bool = False,
+          deadline: float | None = None) -> Checkpoint | None:
     """Commit each rank's local checkpoint ``local`` as one training checkpoint at
     ``dest``; call on every rank. Returns it on rank 0, None elsewhere; if any rank
     fails, every rank raises and nothing is committed. ``incremental``: each file a
-    blob of the area above ``dest``, sent only when its bytes are new."""
+    blob of the area above ``dest``, sent only when its bytes are new; ``deadline``
+    (``time.monotonic()``) refuses a commit after it."""
     area = BlobArea.above(dest, 1) if incremental else None
     parts: list[multipart.Part] = [Drained(local, local.step, area),
                                    *([figures] if figures else [])]
     return multipart.save(dest, parts, group=group, step=local.step, kind=training.KIND,
-                          blobs=area,
+                          blobs=area, deadline=deadline,
                           metadata={**training.root_metadata(coord.world_size(group),
                                                              local.metadata.get("step_info")),
                                     "drained": True})
+
+
+def in_bucket(dest: Store, local: Checkpoint) -> bool:
+    """Whether ``dest`` holds this rank's local checkpoint ``local`` committed already
+    (drained before): the same step, and this rank's files there with the CRC32Cs of
+    its local copy. A step of the same number from an abandoned run of steps is not it."""
+    try:
+        ckpt = open_checkpoint(dest)
+    except (CheckpointNotFoundError, IncompleteCheckpointError):
+        return False
+    if ckpt.manifest.kind != training.KIND or ckpt.step != local.step:
+        return False
+    own = [p for p in local.manifest.files if p in ckpt.manifest.files
+           and (p.endswith(".distcp") or p.startswith("state/rank-"))]
+    return bool(own) and all(ckpt.entry(p).crc32c == local.entry(p).crc32c for p in own)
+
+
+def drain_at_close(local: LocalCopies, name: str, step: int, dest: Store, group: Any,
+                   drain: Callable[[Checkpoint, float], Any]) -> None:
+    """Send the local checkpoint ``name`` (of ``step``) to ``dest`` with
+    ``drain(local checkpoint, deadline)``, unless ``dest`` holds it already; call on
+    every rank. It raises on every rank if the drain fails, or has not committed by
+    ``LocalTier.drain_timeout`` (a commit past it is refused); a drain still hung
+    :data:`LATE` seconds later raises on the ranks that waited for it."""
+    mine = coord.checked(lambda: local.open(name), group)
+    if coord.on_coordinator(lambda: in_bucket(dest, mine), group):
+        return
+    bound = local.tier.drain_timeout
+    deadline = time.monotonic() + bound
+    future = run_in_background(lambda: drain(mine, deadline), f"drain at close of the "
+                               f"local checkpoint {mine.uri} to {dest.uri}")
+    try:
+        future.result(bound + LATE)
+    except TimeoutError:
+        raise IncompleteCheckpointError(
+            f"local tier: the drain at close of step {step} to {dest.uri} was still running "
+            f"{bound + LATE:.0f} s later, not committed (a commit past LocalTier."
+            "drain_timeout is refused): the step is only on the nodes' local disks. Look "
+            "at the storage, or raise LocalTier.drain_timeout") from None
+    except Exception as exc:
+        log.error("local tier: the drain at close of step %d to %s failed, NOT committed "
+                  "(%s); the step is only on the nodes' local disks", step, dest.uri, exc)
+        raise
+    if coord.rank(group) == 0:
+        log.info("local tier: drained step %d to %s at close", step, dest.uri)
 
 
 def _size_crc(info: ObjectInfo) -> tuple[int, str]:

@@ -404,6 +404,31 @@ def verl_hostile(root: str, opts: dict[str, Any], env: dict[str, str], out: str,
     Path(out).write_text(json.dumps(report))
 
 
+def verl_refused(root: str, env: dict[str, str], out: str) -> None:
+    """Two steps verl's bound ``_load_checkpoint`` refuses, each before it loads a
+    thing: one without the critic part a trainer with a critic resumes (the actor's
+    files are fine), one saved without optimizer states (``save_contents``) that a
+    trainer loading them resumes (the model file is fine). Each case reports the error,
+    and whether every role's model, optimizer, scheduler and RNG, the step and the
+    dataloader stayed as they were."""
+    os.environ.update(env)
+    trainer_for(f"{root}/no-critic", 2)._save_checkpoint()
+    trainer_for(f"{root}/no-optim", 2, contents=["model", "extra"])._save_checkpoint()
+    report = {}
+    for case, critic in (("no-critic", True), ("no-optim", False)):
+        fresh = trainer_for(f"{root}/{case}", 0, critic=critic)
+        before = digests_of(fresh)
+        try:
+            fresh._load_checkpoint()
+            error = None
+        except Exception as exc:  # noqa: BLE001 - the test reads what was raised
+            error = f"{type(exc).__name__}: {exc}"
+        report[case] = {"error": error, "same": digests_of(fresh) == before,
+                        "step": fresh.global_steps,
+                        "next": next(iter(fresh.train_dataloader)).tolist()}
+    Path(out).write_text(json.dumps(report))
+
+
 def verl_hf(root: str, env: dict[str, str], out: str) -> None:
     """Step 1 saved with ``hf_model`` in ``save_contents`` (verl gathers the model into
     ``actor/huggingface/``), step 2 without; what each role's part holds."""

@@ -23,7 +23,9 @@ and checks with ``torch.equal``: model local shards and gathered full tensors,
 optimizer state (local shards) and param groups, lr scheduler state, RNG state,
 ``model_state_dict/full_weights.pt``, and that 2 further steps after the load give
 the same model/optimizer as the 2 steps after the save. For local_shard the file each
-rank wrote (``local_shard_checkpoint/checkpoint_rank_N.pt``) is also compared.
+rank wrote (``local_shard_checkpoint/checkpoint_rank_N.pt``) is also compared. On a
+bucket, the dcp step copied to ``global_step_5`` must be refused by a third fresh
+strategy's load, which must leave its state as it was (reported as ``refused``).
 
 Exit 0 when everything matched, 1 otherwise (each rank's differences are printed).
 RLinf 0.3.0's local_shard *load* fails under FSDP2 (``Checkpoint.load_state_dict`` calls
@@ -310,8 +312,32 @@ def check_format(rank: int, root: str, fmt: str) -> dict:
         resumed = snapshot(model2, optimizer2, sched2)
         problems += diff(expected, resumed, "resumed")
 
+    refused = refused_copy(cfg, save_path, fmt) if "://" in root and fmt == "dcp" else None
+    if refused is not None:
+        problems += refused.pop("problems")
     return {"strategy": type(strategy).__name__, "problems": problems, **timings,
-            "tensors_checked": sum(1 for _ in _tensors(saved))}
+            "tensors_checked": sum(1 for _ in _tensors(saved)), "refused": refused}
+
+
+def refused_copy(cfg, save_path: str, fmt: str) -> dict:
+    """The part copied under a newer step (``cloudckpt cp``: its manifest keeps step 2):
+    the strategy's load refuses it on every rank before it loads anything."""
+    from cloudckpt.movement.transfer import copy_checkpoint
+
+    newer = save_path.replace(STEP_DIR, "global_step_5")
+    if dist.get_rank() == 0:
+        copy_checkpoint(save_path, newer)
+    dist.barrier()
+    strategy, model, optimizer, sched = build(cfg, seed=7)
+    train(strategy, model, optimizer, sched, 60, 1)
+    before = snapshot(model, optimizer, sched)
+    try:
+        strategy.load_checkpoint(model, optimizer, sched, newer, checkpoint_format=fmt)
+        error = None
+    except Exception as e:  # noqa: BLE001 - the test reads what was raised
+        error = f"{type(e).__name__}: {e}"
+    return {"error": error, "problems": diff(before, snapshot(model, optimizer, sched),
+                                             "after the refused load")}
 
 
 def _tensors(obj):

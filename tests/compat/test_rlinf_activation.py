@@ -56,6 +56,8 @@ def test_rlinf_strategy_commits_and_resumes_a_step_in_the_bucket(s3, tmp_path):
     env = {**os.environ, **s3.env}  # the script takes the PyPI rlinf, not the peers' copy
     reports, stderr = run_ranks(s3.root, tmp_path / "out", env, activate=True)
     assert_rlinf_outcome(reports)
+    for rep in reports["dcp"]:  # a copy under a newer step is refused, nothing loaded
+        assert "named for step 5 but its manifest says step 2" in rep["refused"]["error"]
     assert stderr.count("bound the rlinf integration into rlinf 0.3.0, pid ") == 2, stderr
     dcp = open_checkpoint(f"{s3.root}/dcp/global_step_2/actor", s3.options)
     dcp.verify(deep=True)

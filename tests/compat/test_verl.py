@@ -101,7 +101,8 @@ def test_ppo_steps_commit_to_s3_resume_auto_and_by_path_and_prune(s3, tmp_path, 
     assert_resumed(auto, saved_at(saves, 3))
     assert auto["returned"] is None  # as verl's own _load_checkpoint after a load
     assert_resumed(by_path, saved_at(saves, 2))
-    assert "saved by 2 ranks and this run has 1" in other_world["error"]
+    assert "WorldSizeError" in other_world["error"]
+    assert "files of 2 ranks; this job has 1 rank" in other_world["error"]
     assert "cannot be resharded" in other_world["error"]
 
 
@@ -134,6 +135,19 @@ def test_critic_and_hdfs_dir_on_gcs_keep_a_local_copy_verl_itself_resumes(forks,
     assert (local / TRACKER).read_text() == "3"
     assert (local / "global_step_3" / "critic" / "optim_world_size_1_rank_0.pt").is_file()
     assert (local / "global_step_3" / "data.pt").is_file()
+
+
+def test_a_step_the_trainer_refuses_loads_nothing(forks, s3, tmp_path):
+    """A critic's part missing from the step, or optimizer states the step was saved
+    without: verl's bound ``_load_checkpoint`` refuses before any role (the actor
+    included) or the dataloader loads anything."""
+    out = tmp_path / "report.json"
+    assert run_child(forks, "verl_refused", s3.root, s3.env, str(out)) == 0
+    report = json.loads(out.read_text())
+    assert "critic" in report["no-critic"]["error"]
+    assert "has no optim_world_size_1_rank_0.pt" in report["no-optim"]["error"]
+    for case in report.values():
+        assert case["same"] and case["step"] == 0 and case["next"] == [0], case
 
 
 LOCAL_RUN = """

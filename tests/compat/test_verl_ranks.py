@@ -125,3 +125,23 @@ def test_sft_hdfs_dir_on_gcs_keeps_verls_local_copy_and_both_ways_resume(gcs, tm
     assert not list(local.rglob("cloudckpt-manifest.json"))  # verl's copy holds nothing of ours
     assert (down / TRACKER).read_text() == "2"
     assert open_checkpoint(f"{copy}/global_step_2", gcs.options).manifest.kind == "verl-sft"
+
+
+def test_sft_a_step_copied_under_a_newer_name_is_refused_before_anything_loads(s3, tmp_path):
+    """global_step_1 copied to global_step_5 (``cloudckpt cp`` keeps its manifest, step
+    1): ``resume_mode: auto`` takes global_step_5 as the newest and refuses it, and so
+    does naming it, before the engine or the dataloader load anything: every rank's
+    model, optimizer, scheduler, RNG and dataloader position stay as they were."""
+    newer = f"{s3.root}/global_step_5"
+    plan = {"root": s3.root, "steps": [1, 2], "resumes": [
+        {"mode": "auto", "cp": [f"{s3.root}/global_step_1", newer], "refused": True},
+        {"mode": "resume_path", "path": newer, "refused": True},
+        ["resume_path", f"{s3.root}/global_step_2"]]}
+    reports, _ = run_ranks(tmp_path, plan, s3.env)
+    for rank, rep in enumerate(reports):
+        for refused in rep["resumed"][:2]:
+            assert "named for step 5 but its manifest says step 1" in refused["error"]
+            assert refused["after"] == refused["before"]  # nothing applied
+            # a fresh loader's first item: not the position step 1 saved (its second)
+            assert refused["next"] == [rank * 4096]
+    assert_resumed(reports, 2, 2)  # the ranks go on loading committed steps as before

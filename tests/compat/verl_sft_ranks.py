@@ -7,9 +7,11 @@
 PLAN: ``root`` (``trainer.default_local_dir``), ``hdfs`` (``default_hdfs_dir``),
 ``keep`` (``max_ckpt_to_keep``), ``steps`` to save, then ``resumes``: each a
 ``[resume_mode, resume_from_path]`` that a fresh handler loads, or a dict of ``mode``,
-``path``, its own ``root`` and ``hdfs``, and ``before``: ``cloudckpt verl`` command
-lines rank 0 runs first, in a process of its own (the other rank waits). Each rank writes
-``OUT_DIR/rank{R}.json``: the digests and the next dataloader item at every saved
+``path``, its own ``root`` and ``hdfs``, ``before``: ``cloudckpt verl`` command lines
+rank 0 runs first, in a process of its own (the other rank waits), ``cp``: ``[SRC,
+DST]`` for ``cloudckpt cp`` likewise, and ``refused``: the load is expected to raise
+(its error and the fresh state's digests before and after it are reported). Each rank
+writes ``OUT_DIR/rank{R}.json``: the digests and the next dataloader item at every saved
 step, and what each resume brought back; with ``megatron`` (a role URI), also the
 report of verl_megatron_ranks' checks, run on the same ranks.
 
@@ -88,11 +90,12 @@ def handler_for(plan: dict, engine: Any, dl: Any, mode: str = "auto",
                              resume_from_path=path)
 
 
-def cli(args: list[str]) -> None:
-    """``cloudckpt verl ARGS`` on rank 0, in a process of its own (outside the ranks'
-    process group), the other rank waiting."""
+def cli(args: list[str], *, command: list[str] | None = None) -> None:
+    """``cloudckpt verl ARGS`` (or ``command`` for ``verl``) on rank 0, in a process of
+    its own (outside the ranks' process group), the other rank waiting."""
     if dist.get_rank() == 0:
-        r = subprocess.run([sys.executable, "-m", "cloudckpt", "verl", *args],
+        r = subprocess.run([sys.executable, "-m", "cloudckpt",
+                            *(["verl"] if command is None else command), *args],
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
     dist.barrier()
@@ -123,12 +126,26 @@ def rank_main(rank: int, port: int, plan: dict, out: str) -> None:
                 resume = {"mode": resume[0], "path": resume[1]}
             for args in resume.get("before", []):
                 cli(args)
+            if "cp" in resume:
+                cli(resume["cp"], command=["cp"])
             fresh = Trainable({})
             fresh.train(1, 99)  # other state everywhere
             fresh_dl = loader(rank, 7)
             where = {**plan, **{k: resume[k] for k in ("root", "hdfs") if k in resume}}
-            step = handler_for(where, engine_for(fresh), fresh_dl, resume["mode"],
-                               resume.get("path")).load_checkpoint()
+            handler = handler_for(where, engine_for(fresh), fresh_dl, resume["mode"],
+                                  resume.get("path"))
+            if resume.get("refused"):
+                before = fresh.digests()
+                try:
+                    handler.load_checkpoint()
+                    error = None
+                except Exception as exc:  # noqa: BLE001 - the test reads what was raised
+                    error = f"{type(exc).__name__}: {exc}"
+                report["resumed"].append({"error": error, "before": before,
+                                          "after": fresh.digests(),
+                                          "next": next(iter(fresh_dl)).tolist()})
+                continue
+            step = handler.load_checkpoint()
             report["resumed"].append({"step": step, "digests": fresh.digests(),
                                       "next": next(iter(fresh_dl)).tolist()})
         if plan.get("megatron"):  # verl_megatron_ranks' checks, in the same launch

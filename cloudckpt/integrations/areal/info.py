@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cloudckpt.errors import CorruptCheckpointError, WorldSizeError
+from cloudckpt.core.expected import expect_world_size
+from cloudckpt.errors import CorruptCheckpointError
 from cloudckpt.integrations.areal.config import areal_class
 from cloudckpt.runtime.state import StepInfo
 from cloudckpt.serialization.restricted import TENSOR_GLOBALS, restricted_loads
-from cloudckpt.util.text import plural
 
 JSON_FILES = ("saver_info", "evaluator_info", "stats_logger_info", "checkpoint_info")
 DATALOADER_FILE = "dataloader_info.pkl"
@@ -92,12 +92,8 @@ def read(directory: Path, rank: int, world: int | None) -> Any:
                                      {"recover_info": "unreadable"}) from None
     loaders = load_pickle(raw, str(directory / DATALOADER_FILE))
     if isinstance(loaders, list) and world is not None:
-        if len(loaders) != world:
-            raise WorldSizeError(
-                f"{directory / DATALOADER_FILE} holds the dataloader states of "
-                f"{plural(len(loaders), 'rank')}; this job has {plural(world, 'rank')}. "
-                "Resume with the world size that "
-                "saved it.")
+        expect_world_size(str(directory / DATALOADER_FILE), len(loaders), world,
+                          holds="the dataloader states")
         loaders = loaders[rank]
     last = step_info_type()(**{k: int(step[k]) for k in ("epoch", "epoch_step",
                                                           "global_step", "steps_per_epoch")})

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from cloudckpt.core.checkpoint import open_checkpoint
+from cloudckpt.core.expected import expect_kind
 from cloudckpt.integrations.areal.config import INFO_DIR, recover_enabled, save_root
 from cloudckpt.integrations.areal.dataorder import mark_resumed
 from cloudckpt.integrations.areal.engines import engines_of, save_load_meta
@@ -151,10 +152,17 @@ class RecoverHandler(_Periodic):
                         "should not be a resumed experiment)", self.root)
             return None
         gen = self.slot.store.child(pointer["generation"])
+        me = coord.rank(self.group)
+        world = coord.world_size(self.group) if coord.initialized() else None
         with staging_dir(self.staging, self.group) as local:
-            download_dir(open_checkpoint(gen), local, group=self.group)
-            info = read(local / INFO_DIR, coord.rank(self.group),
-                        coord.world_size(self.group) if coord.initialized() else None)
+            ckpt = coord.checked(lambda: expect_kind(open_checkpoint(gen), KIND,
+                                                     "an AReaL recover dump"), self.group)
+            download_dir(ckpt, local, group=self.group)
+            # Read and checked on every rank before anything is applied (the world size
+            # its dataloader states were saved by among them); the step is the one in the
+            # same commit as the weights, so the two cannot disagree.
+            info, rng, schedulers = coord.checked(
+                lambda: _read_dump(local, engines, me, world), self.group)
             log.info("recovering from %s; resuming at %s", gen.uri, info.last_step_info.next())
             for obj, state in ((saver, info.saver_info), (evaluator, info.evaluator_info),
                                (stats_logger, info.stats_logger_info),
@@ -168,10 +176,10 @@ class RecoverHandler(_Periodic):
                 eng.load(save_load_meta(
                     path=str(local / name / "recover_checkpoint"), weight_format="dcp",
                     with_optim=not getattr(self.config, "no_load_optim", False)))
-            _load_schedulers(local, engines)
-            rng = local / _RNG.format(coord.rank(self.group))
-            if rng.exists():
-                set_rng_state(loads_state(rng.read_bytes(), source=str(rng)))
+            for name, state in schedulers.items():
+                engines[name].lr_scheduler.load_state_dict(state)
+            if rng is not None:
+                set_rng_state(rng)
         self.last_step_info = info.last_step_info
         if inference_engine is not None:
             _sync_inference(engines[inference_engine_update_from], inference_engine,
@@ -189,12 +197,20 @@ def _write_schedulers(local: Path, engines: Mapping[str, Any]) -> None:
         (local / _SCHEDULER.format(name)).write_bytes(dumps_state(sched.state_dict()))
 
 
-def _load_schedulers(local: Path, engines: Mapping[str, Any]) -> None:
-    """The schedulers a dump holds (a dump of AReaL's own has none: they restart)."""
-    for name, sched in _schedulers(engines).items():
+def _read_dump(local: Path, engines: Mapping[str, Any], rank: int, world: int | None
+               ) -> tuple[Any, Any, dict[str, Any]]:
+    """What a load applies besides the engines' DCP: AReaL's recover info (this rank's
+    dataloader state), this rank's RNG state and the schedulers a dump holds (one of
+    AReaL's own has neither: they restart), each decoded."""
+    info = read(local / INFO_DIR, rank, world)
+    path = local / _RNG.format(rank)
+    rng = loads_state(path.read_bytes(), source=str(path)) if path.exists() else None
+    schedulers = {}
+    for name in _schedulers(engines):
         path = local / _SCHEDULER.format(name)
         if path.exists():
-            sched.load_state_dict(loads_state(path.read_bytes(), source=str(path)))
+            schedulers[name] = loads_state(path.read_bytes(), source=str(path))
+    return info, rng, schedulers
 
 
 def _sync_inference(update_engine: Any, inference_engine: Any, meta: Any,

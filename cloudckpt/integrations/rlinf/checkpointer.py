@@ -196,29 +196,36 @@ class RLinfCheckpointer:
         ``actor`` is :func:`fsdp_state_dict`'s dict (apply it with
         :func:`load_fsdp_state_dict`) or ``{"fsdp_checkpoint": <RLinf's Checkpoint>}``,
         which DCP loads and applies itself. The step comes from the directory name,
-        as in RLinf, and must match the manifest's. Model and optimizer reshard to
+        as in RLinf, and must match the manifest's; it and every part asked for are
+        checked before anything loads. Model and optimizer reshard to
         any world size; the RNG state is one copy, restored on every rank (as RLinf).
         ``rng=False`` leaves this process's generators alone.
         """
         from cloudckpt import dcp as cdcp
 
-        ckpt = open_rlinf_checkpoint(uri, self.storage_options)
-        step = _checked_step(ckpt)
-        for part, part_state in ((ACTOR, actor), (CRITIC, critic)):
-            if part_state is None:
-                continue
-            if part not in ckpt.metadata.get("parts", []):
-                raise ConfigError(f"{ckpt.uri} has no {part}/ part; it has "
-                                  f"{ckpt.metadata.get('parts')}")
+        parts = {part: part_state for part, part_state in ((ACTOR, actor), (CRITIC, critic))
+                 if part_state is not None}
+
+        def checked() -> tuple[Checkpoint, int, Any]:  # every part, before any loads
+            ckpt = open_rlinf_checkpoint(uri, self.storage_options)
+            step = _checked_step(ckpt)
+            for part in parts:
+                if part not in ckpt.metadata.get("parts", []):
+                    raise ConfigError(f"{ckpt.uri} has no {part}/ part; it has "
+                                      f"{ckpt.metadata.get('parts')}")
+                # The part's own manifest must be the one the root manifest committed.
+                ckpt.read(f"{part}/{DCP_DIR}/{MANIFEST_NAME}")
+            data = read_data_state(ckpt) if DATA_PATH in ckpt.manifest.files else None
+            return ckpt, step, data
+
+        ckpt, step, data = coord.checked(checked, self.group)
+        for part, part_state in parts.items():
             inner = part_state.get(ROOT_KEY)
             if not rng and isinstance(inner, dict):
                 inner.pop("rng", None)
-            # The part's own manifest must be the one the root manifest committed.
-            ckpt.read(f"{part}/{DCP_DIR}/{MANIFEST_NAME}")
             with numpy_rng_allowed():  # RLinf's rng.numpy holds an ndarray
                 cdcp.load(part_state, ckpt.store.child(f"{part}/{DCP_DIR}"),
                           process_group=self.group)
-        data = read_data_state(ckpt) if DATA_PATH in ckpt.manifest.files else None
         log.info("resumed from %s at global step %d", ckpt.uri, step)
         return Resumed(step, ckpt, data)
 

@@ -8,12 +8,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from cloudckpt.core.checkpoint import Checkpoint, open_checkpoint
+from cloudckpt.core.expected import expect_kind, expect_step
 from cloudckpt.core.listing import list_checkpoints
 from cloudckpt.core.ownership import FOREIGN, survey
 from cloudckpt.errors import (
     CheckpointNotFoundError,
     ConfigError,
-    CorruptCheckpointError,
     IncompleteCheckpointError,
 )
 from cloudckpt.integrations.rlinf.layout import _STEP_RE, ACTOR, DCP_DIR, KIND, parse_step
@@ -39,18 +39,13 @@ def open_rlinf_checkpoint(uri: str | Store,
                 f"{store.uri} was written by RLinf itself (no cloudckpt manifest); check and "
                 f"commit it once with `{ADOPT_HINT} {store.uri}`, then resume") from exc
         raise
-    if ckpt.manifest.kind != KIND:
-        raise CorruptCheckpointError(
-            f"{ckpt.uri} is a {ckpt.manifest.kind!r} checkpoint, not an RLinf one")
-    return ckpt
+    return expect_kind(ckpt, KIND, "an RLinf step")
 
 
 def _checked_step(ckpt: Checkpoint) -> int:
+    """The step of ``ckpt``'s name (RLinf resumes at it), which its manifest must say."""
     step = parse_step(ckpt.uri)
-    if ckpt.step is not None and ckpt.step != step:
-        raise CorruptCheckpointError(
-            f"{ckpt.uri} is named for step {step} but its manifest says step {ckpt.step}; "
-            "was it renamed or copied to the wrong place?")
+    expect_step(ckpt, step)
     return step
 
 
@@ -89,8 +84,10 @@ def _latest(store: Store) -> str | None:
     infos = [i for i in list_checkpoints(store, include_uncommitted=True)
              if _STEP_RE.match(i.name)]
     for info in sorted(infos, key=lambda i: parse_step(i.name), reverse=True):
-        if info.committed:
-            return info.uri
+        if info.committed:  # checked as a named one is, before any worker loads it
+            ckpt = open_rlinf_checkpoint(store.child(info.name))
+            _checked_step(ckpt)
+            return ckpt.uri
         if info.status == "foreign":
             # RLinf would resume from it; skipping it would later collide with its name.
             raise IncompleteCheckpointError(

@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from cloudckpt.core.checkpoint import Checkpoint, open_checkpoint
-from cloudckpt.errors import ConfigError, CorruptCheckpointError
+from cloudckpt.core.expected import expect_kind, expect_step, expect_world_size
+from cloudckpt.errors import ConfigError
 from cloudckpt.integrations.rlinf.fsdp import fsdp_parts
 from cloudckpt.integrations.rlinf.layout import (
     DCP_DIR,
@@ -77,15 +78,15 @@ def save_part(training_state: Any, save_path: str, *, checkpoint_format: str = "
 def load_part(training_state: Any, load_path: str, *, checkpoint_format: str = "dcp",
               fsdp_version: Any = None,
               storage_options: Mapping[str, Any] | None = None) -> Checkpoint:
-    """Load a committed part into RLinf's ``Checkpoint`` state, in place; every rank."""
+    """Load a committed part into RLinf's ``Checkpoint`` state, in place; every rank.
+    Its kind, step, format and (local shards) world size are checked first, and RLinf's
+    FSDP version of a local shard: a refusal leaves the model as it was."""
     from cloudckpt import dcp as cdcp
     from cloudckpt.serialization.torchload import safe_torch_load
 
     fmt = _format(checkpoint_format)
     ckpt = open_checkpoint(load_path.rstrip("/"), storage_options)
-    if ckpt.manifest.kind != PART_KIND:
-        raise CorruptCheckpointError(f"{ckpt.uri} is a {ckpt.manifest.kind!r} checkpoint, "
-                                     f"not an RLinf part ({PART_KIND!r})")
+    expect_step(expect_kind(ckpt, PART_KIND, "an RLinf part"), step_of_part(ckpt.uri))
     saved = ckpt.metadata.get("format")
     if saved != fmt:
         raise ConfigError(f"{ckpt.uri} was saved with checkpoint_format {saved!r}, and this "
@@ -93,11 +94,13 @@ def load_part(training_state: Any, load_path: str, *, checkpoint_format: str = "
     if fmt == "local_shard":
         import torch.distributed as dist
 
+        world = ckpt.metadata.get("world_size")
+        if isinstance(world, int):
+            expect_world_size(ckpt.uri, world, dist.get_world_size(),
+                              holds="local shards (checkpoint_format local_shard, which does "
+                              "not reshard)",
+                              otherwise=", or save with checkpoint_format dcp, which reshards")
         key = LOCAL_SHARD.format(rank=dist.get_rank())
-        if key not in ckpt.manifest.files:
-            raise ConfigError(f"{ckpt.uri} has no {key}: saved by {ckpt.metadata.get('world_size')}"
-                              f" ranks, loaded by {dist.get_world_size()} (local shards do "
-                              "not reshard; the dcp format does)")
         with numpy_rng_allowed():
             state = safe_torch_load(io.BytesIO(ckpt.read(key)), f"{ckpt.uri}/{key}")
         if fsdp_version is not None and state.get("fsdp_version") != getattr(

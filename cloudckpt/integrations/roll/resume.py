@@ -12,10 +12,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from cloudckpt.core.checkpoint import read_manifest
+from cloudckpt.core.checkpoint import open_checkpoint
+from cloudckpt.core.expected import expect_kind, expect_step
 from cloudckpt.core.listing import CheckpointInfo, list_checkpoints
 from cloudckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError
 from cloudckpt.integrations.roll.parts import part_names, read_markers
+from cloudckpt.integrations.roll.plugin import KIND
 from cloudckpt.storage import Store, open_store
 
 log = logging.getLogger("cloudckpt.roll")
@@ -101,11 +103,14 @@ def download_checkpoint(uri_or_latest: str, local_dir: str | os.PathLike[str],
         name = best
         store = store.child(name)
     try:
-        read_manifest(store)
+        ckpt = open_checkpoint(store)
     except IncompleteCheckpointError as exc:
         raise IncompleteCheckpointError(
             f"{store.uri} is a torn ROLL checkpoint (never committed); resume from "
             f"the latest committed one instead. {exc}") from None
+    # ROLL resumes at the step its files hold and saves the next ones under their names:
+    # a checkpoint copied under another name is refused.
+    expect_step(expect_kind(ckpt, KIND, "a ROLL checkpoint"), checkpoint_order(name)[0])
     target = Path(local_dir) / name
-    download(store.uri, target, storage_options)
+    download(ckpt, target)
     return str(target)

@@ -66,16 +66,19 @@ def parse_step(uri: str) -> int:
 
     verl takes ``int(path.split("global_step_")[-1])``; the same names parse here,
     anything else is refused by name instead of a bare ``ValueError``."""
-    name = str(uri).rstrip("/").rpartition("/")[2]
-    m = STEP_RE.match(name)
-    if not m:
+    step = step_named(uri)
+    if step is None:
         raise ConfigError(f"{uri!r} does not end in {STEP_PREFIX}<N>: verl takes the resumed "
                           "step from that name (trainer.resume_from_path must name a step)")
-    return int(m.group(1))
+    return step
+
+
+def step_named(uri: str) -> int | None:
+    """The step of ``.../global_step_N`` (None when not named so)."""
+    m = STEP_RE.match(str(uri).rstrip("/").rpartition("/")[2])
+    return int(m.group(1)) if m else None
 
 
 def step_of_role(uri: str) -> int | None:
     """The step of ``.../global_step_N/<role>`` (None when not named so)."""
-    parent = str(uri).rstrip("/").rpartition("/")[0].rpartition("/")[2]
-    m = STEP_RE.match(parent)
-    return int(m.group(1)) if m else None
+    return step_named(str(uri).rstrip("/").rpartition("/")[0])

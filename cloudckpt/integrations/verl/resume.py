@@ -8,11 +8,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from cloudckpt.core.checkpoint import Checkpoint, open_checkpoint
+from cloudckpt.core.expected import expect_kind, expect_step
 from cloudckpt.core.listing import list_checkpoints
 from cloudckpt.errors import (
     CheckpointNotFoundError,
     ConfigError,
-    CorruptCheckpointError,
     IncompleteCheckpointError,
 )
 from cloudckpt.integrations.verl.layout import KIND, STEP_RE, parse_step
@@ -57,8 +57,9 @@ def resolve(mode: str, resume_from_path: Any, root: str | None, *,
 
 def open_step(uri: str, storage_options: Mapping[str, Any] | None = None, *,
               kinds: tuple[str, ...] = (KIND,)) -> Checkpoint:
-    """A committed verl step of one of ``kinds`` (a trailing slash is fine); one verl
-    wrote itself (no manifest) is refused with the command that commits it."""
+    """A committed verl step of one of ``kinds`` (a trailing slash is fine), its
+    manifest's step the one its name says; one verl wrote itself (no manifest) is
+    refused with the command that commits it."""
     uri = uri.rstrip("/")
     step = parse_step(uri)
     try:
@@ -67,14 +68,7 @@ def open_step(uri: str, storage_options: Mapping[str, Any] | None = None, *,
         raise IncompleteCheckpointError(
             f"{uri} is not a committed verl step ({exc}). A step verl wrote itself is "
             f"committed once with `{UPLOAD_HINT} LOCAL_STEP_DIR {uri}`") from exc
-    if ckpt.manifest.kind not in kinds:
-        raise CorruptCheckpointError(f"{ckpt.uri} is a {ckpt.manifest.kind!r} checkpoint, "
-                                     f"not a verl step ({' or '.join(map(repr, kinds))})")
-    if ckpt.step is not None and ckpt.step != step:
-        raise CorruptCheckpointError(
-            f"{ckpt.uri} is named for step {step} but its manifest says step {ckpt.step}; "
-            "was it renamed or copied to the wrong place?")
-    return ckpt
+    return expect_step(expect_kind(ckpt, kinds, "a verl step"), step)
 
 
 def latest_step(root: str, storage_options: Mapping[str, Any] | None = None, *,

@@ -12,9 +12,11 @@ of ``{root}/global_step_N`` (kind :data:`~.layout.SFT_KIND`). Only then does ran
 write the tracker and apply ``max_ckpt_to_keep`` to whole committed steps. A crash
 before the commit leaves no step to resume.
 
-A load resolves the step among committed ones on rank 0 (one listing), the engine
-loads its own files (the bound manager: each rank reads only its own), and each rank
-reads its own ``data_{dp_rank}.pt`` with ``weights_only=True``.
+A load resolves the step among committed ones on rank 0 (one listing); every rank
+checks the step (its kind, the step its manifest names) and reads its own
+``data_{dp_rank}.pt`` with ``weights_only=True`` before anything is applied; then the
+engine loads its own files (the bound manager: each rank reads only its own, checked
+before it applies any), and the dataloader its state.
 """
 
 from __future__ import annotations
@@ -137,20 +139,23 @@ def load(handler: Any, own_load: Callable[[Any], int]) -> int:
         auto_takes_path=True))
     if uri is None:
         return 0
+    # Checked on every rank before anything is applied: the step's kind and number (one
+    # copied under a newer name is refused), and this rank's dataloader state read.
+    data = coord.checked(lambda: _data_state(handler, open_step(uri, kinds=(SFT_KIND,))))
     step = parse_step(uri)
-    handler.resume_global_step = step
     log.info("resuming verl SFT step %d from %s", step, uri)
-    handler.engine.load_checkpoint(uri)  # the bound manager: this rank's own files
-    coord.each_rank(lambda: _load_data(handler, open_step(uri, kinds=(SFT_KIND,))))
+    handler.engine.load_checkpoint(uri)  # the bound manager: this rank's own files, checked
+    if data is not None:
+        handler.train_dataloader.load_state_dict(data)
+    handler.resume_global_step = step
     return step
 
 
-def _load_data(handler: Any, ckpt: Checkpoint) -> None:
+def _data_state(handler: Any, ckpt: Checkpoint) -> Any:
+    """This rank's ``data_{dp_rank}.pt``, read and decoded (None: the step has none)."""
     key = SFT_DATA.format(dp_rank=handler.dp_rank)
     if key not in ckpt.manifest.files:
         log.warning("%s holds no %s: the dataloader starts from scratch", ckpt.uri, key)
-        return
+        return None
     with numpy_rng_allowed():
-        state = safe_torch_load(io.BytesIO(ckpt.read(key)), f"{ckpt.uri}/{key}")
-    handler.train_dataloader.load_state_dict(state)
-
+        return safe_torch_load(io.BytesIO(ckpt.read(key)), f"{ckpt.uri}/{key}")

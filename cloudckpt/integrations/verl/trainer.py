@@ -141,30 +141,35 @@ def resolve(trainer: Any) -> str | None:
 
 
 def load_step(trainer: Any, critic_dir: str, step_uri: str) -> None:
-    """``_load_checkpoint`` from a committed step: the step number, each role's
-    workers' own files, then ``data.pt`` into the dataloader (as verl does)."""
+    """``_load_checkpoint`` from a committed step: each role's workers' own files, then
+    ``data.pt`` into the dataloader (as verl does), then the step number. Every role
+    part is checked (kind, step, world size) and ``data.pt`` read before any is loaded."""
     config = trainer.config.trainer
     ckpt = open_step(step_uri)
-    trainer.global_steps = parse_step(ckpt.uri)
-    log.info("resuming verl step %d from %s", trainer.global_steps, ckpt.uri)
-    for name, group in _roles(trainer, critic_dir):
-        role = open_role(ckpt.store.child(name).uri, getattr(group, "world_size", None))
+    step = parse_step(ckpt.uri)
+    roles = [(open_role(ckpt.store.child(name).uri, getattr(group, "world_size", None)), group)
+             for name, group in _roles(trainer, critic_dir)]
+    data = _data_state(trainer, ckpt, step)
+    log.info("resuming verl step %d from %s", step, ckpt.uri)
+    for role, group in roles:
         group.load_checkpoint(role.uri, del_local_after_load=config.del_local_ckpt_after_load)
-    _load_data(trainer, ckpt)
+    if data is not None:
+        trainer.train_dataloader.load_state_dict(data)
+    trainer.global_steps = step
 
 
-def _load_data(trainer: Any, ckpt: Checkpoint) -> None:
+def _data_state(trainer: Any, ckpt: Checkpoint, step: int) -> Any:
+    """``data.pt`` read and decoded, or None where verl's dataloader starts afresh."""
     if DATA not in ckpt.manifest.files:
         log.warning("%s holds no %s: the dataloader starts from scratch", ckpt.uri, DATA)
-        return
+        return None
     per_epoch = len(trainer.train_dataloader)
-    if per_epoch > 0 and trainer.global_steps % per_epoch == 0:
+    if per_epoch > 0 and step % per_epoch == 0:
         log.info("step %d is at an epoch boundary: the dataloader starts the next epoch "
-                 "from scratch, as verl does", trainer.global_steps)
-        return
+                 "from scratch, as verl does", step)
+        return None
     with numpy_rng_allowed():
-        state = safe_torch_load(io.BytesIO(ckpt.read(DATA)), f"{ckpt.uri}/{DATA}")
-    trainer.train_dataloader.load_state_dict(state)
+        return safe_torch_load(io.BytesIO(ckpt.read(DATA)), f"{ckpt.uri}/{DATA}")
 
 
 def load(trainer: Any, critic_dir: str, own_load: Callable[[Any], Any]) -> Any:

@@ -33,6 +33,7 @@ from typing import Any
 from cloudckpt.core import blobs, kinds
 from cloudckpt.core.blobs import BlobArea
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
+from cloudckpt.core.expected import expect_kind, expect_step, expect_world_size
 from cloudckpt.errors import ConfigError, CorruptCheckpointError, IncompleteCheckpointError
 from cloudckpt.integrations.verl.layout import (
     FSDP_LAYOUT,
@@ -42,6 +43,7 @@ from cloudckpt.integrations.verl.layout import (
     SFT_KIND,
     rank_file,
     rank_file_world,
+    step_named,
     step_of_role,
 )
 from cloudckpt.names import MANIFEST_NAME
@@ -150,8 +152,9 @@ MANAGER_KINDS = (ROLE_KIND, SFT_KIND)
 
 
 def open_role(uri: str, world_size: int | None = None) -> Checkpoint:
-    """A committed role part (or SFT step); with ``world_size``, refused unless it was
-    saved by as many ranks (verl's per-rank files cannot be resharded)."""
+    """A committed role part (or SFT step), its manifest's step the one its name says;
+    with ``world_size``, refused unless it was saved by as many ranks (verl's per-rank
+    files cannot be resharded)."""
     uri = uri.rstrip("/")
     try:
         ckpt = open_checkpoint(uri)
@@ -159,17 +162,15 @@ def open_role(uri: str, world_size: int | None = None) -> Checkpoint:
         raise IncompleteCheckpointError(
             f"{uri} is not a committed verl role part ({exc}); resume from a committed "
             "step (resume_mode: auto finds the newest)") from exc
-    if ckpt.manifest.kind not in MANAGER_KINDS:
-        raise CorruptCheckpointError(f"{ckpt.uri} is a {ckpt.manifest.kind!r} checkpoint, "
-                                     f"not a verl role part ({ROLE_KIND!r}) or SFT step "
-                                     f"({SFT_KIND!r})")
+    expect_kind(ckpt, MANAGER_KINDS, "a verl role part or SFT step")
+    expect_step(ckpt, step_of_role(uri) if ckpt.manifest.kind == ROLE_KIND
+                else step_named(uri))
     if ckpt.metadata.get("layout") == MEGATRON_LAYOUT:
         return ckpt  # verl's Megatron load reshards its dist_ckpt
-    saved = saved_world_size(ckpt)
-    if world_size is not None and saved != world_size:
-        raise ConfigError(
-            f"{ckpt.uri} was saved by {saved} ranks and this run has {world_size}: verl's "
-            f"per-rank files cannot be resharded; resume with {saved} ranks")
+    if world_size is not None:
+        expect_world_size(ckpt.uri, saved_world_size(ckpt), world_size,
+                          holds="verl's per-rank model, optimizer and extra state files",
+                          otherwise=" (verl's files cannot be resharded)")
     return ckpt
 
 
@@ -222,6 +223,15 @@ def _load_mine(module: ModuleType, manager: Any, uri: str) -> Checkpoint:
         assert manager.model is not None, "model must be provided to load 'model'"
     if manager.should_load_optimizer:
         assert manager.optimizer is not None, "optimizer must be provided to load 'optimizer'"
+    # Every file this load applies is read, checked and decoded before any is applied:
+    # one missing or corrupt leaves the model, optimizer, scheduler and RNG as they were.
+    # (verl's own load holds the model's state and the optimizer's at once too.)
+    model = _read_state(ckpt, rank_file("model", world, rank), "model") \
+        if manager.should_load_model else None
+    optim = _read_state(ckpt, rank_file("optimizer", world, rank), "optimizer") \
+        if manager.should_load_optimizer else None
+    extra = _read_state(ckpt, rank_file("extra", world, rank), "extra") \
+        if manager.should_load_extra else None
     offload = bool(module.is_cuda_available)
     model_cfg = (module.ShardedStateDictConfig(offload_to_cpu=offload)
                  if manager.should_load_model else None)
@@ -229,21 +239,18 @@ def _load_mine(module: ModuleType, manager: Any, uri: str) -> Checkpoint:
                  if manager.should_load_optimizer else None)
     with module.get_fsdp_state_ctx(manager.model, module.StateDictType.SHARDED_STATE_DICT,
                                    model_cfg, optim_cfg):
-        if manager.should_load_model:
-            state = _read_state(ckpt, rank_file("model", world, rank), "model")
-            if manager.is_lora_only_state_dict(state):
-                result = manager.model.load_state_dict(state, strict=False)
+        if model is not None:
+            if manager.is_lora_only_state_dict(model):
+                result = manager.model.load_state_dict(model, strict=False)
                 if result is not None and result.unexpected_keys:
                     raise ConfigError(f"{ckpt.uri}: the LoRA-only checkpoint has keys this "
                                       f"model lacks: {result.unexpected_keys[:5]}; configure "
                                       "the same LoRA adapters as the run that saved it")
             else:
-                manager.model.load_state_dict(state)
-        if manager.should_load_optimizer:
-            state = _read_state(ckpt, rank_file("optimizer", world, rank), "optimizer")
-            manager.optimizer.load_state_dict(manager._backfill_optimizer_state(state))
-    if manager.should_load_extra:
-        extra = _read_state(ckpt, rank_file("extra", world, rank), "extra")
+                manager.model.load_state_dict(model)
+        if optim is not None:
+            manager.optimizer.load_state_dict(manager._backfill_optimizer_state(optim))
+    if extra is not None:
         if "rng" in extra:
             manager.load_rng_state(extra["rng"])
         scheduler = extra.get("lr_scheduler")
@@ -251,4 +258,3 @@ def _load_mine(module: ModuleType, manager: Any, uri: str) -> Checkpoint:
             manager.lr_scheduler.load_state_dict(scheduler)
     log.info("rank %d loaded its verl files of %s", rank, ckpt.uri)
     return ckpt
-
