@@ -174,3 +174,33 @@ def test_a_metadata_that_is_not_the_checkpoints_is_corrupt(local, change, names)
     with pytest.raises(CorruptCheckpointError) as exc:
         load_dcp(uri, local)
     assert [p for p in exc.value.problems if p.endswith(names)], exc.value.problems
+
+
+@pytest.mark.parametrize("how", ["missing", "truncated", "oversized"])
+@pytest.mark.parametrize("framework", ["verl", "rlinf", "roll"])
+def test_the_frameworks_automatic_resumes_skip_it_too(s3, framework, how, caplog):
+    """verl's ``resume_mode: auto``, RLinf's ``resume_dir: auto`` and ROLL's latest
+    checkpoint pass over a newest step whose objects disagree with its manifest, with a
+    WARNING naming the object, instead of failing on it at every automatic restart."""
+    from cloudckpt import CheckpointWriter
+    from cloudckpt.integrations.rlinf.resume import resolve_resume_dir
+    from cloudckpt.integrations.roll.resume import latest_committed
+    from cloudckpt.integrations.verl.resume import latest_step
+
+    name, kind, latest = {
+        "verl": ("global_step_{}", "verl", lambda: latest_step(s3.root, s3.options)),
+        "rlinf": ("global_step_{}", "rlinf",
+                  lambda: resolve_resume_dir("auto", s3.root, s3.options)),
+        "roll": ("checkpoint-{}", "roll",
+                 lambda: latest_committed(open_store(s3.root, s3.options))),
+    }[framework]
+    for step in (1, 2):
+        with CheckpointWriter(s3.uri(name.format(step)), step=step, kind=kind,
+                              storage_options=s3.options) as w:
+            w.put("weights.bin", bytes(range(256)) * step)
+    assert latest().rstrip("/").endswith(name.format(2))
+    damage(open_store(s3.uri(name.format(2)), s3.options), "weights.bin", how)
+    with caplog.at_level(logging.WARNING, logger="cloudckpt"):
+        assert latest().rstrip("/").endswith(name.format(1))
+    assert f"skipping {s3.uri(name.format(2))}" in caplog.text
+    assert "weights.bin" in caplog.text

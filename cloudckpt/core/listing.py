@@ -52,6 +52,19 @@ class CheckpointInfo:
         sub = root.child(self.name)
         return Checkpoint(sub, self.manifest) if self.manifest else open_checkpoint(sub)
 
+    def whole(self, root: Store) -> bool:
+        """Whether every object of this committed checkpoint below ``root`` is there with
+        the size its manifest lists (one listing). A resume asks before it picks the
+        newest checkpoint: one missing, truncated or oversized objects is skipped with a
+        WARNING naming them, as the manager's restore falls back from it, rather than
+        fail the same way on every automatic restart."""
+        try:
+            self.open(root).verify()
+        except CorruptCheckpointError as exc:
+            log.warning("skipping %s: %s", self.uri, exc)
+            return False
+        return True
+
 
 def _natural(name: str) -> tuple[Any, ...]:
     """``checkpoint-9`` before ``checkpoint-11``: digits compare as numbers."""

@@ -84,6 +84,8 @@ def _latest(store: Store) -> str | None:
     infos = [i for i in list_checkpoints(store, include_uncommitted=True)
              if _STEP_RE.match(i.name)]
     for info in sorted(infos, key=lambda i: parse_step(i.name), reverse=True):
+        if info.committed and not info.whole(store):  # fall back from it, as for a torn one
+            continue
         if info.committed:  # checked as a named one is, before any worker loads it
             ckpt = open_rlinf_checkpoint(store.child(info.name))
             _checked_step(ckpt)

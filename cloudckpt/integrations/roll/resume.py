@@ -27,12 +27,16 @@ CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
 def latest_committed(store: Store, expected_uploads: int | None = None) -> str | None:
-    """The name of the highest committed ``checkpoint-N`` under ``store`` (None if there
-    is none), with a WARNING naming each newer one it skips and why, so a resume that
-    falls back, or starts from scratch, is never silent."""
+    """The name of the highest committed ``checkpoint-N`` under ``store`` whose objects
+    all match its manifest (None if there is none), with a WARNING naming each newer one
+    it skips and why, so a resume that falls back, or starts from scratch, is never
+    silent."""
     infos = [i for i in list_checkpoints(store, include_uncommitted=True)
              if CKPT_RE.match(i.name)]
     done = sorted(checkpoint_order(i.name) for i in infos if i.committed)
+    by_name = {i.name: i for i in infos}
+    while done and not by_name[done[-1][1]].whole(store):  # its objects disagree: skipped
+        done.pop()
     floor = done[-1][0] if done else -1
     skipped = sorted((i for i in infos if not i.committed
                       and checkpoint_order(i.name)[0] > floor),

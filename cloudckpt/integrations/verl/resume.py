@@ -73,16 +73,19 @@ def open_step(uri: str, storage_options: Mapping[str, Any] | None = None, *,
 
 def latest_step(root: str, storage_options: Mapping[str, Any] | None = None, *,
                 kinds: tuple[str, ...] = (KIND,)) -> str | None:
-    """The newest committed step of one of ``kinds`` under ``root`` (one listing), or
-    None. Newer steps
-    that never committed are skipped with a WARNING; one verl wrote itself is
-    refused (resuming past it would later collide with its name)."""
+    """The newest whole committed step of one of ``kinds`` under ``root``, or None.
+    Newer steps that never committed, or whose objects disagree with their manifest
+    (:meth:`~cloudckpt.core.listing.CheckpointInfo.whole`), are skipped with a WARNING;
+    one verl wrote itself is refused (resuming past it would later collide with its
+    name)."""
     store = open_store(root, storage_options)
     infos = [i for i in list_checkpoints(store, include_uncommitted=True)
              if STEP_RE.match(i.name)]
     for info in sorted(infos, key=lambda i: parse_step(i.name), reverse=True):
         if info.committed and info.manifest is not None and info.manifest.kind in kinds:
-            return info.uri
+            if info.whole(store):
+                return info.uri
+            continue
         if info.committed:
             log.warning("skipping %s: a %r checkpoint, not a verl step", info.uri,
                         info.manifest.kind if info.manifest else None)
