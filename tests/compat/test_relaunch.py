@@ -3,7 +3,11 @@ itself, through each framework's own code on two gloo ranks: the relaunch (a new
 namespace, its own hostname and local disk) resumes the newest committed step, saves
 the killed step again (taking the dead save's claim over: at once as the next attempt of
 the same run, once its lease ran out as another run), and goes on bit-exact with a run
-that never stopped. No command is typed in between."""
+that never stopped. No command is typed in between.
+
+One section per framework; each kills its save while the step's root manifest is in
+flight (:class:`relaunch.HeldSave`), from a module-scoped reference run that never
+stopped, and relaunches as the same run and as another (``RELAUNCHES``)."""
 
 from __future__ import annotations
 
@@ -14,25 +18,56 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from cloudckpt_testkit.nodes import as_node, node_env
-from relaunch import SHORT_LEASE, HeldSave, attempt_env, kill_held, taken_over
+from relaunch import (
+    SHORT_LEASE,
+    HeldSave,
+    Stamped,
+    attempt_env,
+    kill_held,
+    run_stamped,
+    taken_over_at,
+)
 from test_verl import HERE, saved_at, trainer_config
 
 from cloudckpt import list_checkpoints, open_checkpoint
 
 RELAUNCHES = ["same-run", "other-run"]
+#: A node's launch: the command (as on that node) and its environment, given what the
+#: test adds to it (the proxy's endpoint, the attempt).
+Launch = Callable[[dict[str, str]], tuple[list[str], dict[str, str]]]
+
+
+@contextmanager
+def node_disks() -> Iterator[Path]:
+    """Where the nodes' local disks are: a short path (Ray's socket paths must fit 107
+    bytes below a node's TMPDIR)."""
+    path = Path(tempfile.mkdtemp(prefix="nodes-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
 def disks():
-    """Where the nodes' local disks are: a short path (Ray's socket paths must fit 107
-    bytes below a node's TMPDIR)."""
-    path = Path(tempfile.mkdtemp(prefix="nodes-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with node_disks() as path:
+        yield path
+
+
+def on_node(cmd: list[str], disks: Path, host: str, env: dict[str, str]
+            ) -> tuple[list[str], dict[str, str]]:
+    """``cmd`` under ``cloudckpt run`` as on node ``host``, with ``env`` (and this
+    directory on its PYTHONPATH)."""
+    environ = node_env(disks, host, {
+        **os.environ, **env, "RAY_DEDUP_LOGS": "0",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))})
+    return as_node([sys.executable, "-m", "cloudckpt", "run", "--", *cmd], host), environ
 
 
 def relaunch_env(relaunch: str) -> tuple[dict[str, str], dict[str, str]]:
@@ -41,46 +76,72 @@ def relaunch_env(relaunch: str) -> tuple[dict[str, str], dict[str, str]]:
     return attempt_env("run-1", 0), again
 
 
-def check_taken_over(log: str, uri: str, relaunch: str, killed_at: float) -> None:
-    lines = taken_over(log, uri)
-    assert len(lines) == 1, log[-4000:]
+def kill_mid_save(launch: Launch, cwd: Path, moto_server, target, **hold) -> float:
+    """Start ``launch`` through a proxy holding its save's ``target`` (see HeldSave),
+    SIGKILL the node once that request waits there; returns when it was killed."""
+    log = cwd / "killed.log"
+    with HeldSave(moto_server.endpoint, target, **hold) as held:
+        cmd, environ = launch(held.env)
+        with log.open("w") as out:
+            proc = subprocess.Popen(cmd, env=environ, cwd=cwd, stdout=out,
+                                    stderr=subprocess.STDOUT)
+        kill_held(proc, held, log=log)
+    return time.time()
+
+
+def run_node(launch: Launch, cwd: Path, env: dict[str, str], name: str,
+             timeout: float = 600) -> Stamped:
+    """Run ``launch`` to its end (it must succeed): its output, stamped."""
+    cmd, environ = launch(env)
+    out = run_stamped(cmd, environ, cwd, cwd / f"{name}.log", timeout)
+    assert out.returncode == 0, out.text[-6000:]
+    return out
+
+
+def check_taken_over(out: Stamped, uri: str, relaunch: str, killed_at: float) -> None:
+    """The relaunch took the killed save's claim of ``uri`` over once: as the next
+    attempt of its run, or (another run) once the lease ran out, not before. The claim
+    was renewed at most a quarter lease before the kill, so its lease ran out no sooner
+    than three quarters of one after it."""
+    lines = taken_over_at(out, uri)
+    assert len(lines) == 1, out.text[-6000:]
+    (when, line), = lines
     if relaunch == "same-run":
-        assert "an earlier attempt of this run" in lines[0]
+        assert "an earlier attempt of this run" in line, line
     else:
-        assert f"its lease of {SHORT_LEASE} s" in lines[0]
-        assert time.time() > killed_at + SHORT_LEASE - 1  # not before the lease ran out
+        assert f"its lease of {SHORT_LEASE} s" in line, line
+        assert when >= killed_at + 0.75 * SHORT_LEASE - 0.5, (when - killed_at, line)
+
+
+def assert_same_steps(got: dict, want: dict, steps: list[int], label: str = "") -> None:
+    """Per step: every rank's digests (model, optimizer, scheduler, RNG) and the data
+    drawn next are the reference's."""
+    for step in steps:
+        assert got[step] == want[step], f"{label} step {step}"
 
 
 # --------------------------------------------------------------------------- verl
 
 
-def verl_launch(tmp_path: Path, disks: Path, name: str, plan: dict, env: dict, host: str
-                ) -> tuple[list[str], dict, Path]:
-    """verl_driver.py under ``cloudckpt run`` as on node ``host``."""
+def verl_launch(tmp_path: Path, disks: Path, name: str, plan: dict, host: str
+                ) -> tuple[Launch, Path]:
+    """verl_driver.py as on node ``host``."""
     (tmp_path / f"{name}.json").write_text(json.dumps(plan))
     out = tmp_path / f"{name}-out.json"
-    cmd = [sys.executable, "-m", "cloudckpt", "run", "--", sys.executable,
-           str(HERE / "verl_driver.py"), str(tmp_path / f"{name}.json"), str(out)]
-    environ = node_env(disks, host, {
-        **os.environ, **env, "RAY_DEDUP_LOGS": "0",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))})
-    return as_node(cmd, host), environ, out
+    cmd = [sys.executable, str(HERE / "verl_driver.py"), str(tmp_path / f"{name}.json"),
+           str(out)]
+    return (lambda env: on_node(cmd, disks, host, env)), out
 
 
 @pytest.fixture(scope="module")
 def verl_reference(tmp_path_factory) -> dict:
     """verl's own run of four steps that never stopped (on local disk, verl's own save)."""
     tmp = tmp_path_factory.mktemp("verl-reference")
-    disks = Path(tempfile.mkdtemp(prefix="nodes-"))
-    try:
-        cmd, environ, out = verl_launch(tmp, disks, "reference", {
+    with node_disks() as disks:
+        launch, out = verl_launch(tmp, disks, "reference", {
             "config": trainer_config(default_local_dir=str(tmp / "ckpts")), "world": 2,
-            "phases": [{"save": [1, 2, 3, 4]}]}, {}, "node-r")
-        r = subprocess.run(cmd, env=environ, cwd=tmp, capture_output=True, text=True,
-                           timeout=600)
-    finally:
-        shutil.rmtree(disks, ignore_errors=True)
-    assert r.returncode == 0, r.stderr[-4000:]
+            "phases": [{"save": [1, 2, 3, 4]}]}, "node-r")
+        run_node(launch, tmp, {}, "reference")
     (reference,) = json.loads(out.read_text())["phases"]
     return reference
 
@@ -93,34 +154,88 @@ def test_verl_trainer_killed_mid_save_comes_back_on_another_node(relaunch, s3, m
     root manifest of global_step_3 is in flight (the actor's part committed)."""
     config = trainer_config(default_local_dir=s3.root)
     first, again = relaunch_env(relaunch)
-    reference = verl_reference
     step3 = f"{s3.root}/global_step_3"
-    with HeldSave(moto_server.endpoint, "/global_step_3/cloudckpt-manifest.json") as held:
-        cmd, environ, _ = verl_launch(tmp_path, disks, "killed", {
-            "config": config, "world": 2, "phases": [{"save": [1, 2, 3]}]},
-            {**s3.env, **held.env, **first}, "node-a")
-        proc = subprocess.Popen(cmd, env=environ, cwd=tmp_path, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-        kill_held(proc, held)
-    killed_at = time.time()
+    killed, _ = verl_launch(tmp_path, disks, "killed", {
+        "config": config, "world": 2, "phases": [{"save": [1, 2, 3]}]}, "node-a")
+    killed_at = kill_mid_save(lambda env: killed({**s3.env, **first, **env}), tmp_path,
+                              moto_server, "/global_step_3/cloudckpt-manifest.json")
     assert [c.name for c in list_checkpoints(s3.root, s3.options)] == \
         ["global_step_1", "global_step_2"]
 
-    cmd, environ, out = verl_launch(tmp_path, disks, "relaunch", {
-        "config": config, "world": 2, "phases": [{"resume": True, "save": [3, 4]}]},
-        {**s3.env, **again}, "node-b")
-    r = subprocess.run(cmd, env=environ, cwd=tmp_path, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
+    relaunched, out = verl_launch(tmp_path, disks, "relaunch", {
+        "config": config, "world": 2, "phases": [{"resume": True, "save": [3, 4]}]}, "node-b")
+    log = run_node(relaunched, tmp_path, {**s3.env, **again}, "relaunch")
     seen = json.loads(out.read_text())
     assert "error" not in seen, seen.get("traceback")
     (resumed,) = seen["phases"]
     assert "error" not in resumed, resumed.get("traceback")
     assert resumed["resumed_at"] == 2
-    for step in (3, 4):  # model, optimizer, scheduler, RNG per rank; the data order
-        want, got = saved_at(reference, step), saved_at(resumed, step)
-        assert got["digests"] == want["digests"] and got["next"] == want["next"], step
-    check_taken_over(r.stderr, step3, relaunch, killed_at)
+    assert_same_steps({s: saved_at(resumed, s) for s in (3, 4)},
+                      {s: saved_at(verl_reference, s) for s in (3, 4)}, [3, 4])
+    check_taken_over(log, step3, relaunch, killed_at)
+    assert [c.name for c in list_checkpoints(s3.root, s3.options)] == \
+        ["global_step_1", "global_step_2", "global_step_3", "global_step_4"]
+    open_checkpoint(step3, s3.options).verify(deep=True)
+
+
+# ----------------------------------------------------------- verl's SFT handler
+
+
+def verl_sft_launch(tmp_path: Path, disks: Path, name: str, plan: dict, host: str
+                    ) -> tuple[Launch, Path]:
+    """verl_sft_ranks.py (verl's SFT CheckpointHandler on every rank) as on ``host``."""
+    (tmp_path / f"{name}.json").write_text(json.dumps(plan))
+    out = tmp_path / name
+    cmd = [sys.executable, str(HERE / "verl_sft_ranks.py"), str(tmp_path / f"{name}.json"),
+           str(out)]
+    return (lambda env: on_node(cmd, disks, host, env)), out
+
+
+def sft_reports(out: Path) -> list[dict]:
+    reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for rep in reports:
+        assert "error" not in rep, rep.get("traceback")
+    return reports
+
+
+def sft_saved(reports: list[dict]) -> dict[int, list[dict]]:
+    """Per saved step, each rank's digests and next dataloader item."""
+    return {int(step): [rep["saved"][step] for rep in reports] for step in reports[0]["saved"]}
+
+
+@pytest.fixture(scope="module")
+def verl_sft_reference(tmp_path_factory) -> dict[int, list[dict]]:
+    """verl's SFT handler saving four steps on local disk, never stopped."""
+    tmp = tmp_path_factory.mktemp("verl-sft-reference")
+    with node_disks() as disks:
+        launch, out = verl_sft_launch(tmp, disks, "reference", {
+            "root": str(tmp / "ckpts"), "steps": [1, 2, 3, 4]}, "node-r")
+        run_node(launch, tmp, {}, "reference")
+    return sft_saved(sft_reports(out))
+
+
+@pytest.mark.parametrize("relaunch", RELAUNCHES)
+def test_verl_sft_handler_killed_mid_save_comes_back_on_another_node(
+        relaunch, s3, moto_server, tmp_path, disks, verl_sft_reference):
+    """verl's SFT CheckpointHandler on two torchrun-style ranks, killed while the root
+    manifest of global_step_3 is in flight (every rank's files written); the relaunch
+    runs verl's ``load_checkpoint()`` (resume_mode auto), then trains and saves on."""
+    first, again = relaunch_env(relaunch)
+    step3 = f"{s3.root}/global_step_3"
+    killed, _ = verl_sft_launch(tmp_path, disks, "killed",
+                                {"root": s3.root, "steps": [1, 2, 3]}, "node-a")
+    killed_at = kill_mid_save(lambda env: killed({**s3.env, **first, **env}), tmp_path,
+                              moto_server, "/global_step_3/cloudckpt-manifest.json")
+    assert [c.name for c in list_checkpoints(s3.root, s3.options)] == \
+        ["global_step_1", "global_step_2"]
+
+    relaunched, out = verl_sft_launch(tmp_path, disks, "relaunch",
+                                      {"root": s3.root, "resume_save": [3, 4]}, "node-b")
+    log = run_node(relaunched, tmp_path, {**s3.env, **again}, "relaunch")
+    reports = sft_reports(out)
+    assert [rep["resumed_at"] for rep in reports] == [2, 2]
+    assert_same_steps(sft_saved(reports), verl_sft_reference, [3, 4])
+    check_taken_over(log, step3, relaunch, killed_at)
     assert [c.name for c in list_checkpoints(s3.root, s3.options)] == \
         ["global_step_1", "global_step_2", "global_step_3", "global_step_4"]
     open_checkpoint(step3, s3.options).verify(deep=True)
