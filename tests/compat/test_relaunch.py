@@ -239,3 +239,62 @@ def test_verl_sft_handler_killed_mid_save_comes_back_on_another_node(
     assert [c.name for c in list_checkpoints(s3.root, s3.options)] == \
         ["global_step_1", "global_step_2", "global_step_3", "global_step_4"]
     open_checkpoint(step3, s3.options).verify(deep=True)
+
+
+# ------------------------------------------------------------ RLinf's runner
+
+
+def rlinf_launch(tmp_path: Path, disks: Path, name: str, output_dir: str, steps: list[int],
+                 host: str) -> tuple[Launch, Path]:
+    """rlinf_runner_driver.py as on ``host``: RLinf's ReasoningRunner over an actor group
+    of two ranks running RLinf's FSDP2 strategy; ``init_workers`` with resume_dir auto,
+    then it trains and saves ``steps``."""
+    out = tmp_path / name
+    out.mkdir()
+    cmd = [sys.executable, str(HERE / "rlinf_runner_driver.py"), "--output-dir", output_dir,
+           "--out", str(out), "--save", ",".join(map(str, steps)), "--world", "2"]
+    return (lambda env: on_node(cmd, disks, host, env)), out / "run.json"
+
+
+def rlinf_saved(report: dict) -> dict[int, dict]:
+    return {s["step"]: {"digests": s["digests"], "next": s["next"]} for s in report["saved"]}
+
+
+@pytest.fixture(scope="module")
+def rlinf_reference(tmp_path_factory) -> dict[int, dict]:
+    """RLinf's own runner and strategy saving four steps on local disk, never stopped."""
+    tmp = tmp_path_factory.mktemp("rlinf-reference")
+    with node_disks() as disks:
+        launch, out = rlinf_launch(tmp, disks, "reference", str(tmp / "results"),
+                                   [1, 2, 3, 4], "node-r")
+        run_node(launch, tmp, {}, "reference")
+    report = json.loads(out.read_text())
+    assert report["resumed_at"] == 0
+    return rlinf_saved(report)
+
+
+@pytest.mark.parametrize("relaunch", RELAUNCHES)
+def test_rlinf_runner_killed_mid_save_comes_back_on_another_node(
+        relaunch, s3, moto_server, tmp_path, disks, rlinf_reference):
+    """RLinf's ReasoningRunner._save_checkpoint over two FSDP2 ranks, killed while the
+    step's root manifest is in flight (the actor's part committed below it)."""
+    first, again = relaunch_env(relaunch)
+    steps = f"{s3.root}/exp/checkpoints"
+    killed, _ = rlinf_launch(tmp_path, disks, "killed", s3.root, [1, 2, 3], "node-a")
+    killed_at = kill_mid_save(lambda env: killed({**s3.env, **first, **env}), tmp_path,
+                              moto_server, "/global_step_3/cloudckpt-manifest.json")
+    assert [c.name for c in list_checkpoints(steps, s3.options)] == \
+        ["global_step_1", "global_step_2"]
+
+    relaunched, out = rlinf_launch(tmp_path, disks, "relaunch", s3.root, [3, 4], "node-b")
+    log = run_node(relaunched, tmp_path, {**s3.env, **again}, "relaunch")
+    report = json.loads(out.read_text())
+    assert report["resumed_at"] == 2
+    assert_same_steps(rlinf_saved(report), rlinf_reference, [3, 4])
+    check_taken_over(log, f"{steps}/global_step_3", relaunch, killed_at)
+    assert [c.name for c in list_checkpoints(steps, s3.options)] == \
+        ["global_step_1", "global_step_2", "global_step_3", "global_step_4"]
+    step3 = open_checkpoint(f"{steps}/global_step_3", s3.options)
+    step3.verify(deep=True)
+    assert {"data/data.pt", "actor/cloudckpt-manifest.json"} <= set(step3.files)
+
