@@ -91,9 +91,42 @@ def kill_held(proc: subprocess.Popen, held: HeldSave, timeout: float = 300,
             proc.kill()
             proc.wait(timeout=60)
             raise AssertionError(f"the job's save never reached the held request:\n{output()}")
+    node = _namespace(proc.pid)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
+    # The node's other processes die after its unshare does: one still alive would send
+    # the dropped request again, and the proxy forwards what comes once it is stopped.
+    _wait_gone(node)
     held.proxy.release.set()  # the held request is dropped, never forwarded
+
+
+def _namespace(unshare_pid: int) -> str | None:
+    """The pid namespace of the node that ``unshare`` made (its children's)."""
+    try:
+        return os.readlink(f"/proc/{unshare_pid}/ns/pid_for_children")
+    except OSError:
+        return None
+
+
+def _wait_gone(namespace: str | None, timeout: float = 60) -> None:
+    """Until no process of ``namespace`` runs (a zombie sends nothing)."""
+    if namespace is None:
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        left = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                if os.readlink(f"/proc/{entry}/ns/pid") == namespace:
+                    left.append(entry)
+            except OSError:  # gone, or a zombie
+                continue
+        if not left:
+            return
+        assert time.monotonic() < deadline, f"the killed node's processes {left} still run"
+        time.sleep(0.02)
 
 
 def attempt_env(run: str, attempt: int, lease: float = SHORT_LEASE) -> dict[str, str]:
