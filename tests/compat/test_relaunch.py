@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from cloudckpt_testkit import FaultProxy
 from cloudckpt_testkit.nodes import as_node, node_env
 from relaunch import (
     SHORT_LEASE,
@@ -33,10 +35,22 @@ from relaunch import (
     run_stamped,
     taken_over_at,
 )
+from test_areal_trainer import (
+    EPOCHS,
+    STEPS,
+    TRIAL,
+    assert_export_equal,
+    assert_recover_equal,
+    make_fixtures,
+    reference_trial,
+    steps_done,
+)
+from test_areal_trainer import Launch as ArealLaunch
 from test_roll_ray import ROLL_SRC
 from test_verl import HERE, trainer_config
 
-from cloudckpt import list_checkpoints, open_checkpoint
+from cloudckpt import MANIFEST_NAME, list_checkpoints, open_checkpoint
+from cloudckpt.training.slot import RecoverSlot
 
 RELAUNCHES = ["same-run", "other-run"]
 #: A node's launch: the command (as on that node) and its environment, given what the
@@ -62,15 +76,19 @@ def disks():
 
 
 def on_node(cmd: list[str], disks: Path, host: str, env: dict[str, str],
-            path: tuple[Path, ...] = ()) -> tuple[list[str], dict[str, str]]:
-    """``cmd`` under ``cloudckpt run`` as on node ``host``, with ``env`` (and ``path``
-    and this directory on its PYTHONPATH)."""
+            path: tuple[Path, ...] = (), *, run: bool = True
+            ) -> tuple[list[str], dict[str, str]]:
+    """``cmd`` under ``cloudckpt run`` (unless ``run`` is false: it is there already)
+    as on node ``host``, with ``env`` (and ``path`` and this directory on its
+    PYTHONPATH)."""
     # RAY_DEDUP_LOGS=0: Ray would fold lines that differ only by pid into one.
     environ = node_env(disks, host, {
         **os.environ, **env, "RAY_DEDUP_LOGS": "0",
         "PYTHONPATH": os.pathsep.join(filter(None, [*map(str, path), str(HERE),
                                                     os.environ.get("PYTHONPATH")]))})
-    return as_node([sys.executable, "-m", "cloudckpt", "run", "--", *cmd], host), environ
+    if run:
+        cmd = [sys.executable, "-m", "cloudckpt", "run", "--", *cmd]
+    return as_node(cmd, host), environ
 
 
 def relaunch_env(relaunch: str) -> tuple[dict[str, str], dict[str, str]]:
@@ -388,3 +406,86 @@ def test_roll_workers_killed_mid_commit_come_back_on_another_node(
     # (hidden bookkeeping aside: a process killed mid-probe leaves its probe object).
     assert sorted(o.key for o in step3.store.list()) == \
         sorted([*step3.files, "cloudckpt-manifest.json"])
+
+
+# ------------------------------------------------------------ AReaL's SFTTrainer
+
+#: A recover dump's own manifest: its slot's generation, committed at every dump.
+DUMP_MANIFEST = re.compile(r"/gen-\d{20}-[0-9a-f]{8}/cloudckpt-manifest\.json$")
+#: Dumps at global steps 1, 3, 5, ... (recover.freq_steps: 2): the sixth, at step 11,
+#: is in the second epoch, after the HF export of that step (saver.freq_steps: 3).
+KILLED_DUMP, DUMPS_BEFORE = 11, 5
+
+
+@pytest.fixture(scope="module")
+def areal(tmp_path_factory) -> tuple[dict[str, str], Path]:
+    """The tiny model and dataset, and AReaL's own run of two ranks that never stopped
+    (its trial directory on local disk)."""
+    fixtures = make_fixtures(tmp_path_factory.mktemp("areal-fixtures"))
+    return fixtures, reference_trial(fixtures, tmp_path_factory.mktemp("areal-ref"), 2)
+
+
+def areal_launch(fixtures: dict[str, str], tmp_path: Path, disks: Path, bucket: str,
+                 host: str) -> Launch:
+    """AReaL's SFT command (torchrun, two gloo ranks, under cloudckpt run) as on ``host``,
+    its local fileroot on that node's disk."""
+    work = tmp_path / host
+    work.mkdir()
+
+    def launch(env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+        areal = ArealLaunch(fixtures, work, 2, bucket=bucket, env=env)
+        return on_node(areal.command, disks, host, areal.env, run=False)
+
+    return launch
+
+
+@pytest.mark.parametrize("relaunch", RELAUNCHES)
+def test_areal_sft_trainer_killed_mid_dump_comes_back_on_another_node(
+        relaunch, s3, moto_server, tmp_path, disks, areal):
+    """AReaL's SFTTrainer, killed while the manifest of its recover dump at global step
+    11 is in flight (every rank's DCP shard and AReaL's recover info written, the slot's
+    pointer still on the dump of step 9). The relaunch recovers step 9, dumps step 11
+    again and trains to the end, bit-exact with AReaL's own run. A dump goes to a
+    generation of its own, so the dead one's claim is in nobody's way: nothing is
+    taken over, and the torn generation stays invisible."""
+    fixtures, ref_trial = areal
+    first, again = relaunch_env(relaunch)
+    bucket = f"{s3.root}/areal"
+    slot = RecoverSlot(f"{bucket}/{TRIAL}", storage_options=s3.options)
+    with HeldSave(moto_server.endpoint, DUMP_MANIFEST, skip=DUMPS_BEFORE) as held:
+        cmd, environ = areal_launch(fixtures, tmp_path, disks, bucket, "node-a")(
+            {**s3.env, **first, **held.env})
+        log = tmp_path / "killed.log"
+        with log.open("w") as out:
+            proc = subprocess.Popen(cmd, env=environ, cwd=tmp_path, stdout=out,
+                                    stderr=subprocess.STDOUT)
+        kill_held(proc, held, log=log)
+        torn = held.path.rsplit("/", 2)[-2]
+    resumed = slot.info()["step"]
+    assert resumed == KILLED_DUMP - 2 and STEPS // EPOCHS <= resumed  # the second epoch
+    assert len(steps_done(log.read_text())) < STEPS
+
+    dumps: set[str] = set()  # the relaunch's, through a proxy that counts them
+    counting = FaultProxy(moto_server.endpoint, on_request=lambda method, path: dumps.add(
+        path) if method == "PUT" and DUMP_MANIFEST.search(path) else None)
+    counting.start()
+    try:
+        out = run_node(areal_launch(fixtures, tmp_path, disks, bucket, "node-b"), tmp_path,
+                       {**s3.env, **again, "AWS_ENDPOINT_URL": counting.endpoint},
+                       "relaunch")
+    finally:
+        counting.stop()
+    done = steps_done(out.text)  # "Train step N" is global step N - 1
+    assert done[0] == resumed + 2 and done[-1] == STEPS, done  # the counter goes on
+    # It dumped step 11 again, then 13 and 15, each committed and made current.
+    assert len(dumps) == 3 and slot.info()["step"] == STEPS - 1
+    assert not taken_over_at(out, bucket)
+    # The killed dump never became current, and its torn generation holds no manifest.
+    assert torn in slot.generations() and slot.info()["generation"] != torn
+    assert not slot.store.child(torn).exists(MANIFEST_NAME)
+    # Where AReaL's own run ends, bit-exact: the last dump, and its HF exports, the one
+    # the killed run made (kept by the relaunch) and the relaunch's last.
+    assert_recover_equal(slot, s3, ref_trial, tmp_path)
+    for step in (KILLED_DUMP, STEPS - 2):
+        (ref_export,) = (ref_trial / "default").glob(f"epoch*globalstep{step}")
+        assert_export_equal(f"{bucket}/{TRIAL}/default/{ref_export.name}", s3, ref_export)
