@@ -3,7 +3,8 @@ the manager's run, each with its own launch.
 
 :class:`HeldSave` puts a fault proxy in front of moto that holds one request of the
 save (a step's root manifest: every part is written, nothing is committed) until the
-job is dead, then drops it; :func:`kill_held` SIGKILLs the job while it waits there.
+job is dead, then drops it; :func:`kill_held` SIGKILLs the job, every process of its
+node at once, while it waits there.
 Jobs run as on another node (:mod:`cloudckpt_testkit.nodes`): a new pid namespace, its
 own hostname and local disk, so no pid of the crashed attempt means anything to the
 relaunch, which must take the crashed save's claim over by itself: at once as the next
@@ -73,9 +74,10 @@ class HeldSave:
 
 def kill_held(proc: subprocess.Popen, held: HeldSave, timeout: float = 300,
               log: Path | None = None) -> None:
-    """SIGKILL ``proc`` (the node's ``unshare``: everything in the node dies with it) as
-    soon as its save waits in ``held``; fail if it ends or times out first (saying what
-    it printed: its stdout pipe, or ``log`` where it writes)."""
+    """SIGKILL the node ``proc`` made (its ``unshare``, and every process in it at once)
+    as soon as its save waits in ``held``, then drop the held request; fail if it ends
+    or times out first (saying what it printed: its stdout pipe, or ``log`` where it
+    writes)."""
     deadline = time.monotonic() + timeout
 
     def output() -> str:
@@ -92,10 +94,16 @@ def kill_held(proc: subprocess.Popen, held: HeldSave, timeout: float = 300,
             proc.wait(timeout=60)
             raise AssertionError(f"the job's save never reached the held request:\n{output()}")
     node = _namespace(proc.pid)
+    # The whole node at once, as a lost node or container goes: every process stopped
+    # first, then killed. Killing its unshare alone ends the others a moment later, and
+    # in that moment they act on their parent's death (torch's spawned ranks get SIGINT,
+    # and a save so interrupted marks its claim abandoned) or send the dropped request
+    # again (which the proxy, stopped by then, forwards).
+    for sig in (signal.SIGSTOP, signal.SIGSTOP, signal.SIGKILL):
+        for pid in _processes(node):
+            _signal(pid, sig)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
-    # The node's other processes die after its unshare does: one still alive would send
-    # the dropped request again, and the proxy forwards what comes once it is stopped.
     _wait_gone(node)
     held.proxy.release.set()  # the held request is dropped, never forwarded
 
@@ -108,23 +116,33 @@ def _namespace(unshare_pid: int) -> str | None:
         return None
 
 
+def _processes(namespace: str | None) -> list[int]:
+    """The processes of pid namespace ``namespace`` (but zombies), as this one sees them."""
+    if namespace is None:
+        return []
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.readlink(f"/proc/{entry}/ns/pid") == namespace:
+                found.append(int(entry))
+        except OSError:  # gone, or a zombie
+            continue
+    return found
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 def _wait_gone(namespace: str | None, timeout: float = 60) -> None:
     """Until no process of ``namespace`` runs (a zombie sends nothing)."""
-    if namespace is None:
-        return
     deadline = time.monotonic() + timeout
-    while True:
-        left = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                if os.readlink(f"/proc/{entry}/ns/pid") == namespace:
-                    left.append(entry)
-            except OSError:  # gone, or a zombie
-                continue
-        if not left:
-            return
+    while left := _processes(namespace):
         assert time.monotonic() < deadline, f"the killed node's processes {left} still run"
         time.sleep(0.02)
 

@@ -5,9 +5,12 @@ the killed step again (taking the dead save's claim over: at once as the next at
 the same run, once its lease ran out as another run), and goes on bit-exact with a run
 that never stopped. No command is typed in between.
 
-One section per framework; each kills its save while the step's root manifest is in
-flight (:class:`relaunch.HeldSave`), from a module-scoped reference run that never
-stopped, and relaunches as the same run and as another (``RELAUNCHES``)."""
+One section per framework (verl's trainer and its SFT handler, RLinf's runner, ROLL's
+workers, AReaL's SFTTrainer); each kills its save while the step's root manifest is in
+flight (:class:`relaunch.HeldSave`), compares with a module-scoped reference run that
+never stopped, and relaunches as the same run and as another (``RELAUNCHES``). AReaL's
+recover dump is the one save that never comes back to the same URI (each is a new
+generation of the trial's slot): its relaunch has no claim to take over."""
 
 from __future__ import annotations
 
@@ -97,9 +100,11 @@ def relaunch_env(relaunch: str) -> tuple[dict[str, str], dict[str, str]]:
     return attempt_env("run-1", 0), again
 
 
-def kill_mid_save(launch: Launch, cwd: Path, moto_server, target, **hold) -> float:
+def kill_mid_save(launch: Launch, cwd: Path, moto_server, target, **hold
+                  ) -> tuple[float, str]:
     """Start ``launch`` through a proxy holding its save's ``target`` (see HeldSave),
-    SIGKILL the node once that request waits there; returns when it was killed."""
+    SIGKILL the node once that request waits there (its output in ``killed.log``);
+    returns when it was killed, and the request held."""
     log = cwd / "killed.log"
     with HeldSave(moto_server.endpoint, target, **hold) as held:
         cmd, environ = launch(held.env)
@@ -107,7 +112,8 @@ def kill_mid_save(launch: Launch, cwd: Path, moto_server, target, **hold) -> flo
             proc = subprocess.Popen(cmd, env=environ, cwd=cwd, stdout=out,
                                     stderr=subprocess.STDOUT)
         kill_held(proc, held, log=log)
-    return time.time()
+        assert held.path is not None
+        return time.time(), held.path
 
 
 def run_node(launch: Launch, cwd: Path, env: dict[str, str], name: str,
@@ -136,11 +142,11 @@ def check_taken_over(out: Stamped, uri: str, relaunch: str, killed_at: float, *,
             assert when >= killed_at + 0.75 * SHORT_LEASE - 0.5, (when - killed_at, line)
 
 
-def assert_same_steps(got: dict, want: dict, steps: list[int], label: str = "") -> None:
+def assert_same_steps(got: dict, want: dict, steps: list[int]) -> None:
     """Per step: every rank's digests (model, optimizer, scheduler, RNG) and the data
     drawn next are the reference's."""
     for step in steps:
-        assert got[step] == want[step], f"{label} step {step}"
+        assert got[step] == want[step], f"step {step}"
 
 
 # --------------------------------------------------------------------------- verl
@@ -185,7 +191,7 @@ def test_verl_trainer_killed_mid_save_comes_back_on_another_node(relaunch, s3, m
     step3 = f"{s3.root}/global_step_3"
     killed, _ = verl_launch(tmp_path, disks, "killed", {
         "config": config, "world": 2, "phases": [{"save": [1, 2, 3]}]}, "node-a")
-    killed_at = kill_mid_save(lambda env: killed({**s3.env, **first, **env}), tmp_path,
+    killed_at, _ = kill_mid_save(lambda env: killed({**s3.env, **first, **env}), tmp_path,
                               moto_server, "/global_step_3/cloudckpt-manifest.json")
     assert [c.name for c in list_checkpoints(s3.root, s3.options)] == \
         ["global_step_1", "global_step_2"]
@@ -251,7 +257,7 @@ def test_verl_sft_handler_killed_mid_save_comes_back_on_another_node(
     step3 = f"{s3.root}/global_step_3"
     killed, _ = verl_sft_launch(tmp_path, disks, "killed",
                                 {"root": s3.root, "steps": [1, 2, 3]}, "node-a")
-    killed_at = kill_mid_save(lambda env: killed({**s3.env, **first, **env}), tmp_path,
+    killed_at, _ = kill_mid_save(lambda env: killed({**s3.env, **first, **env}), tmp_path,
                               moto_server, "/global_step_3/cloudckpt-manifest.json")
     assert [c.name for c in list_checkpoints(s3.root, s3.options)] == \
         ["global_step_1", "global_step_2"]
@@ -308,7 +314,7 @@ def test_rlinf_runner_killed_mid_save_comes_back_on_another_node(
     first, again = relaunch_env(relaunch)
     steps = f"{s3.root}/exp/checkpoints"
     killed, _ = rlinf_launch(tmp_path, disks, "killed", s3.root, [1, 2, 3], "node-a")
-    killed_at = kill_mid_save(lambda env: killed({**s3.env, **first, **env}), tmp_path,
+    killed_at, _ = kill_mid_save(lambda env: killed({**s3.env, **first, **env}), tmp_path,
                               moto_server, "/global_step_3/cloudckpt-manifest.json")
     assert [c.name for c in list_checkpoints(steps, s3.options)] == \
         ["global_step_1", "global_step_2"]
@@ -381,7 +387,7 @@ def test_roll_workers_killed_mid_commit_come_back_on_another_node(
     killed, _ = roll_launch(tmp_path, disks, "killed",
                             {**config, "download_dir": str(tmp_path / "latest-a")},
                             [1, 2, 3], "node-a")
-    killed_at = kill_mid_save(lambda env: killed({**s3.env, **first, **env}), tmp_path,
+    killed_at, _ = kill_mid_save(lambda env: killed({**s3.env, **first, **env}), tmp_path,
                               moto_server, "/checkpoint-3/cloudckpt-manifest.json")
     assert [c.name for c in list_checkpoints(s3.root, s3.options)] == \
         ["checkpoint-1", "checkpoint-2"]
@@ -452,18 +458,13 @@ def test_areal_sft_trainer_killed_mid_dump_comes_back_on_another_node(
     first, again = relaunch_env(relaunch)
     bucket = f"{s3.root}/areal"
     slot = RecoverSlot(f"{bucket}/{TRIAL}", storage_options=s3.options)
-    with HeldSave(moto_server.endpoint, DUMP_MANIFEST, skip=DUMPS_BEFORE) as held:
-        cmd, environ = areal_launch(fixtures, tmp_path, disks, bucket, "node-a")(
-            {**s3.env, **first, **held.env})
-        log = tmp_path / "killed.log"
-        with log.open("w") as out:
-            proc = subprocess.Popen(cmd, env=environ, cwd=tmp_path, stdout=out,
-                                    stderr=subprocess.STDOUT)
-        kill_held(proc, held, log=log)
-        torn = held.path.rsplit("/", 2)[-2]
+    killed = areal_launch(fixtures, tmp_path, disks, bucket, "node-a")
+    _, held = kill_mid_save(lambda env: killed({**s3.env, **first, **env}), tmp_path,
+                            moto_server, DUMP_MANIFEST, skip=DUMPS_BEFORE)
+    torn = held.rsplit("/", 2)[-2]  # the killed dump's generation
     resumed = slot.info()["step"]
     assert resumed == KILLED_DUMP - 2 and STEPS // EPOCHS <= resumed  # the second epoch
-    assert len(steps_done(log.read_text())) < STEPS
+    assert len(steps_done((tmp_path / "killed.log").read_text())) < STEPS
 
     dumps: set[str] = set()  # the relaunch's, through a proxy that counts them
     counting = FaultProxy(moto_server.endpoint, on_request=lambda method, path: dumps.add(
