@@ -307,6 +307,42 @@ def test_stale_parts_of_a_crashed_attempt_are_not_committed(s3, tmp_path):
     assert anon_new.latest_uri() == s3.uri("checkpoint-7")
 
 
+def test_the_attempt_under_ray_is_its_job_in_its_cluster(monkeypatch):
+    """Every fresh Ray cluster numbers its first job 01000000: a relaunch on a new
+    cluster is another attempt all the same (its session differs)."""
+    from cloudckpt.integrations.roll.staging import _attempt_from_env
+
+    class Context:
+        def __init__(self, session: str) -> None:
+            self.session = session
+
+        def get_job_id(self) -> str:
+            return "01000000"
+
+        def get_session_name(self) -> str:
+            return self.session
+
+    class Ray:
+        session = ""
+
+        def is_initialized(self) -> bool:
+            return True
+
+        def get_runtime_context(self) -> Context:
+            return Context(self.session)
+
+    ray = Ray()
+    monkeypatch.delenv("CLOUDCKPT_ATTEMPT_ID", raising=False)
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    ray.session = "session_2026-01-01_00-00-00_000001_100"
+    crashed = _attempt_from_env()
+    ray.session = "session_2026-01-01_00-05-00_000001_100"
+    assert _attempt_from_env() not in ("", crashed)
+    assert crashed.endswith("01000000")
+    monkeypatch.setenv("CLOUDCKPT_ATTEMPT_ID", "launch-7")
+    assert _attempt_from_env() == "launch-7"
+
+
 def test_max_ckpt_to_keep_prunes_the_bucket_but_not_young_torn(s3, tmp_path):
     up = roll_manager_uploader(config(s3, expected_uploads=2, max_ckpt_to_keep=2))
     torn = roll_manager_uploader(config(s3, expected_uploads=2))

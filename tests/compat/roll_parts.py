@@ -68,6 +68,60 @@ def stage_actor(root: Path, ckpt_id: str, worker: Worker) -> Path:
     return d
 
 
+class ShardedWorker:
+    """One rank of ROLL's actor on a gloo group (the default process group), the model
+    sharded with FSDP2 as ROLL's fsdp2 strategy shards it. Its data at each step is a
+    function of the step and the rank only, so a resumed run trains as one that never
+    stopped."""
+
+    def __init__(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=2)
+
+    def train(self, step: int) -> None:
+        import torch.distributed as dist
+
+        g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+        self.model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.scheduler.step()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's shards of the model and the optimizer state, and the scheduler's."""
+        from torch.distributed.tensor import DTensor
+
+        def local(t: torch.Tensor) -> torch.Tensor:
+            return t.to_local() if isinstance(t, DTensor) else t
+
+        out = {f"model.{k}": local(v) for k, v in self.model.state_dict().items()}
+        for i, st in self.optimizer.state_dict()["state"].items():
+            out.update({f"optim.{i}.{k}": local(v) for k, v in st.items()})
+        out["scheduler.last_epoch"] = torch.tensor(self.scheduler.last_epoch)
+        return out
+
+
+def stage_rank(root: Path, ckpt_id: str, worker: ShardedWorker, rank: int) -> Path:
+    """A rank's local dir (``actor_train-{rank}/{ckpt_id}``): its DCP shard (rank 0 also
+    DCP's ``.metadata``) and, on rank 0, the gathered HF export. Every rank calls it."""
+    d = root / f"actor_train-{rank}" / ckpt_id
+    d.mkdir(parents=True)
+    roll_dcp_save(worker, d)
+    full = {k: v.full_tensor() for k, v in worker.model.state_dict().items()}  # collective
+    if rank == 0:
+        save_file({k: v.contiguous() for k, v in full.items()}, str(d / "model.safetensors"))
+        (d / "config.json").write_text('{"model_type": "tiny"}')
+    return d
+
+
 def stage_pipeline(root: Path, ckpt_id: str, step: int) -> Path:
     """The pipeline's dir (base_pipeline.py:117-121): WorkerState JSON and its RNG file."""
     d = root / "pipeline" / ckpt_id

@@ -55,12 +55,16 @@ def areal_untouched():
     assert areal_hashes() == before, "AReaL's installed files changed"
 
 
-@pytest.fixture(scope="module")
-def fixtures(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("areal-fixtures")
+def make_fixtures(root: Path) -> dict[str, str]:
+    """The tiny model and dataset (areal_sft/fixtures.py) under ``root``: their paths."""
     out = subprocess.run([sys.executable, str(SFT / "fixtures.py"), str(root)],
                          capture_output=True, text=True, check=True, timeout=300).stdout
     return dict(line.split("=", 1) for line in out.split() if "=" in line)
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory) -> dict[str, str]:
+    return make_fixtures(tmp_path_factory.mktemp("areal-fixtures"))
 
 
 class Launch:
@@ -151,24 +155,54 @@ def assert_equal_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
         assert torch.equal(got[key], want[key]), key
 
 
+def reference_trial(fixtures: dict[str, str], work: Path, world: int) -> Path:
+    """AReaL's own run (no activation, local fileroot) in ``work``: its trial dir."""
+    launch = Launch(fixtures, work, world, bucket=None, env={})
+    log = launch.run(work / "ref.log")
+    assert steps_done(log)[-1] == STEPS and "bound the areal integration" not in log
+    trial = launch.local / TRIAL
+    # AReaL's own layout, on local disk: nothing went through cloudckpt.
+    assert (trial / "recover_info" / "step_info.json").is_file()
+    assert not list(launch.local.rglob("cloudckpt-manifest.json"))
+    return trial
+
+
 @pytest.fixture(scope="module")
 def reference(fixtures, tmp_path_factory):
-    """AReaL's own run (no activation, local fileroot) of a world size: its trial dir."""
+    """AReaL's own run of a world size: its trial dir."""
     trials: dict[int, Path] = {}
 
     def trial(world: int) -> Path:
         if world not in trials:
-            work = tmp_path_factory.mktemp(f"areal-ref{world}")
-            launch = Launch(fixtures, work, world, bucket=None, env={})
-            log = launch.run(work / "ref.log")
-            assert steps_done(log)[-1] == STEPS and "bound the areal integration" not in log
-            trials[world] = launch.local / TRIAL
-            # AReaL's own layout, on local disk: nothing went through cloudckpt.
-            assert (trials[world] / "recover_info" / "step_info.json").is_file()
-            assert not list(launch.local.rglob("cloudckpt-manifest.json"))
+            trials[world] = reference_trial(fixtures, tmp_path_factory.mktemp(
+                f"areal-ref{world}"), world)
         return trials[world]
 
     return trial
+
+
+def assert_recover_equal(slot: RecoverSlot, s3, ref_trial: Path, tmp_path: Path) -> None:
+    """The slot's current recover dump holds exactly the model and optimizer of the
+    reference trial's ``recover_checkpoint``."""
+    ours = tmp_path / "ours"
+    assert cloudckpt_cli(["download", slot.current().uri, str(ours),
+                          *sum((["-o", f"{k}={v}"] for k, v in s3.options.items()
+                                if k != "retry"), [])]) == 0
+    assert_equal_tensors(dcp_tensors(ours / "default" / "recover_checkpoint", tmp_path / "a.pt"),
+                         dcp_tensors(ref_trial / "default" / "recover_checkpoint",
+                                     tmp_path / "b.pt"))
+
+
+def assert_export_equal(uri: str, s3, ref_export: Path) -> None:
+    """The HF export at ``uri`` loads through cloudckpt, and equals AReaL's own."""
+    from transformers import AutoModelForCausalLM
+
+    from cloudckpt.hf import from_pretrained
+
+    export = open_checkpoint(uri, s3.options)
+    model = from_pretrained(AutoModelForCausalLM, export.uri, storage_options=s3.options)
+    want = AutoModelForCausalLM.from_pretrained(ref_export)
+    assert_equal_tensors(dict(model.state_dict()), dict(want.state_dict()))
 
 
 # One rank too at full scale (make torture); the regular run keeps the two-rank launch,
@@ -200,22 +234,9 @@ def test_sft_trainer_killed_and_relaunched_resumes_from_the_bucket(world, fixtur
     assert done[0] == dumped + 2 and done[-1] == STEPS, (dumped, done)  # the counter goes on
 
     # The relaunch ends where AReaL's own uninterrupted run ends, bit-exact.
-    ours = tmp_path / "ours"
-    assert cloudckpt_cli(["download", slot.current().uri, str(ours),
-                          *sum((["-o", f"{k}={v}"] for k, v in s3.options.items()
-                                if k != "retry"), [])]) == 0
     ref_trial = reference(world)
-    assert_equal_tensors(dcp_tensors(ours / "default" / "recover_checkpoint", tmp_path / "a.pt"),
-                         dcp_tensors(ref_trial / "default" / "recover_checkpoint",
-                                     tmp_path / "b.pt"))
+    assert_recover_equal(slot, s3, ref_trial, tmp_path)
     # The HF export of the last step loads through cloudckpt, and equals AReaL's own.
-    from transformers import AutoModelForCausalLM
-
-    from cloudckpt.hf import from_pretrained
-
     ref_export = max((ref_trial / "default").glob("epoch*globalstep*"),
                      key=lambda p: int(p.name.rpartition("globalstep")[2]))
-    export = open_checkpoint(f"{bucket}/{TRIAL}/default/{ref_export.name}", s3.options)
-    model = from_pretrained(AutoModelForCausalLM, export.uri, storage_options=s3.options)
-    want = AutoModelForCausalLM.from_pretrained(ref_export)
-    assert_equal_tensors(dict(model.state_dict()), dict(want.state_dict()))
+    assert_export_equal(f"{bucket}/{TRIAL}/default/{ref_export.name}", s3, ref_export)

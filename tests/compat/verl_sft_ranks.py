@@ -10,10 +10,13 @@ PLAN: ``root`` (``trainer.default_local_dir``), ``hdfs`` (``default_hdfs_dir``),
 ``path``, its own ``root`` and ``hdfs``, ``before``: ``cloudckpt verl`` command lines
 rank 0 runs first, in a process of its own (the other rank waits), ``cp``: ``[SRC,
 DST]`` for ``cloudckpt cp`` likewise, and ``refused``: the load is expected to raise
-(its error and the fresh state's digests before and after it are reported). Each rank
-writes ``OUT_DIR/rank{R}.json``: the digests and the next dataloader item at every saved
-step, and what each resume brought back; with ``megatron`` (a role URI), also the
-report of verl_megatron_ranks' checks, run on the same ranks.
+(its error and the fresh state's digests before and after it are reported). With
+``resume_save`` (steps), the run starts as a relaunched job does instead: fresh state,
+the handler's ``load_checkpoint()`` (``resume_mode: auto``), then it trains and saves
+those steps. Each rank writes ``OUT_DIR/rank{R}.json``: the digests and the next
+dataloader item at every saved step, the step it resumed at, and what each resume
+brought back; with ``megatron`` (a role URI), also the report of verl_megatron_ranks'
+checks, run on the same ranks.
 
 The engine is verl's own ``FSDPEngine`` (``verl/workers/engine/fsdp/transformer_impl.py``),
 made with ``__new__`` over verl_parts' FSDP2 model and verl's ``FSDPCheckpointManager``:
@@ -115,13 +118,18 @@ def rank_main(rank: int, port: int, plan: dict, out: str) -> None:
         engine = engine_for(trainable)
         dl = loader(rank, 0)
         handler = handler_for(plan, engine, dl)
+        steps = plan.get("steps", [])
+        if "resume_save" in plan:  # a relaunched job: resume, then train and save on
+            trainable.train(1, 99)  # other state everywhere, as after a fresh start
+            report["resumed_at"] = handler.load_checkpoint()
+            steps = plan["resume_save"]
         it = iter(dl)
-        for step in plan["steps"]:
+        for step in steps:
             trainable.train(1, step)
             next(it)
             report["saved"][step] = {"digests": trainable.digests(), "next": peek(dl)}
             handler.save_checkpoint(step)
-        for resume in plan["resumes"]:
+        for resume in plan.get("resumes", []):
             if isinstance(resume, list):
                 resume = {"mode": resume[0], "path": resume[1]}
             for args in resume.get("before", []):

@@ -15,7 +15,11 @@ _PART_RE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
 def _attempt_from_env() -> str:
-    """The id shared by every process of one launch of the job, if one is known."""
+    """The id shared by every process of one launch of the job, if one is known: under
+    Ray, its job's id qualified by the cluster's session. A job id alone names the job
+    within its cluster only: every fresh cluster numbers its first job ``01000000``,
+    so a relaunch on a new Ray cluster would count the crashed launch's parts as its
+    own."""
     explicit = os.environ.get("CLOUDCKPT_ATTEMPT_ID")
     if explicit:
         return explicit
@@ -25,7 +29,10 @@ def _attempt_from_env() -> str:
     if ray is not None:
         try:
             if ray.is_initialized():
-                return str(ray.get_runtime_context().get_job_id())
+                context = ray.get_runtime_context()
+                job = str(context.get_job_id())
+                session = getattr(context, "get_session_name", None)
+                return f"{session()}/{job}" if session is not None else job
         except Exception:  # noqa: BLE001 - Ray without a job context
             pass
     return ""

@@ -89,8 +89,9 @@ class RollUploader:
     - ``max_ckpt_to_keep`` (0 = all): committed checkpoints kept in the bucket;
     - ``torn_grace_seconds`` (6 h): torn checkpoints younger than this are never pruned;
     - ``attempt_id``: an id shared by all processes of one launch (default:
-      ``CLOUDCKPT_ATTEMPT_ID``, else the Ray job id, else none: parts written
-      before this uploader was created are then taken as a crashed attempt's);
+      ``CLOUDCKPT_ATTEMPT_ID``, else the Ray cluster's session and job id, else none:
+      parts written before this uploader was created are then taken as a crashed
+      attempt's);
     - ``part_id``: this process's part name (default: the worker directory name);
     - ``download_dir``: where ``get_latest_ckpt`` downloads the latest committed
       checkpoint (default: a directory per ``output_dir`` in cloudckpt's cache);
