@@ -619,10 +619,17 @@ def check_bounds(res: Result) -> list[str]:
         if not gets or any(q.rank != 0 for q in gets) or (size is not None and got != size):
             bad.append(f"resume: {key} read by ranks {sorted({q.rank for q in gets})}, "
                        f"{got} bytes in {len(gets)} GETs; expected once, by the coordinator")
+    # The coordinator lists the root once, and the checkpoint (its objects' sizes, checked
+    # before anything loads) in pages of 1,000 objects.
     lists = [q for q in resume.requests if q.kind == "LIST"]
-    if len(lists) > 1 or any(q.rank != 0 for q in lists):
-        bad.append(f"resume: {len(lists)} LISTs by ranks {sorted({q.rank for q in lists})}; "
-                   "expected one, by the coordinator")
+    step = root + "step-200/"
+    pages = -(-(len(res.phases["save"].data_keys) + 8) // 1000)
+    if (any(q.rank != 0 for q in lists) or [q.key for q in lists if q.key == root] != [root]
+            or len([q for q in lists if q.key == step]) > pages
+            or any(q.key not in (root, step) for q in lists)):
+        bad.append(f"resume: {len(lists)} LISTs by ranks {sorted({q.rank for q in lists})} "
+                   f"of {sorted({q.key for q in lists})}; expected one of the root and up "
+                   f"to {pages} of the checkpoint, by the coordinator")
     # Request rates per prefix, and a manifest that can be read back.
     if res.peaks["write"][0] > S3_WRITE_LIMIT:
         bad.append(f"save: {res.peaks['write'][0]} PUT/POST a second on {res.peaks['write'][1]}, "

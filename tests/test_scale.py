@@ -57,7 +57,9 @@ def test_manifest_and_metadata_are_read_once_per_job(result):
                  "step-200/cloudckpt-manifest.json"):
         gets = [q for q in resume.requests if q.kind == "GET" and q.key.endswith(name)]
         assert len(gets) == 1 and gets[0].rank == 0, (name, gets)
-    assert [q.rank for q in resume.requests if q.kind == "LIST"] == [0]
+    # the root, then the checkpoint's objects and their sizes (checked before any load)
+    assert [(q.rank, q.key) for q in resume.requests if q.kind == "LIST"] == [
+        (0, result.prefixes["root"]), (0, result.prefixes["root"] + "step-200/")]
 
 
 def test_coordinator_requests_do_not_grow_with_ranks(sim, result):
