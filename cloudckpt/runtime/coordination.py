@@ -147,12 +147,7 @@ def each_rank(fn: Callable[[], T], group: Any = None) -> list[T]:
     by rank, on every rank, or raise on every rank if any rank's ``fn`` failed."""
     if alone(group):
         return [fn()]
-    result: Any = None
-    error: BaseException | None = None
-    try:
-        result = fn()
-    except Exception as exc:  # noqa: BLE001 - every rank raises it below
-        error = exc
+    result, error = _outcome(fn)
     gathered = _gather(("error", _summary(error)) if error is not None else ("ok", result),
                        group)
     _raise_first(error, [g[1] if g[0] == "error" else None for g in gathered])
@@ -163,14 +158,17 @@ def checked(fn: Callable[[], T], group: Any = None) -> T:
     """Run ``fn()`` on every rank (its own checks before a load applies anything) and
     return this rank's result; raise on every rank if any rank's ``fn`` failed. Unlike
     :func:`each_rank`, only the failures are exchanged."""
-    result: Any = None
-    error: BaseException | None = None
-    try:
-        result = fn()
-    except Exception as exc:  # noqa: BLE001 - every rank raises it below
-        error = exc
+    result, error = _outcome(fn)
     agree(error, group)
     return result
+
+
+def _outcome(fn: Callable[[], T]) -> tuple[T | None, Exception | None]:
+    """``fn()``'s result, or the error it raised, which every rank raises afterwards."""
+    try:
+        return fn(), None
+    except Exception as exc:  # noqa: BLE001 - every rank raises it once they agree
+        return None, exc
 
 
 def on_coordinator(fn: Callable[[], T], group: Any = None, *, share: bool = True) -> T | None:
