@@ -18,6 +18,9 @@ os.environ.pop("AWS_ENDPOINT_URL", None)
 # huggingface_hub reads these when imported: plain LFS uploads, online.
 os.environ["HF_HUB_DISABLE_XET"] = "1"
 os.environ["HF_HUB_OFFLINE"] = "0"
+# Every child Python dumps its threads' stacks on SIGABRT: a child a test gives up on
+# says where it was (tests/helpers.finish).
+os.environ["PYTHONFAULTHANDLER"] = "1"
 
 import json  # noqa: E402
 from dataclasses import asdict, dataclass, field  # noqa: E402

@@ -3,9 +3,31 @@ and tests/compat have their own conftest, and only one module can be ``conftest`
 
 from __future__ import annotations
 
+import signal
+import subprocess
 from typing import Any
 
+import pytest
+
 HUB_TOKEN = "hf_cloudckpt_test_token_0123456789"
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300.0, what: str = "child"
+           ) -> tuple[str, str]:
+    """``proc.communicate()`` within a generous ``timeout``; a child still running then
+    is failed with its threads' stacks (``PYTHONFAULTHANDLER``, set by the conftest,
+    dumps them on SIGABRT), so a slow or stuck child says where it was."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        pytest.fail(f"{what} still running after {timeout:.0f} s; its stacks:\n"
+                    f"{(err or '')[-12000:]}\nits output:\n{(out or '')[-2000:]}")
 
 
 def torn_save(uri: str, options: dict[str, Any], objects: dict[str, bytes]) -> None:

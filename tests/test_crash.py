@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import finish
 
 HERE = Path(__file__).parent
 CHILD = str(HERE / "crash_child.py")
@@ -102,7 +103,7 @@ def test_sigkill_while_the_manifest_put_is_in_flight_on_s3(s3, moto_server):
         proc = subprocess.Popen([sys.executable, CHILD, via.uri("step-2"), "2", "none"],
                                 stdout=subprocess.PIPE, text=True, env=_env(via))
         victim["proc"] = proc
-        out, _ = proc.communicate(timeout=120)
+        out, _ = finish(proc, what="the save whose commit is held")
         assert proxy.held.wait(30)  # the manifest PUT was held, then dropped
     assert proc.returncode == -signal.SIGKILL
     assert "commit" in out.split() and "done" not in out

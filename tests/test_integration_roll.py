@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from cloudckpt_testkit import FaultPlan, FaultProxy
+from helpers import finish
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 from training_runs import launcher, losses, run_and_kill
@@ -192,7 +193,7 @@ def upload_in_processes(cfg: dict, s3, ckpt: str, dirs: list[Path], go: Path,
     go.touch()
     errs = []
     for p in procs:
-        out, err = p.communicate(timeout=90)
+        out, err = finish(p, what="a ROLL rank's upload")
         assert p.returncode == status, err[-3000:]
         assert "uploaded" in out
         errs.append(err)

@@ -16,11 +16,16 @@ from pathlib import Path
 
 import pytest
 from cloudckpt_testkit import FaultPlan, FaultProxy
+from helpers import finish
 
 from cloudckpt import list_checkpoints, open_store
 
 HERE = Path(__file__).parent
 CHILD = str(HERE / "sigint_child.py")
+# Seconds from the signal to the interrupted save's last line: a bound that catches a
+# cleanup stuck on retries or waits, generous enough for a busy machine; not a measure
+# of speed (that the save stopped at all is its "interrupted" line).
+PROMPT = 20.0
 
 
 def _start(how: str, uri: str, options: dict, **env: str) -> subprocess.Popen:
@@ -50,7 +55,7 @@ def _interrupt(proc: subprocess.Popen, when: threading.Event | float) -> tuple[s
     proc.send_signal(signal.SIGINT)
     line = proc.stdout.readline().strip()
     took = time.monotonic() - sent
-    proc.communicate(timeout=60)
+    finish(proc, what=f"the interrupted save (its last line {line!r})")
     return line, took
 
 
@@ -69,7 +74,7 @@ def test_ctrl_c_mid_upload_is_a_prompt_keyboard_interrupt(s3, slow, how):
     proc = _start(how, s3.uri("ckpt"), options)
     line, took = _interrupt(proc, uploading)
     assert line.startswith("interrupted"), line
-    assert took < 3.0, f"KeyboardInterrupt came {took:.1f} s after the signal"
+    assert took < PROMPT, f"KeyboardInterrupt came {took:.1f} s after the signal"
     assert proc.returncode == 0
     assert _nothing_committed(s3)
 
@@ -80,7 +85,7 @@ def test_ctrl_c_in_the_first_moments_of_a_save_is_never_swallowed(s3, slow, dela
     proc = _start("manager", s3.uri("ckpt"), options)
     line, took = _interrupt(proc, delay)
     assert line.startswith("interrupted"), line
-    assert took < 3.0, took
+    assert took < PROMPT, took
     assert _nothing_committed(s3)
 
 
@@ -90,7 +95,7 @@ def test_a_ctrl_c_python_swallowed_still_stops_the_save(s3, how):
     first import (numpy.random's, in the RNG capture, did so in CI): the save must
     raise it at its commit, not commit."""
     proc = _start(how, s3.uri("ckpt"), json.loads(s3.options_json()), SWALLOW="1")
-    out, err = proc.communicate(timeout=60)
+    out, err = finish(proc, what="the save that swallowed a Ctrl-C")
     assert "Exception ignored" in err and "KeyboardInterrupt" in err, err  # it was dropped
     assert out.splitlines()[-1].startswith("interrupted"), out + err
     assert _nothing_committed(s3)
@@ -102,7 +107,7 @@ def test_an_uncaught_ctrl_c_ends_the_process_as_sigint(s3, slow):
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
     time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    out, err = finish(proc, what="the save with its Ctrl-C uncaught")
     assert proc.returncode == -signal.SIGINT, err
     assert "KeyboardInterrupt" in err and "StorageError" not in err, err
     assert "saved" not in out

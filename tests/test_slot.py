@@ -7,10 +7,12 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import finish
 
 from cloudckpt import CheckpointNotFoundError, CommitConflictError, RecoverSlot, StepInfo
 from cloudckpt.core.checkpoint import open_checkpoint
@@ -91,6 +93,8 @@ def test_two_processes_racing_on_one_slot(s3, tmp_path):
 STAGES = ["start", "committed", "pre-swap", "post-swap", "deleting"]
 
 
+# Twenty child processes, each importing torch: minutes on a busy machine.
+@pytest.mark.timeout(1200)
 def test_sigkill_at_every_stage_of_a_slot_save(s3):
     rng = random.Random(1234)
     uri = s3.uri("recover")
@@ -104,12 +108,10 @@ def test_sigkill_at_every_stage_of_a_slot_save(s3):
         for line in proc.stdout:
             if line.strip() == stage:
                 if stage == "start":  # somewhere while the generation is being written
-                    import time
-
                     time.sleep(rng.uniform(0.0, 0.4))
                 proc.send_signal(signal.SIGKILL)
                 break
-        proc.wait(timeout=120)
+        finish(proc, what=f"the slot save killed at {stage!r}")
         slot = RecoverSlot(uri, storage_options=s3.options)  # a fresh reader
         value, restored = load_value(slot)
         open_checkpoint(restored.checkpoint.store).verify(deep=True)

@@ -387,12 +387,18 @@ def test_stores_opened_one_after_another_reuse_the_io_threads(memory):
     """Every save and load opens its stores afresh: their batches run on threads
     started once per process, not per store, and a forked child starts its own."""
     def threads_of(store) -> set[int]:
-        return set(store.map(lambda _: (time.sleep(0.01), threading.get_ident())[1],
-                             range(32)))
+        # Every task waits for all the others, so a batch occupies every thread of its
+        # pool at once, however the pool grew before (it starts threads lazily).
+        together = threading.Barrier(store.max_concurrency)
+
+        def ident(_: int) -> int:
+            together.wait(timeout=120)
+            return threading.get_ident()
+        return set(store.map(ident, range(store.max_concurrency)))
 
     first = threads_of(open_store("memory://pool/a"))
     later = threads_of(open_store("memory://pool/b", {"max_concurrency": 16}))
-    assert later <= first and len(first) > 1
+    assert len(first) == 16 and later == first
     pid = os.fork()
     if pid == 0:  # the child: its batches run (on new threads) instead of waiting forever
         os._exit(0 if len(threads_of(open_store("memory://pool/c"))) > 1 else 1)
