@@ -5,6 +5,7 @@ that import only downwards (import-linter, as ``make lint`` runs it)."""
 from __future__ import annotations
 
 import ast
+import os
 import re
 import shutil
 import subprocess
@@ -110,15 +111,17 @@ def test_unpickling_has_one_home():
     "storage", "core", "dcp", "training"])
 def test_an_upward_import_fails_the_layer_check(tmp_path, probe):
     """lint-imports, run as `make lint` runs it, rejects a module of a lower layer
-    importing the CLI (the top): the contract is live, not decorative."""
-    root = PACKAGE.parent
-    victim = PACKAGE / probe / "_upward_probe.py"
-    victim.write_text("import cloudckpt.cli  # noqa: F401\n")
-    try:
-        out = subprocess.run([str(Path(sys.executable).with_name("lint-imports")),
-                              "--no-cache"], cwd=root, capture_output=True, text=True)
-    finally:
-        victim.unlink()
+    importing the CLI (the top): the contract is live, not decorative. The probe goes
+    into a copy of the package, found first on PYTHONPATH: tests running beside this
+    one list and import the real package."""
+    shutil.copytree(PACKAGE, tmp_path / "cloudckpt",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(PACKAGE.parent / "pyproject.toml", tmp_path)
+    (tmp_path / "cloudckpt" / probe / "_upward_probe.py").write_text(
+        "import cloudckpt.cli  # noqa: F401\n")
+    out = subprocess.run([str(Path(sys.executable).with_name("lint-imports")), "--no-cache"],
+                         cwd=tmp_path, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert out.returncode != 0, out.stdout[-2000:]
     assert f"cloudckpt.{probe}._upward_probe -> cloudckpt.cli" in out.stdout, out.stdout[-2000:]
 
