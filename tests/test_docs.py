@@ -27,6 +27,13 @@ def test_dcp_example_runs():
         exec(compile(block, "docs/dcp.md", "exec"), {})
 
 
+def test_manager_example_runs():
+    blocks = [b for b in python_blocks(DOCS / "manager.md") if "memory://" in b]
+    assert blocks, "docs/manager.md lost its runnable example"
+    for block in blocks:
+        exec(compile(block, "docs/manager.md", "exec"), {})
+
+
 def test_inspect_example_runs(capsys):
     blocks = [b for b in python_blocks(DOCS / "inspect.md") if "memory://" in b]
     assert blocks, "docs/inspect.md lost its runnable example"

@@ -13,6 +13,7 @@ from helpers import torn_save
 from cloudckpt import (
     MANIFEST_NAME,
     CheckpointManager,
+    CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
     ManagerOptions,
@@ -116,6 +117,31 @@ def test_restore_from_an_explicit_uri(memory):
     state = {"w": torch.zeros(8)}
     info = CheckpointManager(memory.root).restore(state, uri=memory.uri("step-1"))
     assert info.global_step == 1 and torch.equal(state["w"], torch.full((8,), 1.0))
+
+
+@pytest.mark.parametrize("where", ["s3", "local"])
+def test_restore_takes_a_relative_uri_below_the_root(where, request, tmp_path, monkeypatch):
+    """``uri="step-1"`` is the manager's step-1, wherever the process runs; an absolute
+    path or URL of another run's checkpoint is taken as it is."""
+    b = request.getfixturevalue(where)
+    for run_root in (b.uri("run"), b.uri("other")):
+        run(CheckpointManager(run_root, ManagerOptions(every_steps=2),
+                              storage_options=b.options), range(0, 6))
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    mgr = CheckpointManager(b.uri("run"), storage_options=b.options)
+    for uri, step in [("step-1", 1), ("./step-3", 3), (b.uri("other", "step-5"), 5)]:
+        state = {"w": torch.zeros(8)}
+        info = mgr.restore(state, uri=uri)
+        assert info.global_step == step, uri
+        assert torch.equal(state["w"], torch.full((8,), float(step))), uri
+    with pytest.raises(CheckpointNotFoundError, match=f"no checkpoint at {b.uri('run', 'step-9')}"):
+        mgr.restore({"w": torch.zeros(8)}, uri="step-9")
+    with pytest.raises(ConfigError, match=r"'\.\./other/step-1' leads out of .*run: a relative "
+                       r"URI names a prefix below the root; pass an absolute path or a URL"):
+        mgr.restore({"w": torch.zeros(8)}, uri="../other/step-1")
+    assert list(cwd.iterdir()) == []  # nothing was looked for, or left, where it runs
 
 
 def test_async_save_errors_surface_on_wait(s3, moto_server):

@@ -3,8 +3,9 @@
 Every ```python block of the README is executed in order, in one namespace,
 exactly as written, against S3 (moto on 127.0.0.1) reached only through the
 standard environment (``AWS_ENDPOINT_URL``, ...) and a Hub-compatible server
-reached through ``HF_ENDPOINT``/``HF_TOKEN``; then every line of the "Command
-line" block runs as ``python -m cloudckpt ...`` on what the snippets left.
+reached through ``HF_ENDPOINT``/``HF_TOKEN``; then every command of the "Command
+line" block runs in bash as written (``cloudckpt`` being this checkout's), in the
+directory the snippets ran in, on what they left: nothing else prepares its inputs.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
-import json
 import os
 import re
 import shlex
@@ -26,7 +26,6 @@ import boto3
 import pytest
 import s3fs
 import torch
-import torch.distributed.checkpoint as dcp
 from cloudckpt_testkit import HubServer
 from helpers import HUB_TOKEN
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -122,6 +121,11 @@ def test_python_snippets_run_and_do_what_they_say(readme, moto_server):
                 "exports/llama-tiny"):
         assert f"{uri}/{cloudckpt.MANIFEST_NAME}" in keys, uri
     assert not any(k.startswith("run/step-99/") for k in keys)  # dropped by keep_last=2
+    # The commands' inputs: stock torch's DCP files uploaded without a manifest (for
+    # `adopt`), and the model's config.json beside the session (for `convert`).
+    assert "torch-run/step-500/.metadata" in keys
+    assert f"torch-run/step-500/{cloudckpt.MANIFEST_NAME}" not in keys
+    assert (readme["tmp"] / "config.json").is_file()
 
     # CheckpointWriter: one committed checkpoint of the two objects, readable back.
     weights = cloudckpt.open_checkpoint("s3://bucket/weights/step-0")
@@ -184,34 +188,40 @@ def test_python_snippets_run_and_do_what_they_say(readme, moto_server):
     assert all(on_hub[k] == export.read(k) for k in on_hub)
 
 
-def test_command_line_block_runs(readme, moto_server, gcs_server):
-    tmp, hub = readme["tmp"], readme["hub"]
-    # Inputs the block takes from outside the snippets: a DCP checkpoint written by stock
-    # torch and uploaded as is (for `adopt`), and the model's config.json (for `convert`).
-    stock = tmp / "stock"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.save({"w": torch.arange(12.0).reshape(3, 4)},
-                 storage_writer=dcp.FileSystemWriter(str(stock)))
-    client = boto3.client("s3", endpoint_url=moto_server.endpoint, region_name="us-east-1",
-                          aws_access_key_id=moto_server.ACCESS_KEY,
-                          aws_secret_access_key=moto_server.SECRET_KEY)
-    for f in stock.iterdir():
-        client.put_object(Bucket="bucket", Key=f"torch-run/step-500/{f.name}",
-                          Body=f.read_bytes())
-    (tmp / "config.json").write_text(json.dumps({"model_type": "mlp"}))
+def shell_commands(block: str) -> list[str]:
+    """The block's commands as a shell reads them: continued lines joined, blank and
+    comment-only lines dropped (comments after a command stay: the shell drops them)."""
+    joined = re.sub(r"\\\n", " ", block)
+    return [line for line in joined.splitlines() if line.strip()
+            and not line.lstrip().startswith("#")]
 
-    lines = [shlex.split(line, comments=True) for line in cli_block().splitlines()]
-    commands = [argv for argv in lines if argv]
-    assert all(argv[0] == "cloudckpt" for argv in commands)
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+
+def cloudckpt_on_path(tmp: Path) -> dict[str, str]:
+    """An environment whose ``cloudckpt`` is this checkout's, run by this interpreter."""
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    exe = bin_dir / "cloudckpt"
+    exe.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m cloudckpt "$@"\n')
+    exe.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+            "PYTHONWARNINGS": "ignore"}
+
+
+def test_command_line_block_runs(readme, moto_server, gcs_server):
+    """Every command of the block, run by bash exactly as written, in the directory
+    the snippets ran in: the inputs they need come from the README alone."""
+    tmp, hub = readme["tmp"], readme["hub"]
+    commands = shell_commands(cli_block())
+    env = cloudckpt_on_path(tmp)
     outputs = {}
-    for argv in commands:
-        out = subprocess.run([sys.executable, "-m", "cloudckpt", *argv[1:]], cwd=tmp, env=env,
-                             capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, f"{shlex.join(argv)}: exit {out.returncode}\n" \
+    for command in commands:
+        out = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", command], cwd=tmp,
+                             env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, f"{command}: exit {out.returncode}\n" \
                                     f"{out.stdout}{out.stderr}"
-        outputs[argv[1]] = out.stdout
+        argv = shlex.split(command, comments=True)
+        if argv[0] == "cloudckpt":
+            outputs[argv[1]] = out.stdout
     assert {"ls", "info", "verify", "latest", "cp", "download", "rm", "adopt", "gc", "convert",
             "push"} <= set(outputs)
 

@@ -132,12 +132,18 @@ def cmd_latest(args: argparse.Namespace) -> int:
 
 def _copy(pairs: list[tuple[Checkpoint, str]], dst_options: dict[str, Any],
           label: str) -> int:
-    """Copy each (checkpoint, destination), under one progress bar."""
-    with progress(sum(src.total_size for src, _ in pairs), label) as update:
-        for src, dst in pairs:
-            out = copy_checkpoint(src, dst, dst_options=dst_options, progress=update)
-            print(f"{label}: {src.uri} -> {out.uri} ({plural(len(out.files), 'object')}, "
-                  f"{size(out.total_size)})")
+    """Copy each (checkpoint, destination), under one progress bar; what was copied is
+    printed once the bar is finished, a failure's copies done before it too."""
+    done = []
+    try:
+        with progress(sum(src.total_size for src, _ in pairs), label) as update:
+            for src, dst in pairs:
+                out = copy_checkpoint(src, dst, dst_options=dst_options, progress=update)
+                done.append(f"{label}: {src.uri} -> {out.uri} "
+                            f"({plural(len(out.files), 'object')}, {size(out.total_size)})")
+    finally:
+        for line in done:
+            print(line)
     return EXIT_OK
 
 

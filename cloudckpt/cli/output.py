@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from cloudckpt.util.text import plural  # noqa: F401 - the commands' plural is every message's
@@ -23,16 +24,18 @@ def when(t: float | None) -> str:
 
 
 @contextmanager
-def progress(total: int, desc: str):
-    """A tqdm bar on a terminal; nothing when stderr is not a TTY."""
+def progress(total: int, desc: str) -> Iterator[Callable[[int], object]]:
+    """A tqdm bar on a terminal (nothing when stderr is not a TTY), left showing its
+    final count once the block ends. Print the block's results after it: a line
+    printed while the bar is drawn lands on the bar's line."""
     from tqdm import tqdm
 
     bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-               disable=not sys.stderr.isatty(), leave=False)
+               disable=not sys.stderr.isatty())
     try:
         yield bar.update
     finally:
-        bar.close()
+        bar.close()  # drawn once more with the real count, then a newline
 
 
 def plural_prefix(n: int) -> str:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from cloudckpt.errors import ConfigError
-from cloudckpt.runtime.state import resolve_stateful
+from cloudckpt.runtime.state import local_tensor, resolve_stateful
 
 log = logging.getLogger("cloudckpt.dcp")
 
@@ -54,7 +54,7 @@ class StagedState:
 
     def is_staged(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` (an item of the state, or a view of one) is a host copy."""
-        return _local(tensor).untyped_storage().data_ptr() in self.staged_storages
+        return local_tensor(tensor).untyped_storage().data_ptr() in self.staged_storages
 
     def release(self) -> None:
         """The live tensors are no longer needed: written, or the save has failed."""
@@ -92,7 +92,7 @@ class BudgetStager:
         for fqn, value in flat.items():
             if not isinstance(value, torch.Tensor):
                 continue
-            n = _local(value).numel() * value.element_size()
+            n = local_tensor(value).numel() * value.element_size()
             if staged + n <= self.budget:
                 chosen[fqn] = value
                 staged += n
@@ -105,7 +105,7 @@ class BudgetStager:
         log.debug("staged %d bytes of tensors in host memory; %d bytes written live",
                   staged, live)
         return StagedState(unflatten_state_dict(out, mapping),
-                           frozenset(_local(t).untyped_storage().data_ptr()
+                           frozenset(local_tensor(t).untyped_storage().data_ptr()
                                      for t in copies.values()), staged, live)
 
     def _copy(self, chosen: dict[str, Any]) -> dict[str, Any]:
@@ -116,7 +116,7 @@ class BudgetStager:
         if not chosen:
             return {}
         layout = {fqn: _layout_of(t) for fqn, t in chosen.items()}
-        gpu = any(_local(t).is_cuda for t in chosen.values())
+        gpu = any(local_tensor(t).is_cuda for t in chosen.values())
         if layout != self._layout:
             self._buffers = _create_cpu_state_dict(chosen, pin_memory=gpu)
             self._layout = layout
@@ -130,11 +130,7 @@ class BudgetStager:
         self._buffers, self._layout = {}, {}
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _layout_of(t: torch.Tensor) -> tuple[Any, ...]:
-    local = _local(t)
+    local = local_tensor(t)
     return (type(t), tuple(t.shape), tuple(local.shape), tuple(local.stride()), t.dtype,
             getattr(t, "placements", None))

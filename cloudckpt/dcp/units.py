@@ -129,8 +129,9 @@ class Sink:
 
 
 def cpu_compact(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor that owns exactly its bytes (``torch.save`` writes whole storages)."""
-    t = tensor.detach()
+    """A CPU tensor that owns exactly its bytes (``torch.save`` writes whole storages),
+    a conjugate or negative view's values among them (not the bytes it views)."""
+    t = tensor.detach().resolve_conj().resolve_neg()
     if t.device.type != "cpu":
         t = t.cpu()
     if t.untyped_storage().nbytes() != t.numel() * t.element_size() or not t.is_contiguous():

@@ -53,7 +53,8 @@ def copy_checkpoint(
     for a root holding checkpoints or objects cloudckpt did not write.
 
     ``progress`` is called with the number of bytes of each chunk done (from
-    several threads; calls are serialised), objects kept on resume included. If
+    several threads; calls are serialised), objects kept on resume included, counted
+    by the source's sizes: the calls add up to ``ckpt.total_size`` once it is done. If
     the copy fails, what it wrote stays, claimed and marked abandoned, for a rerun
     to resume (or ``cloudckpt gc`` / ``rm --force`` to remove).
     """
@@ -71,12 +72,14 @@ def copy_checkpoint(
     writer = CheckpointWriter(store, step=ckpt.step, metadata=ckpt.metadata,
                               kind=ckpt.manifest.kind, own_paths=True)
     manifest, parts = standard_layout(ckpt)
+    report = Report(progress)
     try:
-        kept = _resume(ckpt, writer, manifest, Report(progress)) if found.kind == OURS \
-            else set()
+        kept = _resume(ckpt, writer, manifest, report) if found.kind == OURS else set()
         _copy_objects(ckpt, writer, [p for p in ckpt.files if p not in kept | parts.keys()],
                       progress)
-        writer.put_many({p: data for p, data in parts.items() if p not in kept})
+        rewritten = {p: data for p, data in parts.items() if p not in kept}
+        writer.put_many(rewritten)
+        report(sum(ckpt.entry(p).size for p in rewritten))
         return writer.commit(manifest)
     except BaseException:
         writer.abandon()  # what was copied stays, provably ours, for a rerun to resume
@@ -135,7 +138,7 @@ def _resume(ckpt: Checkpoint, writer: CheckpointWriter, manifest: Manifest, repo
     kept = _matching(store, entries, found.objects)
     for key in sorted(kept):
         writer.add_existing(key, entries[key].size, entries[key].crc32c)
-        report(entries[key].size)
+        report(ckpt.entry(key).size)  # a part manifest's size at the source, as counted
     stale = remove_leftovers(store, (o.key for o in found.objects), keep=kept)
     log.info("resuming the copy of %s into %s: %d of %d objects already there and checked, "
              "%d leftovers removed", ckpt.uri, store.uri, len(kept), len(entries), len(stale))

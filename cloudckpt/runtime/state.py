@@ -180,10 +180,37 @@ def resolve_stateful(state_dict: Mapping[str, Any]) -> dict[str, Any]:
             for k, v in state_dict.items()}
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; any other tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def tensor_refusal(t: torch.Tensor) -> str | None:
+    """Why DCP cannot save ``t`` so that a load gives it back (what it is, and what to
+    save instead), or None: DCP writes a tensor as the dense bytes of its storage."""
+    if t.is_meta:
+        return ("a meta tensor: it has no data to save. Materialize it first (e.g. "
+                "module.to_empty(device=...), then initialize or load its values)")
+    if t.is_nested:
+        return ("a nested tensor, which DCP cannot plan. Save its components "
+                "(t.unbind()) or t.to_padded_tensor(...) instead")
+    if t.layout != torch.strided:
+        return (f"a tensor of layout {t.layout} (not dense), whose bytes DCP cannot write. "
+                "Save t.to_dense(), or its parts as tensors of their own (for COO: "
+                "indices() and values(); CSR: crow_indices(), col_indices(), values()), "
+                "and rebuild it after loading")
+    if t.is_quantized:
+        return (f"a quantized tensor ({t.qscheme()}): DCP saves its integer values but "
+                "not its scale and zero point, so a load would give other values back. "
+                "Save t.dequantize(), or t.int_repr() with its scales and zero points")
+    return None
+
+
 def check_state_dict(state_dict: Mapping[str, Any], where: str = "state_dict") -> None:
     """Refuse, before anything is written, a DCP state that a load could not restore.
 
-    Tensors (DTensors, sharded tensors, anything DCP writes as a tensor) pass; DCP
+    Dense tensors (DTensors, sharded tensors, anything DCP writes as a tensor) pass;
+    a sparse, nested, meta or quantized one does not (:func:`tensor_refusal`). DCP
     pickles every other leaf, and each must pass :func:`check_restorable` (a numpy
     array, a DataLoader or a custom object does not). Raises :class:`ConfigError`
     naming the key. Call on :func:`resolve_stateful`'s result.
@@ -192,7 +219,12 @@ def check_state_dict(state_dict: Mapping[str, Any], where: str = "state_dict") -
 
     flat, _ = flatten_state_dict(dict(state_dict))
     for key, value in flat.items():
-        if isinstance(value, torch.Tensor) or hasattr(value, "__create_write_items__"):
+        if isinstance(value, torch.Tensor):
+            reason = tensor_refusal(local_tensor(value))
+            if reason is not None:
+                raise ConfigError(f"{where}[{key!r}] is {reason}. Nothing was saved.")
+            continue
+        if hasattr(value, "__create_write_items__"):
             continue
         if isinstance(value, Stateful):
             raise ConfigError(

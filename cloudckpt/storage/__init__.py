@@ -9,6 +9,7 @@ from cloudckpt.storage.primitives import FsspecBackend
 from cloudckpt.storage.registry import (
     as_store,
     is_remote,
+    open_below,
     open_store,
     parse_options,
     register_backend,
@@ -30,6 +31,7 @@ __all__ = [
     "Store",
     "as_store",
     "is_transient",
+    "open_below",
     "open_store",
     "parse_options",
     "register_backend",

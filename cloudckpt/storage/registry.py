@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import posixpath
 import threading
 from collections.abc import Mapping
 from importlib.metadata import entry_points
@@ -26,8 +27,8 @@ from cloudckpt.storage.keys import collapse_slashes
 from cloudckpt.storage.options import STORE_OPTIONS, own_options, parse_options
 from cloudckpt.util.lazy import load_target
 
-__all__ = ["ENTRY_POINT_GROUP", "STORE_OPTIONS", "as_store", "open_store", "parse_options",
-           "register_backend", "schemes_like", "split_uri"]
+__all__ = ["ENTRY_POINT_GROUP", "STORE_OPTIONS", "as_store", "open_below", "open_store",
+           "parse_options", "register_backend", "schemes_like", "split_uri"]
 
 #: The entry-point group third-party backends are declared in.
 ENTRY_POINT_GROUP = "cloudckpt.backends"
@@ -118,6 +119,25 @@ def as_store(uri_or_store: str | Store,
     if isinstance(uri_or_store, Store):
         return uri_or_store
     return open_store(str(uri_or_store), storage_options)
+
+
+def open_below(base: Store, uri: str, storage_options: Mapping[str, Any] | None = None
+               ) -> Store:
+    """The store ``uri`` names for something rooted at ``base`` (a run's manager): a
+    relative ``uri`` (no scheme, not absolute, no ``~``: ``step-100``) is a prefix below
+    ``base``, not below the working directory; any other is opened as
+    :func:`open_store` opens it, with ``storage_options``.
+
+    Raises :class:`ConfigError` for a relative ``uri`` leading out of ``base``.
+    """
+    uri = os.fspath(uri)
+    if "://" in uri or os.path.isabs(uri) or uri.startswith("~"):
+        return open_store(uri, storage_options)
+    rel = posixpath.normpath(uri)
+    if rel == ".." or rel.startswith("../"):
+        raise ConfigError(f"{uri!r} leads out of {base.uri}: a relative URI names a prefix "
+                          "below the root; pass an absolute path or a URL for one elsewhere")
+    return base.child("" if rel == "." else rel)
 
 
 def open_store(uri: str, storage_options: Mapping[str, Any] | None = None) -> Store:

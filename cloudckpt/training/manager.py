@@ -30,7 +30,7 @@ from cloudckpt.runtime import interrupts
 from cloudckpt.runtime.pending import SaveFuture, run_in_background
 from cloudckpt.runtime.preemption import Notice
 from cloudckpt.runtime.state import StepInfo
-from cloudckpt.storage import Store, as_store, open_store
+from cloudckpt.storage import Store, as_store, open_below
 from cloudckpt.storage.tally import Tally, counting
 from cloudckpt.training import reports, tiers
 from cloudckpt.training import snapshot as training
@@ -335,6 +335,9 @@ class CheckpointManager:
                 planner: LoadPlanner | None = None) -> StepInfo | None:
         """Load the newest good checkpoint (or ``uri``) in place; return its StepInfo.
 
+        ``uri`` relative (``"step-100"``: no scheme, not absolute) names a checkpoint
+        below the root; an absolute path or a URL is taken as it is.
+
         ``planner`` is DCP's load planner for the model and optimizer state
         (default: DCP's ``DefaultLoadPlanner``).
 
@@ -385,8 +388,9 @@ class CheckpointManager:
         for i, cand in enumerate(candidates or []):
             restored, err = None, None
             try:
-                where: Store | Checkpoint = (open_store(cand, self._storage_options) if uri
-                                             else listed.get(cand) or self.store.child(cand))
+                where: Store | Checkpoint = (
+                    open_below(self.store, cand, self._storage_options) if uri
+                    else listed.get(cand) or self.store.child(cand))
                 restored = training.read(where, state_dict, shared=shared, per_rank=per_rank,
                                          rng=rng, group=self.group, planner=planner,
                                          step=self.managed.number(cand.rstrip("/")
