@@ -9,16 +9,36 @@ from __future__ import annotations
 import importlib
 import multiprocessing as mp
 import os
+import random
 import socket
 import traceback
 from datetime import timedelta
 from typing import Any
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a rendezvous, free now and outside the kernel's ephemeral range: a
+    port the kernel handed out (bind to 0) is the kind it also gives the many client
+    connections of the tests beside this one, and one of them took it before rank 0
+    bound it ("address already in use") on a busy machine."""
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(10000, min(_ephemeral_low(), 32768))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range after 200 tries")
 
 
 def _entry(rank: int, world: int, port: int, target: str, args: tuple, pg_timeout: float,
