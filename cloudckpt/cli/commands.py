@@ -38,6 +38,7 @@ from cloudckpt.storage import Store, open_store, parse_options
 
 _STATUS_LABEL = {"committed": "committed", "uncommitted": "uncommitted (no manifest)",
                  "unreadable": "UNREADABLE", "root": "root (checkpoints below)",
+                 "part": "part of an uncommitted save (not a checkpoint)",
                  "foreign": "not cloudckpt's"}
 
 
@@ -123,8 +124,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_latest(args: argparse.Namespace) -> int:
-    c = latest_checkpoint(_root(args.root, args.options, "latest"))
+    store = _root(args.root, args.options, "latest")
+    c = latest_checkpoint(store)
     if c is None:
+        found = survey_prefix(store)
+        if found.kind == OURS:  # a torn save or copy, whose committed parts are no checkpoints
+            raise incomplete(found)
         raise CheckpointNotFoundError(f"no committed checkpoint under {args.root}")
     print(c.uri)
     return EXIT_OK
