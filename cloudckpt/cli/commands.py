@@ -18,6 +18,7 @@ from cloudckpt.core.ownership import (
     EMPTY,
     OURS,
     ROOT,
+    Survey,
     describe_root,
     incomplete,
     not_a_checkpoint,
@@ -34,10 +35,11 @@ from cloudckpt.errors import (
 from cloudckpt.movement.transfer import copy_checkpoint
 from cloudckpt.movement.trees import tree_units
 from cloudckpt.names import MANIFEST_NAME
-from cloudckpt.storage import Store, open_store, parse_options
+from cloudckpt.storage import Store, open_store, parse_options, versioning
 
 _STATUS_LABEL = {"committed": "committed", "uncommitted": "uncommitted (no manifest)",
                  "unreadable": "UNREADABLE", "root": "root (checkpoints below)",
+                 "part": "part of an uncommitted save (not a checkpoint)",
                  "foreign": "not cloudckpt's"}
 
 
@@ -123,8 +125,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_latest(args: argparse.Namespace) -> int:
-    c = latest_checkpoint(_root(args.root, args.options, "latest"))
+    store = _root(args.root, args.options, "latest")
+    c = latest_checkpoint(store)
     if c is None:
+        found = survey_prefix(store)
+        if found.kind == OURS:  # a torn save or copy, whose committed parts are no checkpoints
+            raise incomplete(found)
         raise CheckpointNotFoundError(f"no committed checkpoint under {args.root}")
     print(c.uri)
     return EXIT_OK
@@ -166,14 +172,16 @@ def cmd_rm(args: argparse.Namespace) -> int:
     store = open_store(args.uri, args.options)
     found = survey_prefix(store)
     if found.kind == COMMITTED:  # --force: even with a manifest that cannot be read
+        stays = versioning.what_stays(store)
         n = delete_checkpoint(store, force=args.force)
-        print(f"deleted {store.uri} ({plural(n, 'object')})")
+        print(f"deleted {store.uri} ({_deleted(store, found, n, stays)}")
         return EXIT_OK
     if found.kind == OURS:
         if not args.force:
             raise incomplete(found)
+        stays = versioning.what_stays(store)
         n = delete_unfinished(store, found)
-        print(f"deleted the unfinished save at {store.uri} ({plural(n, 'object')})")
+        print(f"deleted the unfinished save at {store.uri} ({_deleted(store, found, n, stays)}")
         return EXIT_OK
     if found.kind == EMPTY:
         store.check_bucket()
@@ -193,13 +201,21 @@ def cmd_rm(args: argparse.Namespace) -> int:
                     "and any unfinished saves of cloudckpt's there?"):
         print("nothing deleted")
         return EXIT_OK
+    stays = versioning.what_stays(store)
     deleted, n, before = delete_tree(store)
-    print(f"deleted {plural(len(deleted), 'checkpoint or unfinished save')} "
-          f"({plural(n, 'object')}) below {store.uri}")
+    print(f"deleted {plural(len(deleted), 'checkpoint or unfinished save')} below "
+          f"{store.uri} ({_deleted(store, before, n, stays)}")
     if before.foreign:
         print(f"left {plural(len(before.foreign), 'object')} cloudckpt did not write, e.g. "
               f"{before.foreign[0]}")
     return EXIT_OK
+
+
+def _deleted(store: Store, before: Survey, n: int, stays: str | None) -> str:
+    """"12 objects, 3.1 MiB)", and what stays in a bucket keeping versions: the end of
+    a delete's line, the bytes freed counted by one listing after it."""
+    freed = before.size - survey_prefix(store).size
+    return f"{plural(n, 'object')}, {size(freed)})" + (f"; {stays}" if stays else "")
 
 
 def _confirm(args: argparse.Namespace, question: str) -> bool:
@@ -232,8 +248,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
               f"{g.age_seconds / 3600:.1f} h old)")
     total = sum(g.objects for g in garbage)
     if args.yes:
+        stays = versioning.what_stays(open_store(args.root, args.options))
         n = collect(garbage, args.options)
-        print(f"removed {plural_prefix(len(garbage))} ({plural(n, 'object')})")
+        print(f"removed {plural_prefix(len(garbage))} ({plural(n, 'object')})"
+              + (f"; {stays}" if stays else ""))
     else:
         print(f"dry run: nothing deleted; --yes deletes {plural_prefix(len(garbage))} "
               f"({plural(total, 'object')})")

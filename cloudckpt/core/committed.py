@@ -20,7 +20,14 @@ from cloudckpt.core.manifest import (
     Manifest,
     read_manifest_bytes,
 )
-from cloudckpt.core.ownership import COMMITTED, EMPTY, missing_manifest_error, survey
+from cloudckpt.core.ownership import (
+    COMMITTED,
+    EMPTY,
+    missing_manifest_error,
+    part_of_unfinished,
+    survey,
+    unfinished_whole,
+)
 from cloudckpt.errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -273,6 +280,13 @@ def _manifest_and_bytes(store: Store, retry: bool = True) -> tuple[Manifest, byt
 def open_checkpoint(
     uri: str | Store, storage_options: Mapping[str, Any] | None = None
 ) -> Checkpoint:
-    """Open the committed checkpoint at ``uri`` (its manifest is read and validated)."""
+    """Open the committed checkpoint at ``uri`` (its manifest is read and validated).
+    A part of a save that never committed (``<save>/model`` of a torn copy) is
+    refused with :class:`IncompleteCheckpointError`, its own manifest
+    notwithstanding (:func:`~cloudckpt.core.ownership.unfinished_whole`)."""
     store = as_store(uri, storage_options)
-    return Checkpoint(store, read_manifest(store))
+    manifest = read_manifest(store)
+    whole = unfinished_whole(store)
+    if whole is not None:
+        raise part_of_unfinished(store, whole)
+    return Checkpoint(store, manifest)

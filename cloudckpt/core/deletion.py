@@ -35,7 +35,7 @@ from cloudckpt.errors import (
     NotACheckpointError,
 )
 from cloudckpt.names import BLOB_AREA, CLAIM_NAME, MANIFEST_NAME
-from cloudckpt.storage import Store, as_store
+from cloudckpt.storage import Store, as_store, versioning
 
 log = logging.getLogger("cloudckpt")
 
@@ -66,7 +66,7 @@ def delete_checkpoint(uri: str | Store, storage_options: Mapping[str, Any] | Non
         log.warning("deleting %s, whose manifest cannot be read, with all it holds", store.uri)
         with claim.deleting(store):
             store.delete([MANIFEST_NAME])
-        return store.delete_prefix("")
+        return _said(store, store.delete_prefix(""))
     # A claim marked "deleting" first: a delete cut short leaves objects that still
     # prove to be cloudckpt's, for gc and rm --force.
     with claim.deleting(store):
@@ -86,7 +86,14 @@ def delete_checkpoint(uri: str | Store, storage_options: Mapping[str, Any] | Non
         log.warning("deleted checkpoint %s; left %d object(s) under it that it does not "
                     "list (e.g. %s): cloudckpt deletes only what it wrote", store.uri,
                     len(left), left[0])
-    return len(mine) + 1  # and the manifest
+    return _said(store, len(mine) + 1)  # and the manifest
+
+
+def _said(store: Store, deleted: int) -> int:
+    """``deleted``, once a bucket keeping versions has been said to keep them (the
+    first delete from it in this process: a run's retention says it once)."""
+    versioning.log_once(store, f"deleted {store.uri} ({deleted} objects)")
+    return deleted
 
 
 def release_blobs(parent: Store, blobs: Iterable[str]) -> None:
@@ -134,7 +141,7 @@ def delete_unfinished(store: Store, found: Survey) -> int:
                       "is gone, so its manifest is removed too", store.uri)
             store.delete([MANIFEST_NAME])
     store.delete([CLAIM_NAME])
-    return len(keys) + int(any(o.key == CLAIM_NAME for o in found.objects))
+    return _said(store, len(keys) + int(any(o.key == CLAIM_NAME for o in found.objects)))
 
 
 def delete_tree(root: str | Store, storage_options: Mapping[str, Any] | None = None

@@ -10,7 +10,16 @@ from typing import Any
 
 from cloudckpt.core.checkpoint import Checkpoint, open_checkpoint
 from cloudckpt.core.manifest import MANIFEST_NAME, Manifest, read_manifest_bytes
-from cloudckpt.core.ownership import COMMITTED, EMPTY, FOREIGN, OURS, ROOT, survey
+from cloudckpt.core.ownership import (
+    COMMITTED,
+    EMPTY,
+    FOREIGN,
+    OURS,
+    ROOT,
+    part_dirs,
+    survey,
+    unfinished_whole,
+)
 from cloudckpt.errors import CorruptCheckpointError
 from cloudckpt.names import BLOB_AREA
 from cloudckpt.storage import Store, as_store
@@ -24,10 +33,12 @@ class CheckpointInfo:
 
     ``status`` is ``"committed"``, ``"uncommitted"`` (a save cloudckpt started and
     did not commit), ``"unreadable"`` (a manifest that cannot be read; ``error``
-    says why), ``"root"`` (checkpoints lie below it) or ``"foreign"`` (objects
-    cloudckpt did not write). ``size`` and ``files`` count what is stored: the
-    manifest's objects when committed, everything under the prefix otherwise;
-    ``created`` is the commit time, or the newest object's time.
+    says why), ``"part"`` (committed, but a part of a save that never committed:
+    no checkpoint of its own; ``error`` names the save), ``"root"`` (checkpoints
+    lie below it) or ``"foreign"`` (objects cloudckpt did not write). ``size`` and
+    ``files`` count what is stored: the manifest's objects when committed,
+    everything under the prefix otherwise; ``created`` is the commit time, or the
+    newest object's time.
     """
 
     name: str
@@ -103,6 +114,11 @@ def list_checkpoints(
     if not names:
         store.check_bucket()
     names = [n for n in names if n != BLOB_AREA]
+    dirs = part_dirs()
+    parts = [n for n in names if n in dirs]
+    # A root that is itself a save never committed (a torn copy's step-1/): its
+    # committed parts (model/) are no checkpoints of their own.
+    whole = unfinished_whole(store.child(parts[0])) if parts else None
 
     def probe(name: str, again: bool = True) -> CheckpointInfo | None:
         sub = store.child(name)
@@ -120,6 +136,11 @@ def list_checkpoints(
                                   files=len(found.objects), status=_STATUS[found.kind])
         except CorruptCheckpointError as exc:
             return CheckpointInfo(name, sub.uri, False, error=str(exc), status="unreadable")
+        if whole is not None and name in dirs:
+            return CheckpointInfo(name, sub.uri, False, m.step, m.created, m.total_size,
+                                  len(m.files), status="part",
+                                  error=f"a part of the save at {whole.uri}, which never "
+                                  "committed: no checkpoint of its own")
         return CheckpointInfo(name, sub.uri, True, m.step, m.created, m.total_size,
                               len(m.files), manifest=m)
 
@@ -128,6 +149,8 @@ def list_checkpoints(
         for i in infos:
             if i.status == "unreadable":  # never a silent gap in a run
                 log.warning("skipping %s: its manifest cannot be read (%s)", i.uri, i.error)
+            elif i.status == "part":
+                log.warning("skipping %s: %s", i.uri, i.error)
         infos = [i for i in infos if i.committed]
     return sorted(infos, key=_sort_key)
 

@@ -26,7 +26,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from cloudckpt.core import plugins
-from cloudckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError, NotACheckpointError
+from cloudckpt.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    IncompleteCheckpointError,
+    NotACheckpointError,
+)
 from cloudckpt.names import (
     CLAIM_NAME,
     INTERNAL_MARKS,
@@ -184,6 +189,35 @@ def incomplete(s: Survey) -> IncompleteCheckpointError:
         "`cloudckpt download` replaces or resumes it; `cloudckpt gc` removes such saves once "
         f"they are older than a grace period, `cloudckpt rm --force {s.uri}` removes this one "
         "now.")
+
+
+def unfinished_whole(store: Store) -> Store | None:
+    """The save that never committed (its writer claim at its top, no manifest: it
+    crashed, was cut short or still runs) that the prefix at ``store`` is a part of,
+    found through the part directories above it (``<save>/model``,
+    ``<save>/actor/huggingface``); None when it is a part of none. Such a part has a
+    manifest of its own, yet is no checkpoint: only the save's manifest makes it one.
+    Costs a check or two per part directory above ``store``, none elsewhere."""
+    dirs = part_dirs()
+    found = None
+    current = store
+    while current.root.rsplit("/", 1)[-1] in dirs:
+        try:
+            current = current.ancestor(1)
+        except ConfigError:  # the bucket's (or the filesystem's) top
+            break
+        if current.exists(CLAIM_NAME) and not current.exists(MANIFEST_NAME):
+            found = current
+    return found
+
+
+def part_of_unfinished(part: Store, whole: Store) -> IncompleteCheckpointError:
+    """The error for opening ``part``, a part of the unfinished save at ``whole``."""
+    return IncompleteCheckpointError(
+        f"{part.uri} is a part of the save at {whole.uri}, which never committed (its claim "
+        "is there, its manifest is not: it crashed, was cut short or is still running), so "
+        "it is no checkpoint of its own. Load an earlier checkpoint. Rerunning the save or "
+        f"the `cloudckpt cp` completes it; `cloudckpt rm --force {whole.uri}` removes it.")
 
 
 def missing_manifest_error(s: Survey) -> CheckpointNotFoundError | IncompleteCheckpointError:

@@ -40,6 +40,7 @@ from cloudckpt.dcp.placement import (
 )
 from cloudckpt.dcp.readplan import _coalesce, _Item, _Prefetched, _raw_request, _split_range
 from cloudckpt.errors import CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError
+from cloudckpt.names import MANIFEST_NAME
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.serialization.records import HEAD_BYTES, try_locate
 from cloudckpt.storage import Store, as_store
@@ -61,7 +62,8 @@ def _open_dcp(store: Store) -> Checkpoint:
     try:
         return open_checkpoint(store)
     except IncompleteCheckpointError:
-        if store.exists(METADATA_NAME):
+        # (With a manifest, it is a part of a save that never committed: said as it is.)
+        if store.exists(METADATA_NAME) and not store.exists(MANIFEST_NAME):
             raise IncompleteCheckpointError(
                 f"{store.uri} holds a DCP checkpoint without a cloudckpt manifest (written by "
                 f"stock torch, or a save that crashed before committing). If it is complete, "

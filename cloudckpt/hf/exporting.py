@@ -146,7 +146,7 @@ def export(
             extra["generation_config.json"] = _json(gen_doc)
         extra.update(_tokenizer_files(tokenizer))
         writer.put_many(extra)
-    ckpt = open_checkpoint(writer.store)
+    ckpt = writer.commit()  # as committed: opened again, a part of a save under way is refused
     log.info("exported %d tensors in %d file(s) to %s", len(state), len(files), ckpt.uri)
     return ckpt
 

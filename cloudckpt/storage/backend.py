@@ -119,6 +119,12 @@ class Backend(Protocol):
         """Whether the bucket of a store at ``root`` exists; None where that means
         nothing (local paths) or cannot be told."""
 
+    def bucket_versioning(self, root: str) -> str:
+        """Whether the bucket of a store at ``root`` keeps the versions of what is
+        overwritten or deleted: one of :mod:`.versioning`'s ``"enabled"``,
+        ``"suspended"``, ``"off"`` (local paths: nothing keeps them) or ``"unknown"``
+        (the service cannot say). Asked once per bucket and process."""
+
     # ------------------------------------------------------------------ writes
 
     def put(self, path: str, data: Buffer) -> str | None:

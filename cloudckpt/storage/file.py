@@ -44,6 +44,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from cloudckpt.errors import OutsideRootError, StorageError
 from cloudckpt.names import TMP_PREFIX
+from cloudckpt.storage import versioning
 from cloudckpt.storage.backend import Host
 from cloudckpt.storage.base import Store
 from cloudckpt.storage.options import flag, refuse_options
@@ -90,6 +91,9 @@ class FileBackend(FsspecBackend):
 
     def uri_of(self, root: str) -> str:
         return root
+
+    def bucket_versioning(self, root: str) -> str:
+        return versioning.OFF  # a deleted file is gone
 
     # -- containment -------------------------------------------------------
 

@@ -43,7 +43,7 @@ from gcsfs.retry import validate_response  # noqa: E402
 
 from cloudckpt.errors import AccessDeniedError, StorageError  # noqa: E402
 from cloudckpt.names import PART_SUFFIX  # noqa: E402
-from cloudckpt.storage import gcs_errors  # noqa: E402
+from cloudckpt.storage import gcs_errors, versioning  # noqa: E402
 from cloudckpt.storage.backend import Backend, Host  # noqa: E402
 from cloudckpt.storage.base import Store  # noqa: E402
 from cloudckpt.storage.bodies import PartBody, Pieces, crc32c_hex_of  # noqa: E402
@@ -181,6 +181,13 @@ class GCSBackend(StreamedRanges, FsspecBackend):
         except FileNotFoundError:
             return False
         return True
+
+    def bucket_versioning(self, root: str) -> str:
+        # GCS has no "suspended": with versioning off, a delete removes the live object.
+        meta = sync(self.fs.loop, self.fs._call, "GET", "b/{}", self._split(root)[0],
+                    fields="versioning", json_out=True)
+        on = (meta.get("versioning") or {}).get("enabled")
+        return versioning.ENABLED if on else versioning.OFF
 
     def open_writer(self, path: str, host: Host) -> RawWriter:
         return _ComposeWriter(self, host, path)

@@ -2,15 +2,46 @@
 
 from __future__ import annotations
 
+import posixpath
 import re
 
 from cloudckpt.errors import ConfigError
 
 
-def collapse_slashes(path: str) -> str:
-    """``a//b///c`` -> ``a/b/c``, as every URI is normalised (``split_uri``): object
-    stores would keep empty components as keys that no listing of ``a/b`` shows."""
-    return re.sub("/{2,}", "/", path)
+def uri_path(uri: str, scheme: str, path: str) -> str:
+    """The path of ``uri`` (its ``scheme``'s, without it) as every backend names it:
+    ``a//b///c`` -> ``a/b/c`` (object stores would keep empty components as keys that no
+    listing of ``a/b`` shows), and a ``.`` or ``..`` segment refused with
+    :class:`ConfigError`: an object store keeps it as a literal key name where a disk
+    resolves it, so one URI would name two places. A relative local path may start
+    with them (``./run``, ``../runs/x``): that is how it names a place from the working
+    directory."""
+    path = re.sub("/{2,}", "/", path)
+    segments = path.split("/")
+    if scheme == "file" and not path.startswith("/"):
+        while segments and segments[0] in (".", ".."):
+            segments = segments[1:]
+    dots = [s for s in segments if s in (".", "..")]
+    if dots:
+        raise ConfigError(
+            f"invalid storage URI {uri!r}: it has a {dots[0]!r} segment, which cloudckpt "
+            "refuses on every backend (an object store would keep it as a key name, a disk "
+            f"would resolve it: the same URI would name different places). "
+            f"{_normalised(scheme, path)}")
+    return path
+
+
+def _normalised(scheme: str, path: str) -> str:
+    """What to write instead: the URI with its dot segments resolved, or, where they
+    climb above the bucket, one naming the bucket and prefix without them."""
+    if scheme == "file":
+        return f"Write the normalised path: {posixpath.normpath(path)}"
+    bucket, _, key = path.strip("/").partition("/")
+    normal = posixpath.normpath(key) if key else "."
+    if bucket in (".", "..") or normal.startswith(".."):
+        return f"Write the URI without them: {scheme}://BUCKET/PREFIX"
+    return f"Write the normalised URI: {scheme}://{bucket}" + (
+        "" if normal == "." else f"/{normal}")
 
 
 def validate_key(key: str) -> str:

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 from fsspec.implementations.memory import MemoryFileSystem
 
+from cloudckpt.storage import versioning
 from cloudckpt.storage.base import Store
 from cloudckpt.storage.options import refuse_options
 from cloudckpt.storage.primitives import FsspecBackend
@@ -42,6 +43,9 @@ class MemoryBackend(FsspecBackend):
 
     def uri_of(self, root: str) -> str:
         return f"{self.protocol}://{root.lstrip('/')}"
+
+    def bucket_versioning(self, root: str) -> str:
+        return versioning.OFF  # a deleted file is gone
 
     def put(self, path: str, data: Buffer) -> str:
         data = bytes(data)

@@ -21,6 +21,7 @@ import fsspec
 
 from cloudckpt.errors import ConfigError
 from cloudckpt.names import is_hidden
+from cloudckpt.storage import versioning
 from cloudckpt.storage.backend import Backend, Host
 from cloudckpt.storage.objects import ObjectInfo
 from cloudckpt.storage.options import DEFAULT_CONCURRENCY, check_filesystem_options
@@ -181,6 +182,9 @@ class FsspecBackend(ABC):
 
     def bucket_exists(self, root: str) -> bool | None:
         return None
+
+    def bucket_versioning(self, root: str) -> str:
+        return versioning.UNKNOWN
 
     def iter_range(self, path: str, start: int, end: int, chunk: int) -> Iterator[bytes]:
         """This default sends one ranged read per piece; backends that can stream one

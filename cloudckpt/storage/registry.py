@@ -23,7 +23,7 @@ from typing import Any
 from cloudckpt.errors import ConfigError
 from cloudckpt.storage import gcs_errors, retry, s3_errors
 from cloudckpt.storage.base import Store
-from cloudckpt.storage.keys import collapse_slashes
+from cloudckpt.storage.keys import uri_path
 from cloudckpt.storage.options import STORE_OPTIONS, own_options, parse_options
 from cloudckpt.util.lazy import load_target
 
@@ -88,9 +88,10 @@ def split_uri(uri: str) -> tuple[str, str]:
 
     The one normalisation of URIs that every write, listing and delete sees, so
     they all name the same keys: repeated slashes collapse (``s3://b/run//step-1``
-    is ``s3://b/run/step-1``), and local paths take fsspec's meaning: ``~`` is the
-    home directory, and a relative path (``run``, ``file://rel/run``) is relative
-    to the working directory.
+    is ``s3://b/run/step-1``), a ``.`` or ``..`` segment is refused on every backend
+    (:func:`~cloudckpt.storage.keys.uri_path`), and local paths take fsspec's meaning:
+    ``~`` is the home directory, and a relative path (``run``, ``file://rel/run``,
+    ``../runs/x``) is relative to the working directory.
     """
     if not isinstance(uri, str) or not uri.strip():
         raise ConfigError(f"invalid storage URI {uri!r}: expected e.g. s3://bucket/prefix")
@@ -99,10 +100,10 @@ def split_uri(uri: str) -> tuple[str, str]:
         scheme, rest = "file", uri
     scheme = scheme.lower()
     if scheme in ("file", "local"):
-        return "file", os.path.expanduser(collapse_slashes(rest))
+        return "file", uri_path(uri, "file", os.path.expanduser(rest))
     if not rest.strip("/"):
         raise ConfigError(f"invalid storage URI {uri!r}: no bucket or path after {scheme}://")
-    return scheme, collapse_slashes(rest).strip("/")
+    return scheme, uri_path(uri, scheme, rest).strip("/")
 
 
 def is_remote(uri: object) -> bool:

@@ -23,7 +23,7 @@ import s3fs
 from fsspec.asyn import sync
 
 from cloudckpt.errors import StorageError
-from cloudckpt.storage import s3_errors
+from cloudckpt.storage import s3_errors, versioning
 from cloudckpt.storage.backend import Backend, Host
 from cloudckpt.storage.base import Store
 from cloudckpt.storage.bodies import PartBody, Pieces
@@ -194,6 +194,13 @@ class S3Backend(StreamedRanges, FsspecBackend):
         except FileNotFoundError:
             return False
         return True
+
+    def bucket_versioning(self, root: str) -> str:
+        # GetBucketVersioning: no Status at all on a bucket that never had versioning.
+        resp = sync(self.fs.loop, self.fs._call_s3, "get_bucket_versioning",
+                    Bucket=self._split(root)[0])
+        return {"Enabled": versioning.ENABLED, "Suspended": versioning.SUSPENDED}.get(
+            resp.get("Status"), versioning.OFF)
 
     def delete(self, paths: list[str], root: str) -> None:
         # DeleteObjects with literal keys: s3fs's rm() expands glob characters, so a
