@@ -8,6 +8,7 @@ from cloudckpt.storage.options import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE
 from cloudckpt.storage.primitives import FsspecBackend
 from cloudckpt.storage.registry import (
     as_store,
+    can_open,
     is_remote,
     open_store,
     parse_options,
@@ -29,6 +30,7 @@ __all__ = [
     "RetryPolicy",
     "Store",
     "as_store",
+    "can_open",
     "is_transient",
     "open_store",
     "parse_options",
