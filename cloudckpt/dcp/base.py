@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from cloudckpt.storage import Store, can_open
@@ -18,7 +17,7 @@ class _OnStore:
         return self.store.uri
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str] | Any) -> bool:
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         """Whether these classes can open ``checkpoint_id``: a local path, or a URL whose
         scheme has a cloudckpt backend (``s3://``, ``gs://``, ``az://``, ``memory://``,
         a registered one, or one fsspec knows); not ``abc://x``."""

@@ -6,6 +6,7 @@ to change before anything is written."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +74,7 @@ def storage_options(uri: Any, opts: TorchOptions,
     ``fsync`` option), as with torch's writer. Uploads to a bucket are durable once they
     return, whatever it says."""
     out = dict(given or {})
-    if not opts.sync_files and isinstance(uri, str) and split_uri(uri)[0] == "file":
+    if not opts.sync_files and isinstance(uri, (str, os.PathLike)) \
+            and split_uri(os.fspath(uri))[0] == "file":
         out.setdefault("fsync", False)
     return out
