@@ -9,13 +9,14 @@ committed one: :mod:`cloudckpt.core.committed`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from cloudckpt.core import kinds
+from cloudckpt.core import kinds, replacing
 from cloudckpt.core.blobs import BlobArea
 from cloudckpt.core.claim import WriterClaim
 from cloudckpt.core.committed import (
@@ -75,6 +76,10 @@ class CheckpointWriter:
     a :meth:`~cloudckpt.storage.Store.writing_under` view (a part of a larger save
     that moved). ``own_paths`` keeps every object at its path all the same (a copy,
     whose layout is its source's, and whose every writer writes the same bytes).
+
+    ``replace`` lets the save replace a checkpoint of its kind committed at the URI
+    (:mod:`cloudckpt.core.replacing`): its objects go under its writer area, its
+    manifest swaps in by compare-and-swap, and only then do the old objects go.
     """
 
     def __init__(
@@ -89,8 +94,12 @@ class CheckpointWriter:
         adopting: bool = False,
         blobs: BlobArea | None = None,
         own_paths: bool = False,
+        replace: bool = False,
     ) -> None:
         self.store = as_store(uri, storage_options)
+        if replace and (own_paths or adopting):
+            raise ConfigError(f"{self.store.uri}: a copy or an adoption writes at its "
+                              "objects' own names and never replaces a committed checkpoint")
         self.blobs = blobs
         self._blob_depth = blobs.depth_of(self.store) if blobs else None
         # adopting: the objects are someone else's (dcp.adopt commits them); the claim
@@ -108,11 +117,19 @@ class CheckpointWriter:
         self._open: set[str] = set()
         self._lock = threading.Lock()
         self._committed: Checkpoint | None = None
-        if self.store.exists(MANIFEST_NAME):
+        self._replace = replace
+        self.replaced: replacing.Replaced | None = None  # what this save replaces, once claimed
+        if not replace and self.store.exists(MANIFEST_NAME):
             raise CommitConflictError(
                 f"a checkpoint is already committed at {self.store.uri}; checkpoints are "
                 "immutable. Choose a new URI, or delete it first (cloudckpt rm)."
             )
+
+    def _find_replaced(self) -> None:
+        """Before the first claim of a replacing save: read what it replaces."""
+        if self._replace and not self._claim.used:
+            self.replaced = replacing.find(self.store, self.kind)
+            self._claim.replacing = self.replaced is not None
 
     @property
     def uri(self) -> str:
@@ -130,14 +147,17 @@ class CheckpointWriter:
             raise
 
     def _acquire(self) -> None:
-        """Claim the prefix; after the first claim, choose where objects go."""
+        """Claim the prefix; after the first claim, choose where objects go: under this
+        writer's area unless its claim was fresh on a prefix holding no checkpoint."""
+        self._find_replaced()
         self._claim.acquire()
-        if self._out is self.store and self._area is None and not self._claim.fresh \
+        fresh = self._claim.fresh and self.replaced is None
+        if self._out is self.store and self._area is None and not fresh \
                 and self.blobs is None and not self._own_paths:
             self._out = self.store.writing_under(f"{WRITER_AREAS}/{self._claim.writer}")
             self._area = self._out.written_under
-            log.info("%s was claimed before: this save writes its objects under %s/",
-                     self.uri, self._out.key_uri(WRITER_AREAS))
+            log.info("%s holds a checkpoint or was claimed before: this save writes its "
+                     "objects under %s/", self.uri, self._out.key_uri(WRITER_AREAS))
 
     @property
     def moving(self) -> str | None:
@@ -266,7 +286,8 @@ class CheckpointWriter:
             return dict(self._entries)
 
     def commit(self, manifest: Manifest | None = None) -> Checkpoint:
-        """Write the manifest (create-only). Everything listed must be written already.
+        """Write the manifest (create-only; over the one it replaces by compare-and-swap,
+        then deleting what that one held). Everything listed must be written already.
 
         ``manifest`` commits a given one instead of one built from what was written
         (a copy keeps its source's manifest); it must list exactly those objects.
@@ -292,10 +313,17 @@ class CheckpointWriter:
                 raise CorruptCheckpointError(
                     f"{self.uri}: the manifest to commit does not list what was written: "
                     f"{bad[:5]}; nothing was committed", {p: "differs" for p, _ in bad})
+        if self.replaced is not None:
+            found = self._claim.found
+            present = {o.key for o in found.objects} if found is not None else ()
+            manifest = dataclasses.replace(manifest, superseded=replacing.superseded(
+                self.replaced.manifest, manifest, present))
         with self._live():
             self._claim.check()
             interrupts.raise_if_swallowed()  # a Ctrl-C during the save stops it here
-            self.store.put_if_absent(MANIFEST_NAME, manifest.to_json())
+            self._write_manifest(manifest)
+        if self.replaced is not None:
+            replacing.clear(self.store, self.replaced, manifest)
         self._claim.release(committed=True)
         if manifest.blob_depth == 1:  # the run's checkpoint itself: its manifest holds now
             BlobArea.above(self.store, 1).release(self.store.root.rsplit("/", 1)[-1])
@@ -303,6 +331,21 @@ class CheckpointWriter:
                  len(manifest.files), manifest.total_size)
         self._committed = Checkpoint(self.store, manifest)
         return self._committed
+
+    def _write_manifest(self, manifest: Manifest) -> None:
+        if self.replaced is None:
+            self.store.put_if_absent(MANIFEST_NAME, manifest.to_json())
+            return
+        try:
+            replacing.swap(self.store, manifest, self.replaced)
+        except CommitConflictError:  # lost: what this save wrote goes
+            if manifest.writer_area is not None and manifest.writer_depth == 0:
+                try:
+                    self.store.delete(f"{manifest.writer_area}/{p}" for p in manifest.moved)
+                except Exception as exc:  # noqa: BLE001 - the conflict is what to report
+                    log.warning("could not remove the objects of the lost save under %s/%s:"
+                                " %s", self.uri, manifest.writer_area, exc)
+            raise
 
     def __enter__(self) -> CheckpointWriter:
         self._watch = interrupts.watching()

@@ -136,6 +136,9 @@ class WriterClaim:
         self.store = store
         self.takeover = takeover
         self.foreign_ok = foreign_ok  # the objects are someone else's (adopt)
+        # A save replacing the checkpoint committed there (core.replacing): a manifest
+        # under the claim is the one it replaces, not one committed meanwhile.
+        self.replacing = False
         # Keys the writer already counts as its own (written by other processes for it,
         # e.g. other ranks): not someone else's data when a fresh claim looks.
         self.declared = declared or (lambda: ())
@@ -195,7 +198,7 @@ class WriterClaim:
         committed (and released its claim) meanwhile; no claim covers checkpoints below
         that are not its own parts, and a fresh claim no one else's data."""
         found = self.found = survey(self.store)
-        if found.kind == COMMITTED:
+        if found.kind == COMMITTED and not self.replacing:
             self._drop(delete=True, verify=False)
             raise CommitConflictError(
                 f"a checkpoint was committed at {self.store.uri} while this save "

@@ -14,7 +14,7 @@ from typing import Any
 
 from cloudckpt.core import claim, plugins
 from cloudckpt.core.blobs import sweep
-from cloudckpt.core.checkpoint import read_manifest
+from cloudckpt.core.committed import read_manifest
 from cloudckpt.core.ownership import (
     COMMITTED,
     OURS,
@@ -43,7 +43,8 @@ log = logging.getLogger("cloudckpt")
 def delete_checkpoint(uri: str | Store, storage_options: Mapping[str, Any] | None = None,
                       *, force: bool = False) -> int:
     """Delete a checkpoint: manifest first (it vanishes at once), then the objects it
-    lists. Anything else under the prefix (another checkpoint or save further down,
+    lists (and those of the generation it replaced that are left, its ``superseded``
+    keys). Anything else under the prefix (another checkpoint or save further down,
     objects cloudckpt did not write) stays, with a WARNING naming it.
 
     ``force`` also deletes a save that cloudckpt started and never committed, and a
@@ -75,7 +76,8 @@ def delete_checkpoint(uri: str | Store, storage_options: Mapping[str, Any] | Non
         found = classify(store.uri, listed)
         units = (*found.checkpoints, *found.saves)
         markers = plugins.marker_dirs()
-        mine = [o.key for o in listed if o.key in manifest.files
+        gone = {*manifest.files, *manifest.superseded}  # and what a replace left
+        mine = [o.key for o in listed if o.key in gone
                 or (is_reserved(o.key, markers) and not inside(o.key, units))]
         left = sorted({o.key for o in listed} - set(mine))
         store.delete(mine)

@@ -103,6 +103,10 @@ class Manifest:
     #: each at its path relative to that prefix; set when any entry is moved.
     writer_area: str | None = None
     writer_depth: int | None = None
+    #: Keys below the prefix that the generation this commit replaced held and this one
+    #: does not reference (``overwrite=True``): deleted after the swap, and listed so that
+    #: a cleanup cut short is finished by whoever next replaces or deletes this checkpoint.
+    superseded: tuple[str, ...] = ()
 
     @property
     def total_size(self) -> int:
@@ -119,6 +123,14 @@ class Manifest:
         return sorted(p for p, e in self.files.items() if e.moved)
 
     @property
+    def live_keys(self) -> set[str]:
+        """The keys below the prefix (writer area included) holding this commit's objects
+        that lie there: every entry but the blobs, and those of a writer area above it."""
+        area = self.writer_area if self.writer_depth == 0 else None
+        return {f"{area}/{p}" if e.moved else p for p, e in self.files.items()
+                if not e.blob and (area is not None or not e.moved)}
+
+    @property
     def standard(self) -> bool:
         """Whether every object lies at its own path (no blob, nothing moved)."""
         return self.blob_depth is None and self.writer_area is None
@@ -129,7 +141,8 @@ class Manifest:
         if self.standard:
             return self
         return dataclasses.replace(self, files={p: e.plain for p, e in self.files.items()},
-                                   blob_depth=None, writer_area=None, writer_depth=None)
+                                   blob_depth=None, writer_area=None, writer_depth=None,
+                                   superseded=())
 
     def to_json(self) -> bytes:
         doc = {
@@ -146,6 +159,8 @@ class Manifest:
             doc["blob_depth"] = self.blob_depth
         if self.writer_area is not None:
             doc["writer"] = {"area": self.writer_area, "depth": self.writer_depth}
+        if self.superseded:
+            doc["superseded"] = sorted(self.superseded)
         return json.dumps(doc, indent=1, sort_keys=False).encode()
 
     @classmethod
@@ -208,7 +223,7 @@ class Manifest:
                                 f"1 to {MAX_BLOB_DEPTH}, and given exactly when objects "
                                 "are blobs")
         area, writer_depth = _writer_area(doc.get("writer"), files, source)
-        return cls(
+        manifest = cls(
             files=files,
             step=step,
             metadata=metadata,
@@ -219,6 +234,8 @@ class Manifest:
             writer_area=area,
             writer_depth=writer_depth,
         )
+        return dataclasses.replace(manifest, superseded=_superseded(doc.get("superseded"),
+                                                                    manifest, source))
 
 
 _MALFORMED = ("The manifest is malformed, so the checkpoint cannot be trusted: fall back to "
@@ -273,6 +290,21 @@ def _writer_area(doc: Any, files: Mapping[str, FileEntry], source: str
                             f"({WRITER_AREAS}/<id>) and its depth (0 to {MAX_BLOB_DEPTH}), "
                             "and be given exactly when objects are moved")
     return area, depth
+
+
+def _superseded(doc: Any, manifest: Manifest, source: str) -> tuple[str, ...]:
+    """The validated ``superseded`` keys: paths below the prefix, none of them holding
+    one of this commit's own objects."""
+    if doc is None:
+        return ()
+    if not isinstance(doc, list):
+        raise ManifestError(f"{source}: 'superseded' must be a list of paths. {_MALFORMED}")
+    keys = tuple(validate_path(k, source=source) for k in doc)
+    live = manifest.live_keys & set(keys)
+    if live:
+        raise ManifestError(f"{source}: 'superseded' names {_short(sorted(live)[0])}, which "
+                            f"holds one of this checkpoint's own objects. {_MALFORMED}")
+    return keys
 
 
 def _entry_doc(entry: FileEntry) -> dict[str, Any]:

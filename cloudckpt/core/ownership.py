@@ -170,9 +170,13 @@ def not_a_checkpoint(s: Survey) -> CheckpointNotFoundError:
     if s.kind == FOREIGN:
         if ".metadata" in s.foreign:
             return NotACheckpointError(
-                f"{s.uri} holds a DCP checkpoint written without cloudckpt (a .metadata and "
-                f"{len(s.foreign) - 1} more objects, no manifest). `cloudckpt adopt {s.uri}` "
-                "checks every object it references and commits it.")
+                f"{s.uri} holds a DCP checkpoint written without cloudckpt's writer (a "
+                f".metadata and {len(s.foreign) - 1} more objects, no manifest): this looks "
+                "like a checkpoint written by torch's FsspecWriter, which "
+                "dcp.save(..., checkpoint_id=URI) picks when no storage_writer is given. "
+                "Pass storage_writer=CloudStorageWriter(URI) to dcp.save to save with "
+                f"cloudckpt; adopt this one with `cloudckpt adopt {s.uri}`, which checks "
+                "every object it references and commits it.")
         return NotACheckpointError(
             f"{s.uri} is not a checkpoint: it holds {len(s.objects)} object"
             f"{'s' if len(s.objects) != 1 else ''} that cloudckpt did not write "

@@ -9,7 +9,9 @@ copied to local disk loads with stock ``FileSystemReader``. On top of it:
 - every rank uploads its files in parallel (multipart, several parts in flight);
 - the coordinator writes ``.metadata`` and then the cloudckpt manifest,
   create-only, listing every rank's files with their CRC32C; no manifest, no
-  checkpoint (a failed rank means no commit);
+  checkpoint (a failed rank means no commit). A save onto a committed checkpoint
+  replaces it (``overwrite=True``, torch's default) by compare-and-swap, its files
+  under names of its own, the old ones deleted only after the swap;
 - each item's CRC32C is recorded in the manifest, so readers verify exactly the
   bytes they fetch, even when resharding reads only parts of a file;
 - ``.metadata`` is unpickled with an allowlist and byte items are checked with
@@ -28,6 +30,8 @@ One module per job, each importing only those listed after it:
   rows at a time converted, or through ``weights_only`` loading);
 - ``readplan``: the items a load reads, and their grouping into ranged reads;
 - ``adoption``: ``adopt``, committing a DCP checkpoint written without cloudckpt;
+- ``options``: torch's writer options (``thread_count``, ...), taken as cloudckpt's or
+  refused saying why;
 - ``base``: what the writer and the reader share;
 - ``metadata``: the format's names, ``.metadata`` loaded safely, item checksums.
 

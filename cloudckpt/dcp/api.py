@@ -135,10 +135,15 @@ def save(
     step: int | None = None,
     metadata: Mapping[str, Any] | None = None,
     checked: bool = False,
+    overwrite: bool = False,
     **writer_options: Any,
 ) -> Checkpoint | None:
     """``dcp.save`` to ``uri`` with a :class:`CloudStorageWriter`; cloudckpt errors
     are raised as themselves. Returns the committed checkpoint on the coordinator.
+
+    A URI holding a committed checkpoint is refused (:class:`CommitConflictError`)
+    unless ``overwrite``, which replaces it as the writer does; cloudckpt's own
+    functions keep commit-once as their default, the writer takes torch's.
 
     A state holding what a load could not restore (not tensors or plain data) raises
     :class:`ConfigError` naming the key on every rank, before anything is written;
@@ -150,7 +155,7 @@ def save(
     if not checked:
         state_dict = checked_state(state_dict, process_group)
     writer = CloudStorageWriter(uri, storage_options=storage_options, step=step,
-                                metadata=metadata, **writer_options)
+                                metadata=metadata, overwrite=overwrite, **writer_options)
     try:
         with _unwrapped(f"saving {writer.uri}", process_group):
             dcp.save(state_dict, storage_writer=writer, planner=planner,
@@ -203,6 +208,7 @@ def async_save(
     metadata: Mapping[str, Any] | None = None,
     staging_budget: int | None = None,
     stager: BudgetStager | None = None,
+    overwrite: bool = False,
     **writer_options: Any,
 ) -> SaveFuture:
     """Save with only staging on the caller's thread; the upload runs in the background.
@@ -217,7 +223,8 @@ def async_save(
     returns the committed checkpoint on the coordinator (None elsewhere), or
     raises what went wrong; a save still running when the process ends is waited
     for, or reported (see :mod:`cloudckpt.runtime.pending`). Use a gloo process group (or
-    ``cpu:gloo,cuda:nccl``) for the background collectives.
+    ``cpu:gloo,cuda:nccl``) for the background collectives. ``overwrite`` as for
+    :func:`save`.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -226,7 +233,8 @@ def async_save(
     state_dict = checked_state(state_dict, process_group)
     staged = (stager or BudgetStager(staging_budget)).stage(state_dict)
     writer = CloudStorageWriter(uri, storage_options=storage_options, step=step,
-                                metadata=metadata, staged=staged, **writer_options)
+                                metadata=metadata, staged=staged, overwrite=overwrite,
+                                **writer_options)
 
     def run() -> Checkpoint | None:
         try:

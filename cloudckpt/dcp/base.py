@@ -4,16 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cloudckpt.errors import ConfigError
-from cloudckpt.storage import Store, split_uri
-
-
-def _valid_id(checkpoint_id: Any) -> bool:
-    try:
-        split_uri(str(checkpoint_id))
-    except ConfigError:
-        return False
-    return True
+from cloudckpt.storage import Store, can_open
 
 
 class _OnStore:
@@ -27,4 +18,7 @@ class _OnStore:
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return _valid_id(checkpoint_id)
+        """Whether these classes can open ``checkpoint_id``: a local path, or a URL whose
+        scheme has a cloudckpt backend (``s3://``, ``gs://``, ``az://``, ``memory://``,
+        a registered one, or one fsspec knows); not ``abc://x``."""
+        return can_open(checkpoint_id)

@@ -105,19 +105,30 @@ class CloudStorageReader(_OnStore, StorageReader):
         self.checkpoint: Checkpoint | None = None
         self._metadata: Metadata | None = None
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
+        self._given = isinstance(uri, Checkpoint)
         if isinstance(uri, Checkpoint):  # its manifest read already (a part of a larger one)
             self.prime(None, uri)
         else:
             self.store = as_store(uri, self.storage_options)
+        self._base = self.store
 
     def reset(self, checkpoint_id: Any = None) -> None:
         # DCP calls this at the start of every load; keep what was already read
         # unless the checkpoint changes.
         if checkpoint_id and str(checkpoint_id) != self.uri:
-            self.store = as_store(str(checkpoint_id), self.storage_options)
+            self._base = as_store(str(checkpoint_id), self.storage_options)
+            self._given = False
+            self._forget()
+        self.storage_data = {}
+
+    def _forget(self) -> None:
+        """After a load: read the manifest and ``.metadata`` afresh for the next one, as
+        the checkpoint may have been replaced since (``overwrite=True``), unless the
+        checkpoint was given opened."""
+        if not self._given:
+            self.store = self._base
             self.checkpoint = None
             self._metadata = None
-        self.storage_data = {}
 
     def _ckpt(self) -> Checkpoint:
         if self.checkpoint is None:
@@ -204,6 +215,8 @@ class CloudStorageReader(_OnStore, StorageReader):
         except Exception as exc:  # noqa: BLE001 - handed to DCP through the future
             fut.set_exception(exc)  # (an interrupt propagates: a torch Future cannot hold it)
             return fut
+        finally:
+            self._forget()  # the last step of a load on every rank
         fut.set_result(None)
         return fut
 

@@ -19,11 +19,13 @@ from typing import Any
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from cloudckpt.core.blobs import BlobArea
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter
+from cloudckpt.dcp import options as torch_options
 from cloudckpt.dcp.base import _OnStore
 from cloudckpt.dcp.budget import StagedState
 from cloudckpt.dcp.metadata import DCP_KIND, METADATA_NAME, SUFFIX, pack_item_crcs
@@ -35,7 +37,7 @@ from cloudckpt.dcp.units import (
     serialize,
     split_by_size,
 )
-from cloudckpt.errors import ConfigError
+from cloudckpt.errors import CommitConflictError, ConfigError
 from cloudckpt.storage import Store, as_store
 
 log = logging.getLogger("cloudckpt.dcp")
@@ -78,11 +80,23 @@ except ImportError:  # pragma: no cover - older torch
     _DCP_VERSION = None
 
 
-class CloudStorageWriter(_OnStore, StorageWriter):
+class CloudStorageWriter(_OnStore, StorageWriter, BlockingAsyncStager):
     """DCP storage writer for any cloudckpt URI (``s3://``, ``gs://``, a path, ...).
 
     >>> writer = CloudStorageWriter("s3://b/run/step-100")
     >>> dcp.save(state_dict, storage_writer=writer)  # doctest: +SKIP
+
+    A drop-in for torch's ``FileSystemWriter``/``FsspecWriter``. ``overwrite`` has their
+    meaning and default: a save onto a URI holding a committed DCP checkpoint replaces
+    it (safely: :mod:`cloudckpt.core.replacing`), and with ``overwrite=False`` it is
+    refused (:class:`CommitConflictError`) before any rank writes. Their other options
+    are taken as cloudckpt's (:mod:`.options`): ``thread_count`` is ``max_files``,
+    ``single_file_per_rank=False`` is ``file_per_tensor``, ``sync_files=False`` skips
+    fsync on a local path, ``cache_staged_state_dict`` keeps ``dcp.async_save``'s host
+    copy for the next save, as theirs does; ``per_thread_copy_ahead`` has no effect
+    (tensors are sent from their own memory, within the store's upload window);
+    ``_extensions`` and another ``serialization_format`` are refused with a
+    :class:`ConfigError` saying why.
 
     ``key_spread`` > 0 puts each file under one of that many sub-prefixes
     (``"0a/__3_0.distcp"``), so S3 can split a large world size's requests over
@@ -112,7 +126,7 @@ class CloudStorageWriter(_OnStore, StorageWriter):
         *,
         storage_options: Mapping[str, Any] | None = None,
         file_size: int = DEFAULT_FILE_SIZE,
-        max_files: int = DEFAULT_MAX_FILES,
+        max_files: int | None = None,
         key_spread: int | None = None,
         step: int | None = None,
         metadata: Mapping[str, Any] | None = None,
@@ -121,12 +135,28 @@ class CloudStorageWriter(_OnStore, StorageWriter):
         incremental: bool = False,
         blobs: BlobArea | None = None,
         file_per_tensor: bool = False,
+        overwrite: bool = True,
+        thread_count: int | None = None,
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        per_thread_copy_ahead: int | None = None,
+        cache_staged_state_dict: bool = False,
+        _extensions: Sequence[Any] | None = None,
+        serialization_format: Any = None,
     ) -> None:
-        super().__init__()
+        BlockingAsyncStager.__init__(
+            self, cache_staged_state_dict=torch_options.flag("cache_staged_state_dict",
+                                                              cache_staged_state_dict))
+        torch_opts = torch_options.TorchOptions(
+            thread_count, single_file_per_rank, sync_files, per_thread_copy_ahead,
+            _extensions, serialization_format)
+        torch_options.check(torch_opts)
+        max_files = torch_options.max_files(torch_opts, max_files, DEFAULT_MAX_FILES)
         if file_size <= 0 or max_files < 1 or (key_spread is not None and key_spread < 0):
             raise ConfigError("file_size and max_files must be positive, key_spread >= 0 "
                               "(or None: chosen by world size)")
-        self.storage_options = dict(storage_options or {})
+        self.overwrite = torch_options.flag("overwrite", overwrite)
+        self.storage_options = torch_options.storage_options(uri, torch_opts, storage_options)
         self.store = as_store(uri, self.storage_options)
         self.file_size = file_size
         self.max_files = max_files
@@ -135,7 +165,7 @@ class CloudStorageWriter(_OnStore, StorageWriter):
         self.user_metadata = dict(metadata or {})
         self.staged = staged
         self.files_of_rank = files_of_rank
-        self.file_per_tensor = file_per_tensor
+        self.file_per_tensor = file_per_tensor or not single_file_per_rank
         self.incremental = incremental or blobs is not None
         self._own_area = blobs is None
         self.blobs = blobs or (BlobArea.above(self.store, 1) if incremental else None)
@@ -163,11 +193,11 @@ class CloudStorageWriter(_OnStore, StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        # The coordinator claims the prefix before any rank writes into it: a second
-        # save to the same URI, or one onto a committed checkpoint, stops here
-        # (CommitConflictError, on every rank) instead of overwriting its files.
-        self._writer = CheckpointWriter(self.store, step=self.step, kind=DCP_KIND,
-                                        blobs=self.blobs)
+        # The coordinator claims the prefix before any rank writes into it: a save to a
+        # URI another one is writing stops here (CommitConflictError, on every rank), and
+        # so does one onto a committed checkpoint unless it is to replace it (then every
+        # rank writes under the save's own writer area: nothing committed is touched).
+        self._writer = self._checkpoint_writer()
         self._writer.claim()
         # Each rank's files are named after its position, as stock DCP does.
         self._spread = auto_spread(len(plans)) if self.key_spread is None else self.key_spread
@@ -180,6 +210,16 @@ class CloudStorageWriter(_OnStore, StorageWriter):
         return [dataclasses.replace(p, storage_data=_RankFiles(f"__{i}_", self._spread,
                                                                self._writer.moving))
                 for i, p in enumerate(plans)]
+
+    def _checkpoint_writer(self) -> CheckpointWriter:
+        try:
+            return CheckpointWriter(self.store, step=self.step, kind=DCP_KIND,
+                                    blobs=self.blobs, replace=self.overwrite)
+        except CommitConflictError as exc:
+            raise CommitConflictError(
+                f"Checkpoint already exists: one is already committed at {self.uri}, and "
+                "overwrite=False. A save with overwrite=True (torch's default) replaces it, "
+                "keeping it until the new one commits; or save to a new URI.") from exc
 
     def release_claim(self) -> None:
         """After a failed save: let a retry of it claim the prefix at once."""
@@ -268,8 +308,7 @@ class CloudStorageWriter(_OnStore, StorageWriter):
         if _DCP_VERSION is not None:
             metadata.version = _DCP_VERSION
         metadata.storage_meta = self.storage_meta()
-        writer = self._writer or CheckpointWriter(self.store, step=self.step, kind=DCP_KIND,
-                                                  blobs=self.blobs)
+        writer = self._writer or self._checkpoint_writer()
         dcp_doc: dict[str, Any] = {"item_crcs": pack_item_crcs(items),
                                    "key_spread": self._spread}
         if self.blobs is not None:

@@ -21,17 +21,27 @@ from cloudckpt.errors import CorruptCheckpointError
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 _PLAIN_TYPES = (str, int, float, bool, type(None), torch.dtype, torch.device, torch.Size)
+#: Classes a state may hold besides tensors and plain data, that loading only builds
+#: from bytes (no code of the checkpoint's runs): a ``BytesIO``, which DCP saves as
+#: itself and torch's own DCP tests keep in a training state.
+_BUILT_FROM_BYTES = [io.BytesIO]
+
+
+def _weights_only_load(f: Any) -> Any:
+    with torch.serialization.safe_globals(_BUILT_FROM_BYTES):
+        return torch.load(f, map_location="cpu", weights_only=True)
 
 
 def safe_torch_load(f: Any, source: str) -> Any:
-    """``torch.load(f, weights_only=True)`` on the CPU: tensors and plain data only.
+    """``torch.load(f, weights_only=True)`` on the CPU: tensors and plain data only
+(and a ``BytesIO`` of bytes).
 
     Anything else (pickled code, unknown classes, a damaged file) raises
     :class:`CorruptCheckpointError` naming ``source``, with torch's reason on one
     line (terminal colour codes removed).
     """
     try:
-        return torch.load(f, map_location="cpu", weights_only=True)
+        return _weights_only_load(f)
     except Exception as exc:  # noqa: BLE001 - any failure: refuse the object
         raise CorruptCheckpointError(
             f"{source} cannot be loaded safely ({refusal(exc)}); checkpoints must hold only "
@@ -92,7 +102,7 @@ def weights_only_refusal(value: Any) -> str | None:
     try:
         torch.save(value, buf)
         buf.seek(0)
-        torch.load(buf, map_location="cpu", weights_only=True)
+        _weights_only_load(buf)
     except Exception as exc:  # noqa: BLE001 - any failure: a restore would fail too
         return refusal(exc)
     return None

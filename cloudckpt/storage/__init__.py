@@ -8,6 +8,7 @@ from cloudckpt.storage.options import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE
 from cloudckpt.storage.primitives import FsspecBackend
 from cloudckpt.storage.registry import (
     as_store,
+    can_open,
     is_remote,
     open_below,
     open_store,
@@ -30,6 +31,7 @@ __all__ = [
     "RetryPolicy",
     "Store",
     "as_store",
+    "can_open",
     "is_transient",
     "open_below",
     "open_store",

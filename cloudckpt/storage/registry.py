@@ -27,8 +27,8 @@ from cloudckpt.storage.keys import uri_path
 from cloudckpt.storage.options import STORE_OPTIONS, own_options, parse_options
 from cloudckpt.util.lazy import load_target
 
-__all__ = ["ENTRY_POINT_GROUP", "STORE_OPTIONS", "as_store", "open_below", "open_store",
-           "parse_options", "register_backend", "schemes_like", "split_uri"]
+__all__ = ["ENTRY_POINT_GROUP", "STORE_OPTIONS", "as_store", "can_open", "open_below",
+           "open_store", "parse_options", "register_backend", "schemes_like", "split_uri"]
 
 #: The entry-point group third-party backends are declared in.
 ENTRY_POINT_GROUP = "cloudckpt.backends"
@@ -104,6 +104,19 @@ def split_uri(uri: str) -> tuple[str, str]:
     if not rest.strip("/"):
         raise ConfigError(f"invalid storage URI {uri!r}: no bucket or path after {scheme}://")
     return scheme, uri_path(uri, scheme, rest).strip("/")
+
+
+def can_open(uri: object) -> bool:
+    """Whether :func:`open_store` opens ``uri`` (a string or path-like): a local path, or
+    a URL whose scheme has a backend (registered, built-in, declared by a package, or
+    a filesystem fsspec knows and can import). What DCP asks a storage class of an id."""
+    try:
+        scheme, _ = split_uri(uri if isinstance(uri, str) else os.fspath(uri))  # type: ignore[arg-type]
+        if scheme not in _BACKENDS and scheme not in _declared():
+            _check_protocol(scheme, str(uri))
+    except (ConfigError, TypeError):
+        return False
+    return True
 
 
 def is_remote(uri: object) -> bool:
