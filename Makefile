@@ -58,9 +58,10 @@ compat: $(VENV)/.compat
 # restores, serialization, HF exports, incremental saves, activation, the README, and
 # cloudckpt.compat's internals) again on the next torch, in a virtualenv of its own. The
 # package index here has torch 2.14.1 as a CUDA build only; it runs on CPU, but imports
-# only with its nvidia libraries (libtorch_cuda links them), so it is installed whole
-# (about 1 minute from the local index, 5.4 GB). The pin is repeated so that nothing
-# replaces it.
+# only with its nvidia libraries (libtorch_cuda links them), so it is installed whole:
+# about a minute for torch from the local index, 5 minutes for the whole virtualenv
+# (6 GB) on a busy 2-core machine; the tests take 15-18 more. The pin is repeated so
+# that nothing replaces it.
 MATRIX_TORCH_PIN ?= torch==2.14.1
 MATRIX_VENV ?= .venv-torch2.14
 MATRIX_PY := $(MATRIX_VENV)/bin/python
