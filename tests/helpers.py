@@ -3,6 +3,7 @@ and tests/compat have their own conftest, and only one module can be ``conftest`
 
 from __future__ import annotations
 
+import ast
 import signal
 import subprocess
 from typing import Any
@@ -70,3 +71,15 @@ def boto3_s3(endpoint: str, **retries: Any) -> Any:
         aws_secret_access_key="testing",
         config=botocore.config.Config(retries=retries or None),
     )
+
+
+def docstring_ids(tree: ast.AST) -> set[int]:
+    """ids of the string constants of ``tree`` that are docstrings (which may explain,
+    and name anything): the structure scans read every other string."""
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                ids.add(id(body[0].value))
+    return ids

@@ -145,6 +145,7 @@ def test_items_are_torch_save_less_the_zip_crc32(monkeypatch):
     # torch.load; torch's option itself is never touched (other threads' saves).
     import torch.serialization as ts
 
+    from cloudckpt.compat import torch_private
     from cloudckpt.serialization import torchsave
 
     t = torch.randn(64, 33)
@@ -162,7 +163,7 @@ def test_items_are_torch_save_less_the_zip_crc32(monkeypatch):
     assert ours.getvalue() == bare.getvalue() != plain.getvalue()
     ours.seek(0)
     assert torch.equal(torch.load(ours, weights_only=True), t)
-    monkeypatch.setattr(torchsave, "_direct", False)  # torch's pieces not as tested
+    monkeypatch.setattr(torch_private, "_direct", False)  # torch's pieces not as tested
     fallback = io.BytesIO()
     torchsave.save_item(t, fallback)
     assert fallback.getvalue() == plain.getvalue()

@@ -14,6 +14,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from helpers import docstring_ids
 
 PACKAGE = Path(__file__).resolve().parent.parent / "cloudckpt"
 MAX_MODULE_LINES = 450
@@ -37,21 +38,10 @@ def _in(path: Path, top: str) -> bool:
     return path.relative_to(PACKAGE).parts[0] == top
 
 
-def _docstrings(tree: ast.AST) -> set[int]:
-    """ids of the string constants that are docstrings (which may explain)."""
-    ids = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            body = node.body
-            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-                ids.add(id(body[0].value))
-    return ids
-
-
 def framework_strings(path: Path) -> list[str]:
     """The string literals of ``path`` (not docstrings) that name a framework."""
     tree = ast.parse(path.read_text())
-    docs = _docstrings(tree)
+    docs = docstring_ids(tree)
     found = []
     for node in ast.walk(tree):
         if (isinstance(node, ast.Constant) and isinstance(node.value, str)

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from cloudckpt.compat.argparse_private import SubParsersAction
 from cloudckpt.core.plugins import Framework, frameworks
 from cloudckpt.util.cliargs import COMMAND, common_options
 from cloudckpt.util.lazy import load_target
@@ -20,7 +21,7 @@ from cloudckpt.util.lazy import load_target
 log = logging.getLogger("cloudckpt")
 
 
-class LazySubcommands(argparse._SubParsersAction):
+class LazySubcommands(SubParsersAction):
     """Subcommands some of whose arguments are added only once argparse picks them."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

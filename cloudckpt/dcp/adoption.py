@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-
+from cloudckpt.compat.torch_private import StorageInfo
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter, read_manifest
 from cloudckpt.core.ownership import COMMITTED, EMPTY, ROOT, survey
 from cloudckpt.dcp.metadata import (
@@ -43,7 +42,7 @@ def adopt(uri: str | Store, storage_options: Mapping[str, Any] | None = None, *,
             f"{store.uri} has no .metadata: it is not a complete DCP checkpoint",
             {METADATA_NAME: "missing"}) from None
     md = load_metadata(raw_md, source=store.key_uri(METADATA_NAME))
-    needed: dict[str, list[_StorageInfo]] = {}
+    needed: dict[str, list[StorageInfo]] = {}
     for info in (md.storage_data or {}).values():
         needed.setdefault(info.relative_path, []).append(info)
     problems = missing_files(md, {o.key: o.size for o in store.list()})
@@ -59,7 +58,7 @@ def adopt(uri: str | Store, storage_options: Mapping[str, Any] | None = None, *,
         raise
 
 
-def _adopt(store: Store, writer: CheckpointWriter, needed: dict[str, list[_StorageInfo]],
+def _adopt(store: Store, writer: CheckpointWriter, needed: dict[str, list[StorageInfo]],
            raw_md: bytes) -> Checkpoint:
     items: list[tuple[str, int, str]] = []
 

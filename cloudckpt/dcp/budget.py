@@ -23,6 +23,12 @@ from typing import Any
 
 import torch
 
+from cloudckpt.compat.torch_private import (
+    copy_state_dict,
+    create_cpu_state_dict,
+    flatten_state_dict,
+    unflatten_state_dict,
+)
 from cloudckpt.errors import ConfigError
 from cloudckpt.runtime.state import local_tensor, resolve_stateful
 
@@ -80,11 +86,6 @@ class BudgetStager:
     def stage(self, state_dict: Mapping[str, Any]) -> StagedState:
         """Copy what fits in the budget (tensors in order, each that still fits) and
         every non-tensor value; the rest stays live. Returns once the copies are done."""
-        from torch.distributed.checkpoint._nested_dict import (
-            flatten_state_dict,
-            unflatten_state_dict,
-        )
-
         plain = resolve_stateful(state_dict)
         flat, mapping = flatten_state_dict(plain)
         chosen: dict[str, Any] = {}
@@ -111,16 +112,14 @@ class BudgetStager:
     def _copy(self, chosen: dict[str, Any]) -> dict[str, Any]:
         """Host copies of ``chosen``, into the buffers of the last save where the
         layout is the same (pinned where a tensor comes from a GPU)."""
-        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-
         if not chosen:
             return {}
         layout = {fqn: _layout_of(t) for fqn, t in chosen.items()}
         gpu = any(local_tensor(t).is_cuda for t in chosen.values())
         if layout != self._layout:
-            self._buffers = _create_cpu_state_dict(chosen, pin_memory=gpu)
+            self._buffers = create_cpu_state_dict(chosen, pin_memory=gpu)
             self._layout = layout
-        _copy_state_dict(chosen, self._buffers, non_blocking=gpu)
+        copy_state_dict(chosen, self._buffers, non_blocking=gpu)
         if gpu:
             torch.cuda.synchronize()
         return dict(self._buffers)

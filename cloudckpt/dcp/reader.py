@@ -20,12 +20,12 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from cloudckpt.compat.torch_private import StorageInfo
 from cloudckpt.core.checkpoint import Checkpoint, open_checkpoint
 from cloudckpt.dcp.base import _OnStore
 from cloudckpt.dcp.metadata import METADATA_NAME, ItemCrcs, load_metadata
@@ -104,7 +104,7 @@ class CloudStorageReader(_OnStore, StorageReader):
         self.process_group = process_group
         self.checkpoint: Checkpoint | None = None
         self._metadata: Metadata | None = None
-        self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
+        self.storage_data: dict[MetadataIndex, StorageInfo] = {}
         self._given = isinstance(uri, Checkpoint)
         if isinstance(uri, Checkpoint):  # its manifest read already (a part of a larger one)
             self.prime(None, uri)
@@ -261,7 +261,7 @@ class CloudStorageReader(_OnStore, StorageReader):
                 _refuse_unsafe_pickle(item.raw, f"{self.uri} item {item.fqn}")
                 planner.load_bytes(item.req, io.BytesIO(item.raw))
 
-    def _entry(self, index: MetadataIndex, item_crcs: ItemCrcs) -> tuple[_StorageInfo, str]:
+    def _entry(self, index: MetadataIndex, item_crcs: ItemCrcs) -> tuple[StorageInfo, str]:
         """Where an item lies and its CRC32C, checked against the manifest."""
         info = self.storage_data[index]
         path = info.relative_path

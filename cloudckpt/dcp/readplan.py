@@ -11,10 +11,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
+from cloudckpt.compat.torch_private import StorageInfo
 from cloudckpt.errors import CorruptCheckpointError
 from cloudckpt.serialization.records import SavedTensor
 from cloudckpt.util.crc import Crc32c
@@ -28,7 +28,7 @@ class _Item:
     """One requested item: where it is, its checksum, where it goes, what arrived."""
 
     req: ReadItem
-    info: _StorageInfo
+    info: StorageInfo
     crc: str
     target: torch.Tensor | None  # None: a bytes item
     saved: SavedTensor | None = None

@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from cloudckpt.compat.torch_private import StorageInfo, element_size
 from cloudckpt.core.blobs import BlobArea, Holding
 from cloudckpt.errors import CorruptCheckpointError
 from cloudckpt.serialization.torchsave import save_item
@@ -35,11 +35,11 @@ OWN_FILE_BYTES = 1 << 20
 
 
 @dataclass
-class ItemInfo(_StorageInfo):
+class ItemInfo(StorageInfo):
     """Where an item went, plus what the coordinator needs for the manifest.
 
     Travels from each rank to the coordinator inside WriteResults; the
-    coordinator writes plain ``_StorageInfo`` into ``.metadata``.
+    coordinator writes plain ``StorageInfo`` into ``.metadata``.
     """
 
     crc32c: str | None = None
@@ -145,7 +145,7 @@ def item_bytes(item: WriteItem) -> int:
     n = 1
     for s in item.tensor_data.size:
         n *= s
-    return n * torch._utils._element_size(item.tensor_data.properties.dtype)
+    return n * element_size(item.tensor_data.properties.dtype)
 
 
 def split_by_size(items: Sequence[WriteItem], file_size: int,

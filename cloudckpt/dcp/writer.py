@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from cloudckpt.compat.torch_private import StorageInfo
 from cloudckpt.core.blobs import BlobArea
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter
 from cloudckpt.dcp import options as torch_options
@@ -296,12 +296,12 @@ class CloudStorageWriter(_OnStore, StorageWriter, BlockingAsyncStager):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator only: write ``.metadata``, then commit the manifest."""
-        storage: dict[MetadataIndex, _StorageInfo] = {}
+        storage: dict[MetadataIndex, StorageInfo] = {}
         items: list[tuple[str, int, str]] = []
         files: dict[str, tuple[int, str, str | None, bool]] = {}
         for result in (r for rank_results in results for r in rank_results):
             sd = result.storage_data
-            storage[result.index] = _StorageInfo(sd.relative_path, sd.offset, sd.length)
+            storage[result.index] = StorageInfo(sd.relative_path, sd.offset, sd.length)
             files[sd.relative_path] = (sd.file_size, sd.file_crc32c, sd.blob, sd.sent)
             items.append((sd.relative_path, sd.offset, sd.crc32c))
         metadata.storage_data = storage

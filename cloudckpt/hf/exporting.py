@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from cloudckpt.compat.transformers_private import tied_weight_keys
 from cloudckpt.core import kinds
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
 from cloudckpt.dcp.metadata import pack_item_crcs
@@ -153,8 +154,7 @@ def export(
 
 def _state_of(obj: Any) -> tuple[dict[str, torch.Tensor], set[str]]:
     if isinstance(obj, torch.nn.Module):
-        tied = getattr(obj, "_tied_weights_keys", None) or {}
-        return dict(obj.state_dict()), set(tied)
+        return dict(obj.state_dict()), tied_weight_keys(obj)
     if isinstance(obj, Mapping):
         bad = [k for k, v in obj.items() if not isinstance(v, torch.Tensor)]
         if bad:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from cloudckpt.compat.hub_private import lfs_batch
 from cloudckpt.errors import (
     AccessDeniedError,
     CloudCkptError,
@@ -107,17 +108,15 @@ def upload_missing(api: Any, repo_id: str, ops: list[Any], revision: str, create
     """Upload every LFS object the Hub lacks, before any commit: the batch API's answer
     lists objects it already has without upload actions (``huggingface_hub`` then skips
     them), so a push run again after an interruption sends only the rest."""
-    from huggingface_hub.lfs import post_lfs_batch_info
-
     if not ops:
         return
     there: set[str] = set()
     for i in range(0, len(ops), _BATCH):
         chunk = ops[i:i + _BATCH]
-        answer = post_lfs_batch_info(  # as huggingface_hub asks: the branch, unless a PR
-            [op.upload_info for op in chunk], token, "model", repo_id, endpoint=api.endpoint,
-            revision=None if create_pr else quote(revision, safe=""))
-        by_oid = {obj.get("oid"): obj for obj in [*answer[0], *answer[1]]}
+        actions, errors = lfs_batch(  # as huggingface_hub asks: the branch, unless a PR
+            [op.upload_info for op in chunk], token, repo_id, api.endpoint,
+            None if create_pr else quote(revision, safe=""))
+        by_oid = {obj.get("oid"): obj for obj in [*actions, *errors]}
         for op in chunk:
             obj = by_oid.get(op.upload_info.sha256.hex(), {})
             if "error" in obj:

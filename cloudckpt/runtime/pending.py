@@ -32,6 +32,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from cloudckpt.compat.threading_private import register_before_pools_stop
 from cloudckpt.errors import EXIT_INCOMPLETE, EXIT_INTERRUPTED, exit_code
 from cloudckpt.util.text import plural
 
@@ -129,12 +130,7 @@ def _register_exit_hook() -> None:
     # threading's, before atexit's handlers run; hooks registered later run earlier.
     import concurrent.futures.thread  # noqa: F401 - its hook must be registered first
 
-    register = getattr(threading, "_register_atexit", None)
-    if register is None:  # pragma: no cover - every CPython cloudckpt supports has it
-        import atexit
-
-        register = atexit.register
-    register(_at_exit)
+    register_before_pools_stop(_at_exit)
 
 
 def flush(timeout: float) -> list[tuple[SaveFuture, str]]:

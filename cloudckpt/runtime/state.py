@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from cloudckpt.compat import torch_private
 from cloudckpt.errors import ConfigError, CorruptCheckpointError
 from cloudckpt.serialization.torchload import safe_torch_load, weights_only_refusal
 
@@ -215,9 +216,7 @@ def check_state_dict(state_dict: Mapping[str, Any], where: str = "state_dict") -
     array, a DataLoader or a custom object does not). Raises :class:`ConfigError`
     naming the key. Call on :func:`resolve_stateful`'s result.
     """
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-    flat, _ = flatten_state_dict(dict(state_dict))
+    flat, _ = torch_private.flatten_state_dict(dict(state_dict))
     for key, value in flat.items():
         if isinstance(value, torch.Tensor):
             reason = tensor_refusal(local_tensor(value))

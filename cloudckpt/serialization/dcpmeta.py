@@ -15,10 +15,12 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint.metadata  # noqa: F401 - find_class looks in it
 
+from cloudckpt.compat import torch_private
+
 _ALLOWED_GLOBALS = {
     ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    torch_private.GET_LAYOUT,
+    torch_private.STORAGE_INFO,
     ("collections", "OrderedDict"),
     ("pathlib", "PosixPath"),
     ("pathlib", "PurePosixPath"),

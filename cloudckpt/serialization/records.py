@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from cloudckpt.compat import torch_private
+
 #: Bytes of an item fetched to find its tensor: enough for the pickle and the
 #: records before the data (about 700 bytes from torch.save of one tensor).
 HEAD_BYTES = 4096
@@ -108,9 +110,9 @@ class _Describe(pickle.Unpickler):
     stand-in, anything else is refused."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+        if (module, name) == torch_private.REBUILD_TENSOR_V2:
             return _rebuild_v2
-        if module == "torch._utils" and name == "_rebuild_tensor_v3":
+        if (module, name) == torch_private.REBUILD_TENSOR_V3:
             return _rebuild_v3
         if module == "collections" and name == "OrderedDict":
             return OrderedDict

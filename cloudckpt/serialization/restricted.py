@@ -11,15 +11,14 @@ import pickle
 from collections.abc import Mapping
 from typing import IO, Any
 
-import torch
-
+from cloudckpt.compat import torch_private
 from cloudckpt.serialization.torchload import load_storage_bytes
 
 #: The globals plain ``pickle`` writes for a CPU tensor, resolved to loaders that
 #: accept tensors only (its storage goes through ``weights_only``).
 TENSOR_GLOBALS: Mapping[tuple[str, str], Any] = {
-    ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
-    ("torch.storage", "_load_from_bytes"): load_storage_bytes,
+    torch_private.REBUILD_TENSOR_V2: torch_private.rebuild_tensor_v2,
+    torch_private.LOAD_FROM_BYTES: load_storage_bytes,
 }
 
 

@@ -51,11 +51,9 @@ def safe_torch_load(f: Any, source: str) -> Any:
 def _numpy_globals() -> list[Any]:
     import numpy as np
 
-    try:
-        from numpy._core.multiarray import _reconstruct
-    except ImportError:  # numpy < 2
-        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
-    return [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    from cloudckpt.compat import numpy_private
+
+    return [numpy_private.reconstruct(), np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
 @contextmanager

@@ -15,38 +15,14 @@ meanwhile. Where torch's pieces are not the ones this was tested with, it is pla
 
 from __future__ import annotations
 
-import inspect
-import pickle
 from typing import IO, Any
 
 import torch
-import torch.serialization as _ts
 
-_SAVE_PARAMS = ["obj", "zip_file", "pickle_module", "pickle_protocol",
-                "_disable_byteorder_record"]
-
-
-def _writer_without_crc() -> bool:
-    try:
-        params = list(inspect.signature(_ts._save).parameters)
-        return params == _SAVE_PARAMS and callable(_ts._get_storage_alignment)
-    except (AttributeError, TypeError, ValueError):
-        return False
-
-
-_direct = _writer_without_crc()
+from cloudckpt.compat import torch_private
 
 
 def save_item(obj: Any, out: IO[bytes]) -> None:
     """Write ``obj`` to ``out`` as ``torch.save`` does, less the records' CRC32."""
-    global _direct
-    if _direct:
-        try:
-            writer = torch._C.PyTorchFileWriter(out, False, _ts._get_storage_alignment())
-        except TypeError:  # another constructor: torch's own path from now on
-            _direct = False
-        else:
-            _ts._save(obj, writer, pickle, _ts.DEFAULT_PROTOCOL, False)
-            writer.write_end_of_file()
-            return
-    torch.save(obj, out)
+    if not torch_private.save_without_crc(obj, out):
+        torch.save(obj, out)

@@ -32,7 +32,8 @@ from typing import Any, ClassVar
 try:
     import adlfs
     from azure.storage.blob import BlobBlock, BlobSasPermissions, generate_blob_sas
-    from azure.storage.blob._generated.models import ModifiedAccessConditions
+
+    from cloudckpt.compat import azure_private
 except ImportError as exc:
     raise ImportError(f"az:// and abfs:// need adlfs and azure-storage-blob ({exc}): "
                       "pip install 'cloudckpt[azure]'") from exc
@@ -113,7 +114,7 @@ class AzureBackend(StreamedRanges, FsspecBackend):
         fs = adlfs.AzureBlobFileSystem(**_adlfs_options(options))
         # The requests of adlfs's whole-object reads (manifests, metadata): the SDK
         # holds each body whole, and its first is 32 MiB by default.
-        config = fs.service_client._config
+        config = azure_private.service_config(fs.service_client)
         config.max_single_get_size = config.max_chunk_get_size = _GET_SIZE
         # One try per request: retries are cloudckpt's, under its deadline (the SDK's
         # own policy retries 10 times from 15 s back-off, inside each of ours).
@@ -150,10 +151,8 @@ class AzureBackend(StreamedRanges, FsspecBackend):
         body = PartBody(data)
 
         async def upload() -> Any:
-            return await self._client(path)._client.block_blob.upload(
-                content_length=len(body), body=body, **self.checked(data),
-                modified_access_conditions=ModifiedAccessConditions(**conditions),
-                cls=lambda _response, _body, headers: headers)
+            return await azure_private.put_blob(self._client(path), body, len(body),
+                                                conditions, **self.checked(data))
 
         return str(sync(self.fs.loop, upload)["ETag"])
 
@@ -254,8 +253,7 @@ class AzureBackend(StreamedRanges, FsspecBackend):
         # hold each request's whole body, so this takes the response from the SDK's
         # generated operation (its pipeline, credentials and errors) unread.
         try:
-            got = await self._client(path)._client.blob.download(
-                range=f"bytes={start}-{end - 1}", cls=lambda response, *_: response)
+            got = await azure_private.get_response(self._client(path), start, end)
         except ResourceNotFoundError:
             raise FileNotFoundError(path) from None
         resp = got.http_response.internal_response

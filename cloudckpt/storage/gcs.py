@@ -20,8 +20,9 @@ then could not keep its deadline; this backend runs gcsfs with one try per
 request and retries under the policy alone, as the S3 backend does. What
 gcsfs's errors mean is in :mod:`.gcs_errors`.
 
-Set ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` before gcsfs is imported when
-talking to an emulator; this module sets that default itself.
+gcsfs is imported through :mod:`cloudckpt.compat.gcsfs_private`, which sets
+``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` first unless it is set (the emulator
+needs it).
 """
 
 from __future__ import annotations
@@ -35,27 +36,25 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 from urllib.parse import quote, urlencode
 
-os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+from fsspec.asyn import sync
 
-import gcsfs  # noqa: E402 - must follow the environment default above
-from fsspec.asyn import sync  # noqa: E402
-from gcsfs.retry import validate_response  # noqa: E402
-
-from cloudckpt.errors import AccessDeniedError, StorageError  # noqa: E402
-from cloudckpt.names import PART_SUFFIX  # noqa: E402
-from cloudckpt.storage import gcs_errors, versioning  # noqa: E402
-from cloudckpt.storage.backend import Backend, Host  # noqa: E402
-from cloudckpt.storage.base import Store  # noqa: E402
-from cloudckpt.storage.bodies import PartBody, Pieces, crc32c_hex_of  # noqa: E402
-from cloudckpt.storage.httpget import DirectGet  # noqa: E402
-from cloudckpt.storage.objects import ObjectInfo  # noqa: E402
-from cloudckpt.storage.options import init_options  # noqa: E402
-from cloudckpt.storage.parts import PartWriter  # noqa: E402
-from cloudckpt.storage.primitives import FsspecBackend  # noqa: E402
-from cloudckpt.storage.ranges import StreamedRanges  # noqa: E402
-from cloudckpt.storage.retry import describe, mask_secrets  # noqa: E402
-from cloudckpt.storage.writers import RawWriter  # noqa: E402
-from cloudckpt.util.crc import Buffer, crc32c_b64, crc32c_from_b64  # noqa: E402
+from cloudckpt.compat import gcsfs_private
+from cloudckpt.compat.gcsfs_private import OneTryGCSFileSystem
+from cloudckpt.errors import AccessDeniedError, StorageError
+from cloudckpt.names import PART_SUFFIX
+from cloudckpt.storage import gcs_errors, versioning
+from cloudckpt.storage.backend import Backend, Host
+from cloudckpt.storage.base import Store
+from cloudckpt.storage.bodies import PartBody, Pieces, crc32c_hex_of
+from cloudckpt.storage.httpget import DirectGet
+from cloudckpt.storage.objects import ObjectInfo
+from cloudckpt.storage.options import init_options
+from cloudckpt.storage.parts import PartWriter
+from cloudckpt.storage.primitives import FsspecBackend
+from cloudckpt.storage.ranges import StreamedRanges
+from cloudckpt.storage.retry import describe, mask_secrets
+from cloudckpt.storage.writers import RawWriter
+from cloudckpt.util.crc import Buffer, crc32c_b64, crc32c_from_b64
 
 log = logging.getLogger("cloudckpt")
 
@@ -70,15 +69,15 @@ class GCSBackend(StreamedRanges, FsspecBackend):
 
     @classmethod
     def filesystem_options(cls) -> frozenset[str] | None:
-        return init_options(_OneTryGCSFileSystem) - {"loop", "asynchronous"}
+        return init_options(OneTryGCSFileSystem) - {"loop", "asynchronous"}
 
-    def _filesystem(self, options: dict[str, Any]) -> gcsfs.GCSFileSystem:
+    def _filesystem(self, options: dict[str, Any]) -> OneTryGCSFileSystem:
         root = self.root
         searched = _searches_credentials(options)
         if searched and not _credentials_may_exist():
             raise _no_credentials(root)
         try:
-            fs = _OneTryGCSFileSystem(**options)
+            fs = OneTryGCSFileSystem(**options)
         except Exception as exc:  # noqa: BLE001 - re-raised without the token it may quote
             # gcsfs checks a raw token at https://oauth2.googleapis.com/tokeninfo?
             # access_token=<token>: its errors quote that URL, token and all.
@@ -99,6 +98,10 @@ class GCSBackend(StreamedRanges, FsspecBackend):
         bucket, _, key = path.partition("/")
         return bucket, key
 
+    def _api(self, method: str, path: str, *args: Any, **kwargs: Any) -> Any:
+        """One request of the JSON API through gcsfs's session (one try)."""
+        return sync(self.fs.loop, gcsfs_private.call, self.fs, method, path, *args, **kwargs)
+
     def _upload(self, path: str, data: Buffer | Pieces, crc32c: str | None = None,
                 **params: str) -> str:
         bucket, key = self._split(path)
@@ -113,11 +116,9 @@ class GCSBackend(StreamedRanges, FsspecBackend):
         ).encode()
         # A file over the three pieces: neither concatenated nor copied whole by aiohttp.
         body = PartBody(head, data, f"\r\n--{boundary}--\r\n".encode())
-        resp = sync(
-            self.fs.loop,
-            self.fs._call,
+        resp = self._api(
             "POST",
-            f"{self.fs._location}/upload/storage/v1/b/{quote(bucket, safe='')}/o",
+            f"{gcsfs_private.location(self.fs)}/upload/storage/v1/b/{quote(bucket, safe='')}/o",
             uploadType="multipart",
             headers={"Content-Type": f'multipart/related; boundary="{boundary}"'},
             data=body,
@@ -136,8 +137,7 @@ class GCSBackend(StreamedRanges, FsspecBackend):
         bucket, key = self._split(path)
         body = {"sourceObjects": [{"name": self._split(p)[1]} for p in sources],
                 "destination": {"name": key}}
-        return sync(self.fs.loop, self.fs._call, "POST", "b/{}/o/{}/compose", bucket, key,
-                    json_out=True, json=body)
+        return self._api("POST", "b/{}/o/{}/compose", bucket, key, json_out=True, json=body)
 
     def put_if_absent(self, path: str, data: Buffer) -> str:
         return self._upload(path, data, ifGenerationMatch="0")
@@ -152,11 +152,10 @@ class GCSBackend(StreamedRanges, FsspecBackend):
         bucket, key = self._split(path)
         # Read the generation first, then the bytes of exactly that generation,
         # so data and token always belong together.
-        meta = sync(self.fs.loop, self.fs._call, "GET", "b/{}/o/{}", bucket, key,
-                    json_out=True)
+        meta = self._api("GET", "b/{}/o/{}", bucket, key, json_out=True)
         generation = str(meta["generation"])
-        _, data = sync(self.fs.loop, self.fs._call, "GET", "b/{}/o/{}", bucket, key,
-                       alt="media", generation=generation)
+        _, data = self._api("GET", "b/{}/o/{}", bucket, key, alt="media",
+                            generation=generation)
         return data, generation
 
     def version_of(self, info: Mapping[str, Any]) -> str | None:
@@ -167,7 +166,7 @@ class GCSBackend(StreamedRanges, FsspecBackend):
         # Literal names: gcsfs's rm() expands glob characters ("run[1]/a" is a pattern).
         if not paths:
             return
-        results = sync(self.fs.loop, self.fs._delete_files, list(paths), 100)
+        results = sync(self.fs.loop, gcsfs_private.delete_files, self.fs, list(paths), 100)
         for r in results:
             if isinstance(r, BaseException) and not isinstance(r, FileNotFoundError):
                 raise r
@@ -176,16 +175,15 @@ class GCSBackend(StreamedRanges, FsspecBackend):
 
     def bucket_exists(self, root: str) -> bool | None:
         try:
-            sync(self.fs.loop, self.fs._call, "GET", "b/{}", self._split(root)[0],
-                 json_out=True)
+            self._api("GET", "b/{}", self._split(root)[0], json_out=True)
         except FileNotFoundError:
             return False
         return True
 
     def bucket_versioning(self, root: str) -> str:
         # GCS has no "suspended": with versioning off, a delete removes the live object.
-        meta = sync(self.fs.loop, self.fs._call, "GET", "b/{}", self._split(root)[0],
-                    fields="versioning", json_out=True)
+        meta = self._api("GET", "b/{}", self._split(root)[0], fields="versioning",
+                         json_out=True)
         on = (meta.get("versioning") or {}).get("enabled")
         return versioning.ENABLED if on else versioning.OFF
 
@@ -196,12 +194,12 @@ class GCSBackend(StreamedRanges, FsspecBackend):
         # The media GET with gcsfs's headers (its credentials); not where the user set
         # session options, which only gcsfs's session honours.
         fs = self.fs
-        await fs._set_session()
+        await gcsfs_private.session(fs)
         if fs.session_kwargs:
             return None
-        params = fs._get_params({})
+        params = gcsfs_private.params(fs)
         return DirectGet(fs.url(path) + (f"&{urlencode(params)}" if params else ""),
-                         headers=fs._get_headers({}),
+                         headers=gcsfs_private.headers(fs),
                          timeout=float(fs.requests_timeout or 60))
 
     async def open_range(self, path: str, start: int, end: int
@@ -209,12 +207,14 @@ class GCSBackend(StreamedRanges, FsspecBackend):
         # One ranged GET whose body is read as it arrives (gcsfs's own calls read
         # whole bodies).
         fs = self.fs
-        await fs._set_session()
-        resp = await fs.session.get(
-            fs.url(path), params=fs._get_params({}),
-            headers=fs._get_headers({"Range": f"bytes={start}-{end - 1}"}),
+        session = await gcsfs_private.session(fs)
+        resp = await session.get(
+            fs.url(path), params=gcsfs_private.params(fs),
+            headers=gcsfs_private.headers(fs, {"Range": f"bytes={start}-{end - 1}"}),
             timeout=fs.requests_timeout)
         if resp.status >= 300:
+            from gcsfs.retry import validate_response  # gcsfs is imported by now
+
             try:
                 body = await resp.read()
             finally:
@@ -242,8 +242,8 @@ class GCSBackend(StreamedRanges, FsspecBackend):
         while True:
             params = {"rewriteToken": token} if token else {}
             out = host.retry.call(
-                lambda params=params: sync(
-                    self.fs.loop, self.fs._call, "POST", "b/{}/o/{}/rewriteTo/b/{}/o/{}",
+                lambda params=params: self._api(
+                    "POST", "b/{}/o/{}/rewriteTo/b/{}/o/{}",
                     src_bucket, src_key, bucket, key, json_out=True,
                     headers={"Content-Type": "application/json"}, **params),
                 op="copy", key=f"gs://{path}", errors=self)
@@ -266,13 +266,6 @@ class GCSBackend(StreamedRanges, FsspecBackend):
 
 #: Sources per compose request, and components per object (GCS limits).
 _COMPOSE_SOURCES, _MAX_COMPONENTS = 32, 1024
-
-
-class _OneTryGCSFileSystem(gcsfs.GCSFileSystem):
-    """gcsfs with one try per request: retries belong to our RetryPolicy."""
-
-    _request = getattr(gcsfs.GCSFileSystem._request, "__wrapped__",
-                       gcsfs.GCSFileSystem._request)
 
 
 class _ComposeWriter(PartWriter):

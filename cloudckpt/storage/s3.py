@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import s3fs
 from fsspec.asyn import sync
 
+from cloudckpt.compat.s3fs_private import call_s3
 from cloudckpt.errors import StorageError
 from cloudckpt.storage import s3_errors, versioning
 from cloudckpt.storage.backend import Backend, Host
@@ -87,7 +88,7 @@ class S3Backend(StreamedRanges, FsspecBackend):
 
     def _s3(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
         bucket, key = self._split(path)
-        return sync(self.fs.loop, self.fs._call_s3, method, Bucket=bucket, Key=key, **kw)
+        return sync(self.fs.loop, call_s3, self.fs, method, Bucket=bucket, Key=key, **kw)
 
     def head(self, path: str) -> dict[str, Any] | None:
         # One HEAD: s3fs's info() follows a missing key with a listing (a "directory"?),
@@ -179,7 +180,7 @@ class S3Backend(StreamedRanges, FsspecBackend):
     def get_versioned(self, path: str) -> tuple[bytes, str]:
         async def read() -> tuple[bytes, str]:
             bucket, key = self._split(path)
-            resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
+            resp = await call_s3(self.fs, "get_object", Bucket=bucket, Key=key)
             async with resp["Body"] as body:
                 return await body.read(), resp["ETag"]
 
@@ -190,14 +191,14 @@ class S3Backend(StreamedRanges, FsspecBackend):
 
     def bucket_exists(self, root: str) -> bool | None:
         try:
-            sync(self.fs.loop, self.fs._call_s3, "head_bucket", Bucket=self._split(root)[0])
+            sync(self.fs.loop, call_s3, self.fs, "head_bucket", Bucket=self._split(root)[0])
         except FileNotFoundError:
             return False
         return True
 
     def bucket_versioning(self, root: str) -> str:
         # GetBucketVersioning: no Status at all on a bucket that never had versioning.
-        resp = sync(self.fs.loop, self.fs._call_s3, "get_bucket_versioning",
+        resp = sync(self.fs.loop, call_s3, self.fs, "get_bucket_versioning",
                     Bucket=self._split(root)[0])
         return {"Enabled": versioning.ENABLED, "Suspended": versioning.SUSPENDED}.get(
             resp.get("Status"), versioning.OFF)
@@ -212,7 +213,7 @@ class S3Backend(StreamedRanges, FsspecBackend):
         for bucket, keys in by_bucket.items():
             for i in range(0, len(keys), 1000):
                 batch = [{"Key": k} for k in keys[i:i + 1000]]
-                resp = sync(self.fs.loop, self.fs._call_s3, "delete_objects", Bucket=bucket,
+                resp = sync(self.fs.loop, call_s3, self.fs, "delete_objects", Bucket=bucket,
                             Delete={"Objects": batch, "Quiet": True})
                 errors = [e for e in resp.get("Errors", []) if e.get("Code") != "NoSuchKey"]
                 if errors:
@@ -235,7 +236,7 @@ class S3Backend(StreamedRanges, FsspecBackend):
     async def open_range(self, path: str, start: int, end: int
                          ) -> tuple[Any, Callable[[], None]]:
         bucket, key = self._split(path)
-        resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key,
+        resp = await call_s3(self.fs, "get_object", Bucket=bucket, Key=key,
                                       Range=f"bytes={start}-{end - 1}")
         body = resp["Body"]
         if int(resp.get("ContentLength") or 0) > end - start:
