@@ -60,16 +60,15 @@ compat: $(VENV)/.compat
 # package index here has torch 2.14.1 as a CUDA build only; it runs on CPU, but imports
 # only with its nvidia libraries (libtorch_cuda links them), so it is installed whole:
 # about a minute for torch from the local index, 5 minutes for the whole virtualenv
-# (6 GB) on a busy 2-core machine; the tests take 15-18 more. The pin is repeated so
+# (6 GB) on a busy 2-core machine, then the tests. The pin is repeated so
 # that nothing replaces it.
 MATRIX_TORCH_PIN ?= torch==2.14.1
 MATRIX_VENV ?= .venv-torch2.14
 MATRIX_PY := $(MATRIX_VENV)/bin/python
-MATRIX_TESTS ?= tests/test_private_api.py tests/test_dcp.py tests/test_budget.py \
-	tests/test_state.py tests/test_checkpoint.py tests/test_manager.py tests/test_resume.py \
-	tests/test_save_checks.py tests/test_incremental.py tests/test_tiers.py \
-	tests/test_contents.py tests/test_streaming.py tests/test_hf.py tests/test_activation.py \
-	tests/test_readme.py
+MATRIX_TESTS ?= tests/test_private_api.py tests/test_dcp.py tests/test_dcp_dropin.py \
+	tests/test_tensor_kinds.py tests/test_budget.py tests/test_state.py \
+	tests/test_checkpoint.py tests/test_manager.py tests/test_incremental.py tests/test_hf.py \
+	tests/test_activation.py tests/test_readme.py
 $(MATRIX_VENV)/.installed: pyproject.toml testkit/pyproject.toml
 	$(PYTHON) -m venv $(MATRIX_VENV)
 	$(MATRIX_PY) -m pip install -q --upgrade pip
