@@ -66,7 +66,10 @@ def torn_copy(s3, moto_server, tmp_path) -> Path:
              "-o", f"key={s3.options['key']}", "-o", f"secret={s3.options['secret']}",
              "cp", s3.uri("run", "step-1"), str(dst), "--dst-option", "fsync=false"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+            # Ctrl-C as at a terminal, even where this test runs with SIGINT ignored (a
+            # background job of a non-interactive shell), which the child would inherit.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             assert proxy.held.wait(120), "the copy never asked for the held object"
             _wait_for(lambda: (dst / "model" / MANIFEST_NAME).is_file(),

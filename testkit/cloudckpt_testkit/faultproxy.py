@@ -126,7 +126,11 @@ _REFUSALS: dict[int, tuple[str, str]] = {
 _UNSTRIPPABLE = frozenset({"host", "content-length", "transfer-encoding"})
 _KIND_STATUS = {"slowdown": 503, "throttle": 429, "internal": 500}
 _COPY_CHUNK = 64 * 1024
-_HOLD_TIMEOUT_S = 30.0
+# How long a held request waits for release before it goes on by itself: a safety for a
+# test that never releases (closing the proxy releases too), long enough that a test on a
+# busy machine always acts on the request first (30 s was not: a torn copy's held object
+# went through, and the copy completed before the test could interrupt it).
+_HOLD_TIMEOUT_S = 300.0
 _REBIND_TIMEOUT_S = 5.0
 
 
@@ -700,7 +704,7 @@ class FaultProxy(StartStop):
     ``on_request(method, target)`` runs for every request after its body has
     been read and before it is forwarded (or faulted). With ``hold`` set,
     requests whose target contains it additionally wait on :attr:`release`
-    (up to 30 s) after the hook ran, so a test can kill the client while its
+    (up to 300 s) after the hook ran, so a test can kill the client while its
     request is provably in flight; :attr:`held` is set when that happens.
     After release the request is forwarded (``hold_action="forward"``) or the
     client connection is closed without forwarding (``"drop"``).
