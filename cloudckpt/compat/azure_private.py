@@ -12,8 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from azure.storage.blob._generated.models import ModifiedAccessConditions
-from azure.storage.blob.aio import BlobClient, BlobServiceClient
+try:
+    from azure.storage.blob._generated.models import ModifiedAccessConditions
+    from azure.storage.blob.aio import BlobClient, BlobServiceClient
+except ImportError as exc:  # the az:// backend's extra, not in a plain install
+    raise ImportError(f"az:// needs azure-storage-blob ({exc}): "
+                      "pip install 'cloudckpt[azure]'") from exc
 
 from cloudckpt.compat import Internal
 
