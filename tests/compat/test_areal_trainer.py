@@ -36,6 +36,10 @@ from cloudckpt import open_checkpoint
 from cloudckpt.cli import main as cloudckpt_cli
 from cloudckpt.training.slot import RecoverSlot
 
+# Whole framework jobs (trainers, Ray clusters, torchrun ranks): minutes each on a
+# busy machine, where the suite-wide 300 s cut them off.
+pytestmark = pytest.mark.timeout(900)
+
 SFT = Path(__file__).resolve().parent / "areal_sft"
 TRIAL = f"checkpoints/{getpass.getuser()}/gsm8k-sft-cpu/trial0"
 EPOCHS, STEPS = 2, 16  # 8 steps per epoch; the kill lands in the second epoch

@@ -55,6 +55,10 @@ from test_verl import HERE, trainer_config
 from cloudckpt import MANIFEST_NAME, list_checkpoints, open_checkpoint
 from cloudckpt.training.slot import RecoverSlot
 
+# Whole framework jobs (trainers, Ray clusters, torchrun ranks): minutes each on a
+# busy machine, where the suite-wide 300 s cut them off.
+pytestmark = pytest.mark.timeout(900)
+
 RELAUNCHES = ["same-run", "other-run"]
 #: A node's launch: the command (as on that node) and its environment, given what the
 #: test adds to it (the proxy's endpoint, the attempt).

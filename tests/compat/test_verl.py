@@ -21,6 +21,10 @@ from cloudckpt.core.manifest import DIGEST_RE
 from cloudckpt.names import BLOB_AREA
 from cloudckpt.storage import open_store
 
+# Whole framework jobs (trainers, Ray clusters, torchrun ranks): minutes each on a
+# busy machine, where the suite-wide 300 s cut them off.
+pytestmark = pytest.mark.timeout(900)
+
 HERE = Path(__file__).resolve().parent
 TRACKER = "latest_checkpointed_iteration.txt"
 
