@@ -114,7 +114,7 @@ bench: setup
 	$(PY) benchmarks/peers_bench.py
 
 # A user's `pip install .` (no extras) and `pip install ".[hf]"`, each into a fresh
-# virtualenv with torch: fails when either resolves or installs for over 180 s,
+# virtualenv with torch: fails when either uses over 180 s of CPU to resolve and install,
 # then pip check, a smoke test and the console script (see .ci/install_check).
 install-check:
 	PYTHON="$(PYTHON)" TORCH_PIN="$(TORCH_PIN)" .ci/install_check
