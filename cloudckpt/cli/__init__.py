@@ -33,6 +33,7 @@ from cloudckpt.cli.commands import (
     cmd_rm,
     cmd_verify,
 )
+from cloudckpt.cli.doctor import add_doctor, cmd_doctor
 from cloudckpt.cli.frameworks import LazySubcommands, add_frameworks
 from cloudckpt.cli.inspecting import add_contents
 from cloudckpt.cli.run import add_run, cmd_run
@@ -209,6 +210,9 @@ def _add_run(sub: LazySubcommands) -> None:
     sp = _add(sub, "run", cmd_run, "run a launch command with the frameworks' integrations "
               "activated in it and every Python process it starts")
     add_run(sp)
+    sp = _add(sub, "doctor", cmd_doctor, "say what a framework launch will do with each path "
+              "its config names (bucket, local, refused) before anything runs")
+    add_doctor(sp)
 
 
 def build_parser() -> argparse.ArgumentParser:

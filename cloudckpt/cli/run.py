@@ -11,6 +11,7 @@ import shlex
 import sys
 
 from cloudckpt import activation
+from cloudckpt.cli import doctor
 from cloudckpt.errors import ConfigError
 from cloudckpt.runtime import attempt
 
@@ -32,6 +33,10 @@ def add_run(sp: argparse.ArgumentParser) -> None:
                     f"(${attempt.RUN_ENV}): a relaunch with the same id takes over the saves "
                     "its crashed attempt left claimed at once (SLURM's and torchrun's ids "
                     "are read without it)")
+    sp.add_argument("--check", action="store_true",
+                    help="run nothing: say what the launch will do with each path its "
+                    "framework config names (as `cloudckpt doctor`), exit 2 if it would be "
+                    "refused")
     sp.add_argument("launch", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                     help="the usual launch command (torchrun ..., python -m ..., a Ray "
                     "driver script)")
@@ -49,6 +54,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not command:
         raise ConfigError("cloudckpt run: no command to run; e.g. cloudckpt run -- torchrun "
                           "--nproc-per-node 8 train.py")
+    if args.check:
+        return doctor.check(command, None, as_json=False, launched=True)
     # Every process of this launch is one attempt of its run (see runtime/attempt.py).
     env.update(attempt.launch_environment())
     if args.run_id:

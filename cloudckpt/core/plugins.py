@@ -68,6 +68,12 @@ class Framework:
     #: The versions of :attr:`distribution` the bindings were tested with; without a
     #: distribution, the tested fingerprints of the bindings' code.
     tested: tuple[str, ...] = ()
+    #: ``"module:function"``: ``function(command)`` reads a launch command (argv, or a
+    #: config file's path alone) and returns a :class:`~cloudckpt.core.launchplan.
+    #: LaunchPlan` of the paths it uses, or None when the command is not this
+    #: framework's (``cloudckpt doctor``, ``cloudckpt run --check``). Imported only
+    #: when asked.
+    doctor: str | None = None
 
 
 _lock = threading.Lock()
