@@ -14,7 +14,6 @@ refused (``conditional_writes="require"``).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from cloudckpt.names import TMP_PREFIX
 from cloudckpt.storage.backend import Backend
 from cloudckpt.storage.retry import status_of
 from cloudckpt.util.crc import Buffer
+from cloudckpt.util.perkey import OncePerKey
 
 log = logging.getLogger("cloudckpt.storage")
 
@@ -41,8 +41,7 @@ EMULATION_SETTLE_S = 2.0
 #: a racer read back its own bytes before ours landed; it reports a conflict.
 EMULATION_BOUND_S = EMULATION_SETTLE_S / 2
 
-_results: dict[tuple[str, ...], str] = {}
-_lock = threading.Lock()
+_results: OncePerKey[str] = OncePerKey()
 
 
 def check_mode(value: object) -> str:
@@ -62,13 +61,9 @@ def supports(mode: str, key: tuple[str, ...], where: str, run_probe: Callable[[]
     does not enforce both: :class:`ConfigError` naming ``where`` (the bucket)."""
     if mode == "assume":
         return True
-    with _lock:
-        result = _results.get(key)
+    result = _results.get(key)
     if result is None:
-        result = run_probe()
-        with _lock:
-            first = key not in _results
-            _results[key] = result
+        result, first = _results.settle(key, run_probe())
         if first and result != NATIVE and mode != "require":
             log.error(
                 "%s %s; cloudckpt emulates %s there (check, write, read back after %.1fs): "
@@ -135,8 +130,7 @@ def probe(backend: Backend, path: str, cleanup: Callable[[], None], where: str) 
 
 def forget() -> None:
     """Drop every cached probe result (tests)."""
-    with _lock:
-        _results.clear()
+    _results.forget()
 
 
 def emulated_write(backend: Backend, path: str, data: Buffer,

@@ -13,8 +13,9 @@ every save).
 from __future__ import annotations
 
 import logging
-import threading
 from typing import TYPE_CHECKING
+
+from cloudckpt.util.perkey import OncePerKey
 
 if TYPE_CHECKING:
     from cloudckpt.storage.base import Store
@@ -33,9 +34,8 @@ _STAYS = {
                "enabled stay and are billed until a lifecycle rule expires them",
 }
 
-_results: dict[tuple[str, ...], str] = {}
-_told: set[tuple[str, ...]] = set()
-_lock = threading.Lock()
+_results: OncePerKey[str] = OncePerKey()
+_told: OncePerKey[bool] = OncePerKey()  # buckets whose "what stays" was said
 
 
 def status(store: Store) -> str:
@@ -43,8 +43,7 @@ def status(store: Store) -> str:
     bucket and process; a question that fails is :data:`UNKNOWN` (never an error:
     it only decides what a delete says)."""
     key = store.backend.cache_key(store.root)
-    with _lock:
-        known = _results.get(key)
+    known = _results.get(key)
     if known is not None:
         return known
     try:
@@ -54,8 +53,7 @@ def status(store: Store) -> str:
     except Exception as exc:  # noqa: BLE001 - the delete it describes stands as done
         log.debug("cannot tell whether %s keeps versions: %s", store.bucket_uri(), exc)
         answer = UNKNOWN
-    with _lock:
-        return _results.setdefault(key, answer)
+    return _results.settle(key, answer)[0]
 
 
 def what_stays(store: Store) -> str | None:
@@ -64,8 +62,7 @@ def what_stays(store: Store) -> str | None:
     Whoever asks says it: :func:`log_once` does not repeat it for that bucket."""
     stays = _STAYS.get(status(store))
     if stays is not None:
-        with _lock:
-            _told.add(store.backend.cache_key(store.root))
+        _told.settle(store.backend.cache_key(store.root), True)
     return stays
 
 
@@ -73,16 +70,12 @@ def log_once(store: Store, done: str) -> None:
     """A WARNING ``"<done>; <what stays>"`` the first time objects are deleted from
     ``store``'s bucket in this process, unless that was said already."""
     stays = _STAYS.get(status(store))
-    key = store.backend.cache_key(store.root)
-    with _lock:
-        if stays is None or key in _told:
-            return
-        _told.add(key)
+    if stays is None or not _told.settle(store.backend.cache_key(store.root), True)[1]:
+        return
     log.warning("%s; %s (said once per bucket)", done, stays)
 
 
 def forget() -> None:
     """Drop every cached answer and what was said (tests)."""
-    with _lock:
-        _results.clear()
-        _told.clear()
+    _results.forget()
+    _told.forget()
