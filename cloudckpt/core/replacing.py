@@ -103,8 +103,8 @@ def swap(store: Store, manifest: Manifest, replaced: Replaced) -> None:
     except CommitConflictError:
         raise CommitConflictError(
             f"the checkpoint at {store.uri} was replaced or deleted by another save while "
-            "this one ran; that one stands, and this save's objects were removed. Only one "
-            "job should write a checkpoint URI.") from None
+            "this one ran; that one stands and this save is discarded (its objects are "
+            "removed). Only one job should write a checkpoint URI.") from None
 
 
 def clear(store: Store, replaced: Replaced, committed: Manifest) -> None:
