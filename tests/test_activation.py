@@ -83,6 +83,52 @@ def test_run_binds_in_the_command_and_in_every_python_process_it_starts(tmp_path
     assert len(pids) == 2 and len(set(pids)) == 2, r.stderr  # one line per process
 
 
+#: The trainer in children started by multiprocessing (spawn, forkserver): fresh
+#: interpreters that inherit only the environment.
+SPAWNER = textwrap.dedent("""
+    import multiprocessing, sys
+
+    def work(path):
+        from cloudckpt_testkit import toytrainer
+        print(toytrainer.Saver.by, toytrainer.train(path), flush=True)
+
+    if __name__ == "__main__":
+        for method, path in zip(("spawn", "forkserver"), sys.argv[1:]):
+            child = multiprocessing.get_context(method).Process(target=work, args=(path,))
+            child.start()
+            child.join()
+            assert child.exitcode == 0, (method, child.exitcode)
+""")
+
+#: The trainer as torchrun's workers run it: one save per local rank.
+RANKS = textwrap.dedent("""
+    import os, sys
+    from cloudckpt_testkit import toytrainer
+    print(toytrainer.Saver.by, toytrainer.train(f"{sys.argv[1]}-{os.environ['LOCAL_RANK']}"))
+""")
+
+
+def test_run_binds_in_multiprocessing_children_without_extra_variables(tmp_path):
+    script = tmp_path / "spawner.py"
+    script.write_text(SPAWNER)
+    a, b = tmp_path / "spawned", tmp_path / "forkserved"
+    r = run([*CLI, "run", "--", sys.executable, str(script), str(a), str(b)])
+    assert r.returncode == 0, r.stderr
+    assert saved_by_cloudckpt(a) and saved_by_cloudckpt(b), r.stdout + r.stderr
+    assert len(set(BOUND.findall(r.stderr))) == 2, r.stderr  # each child says so
+
+
+def test_run_binds_in_torchruns_workers_without_extra_variables(tmp_path):
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS)
+    out = tmp_path / "rank"
+    r = run([*CLI, "run", "--", sys.executable, "-m", "torch.distributed.run", "--standalone",
+             "--nproc-per-node", "2", str(script), str(out)])
+    assert r.returncode == 0, r.stderr
+    assert all(saved_by_cloudckpt(tmp_path / f"rank-{i}") for i in range(2)), r.stderr
+    assert len(set(BOUND.findall(r.stderr))) == 2, r.stderr
+
+
 def test_without_activation_nothing_is_bound(tmp_path, trainer):
     """Importing cloudckpt, its activation and every integration binds nothing."""
     a = tmp_path / "a"
