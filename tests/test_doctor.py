@@ -68,7 +68,7 @@ def test_the_forgotten_launcher_is_named_with_its_symptom(toy, capsys, tmp_path,
     assert main(["doctor", "--", "toytrain", "OUT=s3://b/r"]) == EXIT_USAGE
     captured = capsys.readouterr()
     assert f"without `cloudckpt run`: {tmp_path}/s3:/b/r" in captured.out
-    assert "nothing reaches the bucket" in captured.err
+    assert "nothing written there reaches the bucket" in captured.err
     assert "cloudckpt run -- toytrain OUT=s3://b/r" in captured.err
     assert not list(tmp_path.iterdir())  # the doctor itself writes nothing
 

@@ -67,8 +67,9 @@ def split_launcher(command: Sequence[str]) -> tuple[list[str], bool]:
 def plan_launch(command: Sequence[str], framework: str | None = None) -> LaunchPlan:
     """The plan of the first framework (or ``framework``) that recognises ``command``."""
     if not command:
-        raise ConfigError("no command to read; e.g. cloudckpt doctor -- python3 -m "
-                          "verl.trainer.main_ppo trainer.default_local_dir=s3://bucket/run")
+        raise ConfigError("no command to read; give the launch command after --, e.g. "
+                          "cloudckpt doctor -- torchrun --nproc-per-node 8 train.py "
+                          "--config config.yaml")
     for fw in _doctors(framework):
         plan = load_target(fw.doctor or "")(list(command))
         if plan is not None:
@@ -108,8 +109,9 @@ def check(command: Sequence[str], framework: str | None, *, as_json: bool,
     if plan.forgotten and not launched:
         where = ", ".join(f"{u.key} -> {u.unlaunched}" for u in plan.forgotten)
         raise ConfigError(f"launched like this, {plan.framework} writes to local "
-                          f"directories named for the URIs ({where}) and nothing reaches "
-                          f"the bucket: launch it as `cloudckpt run -- {shlex.join(words)}`")
+                          f"directories named for the URIs ({where}), and nothing written "
+                          "there reaches the bucket: launch it as "
+                          f"`cloudckpt run -- {shlex.join(words)}`")
     return 0
 
 
