@@ -22,6 +22,7 @@ FRAMEWORK = Framework(
                       bind="cloudckpt.integrations.areal.binding:bind_config"),
               Binding(module="areal.trainer",
                       bind="cloudckpt.integrations.areal.binding:bind_trainers")),
+    doctor="cloudckpt.integrations.areal.doctor:plan",
     distribution="areal",
     tested=("1.0.4",),
 )
