@@ -231,7 +231,9 @@ def test_sft_trainer_killed_and_relaunched_resumes_from_the_bucket(world, fixtur
     killed = (tmp_path / "killed.log").read_text()
     dumped = slot.info()["step"]
     assert len(steps_done(killed)) < STEPS, "the run ended before the kill"
-    assert killed.count("bound the areal integration into areal 1.0.4, pid ") == world
+    # Each rank bound the config's placement and the trainers: one line each.
+    assert killed.count("bound the areal integration into areal 1.0.4, pid ") == 2 * world
+    assert killed.count("areal.trainer.sft_trainer.Saver") == world
 
     log = launch.run(tmp_path / "resumed.log")
     done = steps_done(log)

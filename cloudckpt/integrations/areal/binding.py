@@ -2,16 +2,22 @@
 modules build become cloudckpt's for a bucket ``fileroot``; for a local one they stay
 AReaL's own. Their ``cycle_dataloader`` counts epochs from the resumed one after
 cloudckpt's handler restored the dataloader (:mod:`.dataorder`), else as AReaL's own.
-Nothing of AReaL's is edited: only those three names in each trainer module are
-replaced."""
+And ``parse_cli_args``, through which AReaL's ``load_expr_config`` and its launchers
+compose every config, places a bucket ``cluster.fileroot`` (:mod:`.placement`): the
+checkpoints in the bucket, AReaL's local files under a local directory named for it.
+Nothing of AReaL's is edited: only those names in its modules are replaced."""
 
 from __future__ import annotations
 
+import functools
 import importlib
+import logging
+import sys
 from types import ModuleType
 from typing import Any
 
 from cloudckpt.integrations.areal.dataorder import cycle_from_resumed_epoch
+from cloudckpt.integrations.areal.placement import place
 from cloudckpt.integrations.areal.plugin import TRAINERS
 from cloudckpt.storage import is_remote
 from cloudckpt.util.lazy import load_target
@@ -58,3 +64,46 @@ def bind_trainers(package: ModuleType) -> tuple[str, ...]:
                 module.cycle_dataloader = cycle_from_resumed_epoch(own_cycle)
             bound.append(f"{trainer}.cycle_dataloader")
     return tuple(bound)
+
+
+def _stderr_log() -> logging.Logger:
+    """The logger of what the binding did with the config, with a handler of its own
+    on stderr (as activation's "bound ..." line has): AReaL's ``getLogger`` replaces
+    the logging module's root and manager, so a logger found by name later would have
+    neither handler nor level."""
+    logger = logging.getLogger("cloudckpt.activation.areal")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    return logger
+
+
+def placing(parse: Any) -> Any:
+    """AReaL's ``parse_cli_args(argv) -> (config, config_file)``, its config placed
+    (:func:`~cloudckpt.integrations.areal.placement.place`) before AReaL resolves it."""
+    if hasattr(parse, "__wrapped__"):
+        return parse
+
+    @functools.wraps(parse)
+    def parse_cli_args(argv: list[str]) -> Any:
+        cfg, config_file = parse(argv)
+        placed = place(cfg)
+        moved = [p for p in placed if p.moved]
+        if moved:
+            _stderr_log().info(
+                "cloudckpt: areal config %s: %s stay in the bucket; %s", config_file,
+                ", ".join(f"{p.key}={p.lands}" for p in placed if p.in_bucket),
+                ", ".join(f"{p.key} -> {p.lands}" for p in moved))
+        return cfg, config_file
+
+    return parse_cli_args
+
+
+def bind_config(module: ModuleType) -> tuple[str, ...]:
+    """Replace ``parse_cli_args`` in ``areal.api.cli_args`` (``load_expr_config`` calls
+    it by its module-level name; the launchers import it after this binding)."""
+    module.parse_cli_args = placing(module.parse_cli_args)
+    return ("parse_cli_args",)

@@ -16,9 +16,13 @@ FRAMEWORK = Framework(
     summary="AReaL trials: import one from local disk, adopt one already in a bucket",
     kinds=(KIND,),
     commands="cloudckpt.integrations.areal.commands:add_commands",
-    # Bound once the package has imported its four trainers: one binding, one log line.
-    bindings=(Binding(module="areal.trainer",
-                      bind="cloudckpt.integrations.areal.binding:bind_trainers"),),
+    # The config (composed for every trainer and launcher), then the trainers, once the
+    # package has imported all four.
+    bindings=(Binding(module="areal.api.cli_args",
+                      bind="cloudckpt.integrations.areal.binding:bind_config"),
+              Binding(module="areal.trainer",
+                      bind="cloudckpt.integrations.areal.binding:bind_trainers")),
+    doctor="cloudckpt.integrations.areal.doctor:plan",
     distribution="areal",
     tested=("1.0.4",),
 )
