@@ -152,6 +152,10 @@ def uses(cfg: Any, cwd: str | None = None) -> tuple[list[PathUse], list[str]]:
             found.append(_local_use(key, move.value, moved, where, lost,
                                     f"a local path derived from {OUTPUT_DIR}"))
     notes = []
+    if bucket:
+        notes.append("without `cloudckpt run`, torch's own fsspec writer sends each step's "
+                     "DCP shards to the bucket with no manifest (nothing a run resumes "
+                     "from), and the rest of the step to the local directory above")
     if resume is None and bucket:
         notes.append("runner.resume_dir is null (RLinf's default): a relaunch starts over; "
                      "set runner.resume_dir=auto to resume the newest committed step")
