@@ -30,8 +30,12 @@ def bind_launch(module: ModuleType) -> tuple[str, ...]:
     def output_redirector(func: Any) -> Any:
         @functools.wraps(func)
         def wrapper(cfg: Any, *args: Any, **kwargs: Any) -> Any:
+            from omegaconf import OmegaConf
+
             from cloudckpt.integrations.rlinf.localpaths import localise
 
+            if not OmegaConf.is_config(cfg):  # not Hydra's: nothing derives from it
+                return own(func)(cfg, *args, **kwargs)
             localise(cfg)
             bucket = cfg.runner.output_dir
             if not is_remote(bucket):
