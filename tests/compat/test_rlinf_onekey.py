@@ -157,7 +157,7 @@ def test_doctor_names_the_forgotten_launcher_and_run_check_passes(tmp_path):
     assert f"s3://my-bucket/rlinf/{EXPERIMENT}/checkpoints" in r.stdout
     assert f"{tmp_path}/cloudckpt-local/my-bucket/rlinf/{EXPERIMENT}" in r.stdout
     assert f"newest committed step under s3://my-bucket/rlinf/{EXPERIMENT}" in r.stdout
-    assert "without" not in r.stdout
+    assert "without `cloudckpt run`: " not in r.stdout  # no path goes astray
     assert cli("doctor", "--", *here(launch), cwd=tmp_path).returncode == 0  # the full line
 
     r = cli("run", "--check", "--", *bare, "runner.logger.log_path=s3://my-bucket/logs",
