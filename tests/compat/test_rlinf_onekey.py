@@ -169,6 +169,11 @@ def test_doctor_names_the_forgotten_launcher_and_run_check_passes(tmp_path):
     assert r.returncode == 0 and f"{tmp_path.parent}/results/{EXPERIMENT}" in r.stdout
     assert list(tmp_path.iterdir()) == []  # the doctor writes nothing
 
+    other = tmp_path / "ppo.yaml"  # another framework's config: left to its own doctor
+    other.write_text("defaults:\n  - its_own_base\ntrainer:\n  default_local_dir: s3://b/x\n")
+    assert doctor.plan([str(other)]) is None
+    assert doctor.plan(["python3", "-m", "verl.trainer.main_ppo"]) is None
+
 
 def test_a_log_path_spelled_as_a_bucket_is_refused_at_start_up(s3, tmp_path):
     launch, _ = recipe()

@@ -62,6 +62,18 @@ def _is_rlinf_app(script: Path) -> bool:
     return "rlinf" in text and "hydra.main" in text
 
 
+def _has_runner_output_dir(path: Path) -> bool:
+    """Whether the YAML file ``path`` is shaped as RLinf's (``runner.output_dir``)."""
+    from omegaconf import OmegaConf
+
+    try:
+        raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except Exception:  # unreadable, or not YAML: not a config this reads
+        return False
+    runner = raw.get("runner") if isinstance(raw, dict) else None
+    return isinstance(runner, dict) and "output_dir" in runner
+
+
 def _hydra_args(args: Sequence[str]) -> tuple[dict[str, str], list[str]]:
     """Hydra's options (path, name, dir) and the overrides of an app's arguments."""
     options: dict[str, str] = {}
@@ -197,11 +209,9 @@ def plan(command: Sequence[str], cwd: str | None = None) -> LaunchPlan | None:
     words = list(command)
     if len(words) == 1 and words[0].endswith((".yaml", ".yml")):
         path = Path(words[0]).resolve()
-        if not path.is_file():
+        if not _has_runner_output_dir(path):  # another framework's config: let it answer
             return None
         cfg = _compose(path.parent, path.stem, [])
-        if _value(cfg, OUTPUT_DIR) is None:
-            return None
         found_by = f"the config file {words[0]} (runner.output_dir)"
     else:
         script = _script(words)
