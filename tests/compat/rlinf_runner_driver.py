@@ -77,15 +77,22 @@ def digest(obj) -> object:
 
 def runner_for(output_dir: str, resume_dir, actor):
     from omegaconf import OmegaConf
+
+    # RLinf's default, ${output_dir}/${experiment_name}; spelt out locally for a bucket.
+    log_path = f"{output_dir}/exp" if "://" not in output_dir else tempfile.mkdtemp()
+    return runner_with(OmegaConf.create({
+        "runner": {"output_dir": output_dir, "experiment_name": "exp",
+                   "resume_dir": resume_dir, "logger": {"log_path": log_path}},
+        "actor": {"training_backend": "fsdp"}, "critic": {"training_backend": "fsdp"}}),
+        actor)
+
+
+def runner_with(cfg, actor):
+    """RLinf's ``ReasoningRunner`` with config ``cfg``, its workers ``actor`` (rollout too)."""
     from rlinf.runners.reasoning_runner import ReasoningRunner
 
     runner = ReasoningRunner.__new__(ReasoningRunner)  # its __init__ builds Ray groups
-    # RLinf's default, ${output_dir}/${experiment_name}; spelt out locally for a bucket.
-    log_path = f"{output_dir}/exp" if "://" not in output_dir else tempfile.mkdtemp()
-    runner.cfg = OmegaConf.create({
-        "runner": {"output_dir": output_dir, "experiment_name": "exp",
-                   "resume_dir": resume_dir, "logger": {"log_path": log_path}},
-        "actor": {"training_backend": "fsdp"}, "critic": {"training_backend": "fsdp"}})
+    runner.cfg = cfg
     runner.actor, runner.critic, runner.reward, runner.rollout = actor, None, None, actor
     runner.has_dedicated_actor_inference = runner.has_dedicated_critic_inference = False
     runner.use_pre_process_policy = False

@@ -58,7 +58,9 @@ def test_rlinf_strategy_commits_and_resumes_a_step_in_the_bucket(s3, tmp_path):
     assert_rlinf_outcome(reports)
     for rep in reports["dcp"]:  # a copy under a newer step is refused, nothing loaded
         assert "named for step 5 but its manifest says step 2" in rep["refused"]["error"]
-    assert stderr.count("bound the rlinf integration into rlinf 0.3.0, pid ") == 2, stderr
+    assert stderr.count("bound the rlinf integration into rlinf 0.3.0, pid ") == 4, stderr
+    assert stderr.count(": rlinf.hybrid_engines.fsdp.strategy.base.FSDPStrategyBase.save_"
+                        "checkpoint, ") == 2, stderr  # and rlinf.utils.utils, on each rank
     dcp = open_checkpoint(f"{s3.root}/dcp/global_step_2/actor", s3.options)
     dcp.verify(deep=True)
     assert dcp.manifest.kind == "rlinf-part" and dcp.step == 2

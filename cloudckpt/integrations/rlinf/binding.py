@@ -5,7 +5,11 @@ RLinf's own code, unchanged):
   checkpoint I/O, both formats) commit and load a part (:mod:`.strategy`);
 - ``ReasoningRunner._save_checkpoint`` commits the step (the parts and ``data.pt``),
   ``init_workers`` resolves ``resume_dir`` (``auto``) among committed steps, and
-  ``init_actor_critic_workers`` loads ``data.pt`` from the bucket (:mod:`.runner`).
+  ``init_actor_critic_workers`` loads ``data.pt`` from the bucket (:mod:`.runner`);
+- ``output_redirector`` (``rlinf.utils.utils``), the decorator of RLinf's entry scripts
+  (``examples/reasoning/main_grpo.py``...), the first of RLinf's code to see the config:
+  the local paths it derives from a bucket become local directories (:mod:`.localpaths`)
+  before anything reads them, and its own ``log/main.log`` goes there too.
 """
 
 from __future__ import annotations
@@ -14,7 +18,41 @@ import functools
 from types import ModuleType
 from typing import Any
 
+from cloudckpt.runtime.localdirs import local_dir_for
 from cloudckpt.storage import is_remote
+
+
+def bind_launch(module: ModuleType) -> tuple[str, ...]:
+    """Wrap ``rlinf.utils.utils.output_redirector``, before an entry script imports it."""
+    own = module.output_redirector
+
+    @functools.wraps(own)
+    def output_redirector(func: Any) -> Any:
+        @functools.wraps(func)
+        def wrapper(cfg: Any, *args: Any, **kwargs: Any) -> Any:
+            from omegaconf import OmegaConf
+
+            from cloudckpt.integrations.rlinf.localpaths import localise
+
+            if not OmegaConf.is_config(cfg):  # not Hydra's: nothing derives from it
+                return own(func)(cfg, *args, **kwargs)
+            localise(cfg)
+            bucket = cfg.runner.output_dir
+            if not is_remote(bucket):
+                return own(func)(cfg, *args, **kwargs)
+
+            def inside(cfg: Any, *args: Any, **kwargs: Any) -> Any:
+                cfg.runner.output_dir = bucket  # RLinf's log is open: the bucket again
+                return func(cfg, *args, **kwargs)
+
+            # RLinf opens {output_dir}/{experiment_name}/log/main.log before the run.
+            cfg.runner.output_dir = local_dir_for(bucket)
+            return own(functools.wraps(func)(inside))(cfg, *args, **kwargs)
+
+        return wrapper
+
+    module.output_redirector = output_redirector
+    return ("output_redirector",)
 
 
 def bind_runner(module: ModuleType) -> tuple[str, ...]:

@@ -20,10 +20,13 @@ FRAMEWORK = Framework(
     # A model converts out of an RLinf step from its actor's DCP part.
     dcp_layouts={KIND: (f"{ACTOR}/{DCP_DIR}", KEY_PREFIX)},
     commands="cloudckpt.integrations.rlinf.command:add_commands",
+    doctor="cloudckpt.integrations.rlinf.doctor:plan",
     bindings=(Binding(module="rlinf.hybrid_engines.fsdp.strategy.base",
                       bind="cloudckpt.integrations.rlinf.binding:bind_strategy"),
               Binding(module="rlinf.runners.reasoning_runner",
-                      bind="cloudckpt.integrations.rlinf.binding:bind_runner")),
+                      bind="cloudckpt.integrations.rlinf.binding:bind_runner"),
+              Binding(module="rlinf.utils.utils",
+                      bind="cloudckpt.integrations.rlinf.binding:bind_launch")),
     distribution="rlinf",
     tested=("0.3.0",),
 )
