@@ -150,7 +150,7 @@ def test_doctor_names_the_forgotten_launcher_and_run_check_passes(tmp_path):
     assert r.returncode == 2, r.stderr
     assert (f"without `cloudckpt run`: {tmp_path}/s3:/my-bucket/rlinf/{EXPERIMENT}/checkpoints"
             in r.stdout)
-    assert "nothing reaches the bucket" in r.stderr and "cloudckpt run --" in r.stderr
+    assert "nothing written there reaches the bucket" in r.stderr and "cloudckpt run --" in r.stderr
 
     r = cli("run", "--check", "--", *here(relaunch, launcher=False), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
