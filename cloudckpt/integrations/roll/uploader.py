@@ -8,12 +8,14 @@ parts stop arriving is reported as an ERROR at the next save and at ``wait``/``c
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
@@ -28,7 +30,7 @@ from cloudckpt.errors import (
     IncompleteCheckpointError,
     StorageError,
 )
-from cloudckpt.integrations.roll import commits
+from cloudckpt.integrations.roll import commits, membership
 from cloudckpt.integrations.roll.plugin import PARTS_DIR
 from cloudckpt.integrations.roll.resume import (
     checkpoint_order,
@@ -80,9 +82,10 @@ class RollUploader:
       deleted it first, ROLL's own ``os.remove`` would fail and log "upload failed"
       for an upload that succeeded); a background one deletes it after its upload,
       in case ROLL's manager did not, and puts it back if the upload fails;
-    - ``expected_uploads``: parts per checkpoint (pipeline + every uploading
-      rank); when set, the last part to arrive commits, once the parts hold all
-      ROLL's resume reads; otherwise call ``commit``;
+    - ``expected_uploads``: parts per checkpoint (pipeline + every uploading rank), an
+      override; without it each part declares its set (:mod:`.membership`) and the part
+      that completes the checkpoint commits it. Either way only once the parts hold all
+      ROLL's resume reads;
     - ``parts_timeout`` (120 s): a checkpoint this process uploaded a part of that
       then gets no new part for this long is reported as an ERROR (at the next
       ``upload``, or by ``wait``/``close``, which wait that long at most);
@@ -148,8 +151,13 @@ class RollUploader:
         self._open: dict[str, None] = {}  # uploaded a part, not yet seen committed
         self._lost: dict[str, str] = {}  # ckpt_id -> the ERROR that reported it
         self._one_at_a_time = threading.Lock()  # background uploads go one by one
-        log.info("ROLL checkpoints go to %s (%s upload, expected_uploads=%s)", self.output_dir,
-                 "async" if self.async_upload else "sync", self.expected_uploads)
+        # A checkpoint still short of parts when the process ends is reported then (ROLL
+        # never calls wait()).
+        atexit.register(_report_at_exit, weakref.ref(self))
+        log.info("ROLL checkpoints go to %s (%s upload, %s)", self.output_dir,
+                 "async" if self.async_upload else "sync",
+                 f"expected_uploads={self.expected_uploads}" if self.expected_uploads
+                 else "parts known from the job")
 
     def _normalise(self, uri: str) -> str:
         if "://" not in uri:
@@ -170,7 +178,9 @@ class RollUploader:
         src = Path(local_state_path)
         part = _PART_RE.sub("_", str(kwargs.get("part_id") or self.part_id or
                                      _default_part_id(ckpt_id, str(src))))
-        self._checkpoint_store(ckpt_id)  # validates the name now, not in the thread
+        store = self._checkpoint_store(ckpt_id)  # validates the name now, not in the thread
+        if self.expected_uploads is None:
+            membership.announce(store, part, self.attempt_id)
         if not self.async_upload:
             try:
                 self._upload_part(ckpt_id, src, part, src)
@@ -311,17 +321,17 @@ class RollUploader:
         t0 = time.monotonic()
         entries = send_files(store, files, self.blobs)
         marker = {"part": part, "attempt": self.attempt_id, "created": time.time(),
-                  "host": socket.gethostname(), "pid": os.getpid(), "files": entries}
+                  "host": socket.gethostname(), "pid": os.getpid(), "files": entries,
+                  **membership.declare(part)}
         store.put(f"{PARTS_DIR}/{part}.json", json.dumps(marker, sort_keys=True).encode())
         log.info("uploaded part %r of %s: %d files, %d bytes in %.1f s", part, store.uri,
                  len(entries), sum(e["size"] for e in entries.values()), time.monotonic() - t0)
-        if self.expected_uploads is not None:
-            result = self._try_commit(ckpt_id, self.expected_uploads)
-            if isinstance(result, Checkpoint):
-                self._forget(ckpt_id)
-            else:
-                with self._lock:
-                    self._open[ckpt_id] = None
+        result = self._try_commit(ckpt_id, self.expected_uploads)
+        if isinstance(result, Checkpoint):
+            self._forget(ckpt_id)
+        else:
+            with self._lock:
+                self._open[ckpt_id] = None
         if not self.keep_local_file and original != src:  # a background upload's copy
             _remove(original)
 
@@ -329,12 +339,20 @@ class RollUploader:
         """The markers of this attempt's parts (see ``attempt_id``), by key."""
         return commits.current_parts(store, self.attempt_id, self._created)
 
-    def _try_commit(self, ckpt_id: str, expected: int) -> Checkpoint | str:
-        """Commit ``ckpt_id`` if ``expected`` current parts are in and hold all ROLL's
-        resume reads; else say why not (a part still on its way, or one missing)."""
+    def _gaps(self, store: Store, parts: Mapping[str, Mapping[str, Any]],
+              expected: int | None) -> list[str]:
+        """Without a count: what the parts' declared sets still miss."""
+        if expected is not None:
+            return []
+        return membership.missing(parts, membership.announced(store, self.attempt_id,
+                                                              self._created))
+
+    def _try_commit(self, ckpt_id: str, expected: int | None) -> Checkpoint | str:
+        """Commit ``ckpt_id`` if its current parts are all in (``expected`` of them, or
+        as they declare) and hold all ROLL's resume reads; else say why not."""
         store = self._checkpoint_store(ckpt_id)
         parts = self._current_parts(store)
-        files = commits.ready(store, parts, expected)
+        files = commits.ready(store, parts, expected, self._gaps(store, parts, expected))
         return files if isinstance(files, str) else self._commit(store, ckpt_id, parts, files)
 
     def _commit(self, store: Store, ckpt_id: str, parts: Mapping[str, Mapping[str, Any]],
@@ -400,7 +418,8 @@ class RollUploader:
         parts = self._current_parts(store)
         if not parts:  # committed and cleaned up meanwhile, or pruned
             return None
-        state = commits.assess(store, parts, self.expected_uploads or 1)
+        state = commits.assess(store, parts, self.expected_uploads,
+                               self._gaps(store, parts, self.expected_uploads))
         if isinstance(state, commits.Progress):
             return state
         self._commit(store, ckpt_id, parts, state)
@@ -408,7 +427,11 @@ class RollUploader:
 
     def _declare_lost(self, ckpt_id: str, p: commits.Progress) -> None:
         """One ERROR naming the checkpoint, its parts found and expected, and the fix."""
-        if p.problems:
+        if p.expected is None:
+            fix = ("a process that uploads checkpoints failed or stopped before its part was "
+                   "uploaded (see its log); if the job's processes did not all upload, set "
+                   "checkpoint_config.expected_uploads to the number that do")
+        elif p.problems:
             fix = ("if more processes upload each checkpoint, expected_uploads is too low: "
                    "set it to the pipeline + every uploading rank")
         else:
@@ -427,9 +450,28 @@ class RollUploader:
             self._lost[ckpt_id] = msg
         log.error("%s", msg)
 
+    def _exiting(self) -> None:
+        """At process end: let open checkpoints commit (up to ``parts_timeout`` after
+        their newest part), and report each that does not as an ERROR."""
+        with self._lock:
+            if not self._open and not self._pending:
+                return
+        try:
+            self._drain()
+            self._settle()
+        except Exception as exc:  # noqa: BLE001 - the process is ending; say, do not raise
+            log.error("could not check the open checkpoints of %s at exit: %s",
+                      self.output_dir, exc)
+
     def _prune(self) -> None:
         commits.prune(self.store, self.max_ckpt_to_keep, self.torn_grace_seconds,
                       self.storage_options)
+
+
+def _report_at_exit(ref: weakref.ref[RollUploader]) -> None:
+    uploader = ref()
+    if uploader is not None:
+        uploader._exiting()
 
 
 class S3Uploader(RollUploader):
