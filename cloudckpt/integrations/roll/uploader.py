@@ -15,7 +15,6 @@ import os
 import socket
 import threading
 import time
-import weakref
 from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
@@ -145,15 +144,13 @@ class RollUploader:
         #: Each file a blob of the output directory's area (None: $CLOUDCKPT_INCREMENTAL).
         self.blobs = BlobArea(self.store) if blobs.requested(incremental) else None
         self._created = time.time()
+        self._uploaded = False
         self._lock = threading.Lock()
         self._pending: list[Future[Any]] = []
         self._failed: dict[str, BaseException] = {}  # ckpt_id -> its first failure
         self._open: dict[str, None] = {}  # uploaded a part, not yet seen committed
         self._lost: dict[str, str] = {}  # ckpt_id -> the ERROR that reported it
         self._one_at_a_time = threading.Lock()  # background uploads go one by one
-        # A checkpoint still short of parts when the process ends is reported then (ROLL
-        # never calls wait()).
-        atexit.register(_report_at_exit, weakref.ref(self))
         log.info("ROLL checkpoints go to %s (%s upload, %s)", self.output_dir,
                  "async" if self.async_upload else "sync",
                  f"expected_uploads={self.expected_uploads}" if self.expected_uploads
@@ -179,6 +176,9 @@ class RollUploader:
         part = _PART_RE.sub("_", str(kwargs.get("part_id") or self.part_id or
                                      _default_part_id(ckpt_id, str(src))))
         store = self._checkpoint_store(ckpt_id)  # validates the name now, not in the thread
+        if not self._uploaded:  # what is left open at process end is reported then
+            self._uploaded = True
+            atexit.register(self._exiting)
         if self.expected_uploads is None:
             membership.announce(store, part, self.attempt_id)
         if not self.async_upload:
@@ -452,26 +452,28 @@ class RollUploader:
 
     def _exiting(self) -> None:
         """At process end: let open checkpoints commit (up to ``parts_timeout`` after
-        their newest part), and report each that does not as an ERROR."""
+        their newest part), then name in one ERROR every checkpoint of this process that
+        never committed (reported at the next save, or now)."""
         with self._lock:
-            if not self._open and not self._pending:
-                return
+            busy = bool(self._open or self._pending)
         try:
-            self._drain()
-            self._settle()
+            if busy:
+                self._drain()
+                self._settle()
         except Exception as exc:  # noqa: BLE001 - the process is ending; say, do not raise
             log.error("could not check the open checkpoints of %s at exit: %s",
                       self.output_dir, exc)
+        with self._lock:
+            lost, self._lost = self._lost, {}
+        if lost:
+            names = sorted(lost, key=checkpoint_order)
+            log.error("at exit: %s never committed to %s (resume_from_checkpoint skips "
+                      "them): %s", ", ".join(names), self.output_dir,
+                      " | ".join(lost[n] for n in names))
 
     def _prune(self) -> None:
         commits.prune(self.store, self.max_ckpt_to_keep, self.torn_grace_seconds,
                       self.storage_options)
-
-
-def _report_at_exit(ref: weakref.ref[RollUploader]) -> None:
-    uploader = ref()
-    if uploader is not None:
-        uploader._exiting()
 
 
 class S3Uploader(RollUploader):
