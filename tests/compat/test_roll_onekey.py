@@ -13,6 +13,7 @@ save and at exit; and the forgotten launcher, caught by ``cloudckpt doctor``."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -175,3 +176,27 @@ def test_the_forgotten_launcher_is_caught_by_the_doctor(s3, tmp_path):
     assert f"checkpoints: {s3.root}/onekey/checkpoint-N" in check.stdout
     assert f"logs: {tmp_path}/output/logs/onekey" in check.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["examples"]  # wrote nothing
+
+
+def test_a_bucket_where_roll_writes_locally_is_refused_at_start_up(s3, tmp_path):
+    """ROLL's own output_dir on a bucket (its local staging, its tensorboard directory):
+    the launch stops before Ray starts, naming the key to set; and the doctor reads a
+    ROLL config file alone the same way."""
+    block, _ = guide_recipe()
+    launch = cloudckpt_run(project(tmp_path, block.replace(GUIDE_URI, s3.root),
+                                   f"output_dir: {s3.root}/local-things\n"))
+    env = {**os.environ, **s3.env, "PYTHONPATH": os.pathsep.join(
+        [str(ROLL_SRC), str(HERE), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run(launch, cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode != 0
+    assert "ConfigError: ROLL cannot run this launch on a bucket: output_dir:" in r.stderr
+    assert f"put the bucket in checkpoint_config.output_dir: {s3.root}/local-things" in r.stderr
+    assert "RollRank" not in r.stdout + r.stderr  # stopped before any worker started
+    assert scheme_named(tmp_path) == []
+    config = next((tmp_path / "examples").rglob("*.yaml"))
+    doctor = subprocess.run([sys.executable, "-m", "cloudckpt", "doctor", "--", str(config)],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert doctor.returncode == EXIT_USAGE
+    assert "roll, recognised by the config file rlvr_config.yaml" in doctor.stdout
+    assert "REFUSED: ROLL writes its output_dir with local file calls" in doctor.stdout
