@@ -68,3 +68,8 @@ def test_a_part_short_is_named(present, intents, gap):
 def test_a_part_outside_a_process_group_is_a_set_of_one():
     assert declare("pipeline") == {"group": "pipeline", "rank": 0, "world": 1}
     assert declare("host-1234-ab") == {"group": "host-1234-ab", "rank": 0, "world": 1}
+
+
+def test_a_cluster_of_an_earlier_checkpoint_must_be_there_again():
+    gaps = missing(parts(PIPELINE, A0, A1), set(), known={"actor_train", "critic", "pipeline"})
+    assert gaps == ["every part of critic (in an earlier checkpoint of this run)"]

@@ -10,10 +10,13 @@ pipeline's part is a set of one. Each part also announces itself (an *intent* ob
 when ``upload`` is called, before its files go up.
 
 A checkpoint is complete when the pipeline's part is in, every part announced is in,
-every cluster a part names has all its ranks, and the parts hold all that ROLL's resume
-reads (:mod:`.parts`: every DCP shard each ``.metadata`` names). A wrong guess cannot
-commit a partial checkpoint through any of these alone; a checkpoint that never meets
-them is reported (``parts_timeout``), never waited for forever.
+every cluster a part names (or an earlier checkpoint of the run had) has all its ranks,
+and the parts hold all that ROLL's resume reads (:mod:`.parts`: every DCP shard each
+``.metadata`` names). A checkpoint that never meets them is reported
+(``parts_timeout``), never waited for forever. The one gap: on the run's first
+checkpoint, a cluster none of whose ranks had even called ``upload`` when the pipeline's
+part was checked (an async upload thread not yet started) is not seen; set
+``expected_uploads`` where that can happen.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import re
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from cloudckpt.integrations.roll.plugin import PARTS_DIR
@@ -38,15 +41,14 @@ _WORKER_RE = re.compile(r"^(?P<group>.+)-(?P<rank>\d+)$")
 
 def declare(part: str) -> dict[str, Any]:
     """The set ``part`` belongs to: its cluster, its rank there and the cluster's size
-    (from this process's ``torch.distributed`` group, when it has one)."""
-    if part == PIPELINE:
-        return {"group": PIPELINE, "rank": 0, "world": 1}
+    (from this process's ``torch.distributed`` group, when it has one and the part is
+    named for its rank there, as ROLL names its workers); else a set of one."""
     dist = sys.modules.get("torch.distributed")
     m = _WORKER_RE.match(part)
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
-        group = m.group("group") if m and int(m.group("rank")) == rank else part
-        return {"group": group, "rank": rank, "world": world}
+    if (m and dist is not None and dist.is_available() and dist.is_initialized()
+            and int(m.group("rank")) == dist.get_rank()):
+        return {"group": m.group("group"), "rank": dist.get_rank(),
+                "world": dist.get_world_size()}
     return {"group": part, "rank": 0, "world": 1}
 
 
@@ -73,9 +75,11 @@ def announced(store: Store, attempt: str | None, since: float) -> set[str]:
     return out
 
 
-def missing(parts: Mapping[str, Mapping[str, Any]], intents: set[str]) -> list[str]:
+def missing(parts: Mapping[str, Mapping[str, Any]], intents: set[str],
+            known: Iterable[str] = ()) -> list[str]:
     """What keeps the current ``parts`` from being the whole checkpoint (empty: nothing);
-    ``intents``: the parts announced."""
+    ``intents``: the parts announced; ``known``: the clusters of earlier checkpoints of
+    this run, each of which must be here too."""
     names = {str(m.get("part")) for m in parts.values()}
     out = []
     if PIPELINE not in names:
@@ -85,6 +89,8 @@ def missing(parts: Mapping[str, Mapping[str, Any]], intents: set[str]) -> list[s
     for m in parts.values():
         if "group" in m:
             groups[str(m["group"])][int(m["world"])].add(int(m["rank"]))
+    out += [f"every part of {g} (in an earlier checkpoint of this run)"
+            for g in sorted(set(known) - set(groups))]
     for group, by_world in sorted(groups.items()):
         if len(by_world) > 1:
             out.append(f"{group}: its parts disagree on its size ({sorted(by_world)})")

@@ -141,6 +141,9 @@ class RollUploader(OpenCheckpoints):
         self.blobs = BlobArea(self.store) if blobs.requested(incremental) else None
         self._created = time.time()
         self._uploaded = False
+        #: The clusters whose parts made a checkpoint this process committed: a later
+        #: checkpoint of this run without one of them is not whole.
+        self._groups: set[str] = set()
         self._lock = threading.Lock()
         self._pending: list[Future[Any]] = []
         self._failed: dict[str, BaseException] = {}  # ckpt_id -> its first failure
@@ -337,11 +340,12 @@ class RollUploader(OpenCheckpoints):
 
     def _gaps(self, store: Store, parts: Mapping[str, Mapping[str, Any]],
               expected: int | None) -> list[str]:
-        """Without a count: what the parts' declared sets still miss."""
+        """Without a count: what the parts' declared sets still miss (and the clusters of
+        the checkpoints this process committed)."""
         if expected is not None:
             return []
         return membership.missing(parts, membership.announced(store, self.attempt_id,
-                                                              self._created))
+                                                              self._created), self._groups)
 
     def _try_commit(self, ckpt_id: str, expected: int | None) -> Checkpoint | str:
         """Commit ``ckpt_id`` if its current parts are all in (``expected`` of them, or
@@ -354,6 +358,7 @@ class RollUploader(OpenCheckpoints):
     def _commit(self, store: Store, ckpt_id: str, parts: Mapping[str, Mapping[str, Any]],
                 files: Mapping[str, commits.Uploaded]) -> Checkpoint:
         ckpt = commits.commit(store, ckpt_id, parts, files, self.attempt_id)
+        self._groups.update(str(m["group"]) for m in parts.values() if "group" in m)
         try:
             self._prune()
         except StorageError as exc:  # the checkpoint is committed; pruning retries next time
