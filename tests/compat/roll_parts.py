@@ -113,7 +113,7 @@ def stage_rank(root: Path, ckpt_id: str, worker: ShardedWorker, rank: int) -> Pa
     """A rank's local dir (``actor_train-{rank}/{ckpt_id}``): its DCP shard (rank 0 also
     DCP's ``.metadata``) and, on rank 0, the gathered HF export. Every rank calls it."""
     d = root / f"actor_train-{rank}" / ckpt_id
-    d.mkdir(parents=True)
+    d.mkdir(parents=True, exist_ok=True)  # a relaunch saves a killed step again
     roll_dcp_save(worker, d)
     full = {k: v.full_tensor() for k, v in worker.model.state_dict().items()}  # collective
     if rank == 0:
@@ -125,7 +125,7 @@ def stage_rank(root: Path, ckpt_id: str, worker: ShardedWorker, rank: int) -> Pa
 def stage_pipeline(root: Path, ckpt_id: str, step: int) -> Path:
     """The pipeline's dir (base_pipeline.py:117-121): WorkerState JSON and its RNG file."""
     d = root / "pipeline" / ckpt_id
-    (d / "pipeline").mkdir(parents=True)
+    (d / "pipeline").mkdir(parents=True, exist_ok=True)  # as WorkerState.save_to_json
     state = {"kv": {"dataloader": {"pos": step}}, "log_history": [{"system/step": step}],
              "step": step}
     (d / "pipeline" / "worker_state_pipeline.json").write_text(

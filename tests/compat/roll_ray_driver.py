@@ -77,7 +77,8 @@ class RollRank:
     """One rank of ROLL's actor (``actor_train-{rank}``): a gloo group member, its
     sharded model, its own CheckpointManager and local checkpoint dir."""
 
-    def __init__(self, checkpoint_config: dict, rank: int, world: int, port: int) -> None:
+    def __init__(self, checkpoint_config: dict, rank: int, world: int, port: int,
+                 local: str | None = None) -> None:
         sys.path.insert(0, str(HERE))
         import torch
         import torch.distributed as dist
@@ -91,16 +92,22 @@ class RollRank:
         self.rank = rank
         self.worker = ShardedWorker()
         self.manager = CheckpointManager(checkpoint_config=checkpoint_config)
-        self.local = Path(tempfile.mkdtemp())
+        # ROLL stages under its output_dir ({output_dir}/actor_train-{rank}/checkpoint-N).
+        self.local = Path(local) if local else Path(tempfile.mkdtemp())
 
     def train(self, step: int) -> dict[str, str]:
         self.worker.train(step)
         return digests(self.worker.tensors())
 
     def save(self, ckpt_id: str) -> None:
+        import os
+
         from roll_parts import stage_rank
 
         local = stage_rank(self.local, ckpt_id, self.worker, self.rank)
+        # A rank that dies before its upload: ROLL_TEST_LOST_PART=checkpoint-N:RANK.
+        if os.environ.get("ROLL_TEST_LOST_PART") == f"{ckpt_id}:{self.rank}":
+            return
         self.manager.upload(ckpt_id=ckpt_id, local_state_path=str(local))
 
     def load(self, ckpt_dir: str) -> dict[str, str]:

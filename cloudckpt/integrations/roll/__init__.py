@@ -13,20 +13,23 @@ Here each ``upload`` is one *part*: its files go to ``{output_dir}/{ckpt_id}/``
 marker ``{ckpt_id}/_cloudckpt_parts/{part}.json`` lists them. The checkpoint is
 committed (cloudckpt manifest, written create-only, listing every object)
 
-- automatically by whichever uploader sees ``expected_uploads`` current parts
-  after writing its own marker (the last one to finish: listings are strongly
-  consistent, and two simultaneous committers race on a create-only write
+- automatically by whichever uploader completes it: without a count, the parts declare
+  the set they belong to (the pipeline, every rank of each uploading cluster:
+  ``membership``); with ``expected_uploads``, that many current parts (listings are
+  strongly consistent, and two simultaneous committers race on a create-only write
   that exactly one wins), or
-- explicitly by :meth:`RollUploader.commit`, e.g. from the pipeline once every
-  worker's upload has returned, when ``expected_uploads`` is not set.
+- explicitly by :meth:`RollUploader.commit`.
 
 Either way only once the parts hold all that ROLL's resume reads (the pipeline's
-state, every DCP shard each ``.metadata`` names: ``parts``), so a too-low
-``expected_uploads`` never commits a checkpoint missing a shard. After the commit the
+state, every DCP shard each ``.metadata`` names: ``parts``), so a wrong count or a
+wrong declaration never commits a checkpoint missing a shard. After the commit the
 markers (and objects only a crashed earlier attempt wrote) are removed, so the prefix
-holds exactly the manifest's objects. A checkpoint whose parts stop arriving (a
-too-high ``expected_uploads``) is an ERROR naming it and its counts at the next
-save and at ``wait``/``close``, and resume names each one it skips.
+holds exactly the manifest's objects. A checkpoint whose parts stop arriving is an
+ERROR naming it and what is missing at the next save, at ``wait``/``close`` and at
+process end (``openckpts``), and resume names each one it skips.
+
+A bucket ``output_dir`` given to ROLL's own ``file_system`` type builds these
+uploaders too (``bucketkey``), and ``doctor`` reads ROLL's launch before it runs.
 
 Each checkpoint's upload stands alone: one that fails for good is logged as an
 ERROR naming it and never stops a later one from committing (ROLL's manager
@@ -39,9 +42,11 @@ anything else to a model hub. ``cloudckpt roll upload|fetch`` uploads a local
 checkpoint or fetches the latest one. See docs/integrations/roll.md.
 
 The package: ``staging`` (a worker's local files and part name), ``parts`` (the part
-markers, and what ROLL's resume needs of them), ``uploader`` (the uploaders and the
-commit), ``resume`` (the latest committed checkpoint, downloaded),
-``registries`` (ROLL's registries) and ``cli`` (the ``cloudckpt roll`` commands).
+markers, and what ROLL's resume needs of them), ``membership`` (which parts make a
+checkpoint), ``uploader`` (the uploaders and the commit), ``openckpts`` (checkpoints not
+yet committed, reported), ``resume`` (the latest committed checkpoint, downloaded),
+``bucketkey`` and ``registries`` (ROLL's registries), ``doctor`` (a launch, read) and
+``cli`` (the ``cloudckpt roll`` commands).
 """
 
 from cloudckpt.util.lazy import lazy_exports

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from cloudckpt.core.blobs import BlobArea
@@ -91,53 +91,67 @@ def _resume_problems(store: Store, files: Mapping[str, Uploaded]) -> list[str]:
     return resume_problems({k: size for k, (size, _, _) in files.items()}, read)
 
 
-def ready(store: Store, parts: Markers, expected: int) -> dict[str, Uploaded] | str:
-    """The files to commit if ``expected`` parts are in and hold all ROLL's resume
+def ready(store: Store, parts: Markers, expected: int | None,
+          gaps: Sequence[str] = ()) -> dict[str, Uploaded] | str:
+    """The files to commit if the parts are all in (``expected`` of them; without a
+    count, no ``gaps`` left: :func:`.membership.missing`) and hold all ROLL's resume
     reads; else why not (a part still on its way, or one missing)."""
-    if len(parts) < expected:
+    if expected is not None and len(parts) < expected:
         log.debug("%s: %d of %d parts present; not committing yet", store.uri, len(parts),
                   expected)
         return f"{len(parts)} of {expected} parts present"
+    if expected is None and gaps:
+        return f"waiting for {'; '.join(gaps)}"
     files = merged_files(store, parts)
     problems = _resume_problems(store, files)
     if problems:
-        why = (f"{plural(len(parts), 'part')} ({', '.join(part_names(parts))}) reached the "
-               f"{expected} expected, but ROLL could not resume from them: "
-               f"{summary(problems)}")
+        reached = f"the {expected} expected" if expected is not None else "every part announced"
+        why = (f"{plural(len(parts), 'part')} ({', '.join(part_names(parts))}) reached "
+               f"{reached}, but ROLL could not resume from them: {summary(problems)}")
         log.warning("%s is not committed yet: %s. Waiting for more parts; if none come, "
-                    "expected_uploads is too low or a part was lost.", store.uri, why)
+                    "a part was lost%s.", store.uri, why,
+                    " or expected_uploads is too low" if expected is not None else "")
         return why
-    if len(parts) > expected:
+    if expected is not None and len(parts) > expected:
         log.warning("%s: %d parts arrived, more than expected_uploads=%d; committed once "
                     "complete. Fix: set expected_uploads to %d (the pipeline + every "
-                    "uploading rank)", store.uri, len(parts), expected, len(parts))
+                    "uploading rank), or leave it out", store.uri, len(parts), expected,
+                    len(parts))
     return files
 
 
 @dataclass(frozen=True)
 class Progress:
-    """An uncommitted checkpoint's current parts, how long since the newest arrived, and
-    (once ``expected`` are in) what ROLL's resume would miss."""
+    """An uncommitted checkpoint's current parts, how long since the newest arrived, what
+    is still missing (``gaps``, without a count) and what ROLL's resume would miss once
+    they are all in (``problems``)."""
 
     parts: list[str]
-    expected: int
+    expected: int | None
     idle: float
     problems: list[str]
+    gaps: list[str] = field(default_factory=list)
 
     def text(self) -> str:
+        names = ", ".join(self.parts)
         if self.problems:
-            return (f"{plural(len(self.parts), 'part')} ({', '.join(self.parts)}) reached "
-                    f"expected_uploads={self.expected}, but ROLL could not resume from them: "
-                    f"{summary(self.problems)}")
+            reached = (f"reached expected_uploads={self.expected}" if self.expected is not None
+                       else "are all that were announced")
+            return (f"{plural(len(self.parts), 'part')} ({names}) {reached}, but ROLL could "
+                    f"not resume from them: {summary(self.problems)}")
+        if self.expected is None:
+            return (f"{plural(len(self.parts), 'part')} arrived ({names}); missing: "
+                    f"{summary(self.gaps)}")
         return (f"{len(self.parts)} of expected_uploads={self.expected} parts arrived "
-                f"({', '.join(self.parts)})")
+                f"({names})")
 
 
-def assess(store: Store, parts: Markers, expected: int) -> Progress | dict[str, Uploaded]:
+def assess(store: Store, parts: Markers, expected: int | None,
+           gaps: Sequence[str] = ()) -> Progress | dict[str, Uploaded]:
     """The files to commit when the parts are complete (as this process counts them),
     else where the checkpoint stands; quiet, unlike :func:`ready`."""
     problems: list[str] = []
-    if len(parts) >= expected:
+    if (len(parts) >= expected) if expected is not None else not gaps:
         try:
             files = merged_files(store, parts)
         except (StorageError, CommitConflictError) as exc:
@@ -147,7 +161,8 @@ def assess(store: Store, parts: Markers, expected: int) -> Progress | dict[str, 
             if not problems:
                 return files
     newest = max(float(p.get("created", 0)) for p in parts.values())
-    return Progress(part_names(parts), expected, max(0.0, time.time() - newest), problems)
+    return Progress(part_names(parts), expected, max(0.0, time.time() - newest), problems,
+                    list(gaps))
 
 
 def commit(store: Store, ckpt_id: str, parts: Markers, files: Mapping[str, Uploaded],

@@ -13,6 +13,7 @@ FRAMEWORK = Framework(
     kinds=(KIND,),
     marker_dirs=(PARTS_DIR,),
     commands="cloudckpt.integrations.roll.cli:add_commands",
+    doctor="cloudckpt.integrations.roll.doctor:plan",
     # ROLL runs from its source tree: no version to read, so the code the binding
     # relies on (where the registries are read) is fingerprinted instead.
     bindings=(Binding(

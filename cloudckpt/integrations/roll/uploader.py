@@ -8,6 +8,7 @@ parts stop arriving is reported as an ERROR at the next save and at ``wait``/``c
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -28,7 +29,8 @@ from cloudckpt.errors import (
     IncompleteCheckpointError,
     StorageError,
 )
-from cloudckpt.integrations.roll import commits
+from cloudckpt.integrations.roll import commits, membership
+from cloudckpt.integrations.roll.openckpts import OpenCheckpoints
 from cloudckpt.integrations.roll.plugin import PARTS_DIR
 from cloudckpt.integrations.roll.resume import (
     checkpoint_order,
@@ -56,14 +58,9 @@ log = logging.getLogger("cloudckpt.roll")
 DEFAULT_TORN_GRACE_SECONDS = 6 * 3600.0
 #: A checkpoint that gets no new part for this long is reported as never committing.
 DEFAULT_PARTS_TIMEOUT = 120.0
-#: How often ``wait`` looks at the parts of checkpoints still short of some.
-_POLL_SECONDS = 0.5
-#: ``wait`` says what it waits for once it has waited this long (other ranks' parts
-#: usually land within it).
-_NOTICE_SECONDS = 10.0
 
 
-class RollUploader:
+class RollUploader(OpenCheckpoints):
     """A ROLL uploader to an object store; see the module docstring for the protocol.
 
     Options (keys of ``checkpoint_config``; unknown keys are ignored, ``type``
@@ -80,9 +77,10 @@ class RollUploader:
       deleted it first, ROLL's own ``os.remove`` would fail and log "upload failed"
       for an upload that succeeded); a background one deletes it after its upload,
       in case ROLL's manager did not, and puts it back if the upload fails;
-    - ``expected_uploads``: parts per checkpoint (pipeline + every uploading
-      rank); when set, the last part to arrive commits, once the parts hold all
-      ROLL's resume reads; otherwise call ``commit``;
+    - ``expected_uploads``: parts per checkpoint (pipeline + every uploading rank), an
+      override; without it each part declares its set (:mod:`.membership`) and the part
+      that completes the checkpoint commits it. Either way only once the parts hold all
+      ROLL's resume reads;
     - ``parts_timeout`` (120 s): a checkpoint this process uploaded a part of that
       then gets no new part for this long is reported as an ERROR (at the next
       ``upload``, or by ``wait``/``close``, which wait that long at most);
@@ -142,14 +140,20 @@ class RollUploader:
         #: Each file a blob of the output directory's area (None: $CLOUDCKPT_INCREMENTAL).
         self.blobs = BlobArea(self.store) if blobs.requested(incremental) else None
         self._created = time.time()
+        self._uploaded = False
+        #: The clusters whose parts made a checkpoint this process committed: a later
+        #: checkpoint of this run without one of them is not whole.
+        self._groups: set[str] = set()
         self._lock = threading.Lock()
         self._pending: list[Future[Any]] = []
         self._failed: dict[str, BaseException] = {}  # ckpt_id -> its first failure
         self._open: dict[str, None] = {}  # uploaded a part, not yet seen committed
         self._lost: dict[str, str] = {}  # ckpt_id -> the ERROR that reported it
         self._one_at_a_time = threading.Lock()  # background uploads go one by one
-        log.info("ROLL checkpoints go to %s (%s upload, expected_uploads=%s)", self.output_dir,
-                 "async" if self.async_upload else "sync", self.expected_uploads)
+        log.info("ROLL checkpoints go to %s (%s upload, %s)", self.output_dir,
+                 "async" if self.async_upload else "sync",
+                 f"expected_uploads={self.expected_uploads}" if self.expected_uploads
+                 else "parts known from the job")
 
     def _normalise(self, uri: str) -> str:
         if "://" not in uri:
@@ -170,7 +174,12 @@ class RollUploader:
         src = Path(local_state_path)
         part = _PART_RE.sub("_", str(kwargs.get("part_id") or self.part_id or
                                      _default_part_id(ckpt_id, str(src))))
-        self._checkpoint_store(ckpt_id)  # validates the name now, not in the thread
+        store = self._checkpoint_store(ckpt_id)  # validates the name now, not in the thread
+        if not self._uploaded:  # what is left open at process end is reported then
+            self._uploaded = True
+            atexit.register(self._exiting)
+        if self.expected_uploads is None:
+            membership.announce(store, part, self.attempt_id)
         if not self.async_upload:
             try:
                 self._upload_part(ckpt_id, src, part, src)
@@ -311,17 +320,17 @@ class RollUploader:
         t0 = time.monotonic()
         entries = send_files(store, files, self.blobs)
         marker = {"part": part, "attempt": self.attempt_id, "created": time.time(),
-                  "host": socket.gethostname(), "pid": os.getpid(), "files": entries}
+                  "host": socket.gethostname(), "pid": os.getpid(), "files": entries,
+                  **membership.declare(part)}
         store.put(f"{PARTS_DIR}/{part}.json", json.dumps(marker, sort_keys=True).encode())
         log.info("uploaded part %r of %s: %d files, %d bytes in %.1f s", part, store.uri,
                  len(entries), sum(e["size"] for e in entries.values()), time.monotonic() - t0)
-        if self.expected_uploads is not None:
-            result = self._try_commit(ckpt_id, self.expected_uploads)
-            if isinstance(result, Checkpoint):
-                self._forget(ckpt_id)
-            else:
-                with self._lock:
-                    self._open[ckpt_id] = None
+        result = self._try_commit(ckpt_id, self.expected_uploads)
+        if isinstance(result, Checkpoint):
+            self._forget(ckpt_id)
+        else:
+            with self._lock:
+                self._open[ckpt_id] = None
         if not self.keep_local_file and original != src:  # a background upload's copy
             _remove(original)
 
@@ -329,67 +338,33 @@ class RollUploader:
         """The markers of this attempt's parts (see ``attempt_id``), by key."""
         return commits.current_parts(store, self.attempt_id, self._created)
 
-    def _try_commit(self, ckpt_id: str, expected: int) -> Checkpoint | str:
-        """Commit ``ckpt_id`` if ``expected`` current parts are in and hold all ROLL's
-        resume reads; else say why not (a part still on its way, or one missing)."""
+    def _gaps(self, store: Store, parts: Mapping[str, Mapping[str, Any]],
+              expected: int | None) -> list[str]:
+        """Without a count: what the parts' declared sets still miss (and the clusters of
+        the checkpoints this process committed)."""
+        if expected is not None:
+            return []
+        return membership.missing(parts, membership.announced(store, self.attempt_id,
+                                                              self._created), self._groups)
+
+    def _try_commit(self, ckpt_id: str, expected: int | None) -> Checkpoint | str:
+        """Commit ``ckpt_id`` if its current parts are all in (``expected`` of them, or
+        as they declare) and hold all ROLL's resume reads; else say why not."""
         store = self._checkpoint_store(ckpt_id)
         parts = self._current_parts(store)
-        files = commits.ready(store, parts, expected)
+        files = commits.ready(store, parts, expected, self._gaps(store, parts, expected))
         return files if isinstance(files, str) else self._commit(store, ckpt_id, parts, files)
 
     def _commit(self, store: Store, ckpt_id: str, parts: Mapping[str, Mapping[str, Any]],
                 files: Mapping[str, commits.Uploaded]) -> Checkpoint:
         ckpt = commits.commit(store, ckpt_id, parts, files, self.attempt_id)
+        self._groups.update(str(m["group"]) for m in parts.values() if "group" in m)
         try:
             self._prune()
         except StorageError as exc:  # the checkpoint is committed; pruning retries next time
             log.warning("committed %s, but pruning %s failed: %s", store.uri, self.output_dir,
                         exc)
         return ckpt
-
-    # ------------------------------------- checkpoints whose parts stop arriving
-
-    def _forget(self, ckpt_id: str) -> None:
-        with self._lock:
-            self._open.pop(ckpt_id, None)
-
-    def _report_stalled(self, current: str) -> None:
-        """At the next save: report each earlier checkpoint that stopped getting parts.
-        Never fails the upload it runs in (the next check runs at the next save)."""
-        try:
-            self._check_open(exclude=current, waited=0.0)
-        except (StorageError, CommitConflictError, OSError) as exc:
-            log.warning("could not check the earlier checkpoints' parts in %s: %s",
-                        self.output_dir, exc)
-
-    def _settle(self) -> None:
-        """Until each open checkpoint has committed, or has been reported as lost."""
-        start = time.monotonic()
-        told = False
-        while waiting := self._check_open(exclude=None, waited=time.monotonic() - start):
-            if not told and time.monotonic() - start >= _NOTICE_SECONDS:
-                told = True
-                for ckpt_id, progress in waiting:
-                    log.warning("waiting up to %.0f s for the other parts of %s: %s; if no "
-                                "other process uploads into it, expected_uploads is wrong",
-                                self.parts_timeout, ckpt_id, progress.text())
-            time.sleep(_POLL_SECONDS)
-
-    def _check_open(self, exclude: str | None, waited: float) -> list[tuple[str, commits.Progress]]:
-        """Look at each open checkpoint (but ``exclude``): drop the committed, report the
-        ones idle for ``parts_timeout`` (or after ``waited`` that long), return the rest."""
-        with self._lock:
-            names = [c for c in self._open if c != exclude]
-        waiting = []
-        for ckpt_id in names:
-            progress = self._progress(ckpt_id)
-            if progress is None:
-                self._forget(ckpt_id)
-            elif max(progress.idle, waited) >= self.parts_timeout:
-                self._declare_lost(ckpt_id, progress)
-            else:
-                waiting.append((ckpt_id, progress))
-        return waiting
 
     def _progress(self, ckpt_id: str) -> commits.Progress | None:
         """Where an open checkpoint stands; None once committed (here, if its parts are
@@ -400,32 +375,12 @@ class RollUploader:
         parts = self._current_parts(store)
         if not parts:  # committed and cleaned up meanwhile, or pruned
             return None
-        state = commits.assess(store, parts, self.expected_uploads or 1)
+        state = commits.assess(store, parts, self.expected_uploads,
+                               self._gaps(store, parts, self.expected_uploads))
         if isinstance(state, commits.Progress):
             return state
         self._commit(store, ckpt_id, parts, state)
         return None
-
-    def _declare_lost(self, ckpt_id: str, p: commits.Progress) -> None:
-        """One ERROR naming the checkpoint, its parts found and expected, and the fix."""
-        if p.problems:
-            fix = ("if more processes upload each checkpoint, expected_uploads is too low: "
-                   "set it to the pipeline + every uploading rank")
-        else:
-            fix = ("if every process's upload of it returned, expected_uploads is too high: "
-                   "set checkpoint_config.expected_uploads to the number of processes that "
-                   f"upload each checkpoint (the pipeline + every uploading rank; "
-                   f"{len(p.parts)} if all of them arrived here)")
-        msg = (f"{ckpt_id} was NOT committed to {self.output_dir}: {p.text()}, "
-               f"and no part came for {self.parts_timeout:.0f} s (parts_timeout), so "
-               f"resume_from_checkpoint skips it. Fix: {fix}; otherwise see the ERROR of the "
-               "part that failed.")
-        with self._lock:
-            if ckpt_id not in self._open:
-                return  # reported meanwhile by the other thread (wait, or the next save)
-            del self._open[ckpt_id]
-            self._lost[ckpt_id] = msg
-        log.error("%s", msg)
 
     def _prune(self) -> None:
         commits.prune(self.store, self.max_ckpt_to_keep, self.torn_grace_seconds,
