@@ -22,6 +22,7 @@ from cloudckpt.errors import (
     IncompleteCheckpointError,
     StorageError,
 )
+from cloudckpt.integrations.roll import membership
 from cloudckpt.integrations.roll.parts import part_names, read_markers, resume_problems, summary
 from cloudckpt.integrations.roll.plugin import KIND
 from cloudckpt.integrations.roll.resume import CKPT_RE
@@ -171,7 +172,7 @@ def commit(store: Store, ckpt_id: str, parts: Markers, files: Mapping[str, Uploa
     may win), then remove what only a crashed earlier attempt wrote."""
     m = CKPT_RE.match(ckpt_id)
     meta = {"framework": "roll", "parts": sorted(p["part"] for p in parts.values()),
-            "attempt": attempt_id}
+            "attempt": attempt_id, "clusters": membership.clusters(parts)}
     # The parts' uploaders wrote every file at its own path.
     stored = multipart.Stored((key, *entry, False) for key, entry in files.items())
     incremental = any(blob for _, _, blob in files.values())

@@ -1,27 +1,30 @@
 """How a ROLL checkpoint is known complete without a count from the user.
 
-ROLL's pipeline calls ``upload`` for ``checkpoint-N`` only after every checkpoint
-cluster's ``do_checkpoint`` returned (``BasePipeline.do_checkpoint``), and inside a
-cluster every rank of its process group calls it (``fsdp2_strategy.save_checkpoint``, and
-the megatron and deepspeed strategies alike). So each part declares the set it belongs
-to: its cluster (the worker name without its rank: ``actor_train-3`` is rank 3 of
-``actor_train``) and that cluster's world size (its ``torch.distributed`` group); the
-pipeline's part is a set of one. Each part also announces itself (an *intent* object)
-when ``upload`` is called, before its files go up.
+ROLL's pipeline calls ``upload`` for ``checkpoint-N`` after every checkpoint cluster's
+``do_checkpoint`` returned (``BasePipeline.do_checkpoint``), and inside a cluster every
+rank calls it (``fsdp2_strategy.save_checkpoint``, and the megatron and deepspeed
+strategies alike) once its DCP save is done: with ROLL's async DCP saves and uploads
+(its defaults), well after the pipeline's. So each part declares the set it belongs
+to: its cluster and rank there and the cluster's size (``CLUSTER_NAME``, ``RANK``,
+``WORLD_SIZE``, which ROLL sets in every worker); the pipeline's part is a set of one.
+Each part also announces itself (an *intent* object) when ``upload`` is called, before
+its files go up.
 
-A checkpoint is complete when the pipeline's part is in, every part announced is in,
-every cluster a part names (or an earlier checkpoint of the run had) has all its ranks,
-and the parts hold all that ROLL's resume reads (:mod:`.parts`: every DCP shard each
+A checkpoint is complete when the pipeline's part and at least one cluster's are in,
+every part announced is in, every cluster a part names, or the newest committed
+checkpoint of the output directory recorded (any attempt), has all its ranks, and the
+parts hold all that ROLL's resume reads (:mod:`.parts`: every DCP shard each
 ``.metadata`` names). A checkpoint that never meets them is reported
-(``parts_timeout``), never waited for forever. The one gap: on the run's first
-checkpoint, a cluster none of whose ranks had even called ``upload`` when the pipeline's
-part was checked (an async upload thread not yet started) is not seen; set
-``expected_uploads`` where that can happen.
+(``parts_timeout``), never waited for forever. The one gap: the first checkpoint ever
+committed to an output directory, by a job with two or more checkpoint clusters
+(a critic beside the actor) one of which had not yet called ``upload`` when the others
+were all in; set ``expected_uploads`` for such a job's first run.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -39,10 +42,17 @@ INTENT_SUFFIX = ".intent"
 _WORKER_RE = re.compile(r"^(?P<group>.+)-(?P<rank>\d+)$")
 
 
-def declare(part: str) -> dict[str, Any]:
-    """The set ``part`` belongs to: its cluster, its rank there and the cluster's size
-    (from this process's ``torch.distributed`` group, when it has one and the part is
-    named for its rank there, as ROLL names its workers); else a set of one."""
+def declare(part: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The set ``part`` belongs to: its cluster, its rank there and the cluster's size.
+    ROLL starts every worker with ``CLUSTER_NAME``, ``RANK`` and ``WORLD_SIZE`` set and
+    names its directory for it (``actor_train-3``, or ``actor_train-3-G3`` on a GPU);
+    without them, the part named for its rank in this process's ``torch.distributed``
+    group; else a set of one."""
+    env = os.environ if environ is None else environ
+    cluster = env.get("CLUSTER_NAME")
+    if cluster and part.startswith(f"{cluster}-") and env.get("RANK", "").isdigit() \
+            and env.get("WORLD_SIZE", "").isdigit():
+        return {"group": cluster, "rank": int(env["RANK"]), "world": int(env["WORLD_SIZE"])}
     dist = sys.modules.get("torch.distributed")
     m = _WORKER_RE.match(part)
     if (m and dist is not None and dist.is_available() and dist.is_initialized()
@@ -50,6 +60,13 @@ def declare(part: str) -> dict[str, Any]:
         return {"group": m.group("group"), "rank": dist.get_rank(),
                 "world": dist.get_world_size()}
     return {"group": part, "rank": 0, "world": 1}
+
+
+def clusters(parts: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
+    """``{cluster: size}`` of the parts besides the pipeline's: what a committed
+    checkpoint records, so that later ones of the run (any attempt) need them all."""
+    return {str(m["group"]): int(m["world"]) for m in parts.values()
+            if "group" in m and m["group"] != PIPELINE}
 
 
 def announce(store: Store, part: str, attempt: str | None) -> None:
@@ -89,7 +106,11 @@ def missing(parts: Mapping[str, Mapping[str, Any]], intents: set[str],
     for m in parts.values():
         if "group" in m:
             groups[str(m["group"])][int(m["world"])].add(int(m["rank"]))
-    out += [f"every part of {g} (in an earlier checkpoint of this run)"
+    if not set(groups) - {PIPELINE}:
+        out.append("the parts of a checkpoint cluster (the pipeline's part alone is no "
+                   "checkpoint: ROLL's workers may still be saving theirs)")
+    out += [f"every part of {g} (the newest committed checkpoint has it; a job without "
+            f"{g} sets checkpoint_config.expected_uploads, or writes to a new output_dir)"
             for g in sorted(set(known) - set(groups))]
     for group, by_world in sorted(groups.items()):
         if len(by_world) > 1:

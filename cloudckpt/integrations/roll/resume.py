@@ -55,6 +55,19 @@ def latest_committed(store: Store, expected_uploads: int | None = None) -> str |
     return done[-1][1] if done else None
 
 
+def recorded_clusters(store: Store) -> set[str]:
+    """The checkpoint clusters the newest committed ``checkpoint-N`` under ``store``
+    was made of (its manifest records them): a later checkpoint of the run, in any
+    attempt, is whole only with every one of them."""
+    done = [i for i in list_checkpoints(store) if i.committed and CKPT_RE.match(i.name)
+            and i.manifest is not None]
+    if not done:
+        return set()
+    newest = max(done, key=lambda i: checkpoint_order(i.name))
+    assert newest.manifest is not None
+    return set((newest.manifest.metadata or {}).get("clusters") or {})
+
+
 def checkpoint_order(name: str) -> tuple[int, str]:
     """Sort key of checkpoint names: ``checkpoint-9`` before ``checkpoint-11``; other
     names first."""

@@ -37,6 +37,7 @@ from cloudckpt.integrations.roll.resume import (
     default_download_dir,
     download_checkpoint,
     latest_committed,
+    recorded_clusters,
 )
 from cloudckpt.integrations.roll.sending import send_files
 from cloudckpt.integrations.roll.staging import (
@@ -141,9 +142,9 @@ class RollUploader(OpenCheckpoints):
         self.blobs = BlobArea(self.store) if blobs.requested(incremental) else None
         self._created = time.time()
         self._uploaded = False
-        #: The clusters whose parts made a checkpoint this process committed: a later
-        #: checkpoint of this run without one of them is not whole.
-        self._groups: set[str] = set()
+        #: The clusters the newest committed checkpoint was made of (then those of each
+        #: one this process commits): a later checkpoint without one of them is not whole.
+        self._groups: set[str] = recorded_clusters(self.store)
         self._lock = threading.Lock()
         self._pending: list[Future[Any]] = []
         self._failed: dict[str, BaseException] = {}  # ckpt_id -> its first failure
