@@ -9,7 +9,8 @@ Asked for in one of three ways, all the same mechanism:
   shadows) activates in that process and every Python process it starts (torchrun's
   workers, a local Ray's workers);
 - the same two variables set by the cluster (``cloudckpt run --print-env`` prints them),
-  for workers started elsewhere;
+  for workers started elsewhere (a Ray cluster's need none: :mod:`.ray` carries
+  activation in each job's ``runtime_env``);
 - :func:`activate` from the user's own code.
 
 Each integration declares what it binds (:class:`~cloudckpt.core.plugins.Binding`);
@@ -37,6 +38,7 @@ ENV_INTEGRATIONS = "CLOUDCKPT_INTEGRATIONS"
 AUTO = "auto"
 
 log = logging.getLogger("cloudckpt.activation")
+_from_environment: dict[str, list[str]] = {}  # what this process activated from it
 
 __all__ = ["AUTO", "ENV_ALLOW_UNTESTED", "ENV_INTEGRATIONS", "activate",
            "activate_from_environment", "environment", "fingerprint", "hook_directory",
@@ -70,12 +72,29 @@ def activate(names: Iterable[str] | str | None = None, *,
     modules, now for those already imported, else right after their import. Returns
     the names activated. ``allow_untested`` (default: ``$CLOUDCKPT_ALLOW_UNTESTED``)
     binds into versions the integration was not tested with, with a warning."""
+    if names is not None and not isinstance(names, str):
+        names = list(names)
     chosen = choose(names)
     for fw in chosen:
         for binding in fw.bindings:
             when_imported(binding.module,
                           partial(bind, fw, binding, allow_untested=allow_untested))
+    _carry_into_ray(names, chosen, allow_untested)
     return [fw.name for fw in chosen]
+
+
+def _carry_into_ray(names: Iterable[str] | str | None, chosen: list[Framework],
+                    allow_untested: bool | None) -> None:
+    """Once ``ray`` is imported, each job's workers activate the same (``.ray``), on
+    whatever cluster they run."""
+    from cloudckpt.activation import ray as carry
+
+    auto = names is None or names == AUTO or (not isinstance(names, str) and AUTO in names)
+    if allow_untested is None:
+        allow_untested = os.environ.get(ENV_ALLOW_UNTESTED, "") not in ("", "0")
+    when_imported("ray", partial(carry.carry_into,
+                                 integrations=AUTO if auto else ",".join(f.name for f in chosen),
+                                 allow_untested=allow_untested))
 
 
 def activate_from_environment(environ: Mapping[str, str] = os.environ) -> list[str]:
@@ -84,13 +103,16 @@ def activate_from_environment(environ: Mapping[str, str] = os.environ) -> list[s
     names = environ.get(ENV_INTEGRATIONS, "").strip()
     if not names:
         return []
+    if names in _from_environment:  # the start-up hook, then Ray's setup hook
+        return _from_environment[names]
     if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False
-    return activate(names)
+    _from_environment[names] = activate(names)
+    return _from_environment[names]
 
 
 def environment(names: Iterable[str] | str | None = None, *, allow_untested: bool = False,

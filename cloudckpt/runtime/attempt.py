@@ -40,6 +40,11 @@ from typing import Any
 STARTED_ENV = "CLOUDCKPT_ATTEMPT_STARTED"
 #: The run's id where no launcher names it (``cloudckpt run --run-id``).
 RUN_ENV = "CLOUDCKPT_RUN_ID"
+#: The attempt's number within the run named by ``CLOUDCKPT_RUN_ID``, if known.
+NUMBER_ENV = "CLOUDCKPT_RUN_ATTEMPT"
+#: What a launcher carries to processes it does not start itself (a Ray cluster's
+#: workers): cloudckpt's own variables naming the run and the attempt.
+CARRIED = (RUN_ENV, NUMBER_ENV, STARTED_ENV)
 
 # Two attempts starting within this many seconds of each other are not ordered by time:
 # wall clocks of different machines differ by about that much.
@@ -101,7 +106,7 @@ def _number(env: Mapping[str, str], name: str) -> int | None:
 
 def _run(env: Mapping[str, str]) -> tuple[str | None, int | None]:
     if env.get(RUN_ENV):
-        return env[RUN_ENV], _number(env, "CLOUDCKPT_RUN_ATTEMPT")
+        return env[RUN_ENV], _number(env, NUMBER_ENV)
     if env.get("SLURM_JOB_ID"):
         return f"slurm:{env['SLURM_JOB_ID']}", _number(env, "SLURM_RESTART_COUNT") or 0
     if env.get("TORCHELASTIC_RUN_ID", "none") != "none":

@@ -2,12 +2,14 @@
 python verl_driver.py PLAN_JSON OUT_JSON``: a real local Ray, verl's own
 ``RayWorkerGroup`` (CPU resource pool, as verl's CPU tests build one) of
 verl_parts.CheckpointWorker (FSDP2 on gloo, verl's ``FSDPCheckpointManager``), and
-verl's own ``RayPPOTrainer._save_checkpoint`` / ``_load_checkpoint`` called on a
-trainer whose ``__init__`` did not run (it builds rollout servers and a reward loop,
-which need an inference engine): only the attributes those two methods read are set
-(config, global_steps, the worker groups, use_critic, train_dataloader).
+verl's own ``RayPPOTrainer._save_checkpoint`` / ``_load_checkpoint`` (or, with
+``"trainer": "v1"``, those of the v1 ``PPOTrainerSync`` that ``main_ppo`` runs by
+default) called on a trainer whose ``__init__`` did not run (it builds rollout servers
+and a reward loop, which need an inference engine): only the attributes those two
+methods read are set (config, global_steps, the worker groups, use_critic,
+train_dataloader; the v1 one's trainer_mode and checkpoint_callback).
 
-The plan: ``{"config": {...trainer keys...}, "critic": bool, "world": int,
+The plan: ``{"config": {...trainer keys...}, "critic": bool, "world": int, "trainer": "v1"?,
 "phases": [{"save": [steps...]} | {"resume": true}, each with optional "config"
 overrides and "world"]}``. Each phase starts from fresh models, optimizers and managers
 (step 0's state, in the same worker processes, or new ones for another world size); a
@@ -64,11 +66,30 @@ def fresh(made: dict) -> dict:
     return {role: (wg, wg.init_model()) for role, wg in made.items()}
 
 
-def trainer(config: dict, made: dict):
-    from omegaconf import OmegaConf
-    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+class Callbacks:
+    """verl's v1 ``checkpoint_callback``, recording what it is told."""
 
-    t = RayPPOTrainer.__new__(RayPPOTrainer)
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    def on_save(self, trainer, global_step: int, checkpoint_dir: str, async_save: bool = False,
+                **kwargs) -> None:
+        self.seen.append([global_step, checkpoint_dir])
+
+
+def trainer(config: dict, made: dict, v1: bool = False):
+    from omegaconf import OmegaConf
+
+    if v1:  # main_ppo's default (trainer.use_v1: true), in its sync mode
+        from verl.trainer.ppo.v1 import PPOTrainerSync as cls
+
+        t = cls.__new__(cls)
+        t.trainer_mode = "sync"
+        t.checkpoint_callback = Callbacks()
+    else:
+        from verl.trainer.ppo.ray_trainer import RayPPOTrainer as cls
+
+        t = cls.__new__(cls)
     t.config = OmegaConf.create(config)
     t.global_steps = 0
     t.actor_rollout_wg = made["actor"][0]
@@ -80,7 +101,9 @@ def trainer(config: dict, made: dict):
 
 def report(t, made: dict, batches: int = 1) -> dict:
     nxt = [next(iter(t.train_dataloader)).tolist()] if batches else []
+    callbacks = getattr(t, "checkpoint_callback", None)
     return {"global_steps": t.global_steps, "next": nxt,
+            "callbacks": callbacks.seen if callbacks else None,
             "digests": {role: wg.digests() for role, (wg, _) in made.items()},
             "pids": {role: pids for role, (_, pids) in made.items()}}
 
@@ -98,7 +121,7 @@ def main() -> None:
             if world not in by_world:
                 by_world[world] = groups(world, plan.get("critic", False), ckpt_config)
             made = fresh(by_world[world])
-            t = trainer(config, made)
+            t = trainer(config, made, plan.get("trainer") == "v1")
             try:
                 out["phases"].append(run_phase(phase, t, made))
             except Exception as exc:  # noqa: BLE001 - the test reads it from OUT_JSON

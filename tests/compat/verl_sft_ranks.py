@@ -13,10 +13,11 @@ DST]`` for ``cloudckpt cp`` likewise, and ``refused``: the load is expected to r
 (its error and the fresh state's digests before and after it are reported). With
 ``resume_save`` (steps), the run starts as a relaunched job does instead: fresh state,
 the handler's ``load_checkpoint()`` (``resume_mode: auto``), then it trains and saves
-those steps. Each rank writes ``OUT_DIR/rank{R}.json``: the digests and the next
-dataloader item at every saved step, the step it resumed at, and what each resume
-brought back; with ``megatron`` (a role URI), also the report of verl_megatron_ranks'
-checks, run on the same ranks.
+those steps. With ``hang``, each rank then touches ``OUT_DIR/hanging{R}`` and waits
+(a run still going, for a test to kill). Each rank writes ``OUT_DIR/rank{R}.json``: the
+digests and the next dataloader item at every saved step, the step it resumed at, and
+what each resume brought back; with ``megatron`` (a role URI), also the report of
+verl_megatron_ranks' checks, run on the same ranks.
 
 The engine is verl's own ``FSDPEngine`` (``verl/workers/engine/fsdp/transformer_impl.py``),
 made with ``__new__`` over verl_parts' FSDP2 model and verl's ``FSDPCheckpointManager``:
@@ -34,6 +35,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -129,6 +131,9 @@ def rank_main(rank: int, port: int, plan: dict, out: str) -> None:
             next(it)
             report["saved"][step] = {"digests": trainable.digests(), "next": peek(dl)}
             handler.save_checkpoint(step)
+        if plan.get("hang"):  # a run still going when its node is lost
+            Path(out, f"hanging{rank}").touch()
+            time.sleep(3600)
         for resume in plan.get("resumes", []):
             if isinstance(resume, list):
                 resume = {"mode": resume[0], "path": resume[1]}

@@ -8,7 +8,7 @@ through verl's own code, unchanged):
   uploaded and committed, or downloaded (:func:`.workers.load_staged`);
 - ``RayPPOTrainer._save_checkpoint`` commits the step (the roles, ``data.pt``), then
   writes the tracker and applies retention; ``_load_checkpoint`` resumes a committed
-  step (:mod:`.trainer`);
+  step (:mod:`.trainer`); the v1 ``PPOTrainer`` (``main_ppo``'s default) the same;
 - the SFT trainer's ``CheckpointHandler.save_checkpoint`` / ``load_checkpoint`` do the
   same for its steps, on every rank (:mod:`.sft`).
 """
@@ -116,6 +116,39 @@ def bind_ppo_trainer(module: ModuleType) -> tuple[str, ...]:
     cls._save_checkpoint = _save_checkpoint
     cls._load_checkpoint = _load_checkpoint
     return ("RayPPOTrainer._save_checkpoint", "RayPPOTrainer._load_checkpoint")
+
+
+def bind_ppo_trainer_v1(module: ModuleType) -> tuple[str, ...]:
+    """Wrap ``verl.trainer.ppo.v1.trainer_base.PPOTrainer``'s save and load: the
+    trainer ``main_ppo`` runs by default (``trainer.use_v1: true``). Its steps are the
+    same as ``RayPPOTrainer``'s; after each commit, verl's ``checkpoint_callback`` is
+    told the step's URI."""
+    cls = module.PPOTrainer
+    own_save, own_load = cls._save_checkpoint, cls._load_checkpoint
+    critic_dir = str(module.Role.Critic)
+
+    @functools.wraps(own_save)
+    def _save_checkpoint(self: Any) -> None:
+        from cloudckpt.integrations.verl.trainer import bucket_root, save_step, sync_only
+
+        if bucket_root(self.config.trainer) is None:
+            return own_save(self)
+        sync_only(self)
+        committed = save_step(self, critic_dir)
+        self.checkpoint_callback.on_save(trainer=self, global_step=self.global_steps,
+                                         checkpoint_dir=committed.uri, async_save=False)
+        return None
+
+    @functools.wraps(own_load)
+    def _load_checkpoint(self: Any) -> Any:
+        from cloudckpt.integrations.verl.trainer import load
+
+        self.global_steps = 0  # as verl's own, before it looks for a step
+        return load(self, critic_dir, own_load)
+
+    cls._save_checkpoint = _save_checkpoint
+    cls._load_checkpoint = _load_checkpoint
+    return ("PPOTrainer._save_checkpoint", "PPOTrainer._load_checkpoint")
 
 
 def bind_sft_handler(module: ModuleType) -> tuple[str, ...]:

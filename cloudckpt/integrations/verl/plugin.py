@@ -21,8 +21,11 @@ FRAMEWORK = Framework(
                       bind="cloudckpt.integrations.verl.binding:bind_megatron_manager"),
               Binding(module="verl.trainer.ppo.ray_trainer",
                       bind="cloudckpt.integrations.verl.binding:bind_ppo_trainer"),
+              Binding(module="verl.trainer.ppo.v1.trainer_base",
+                      bind="cloudckpt.integrations.verl.binding:bind_ppo_trainer_v1"),
               Binding(module="verl.utils.checkpoint.checkpoint_handler",
                       bind="cloudckpt.integrations.verl.binding:bind_sft_handler")),
+    doctor="cloudckpt.integrations.verl.doctor:plan",
     distribution="verl",
     tested=("0.9.1",),
 )

@@ -21,6 +21,7 @@ from typing import Any
 
 from cloudckpt.core.checkpoint import Checkpoint
 from cloudckpt.core.retention import Managed, apply_retention
+from cloudckpt.errors import ConfigError
 from cloudckpt.integrations.verl.layout import (
     ACTOR,
     DATA,
@@ -30,6 +31,7 @@ from cloudckpt.integrations.verl.layout import (
     parse_step,
     step_name,
 )
+from cloudckpt.integrations.verl.paths import refuse_unplaced
 from cloudckpt.integrations.verl.resume import open_step, run_root
 from cloudckpt.integrations.verl.resume import resolve as _resolve
 from cloudckpt.integrations.verl.workers import open_role
@@ -118,6 +120,17 @@ def save_step(trainer: Any, critic_dir: str) -> Checkpoint:
     return committed
 
 
+def sync_only(trainer: Any) -> None:
+    """verl's v1 trainer keeps its TransferQueue's state in local files beside the step
+    in its asynchronous modes: refused on a bucket, naming the setting."""
+    mode = getattr(trainer, "trainer_mode", "sync")
+    if mode != "sync":
+        raise ConfigError(f"verl's trainer.v1.trainer_mode: {mode} saves its TransferQueue "
+                          "state as local files in each step, which cloudckpt does not commit: "
+                          "set trainer.v1.trainer_mode=sync for a bucket "
+                          "trainer.default_local_dir, or keep it local")
+
+
 def _local_keep(config: Any, role: str, critic_dir: str) -> Any:
     """verl's count for a role's local copies (``default_local_dir``)."""
     return _count(config, "max_critic_ckpt_to_keep" if role == critic_dir
@@ -174,11 +187,14 @@ def _data_state(trainer: Any, ckpt: Checkpoint, step: int) -> Any:
 
 def load(trainer: Any, critic_dir: str, own_load: Callable[[Any], Any]) -> Any:
     """``_load_checkpoint``: from the bucket where the run's root or the resumed path
-    is one, else verl's own."""
+    is one, else verl's own. First, as the trainer starts, a bucket URI at a key verl
+    writes with local file calls is refused (:mod:`.paths`)."""
+    refuse_unplaced(trainer.config)
     config = trainer.config.trainer
     if bucket_root(config) is None and not (config.resume_mode == "resume_path"
                                             and is_remote(config.get("resume_from_path"))):
         return own_load(trainer)
+    sync_only(trainer)
     uri = resolve(trainer)
     if uri is None:
         return 0
