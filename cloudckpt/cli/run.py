@@ -26,8 +26,9 @@ def add_run(sp: argparse.ArgumentParser) -> None:
                     help="bind into framework versions the integration was not tested with "
                     f"(${activation.ENV_ALLOW_UNTESTED}=1)")
     sp.add_argument("--print-env", choices=("shell", "json"), nargs="?", const="shell",
-                    default=None, help="print the variables that activate it (for workers "
-                    "started elsewhere, e.g. a Ray runtime_env) instead of running anything")
+                    default=None, help="print the variables that activate it, for workers "
+                    "started elsewhere (not the command's children, not Ray workers, which "
+                    "ray.init carries it to), instead of running anything")
     sp.add_argument("--run-id", metavar="ID", default=None,
                     help="the id of the run this command is an attempt of "
                     f"(${attempt.RUN_ENV}): a relaunch with the same id takes over the saves "
