@@ -143,7 +143,8 @@ def test_the_doctor_names_the_forgotten_launcher_and_passes_cloudckpt_run(
     out, err = capsys.readouterr()
     trial = f"checkpoints/{getpass.getuser()}/gsm8k-sft-cpu/trial0"
     assert f"without `cloudckpt run`: {work}/s3:/my-bucket/experiments/{trial}" in out
-    assert "nothing written there reaches the bucket" in err and "launch it as `cloudckpt run --" in err
+    assert "nothing written there reaches the bucket" in err
+    assert "launch it as `cloudckpt run --" in err
 
     assert cloudckpt_cli(["run", "--check", "--", *command]) == 0
     out = capsys.readouterr().out
