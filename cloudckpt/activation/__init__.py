@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Iterable, Mapping
 from functools import partial
 from pathlib import Path
@@ -32,6 +31,7 @@ from cloudckpt.activation.binding import ENV_ALLOW_UNTESTED, bind, fingerprint, 
 from cloudckpt.activation.hooks import when_imported
 from cloudckpt.core.plugins import Framework, frameworks
 from cloudckpt.errors import ConfigError
+from cloudckpt.util import logsetup
 
 #: Comma-separated integration names to activate, or ``auto`` for every one.
 ENV_INTEGRATIONS = "CLOUDCKPT_INTEGRATIONS"
@@ -105,12 +105,7 @@ def activate_from_environment(environ: Mapping[str, str] = os.environ) -> list[s
         return []
     if names in _from_environment:  # the start-up hook, then Ray's setup hook
         return _from_environment[names]
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False
+    logsetup.on_stderr(log)
     _from_environment[names] = activate(names)
     return _from_environment[names]
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-import sys
 from types import ModuleType
 from typing import Any
 
@@ -20,6 +19,7 @@ from cloudckpt.integrations.areal.dataorder import cycle_from_resumed_epoch
 from cloudckpt.integrations.areal.placement import place
 from cloudckpt.integrations.areal.plugin import TRAINERS
 from cloudckpt.storage import is_remote
+from cloudckpt.util import logsetup
 from cloudckpt.util.lazy import load_target
 
 _OURS = {"Saver": "cloudckpt.integrations.areal.saver:Saver",
@@ -71,14 +71,7 @@ def _stderr_log() -> logging.Logger:
     on stderr (as activation's "bound ..." line has): AReaL's ``getLogger`` replaces
     the logging module's root and manager, so a logger found by name later would have
     neither handler nor level."""
-    logger = logging.getLogger("cloudckpt.activation.areal")
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
-    return logger
+    return logsetup.on_stderr(logging.getLogger("cloudckpt.activation.areal"))
 
 
 def placing(parse: Any) -> Any:
