@@ -17,20 +17,19 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from onekey import scheme_named, unchanged
 from test_areal_trainer import (
-    EPOCHS,
     SFT,
     STEPS,
     TRIAL,
     Launch,
     assert_export_equal,
     assert_recover_equal,
-    kill_tree,
+    kill_in_second_epoch,
+    last_export,
     make_fixtures,
     reference_trial,
     steps_done,
@@ -93,17 +92,7 @@ def test_the_recipe_killed_and_relaunched_resumes_bit_exact(fixtures, s3, tmp_pa
     slot = RecoverSlot(f"{bucket}/{TRIAL}", storage_options=s3.options)
 
     with unchanged("areal"):
-        proc = launch.start(tmp_path / "killed.log")
-        deadline = time.monotonic() + 300
-        while (info := slot.info()) is None or info["step"] < STEPS // EPOCHS:
-            assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-6000:]
-            assert time.monotonic() < deadline, "no recover dump of the second epoch"
-            time.sleep(0.1)
-        kill_tree(proc.pid)
-        proc.wait(timeout=60)
-        killed = (tmp_path / "killed.log").read_text()
-        dumped = slot.info()["step"]
-        assert len(steps_done(killed)) < STEPS, "the run ended before the kill"
+        killed, dumped = kill_in_second_epoch(launch, slot, tmp_path / "killed.log")
         # Every rank bound the config and the trainers, and said where the paths go.
         assert killed.count("areal.api.cli_args.parse_cli_args") == WORLD
         assert killed.count("areal.trainer.sft_trainer.Saver") == WORLD
@@ -117,8 +106,7 @@ def test_the_recipe_killed_and_relaunched_resumes_bit_exact(fixtures, s3, tmp_pa
 
     # Bit-exact with AReaL's own uninterrupted run: the last dump and the last export.
     assert_recover_equal(slot, s3, ref_trial, tmp_path)
-    ref_export = max((ref_trial / "default").glob("epoch*globalstep*"),
-                     key=lambda p: int(p.name.rpartition("globalstep")[2]))
+    ref_export = last_export(ref_trial)
     assert_export_equal(f"{bucket}/{TRIAL}/default/{ref_export.name}", s3, ref_export)
 
     # AReaL's local files under the directory named for the bucket, nothing named s3:.

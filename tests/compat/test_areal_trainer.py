@@ -209,6 +209,30 @@ def assert_export_equal(uri: str, s3, ref_export: Path) -> None:
     assert_equal_tensors(dict(model.state_dict()), dict(want.state_dict()))
 
 
+def last_export(trial: Path) -> Path:
+    """The HF export of a local AReaL trial's last step."""
+    return max((trial / "default").glob("epoch*globalstep*"),
+               key=lambda p: int(p.name.rpartition("globalstep")[2]))
+
+
+def kill_in_second_epoch(launch: Launch, slot: RecoverSlot, log: Path) -> tuple[str, int]:
+    """Start ``launch`` (its output in ``log``) and SIGKILL it once a recover dump of the
+    second epoch is committed in the bucket: the relaunch must go on with that epoch's
+    data order (AReaL's own cycle_dataloader restarts at epoch 0). Returns its output
+    and the step of the dump."""
+    proc = launch.start(log)
+    deadline = time.monotonic() + 300
+    while (info := slot.info()) is None or info["step"] < STEPS // EPOCHS:
+        assert proc.poll() is None, log.read_text()[-6000:]
+        assert time.monotonic() < deadline, "no recover dump of the second epoch was committed"
+        time.sleep(0.1)
+    kill_tree(proc.pid)
+    proc.wait(timeout=60)
+    killed = log.read_text()
+    assert len(steps_done(killed)) < STEPS, "the run ended before the kill"
+    return killed, slot.info()["step"]
+
+
 # One rank too at full scale (make torture); the regular run keeps the two-rank launch,
 # which covers the one-rank path's calls and the collectives besides (75 s each).
 @pytest.mark.parametrize("world", [1, 2] if FULL else [2])
@@ -218,19 +242,7 @@ def test_sft_trainer_killed_and_relaunched_resumes_from_the_bucket(world, fixtur
     launch = Launch(fixtures, tmp_path, world, bucket=bucket, env=s3.env)
     slot = RecoverSlot(f"{bucket}/{TRIAL}", storage_options=s3.options)
 
-    proc = launch.start(tmp_path / "killed.log")
-    deadline = time.monotonic() + 300
-    # A recover dump of the second epoch committed in the bucket: the relaunch must go on
-    # with that epoch's data order (AReaL's own cycle_dataloader restarts at epoch 0).
-    while (info := slot.info()) is None or info["step"] < STEPS // EPOCHS:
-        assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-6000:]
-        assert time.monotonic() < deadline, "no recover dump of the second epoch was committed"
-        time.sleep(0.1)
-    kill_tree(proc.pid)
-    proc.wait(timeout=60)
-    killed = (tmp_path / "killed.log").read_text()
-    dumped = slot.info()["step"]
-    assert len(steps_done(killed)) < STEPS, "the run ended before the kill"
+    killed, dumped = kill_in_second_epoch(launch, slot, tmp_path / "killed.log")
     # Each rank bound the config's placement and the trainers: one line each.
     assert killed.count("bound the areal integration into areal 1.0.4, pid ") == 2 * world
     assert killed.count("areal.trainer.sft_trainer.Saver") == world
@@ -243,6 +255,5 @@ def test_sft_trainer_killed_and_relaunched_resumes_from_the_bucket(world, fixtur
     ref_trial = reference(world)
     assert_recover_equal(slot, s3, ref_trial, tmp_path)
     # The HF export of the last step loads through cloudckpt, and equals AReaL's own.
-    ref_export = max((ref_trial / "default").glob("epoch*globalstep*"),
-                     key=lambda p: int(p.name.rpartition("globalstep")[2]))
+    ref_export = last_export(ref_trial)
     assert_export_equal(f"{bucket}/{TRIAL}/default/{ref_export.name}", s3, ref_export)
