@@ -93,19 +93,23 @@ def kill_held(proc: subprocess.Popen, held: HeldSave, timeout: float = 300,
             proc.kill()
             proc.wait(timeout=60)
             raise AssertionError(f"the job's save never reached the held request:\n{output()}")
+    kill_node(proc)
+    held.proxy.release.set()  # the held request is dropped, never forwarded
+
+
+def kill_node(proc: subprocess.Popen) -> None:
+    """SIGKILL the node ``proc`` (its ``unshare``) made, every process in it at once, as
+    a lost node or container goes: every process stopped first, then killed. Killing
+    its unshare alone ends the others a moment later, and in that moment they act on
+    their parent's death (torch's spawned ranks get SIGINT, and a save so interrupted
+    marks its claim abandoned) or send a dropped request again."""
     node = _namespace(proc.pid)
-    # The whole node at once, as a lost node or container goes: every process stopped
-    # first, then killed. Killing its unshare alone ends the others a moment later, and
-    # in that moment they act on their parent's death (torch's spawned ranks get SIGINT,
-    # and a save so interrupted marks its claim abandoned) or send the dropped request
-    # again (which the proxy, stopped by then, forwards).
     for sig in (signal.SIGSTOP, signal.SIGSTOP, signal.SIGKILL):
         for pid in _processes(node):
             _signal(pid, sig)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
     _wait_gone(node)
-    held.proxy.release.set()  # the held request is dropped, never forwarded
 
 
 def _namespace(unshare_pid: int) -> str | None:

@@ -21,7 +21,6 @@ import json
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import pytest
 from onekey import scheme_named, unchanged
-from relaunch import _namespace, _processes, _signal, _wait_gone
+from relaunch import kill_node
 from test_relaunch import (
     assert_same_steps,
     kill_mid_save,
@@ -184,13 +183,7 @@ def kill_node_when(proc: subprocess.Popen, ready: Callable[[], bool], log: Path,
                                  f"killed:\n{log.read_text(errors='replace')[-4000:]}")
         assert time.monotonic() < deadline, log.read_text(errors="replace")[-4000:]
         time.sleep(0.2)
-    node = _namespace(proc.pid)
-    for sig in (signal.SIGSTOP, signal.SIGKILL):
-        for pid in _processes(node):
-            _signal(pid, sig)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
-    _wait_gone(node)
+    kill_node(proc)
 
 
 def test_sft_trainer_by_its_one_key_on_gcs_killed_mid_run_resumes_bit_exact(
