@@ -144,7 +144,8 @@ class RollUploader(OpenCheckpoints):
         self._uploaded = False
         #: The clusters the newest committed checkpoint was made of (then those of each
         #: one this process commits): a later checkpoint without one of them is not whole.
-        self._groups: set[str] = recorded_clusters(self.store)
+        #: Read at the first commit without a count (:meth:`_known_clusters`).
+        self._groups: set[str] | None = None
         self._lock = threading.Lock()
         self._pending: list[Future[Any]] = []
         self._failed: dict[str, BaseException] = {}  # ckpt_id -> its first failure
@@ -341,12 +342,20 @@ class RollUploader(OpenCheckpoints):
 
     def _gaps(self, store: Store, parts: Mapping[str, Mapping[str, Any]],
               expected: int | None) -> list[str]:
-        """Without a count: what the parts' declared sets still miss (and the clusters of
-        the checkpoints this process committed)."""
+        """Without a count: what the parts' declared sets still miss (and the clusters a
+        committed checkpoint recorded)."""
         if expected is not None:
             return []
         return membership.missing(parts, membership.announced(store, self.attempt_id,
-                                                              self._created), self._groups)
+                                                              self._created),
+                                  self._known_clusters())
+
+    def _known_clusters(self) -> set[str]:
+        """:attr:`_groups`, read from the bucket the first time: a listing, which
+        neither a count nor a process that never commits needs."""
+        if self._groups is None:
+            self._groups = recorded_clusters(self.store)
+        return self._groups
 
     def _try_commit(self, ckpt_id: str, expected: int | None) -> Checkpoint | str:
         """Commit ``ckpt_id`` if its current parts are all in (``expected`` of them, or
@@ -359,7 +368,7 @@ class RollUploader(OpenCheckpoints):
     def _commit(self, store: Store, ckpt_id: str, parts: Mapping[str, Mapping[str, Any]],
                 files: Mapping[str, commits.Uploaded]) -> Checkpoint:
         ckpt = commits.commit(store, ckpt_id, parts, files, self.attempt_id)
-        self._groups.update(str(m["group"]) for m in parts.values() if "group" in m)
+        self._known_clusters().update(str(m["group"]) for m in parts.values() if "group" in m)
         try:
             self._prune()
         except StorageError as exc:  # the checkpoint is committed; pruning retries next time
