@@ -247,3 +247,28 @@ def test_activate_names_what_it_knows():
     with pytest.raises(ConfigError, match="known: .*toyfw"):
         activation.activate(["toyfw", "nope"])
     assert {"areal", "roll", "toyfw"} <= set(activation.activate(None))
+
+
+def test_a_process_says_once_what_it_bound_and_what_waits(toy_module, tmp_path, caplog,
+                                                          monkeypatch):
+    """Two of a framework's modules bound in one process: one INFO line, at the first,
+    naming the other module as waiting; the second binding is said at DEBUG only."""
+    second = tmp_path / "toytrainer_second.py"
+    second.write_text(Path(toy_module.__file__).read_text())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (b,) = toyframework.FRAMEWORK.bindings
+    fw = dataclasses.replace(toyframework.FRAMEWORK, name="toyfw-twice", bindings=(
+        b, dataclasses.replace(b, module="toytrainer_second")))
+    with caplog.at_level(logging.DEBUG, logger="cloudckpt.activation"):
+        binding.bind(fw, fw.bindings[0], toy_module)
+        import toytrainer_second
+
+        binding.bind(fw, fw.bindings[1], toytrainer_second)
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "toyfw-twice" in
+            r.getMessage()]
+    assert [level for level, _ in said] == [logging.INFO, logging.DEBUG], said
+    assert said[0][1].endswith(f"pid {os.getpid()}: {toyframework.MODULE}.Saver; binds "
+                               "into toytrainer_second at their import"), said
+    assert said[1][1].endswith(": toytrainer_second.Saver")
+    assert toytrainer_second.Saver.by == "cloudckpt"
+    sys.modules.pop("toytrainer_second")

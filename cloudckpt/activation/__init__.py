@@ -15,19 +15,28 @@ Asked for in one of three ways, all the same mechanism:
 
 Each integration declares what it binds (:class:`~cloudckpt.core.plugins.Binding`);
 a binding runs when the framework's module is imported, checks the framework's
-version (or, without one, its code's fingerprint) against the tested ones, and logs
-one INFO line naming what it bound. ``import cloudckpt`` alone binds nothing.
+version (or, without one, its code's fingerprint) against the tested ones; each
+process logs one INFO line per framework naming what it bound and what waits for its
+module's import. ``import cloudckpt`` alone binds nothing.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Iterable, Mapping
 from functools import partial
 from pathlib import Path
 
-from cloudckpt.activation.binding import ENV_ALLOW_UNTESTED, bind, fingerprint, identify
+from cloudckpt.activation.binding import (
+    ENV_ALLOW_UNTESTED,
+    announce,
+    bind,
+    describe,
+    fingerprint,
+    identify,
+)
 from cloudckpt.activation.hooks import when_imported
 from cloudckpt.core.plugins import Framework, frameworks
 from cloudckpt.errors import ConfigError
@@ -76,11 +85,21 @@ def activate(names: Iterable[str] | str | None = None, *,
         names = list(names)
     chosen = choose(names)
     for fw in chosen:
+        _bind_imported(fw, allow_untested)
         for binding in fw.bindings:
             when_imported(binding.module,
                           partial(bind, fw, binding, allow_untested=allow_untested))
     _carry_into_ray(names, chosen, allow_untested)
     return [fw.name for fw in chosen]
+
+
+def _bind_imported(fw: Framework, allow_untested: bool | None) -> None:
+    """Bind now into the framework's modules already imported, said in one line."""
+    now = [(b, sys.modules[b.module]) for b in fw.bindings if b.module in sys.modules]
+    bound = [f"{module.__name__}.{name}" for b, module in now
+             for name in bind(fw, b, module, allow_untested=allow_untested, say=False)]
+    if bound:
+        announce(fw, describe(fw, *now[0]), bound)
 
 
 def _carry_into_ray(names: Iterable[str] | str | None, chosen: list[Framework],

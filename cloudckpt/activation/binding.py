@@ -1,5 +1,5 @@
 """Binding one framework: check that its code is what the integration was tested
-with, let the integration bind its names, say so in one line."""
+with, let the integration bind its names, say so in one line per process."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import hashlib
 import inspect
 import logging
 import os
+import sys
 from importlib.metadata import PackageNotFoundError, version
 from types import ModuleType
 
@@ -18,6 +19,8 @@ log = logging.getLogger("cloudckpt.activation")
 
 #: Set to ``1`` to bind into framework versions the integration was not tested with.
 ENV_ALLOW_UNTESTED = "CLOUDCKPT_ALLOW_UNTESTED"
+
+_announced: set[tuple[str, int]] = set()  # (framework, pid): its INFO line was logged
 
 
 def fingerprint(module: ModuleType, names: tuple[str, ...]) -> str:
@@ -44,16 +47,24 @@ def identify(fw: Framework, binding: Binding, module: ModuleType) -> str:
     return "unknown"
 
 
+def describe(fw: Framework, binding: Binding, module: ModuleType) -> str:
+    """What the log lines call the framework: its distribution and version, or its
+    code's fingerprint."""
+    found = identify(fw, binding, module)
+    return f"{fw.distribution} {found}" if fw.distribution else f"{fw.name} (code {found})"
+
+
 def bind(fw: Framework, binding: Binding, module: ModuleType, *,
-         allow_untested: bool | None = None) -> tuple[str, ...]:
-    """Bind ``binding`` into ``module`` (once), after checking what it is."""
+         allow_untested: bool | None = None, say: bool = True) -> tuple[str, ...]:
+    """Bind ``binding`` into ``module`` (once), after checking what it is; ``say``:
+    :func:`announce` it (the caller announces a batch itself)."""
     done = module.__dict__.setdefault("__cloudckpt_bound__", set())
     if binding.bind in done:
         return ()
     found = identify(fw, binding, module)
     if allow_untested is None:
         allow_untested = os.environ.get(ENV_ALLOW_UNTESTED, "") not in ("", "0")
-    what = f"{fw.distribution} {found}" if fw.distribution else f"{fw.name} (code {found})"
+    what = describe(fw, binding, module)
     if found not in fw.tested:
         tested = ", ".join(fw.tested) or "none"
         if not allow_untested:
@@ -66,7 +77,27 @@ def bind(fw: Framework, binding: Binding, module: ModuleType, *,
                     "(tested: %s; %s is set)", fw.name, what, tested, ENV_ALLOW_UNTESTED)
     names = load_target(binding.bind)(module)
     done.add(binding.bind)
-    log.info("cloudckpt: bound the %s integration into %s, pid %d: %s", fw.name, what,
-             os.getpid(),
-             ", ".join(f"{module.__name__}.{n}" for n in names))
+    if say:
+        announce(fw, what, [f"{module.__name__}.{n}" for n in names])
     return tuple(names)
+
+
+def announce(fw: Framework, what: str, bound: list[str]) -> None:
+    """The process's one INFO line for ``fw``: what its first binding bound, and the
+    modules whose bindings wait for their import; later bindings say theirs at DEBUG
+    (a worker that imports five of a framework's modules logs one line, not five)."""
+    key = (fw.name, os.getpid())  # a forked child that binds more is a new process
+    if key in _announced:
+        log.debug("cloudckpt: also bound %s, pid %d: %s", fw.name, os.getpid(),
+                  ", ".join(bound))
+        return
+    _announced.add(key)
+    waiting = [b.module for b in fw.bindings if not _is_bound(b)]
+    log.info("cloudckpt: bound the %s integration into %s, pid %d: %s%s", fw.name, what,
+             os.getpid(), ", ".join(bound),
+             f"; binds into {', '.join(waiting)} at their import" if waiting else "")
+
+
+def _is_bound(binding: Binding) -> bool:
+    module = sys.modules.get(binding.module)
+    return module is not None and binding.bind in module.__dict__.get("__cloudckpt_bound__", ())

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,9 +59,11 @@ def test_rlinf_strategy_commits_and_resumes_a_step_in_the_bucket(s3, tmp_path):
     assert_rlinf_outcome(reports)
     for rep in reports["dcp"]:  # a copy under a newer step is refused, nothing loaded
         assert "named for step 5 but its manifest says step 2" in rep["refused"]["error"]
-    assert stderr.count("bound the rlinf integration into rlinf 0.3.0, pid ") == 4, stderr
-    assert stderr.count(": rlinf.hybrid_engines.fsdp.strategy.base.FSDPStrategyBase.save_"
-                        "checkpoint, ") == 2, stderr  # and rlinf.utils.utils, on each rank
+    # One line on each rank: what it bound first, and the strategy's module, bound at
+    # its import (the commits below are its work).
+    said = re.findall(r"bound the rlinf integration into rlinf 0\.3\.0, pid \d+: (.*)", stderr)
+    assert len(said) == 2 and all(
+        "rlinf.hybrid_engines.fsdp.strategy.base" in line for line in said), stderr
     dcp = open_checkpoint(f"{s3.root}/dcp/global_step_2/actor", s3.options)
     dcp.verify(deep=True)
     assert dcp.manifest.kind == "rlinf-part" and dcp.step == 2

@@ -80,11 +80,11 @@ def test_ppo_steps_commit_to_s3_resume_auto_and_by_path_and_prune(s3, tmp_path, 
     ]}
     seen = run_driver(tmp_path, plan, {**s3.env, "CLOUDCKPT_INCREMENTAL": str(int(incremental))})
     saves, auto, by_path, other_world = seen["phases"]
-    # Every process bound the integration itself, one line each.
+    # Every worker bound the integration itself and said so in one line.
     for pids in saves["saved"][0]["pids"].values():
         for pid in pids:
-            assert f"pid {pid}: verl.utils.checkpoint.fsdp_checkpoint_manager." in seen["stderr"]
-    assert "verl.trainer.ppo.ray_trainer.RayPPOTrainer._save_checkpoint" in seen["stderr"]
+            assert seen["stderr"].count(f"bound the verl integration into verl 0.9.1, "
+                                        f"pid {pid}: ") == 1, seen["stderr"]
 
     # verl's retention, after each commit, over whole steps: the newest two stay.
     assert [c.name for c in list_checkpoints(s3.root, s3.options)] == \
