@@ -27,6 +27,7 @@ from cloudckpt.errors import CommitConflictError, ConfigError
 from cloudckpt.hf import load_state_dict as load_export
 from cloudckpt.integrations import areal
 from cloudckpt.integrations.areal.plugin import KIND
+from cloudckpt.names import SLOT_POINTER_NAME
 
 INFO_FILES = ("saver_info.json", "evaluator_info.json", "stats_logger_info.json",
               "checkpoint_info.json", "dataloader_info.pkl", "step_info.json")
@@ -301,10 +302,16 @@ def test_torn_dump_areal_trusts_stale_info_cloudckpt_does_not(s3, tmp_path, monk
     got = areal.RecoverHandler(recover_cfg, spe, storage_options=s3.options).load(
         areal.Engine(fresh, fresh_optim), *nothing)
     assert got.last_step_info.global_step == 5 and _same(_params(fresh), _params(model))
-    # recover disabled: no dump, no load
+    # recover disabled over this trial, which holds a dump: refused before training
     off = replace(recover_cfg, mode="disabled")
-    disabled = areal.RecoverHandler(off, spe, storage_options=s3.options)
+    with pytest.raises(ConfigError, match="holds a committed recover dump of this trial, "
+                       "and recover.mode is 'disabled'.*Set recover.mode: on"):
+        areal.RecoverHandler(off, spe, storage_options=s3.options)
+    # recover disabled over a new trial: no dump, no load
+    disabled = areal.RecoverHandler(replace(off, trial_name="never-dumped"), spe,
+                                    storage_options=s3.options)
     disabled.dump(areal.Engine(model, optim), StepInfo(0, 6, 6, spe), *nothing)
+    assert not disabled.slot.store.exists(SLOT_POINTER_NAME)
     assert handler.slot.info()["step"] == 5
     assert disabled.load(areal.Engine(*_tiny()), *nothing) is None
     # an empty trial: a fresh start, with a warning

@@ -22,12 +22,14 @@ from pathlib import Path
 import pytest
 from onekey import scheme_named, unchanged
 from test_areal_trainer import (
+    BOUND_AT_CONFIG,
     SFT,
     STEPS,
     TRIAL,
     Launch,
     assert_export_equal,
     assert_recover_equal,
+    bound_lines,
     kill_in_second_epoch,
     last_export,
     make_fixtures,
@@ -94,8 +96,7 @@ def test_the_recipe_killed_and_relaunched_resumes_bit_exact(fixtures, s3, tmp_pa
     with unchanged("areal"):
         killed, dumped = kill_in_second_epoch(launch, slot, tmp_path / "killed.log")
         # Every rank bound the config and the trainers, and said where the paths go.
-        assert killed.count("areal.api.cli_args.parse_cli_args") == WORLD
-        assert killed.count("areal.trainer.sft_trainer.Saver") == WORLD
+        assert bound_lines(killed) == [BOUND_AT_CONFIG] * WORLD
         assert f"recover.fileroot={bucket}" in killed
 
         log = launch.run(tmp_path / "resumed.log")
@@ -250,3 +251,25 @@ def test_the_doctor_knows_areal_launches_from_others(tmp_path):
                   ["python", "train.py", "--config", str(tmp_path / "verl.yaml")],
                   [str(tmp_path / "verl.yaml")]):
         assert plan(other) is None, other
+
+
+@pytest.mark.parametrize("resolver, refused", [("nfs", True), ("etcd3", False)])
+def test_name_resolve_files_on_a_bucket_derived_path_are_refused_on_several_nodes(
+        tmp_path, resolver, refused):
+    """Derived from a bucket ``cluster.fileroot``, the name-resolve root is a local
+    directory: one node's processes share it, several nodes' cannot."""
+    from cloudckpt.integrations.areal.placement import NFS_ROOT, plan
+
+    cfg = composed(tmp_path, SECTIONS.format(root="s3://b/x", mode="on"),
+                   [f"+cluster.name_resolve.type={resolver}"])
+    one_node = {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"}
+    two_nodes = {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}
+    (alone,) = [p for p in plan(cfg, environ=one_node, cwd=str(tmp_path)) if p.key == NFS_ROOT]
+    assert alone.problem is None and alone.lands.startswith(f"{tmp_path}/cloudckpt-local/b/x")
+    (shared,) = [p for p in plan(cfg, environ=two_nodes, cwd=str(tmp_path))
+                 if p.key == NFS_ROOT]
+    if refused:
+        assert "this job runs on 2 nodes" in shared.problem
+        assert "set it to a shared (NFS) directory" in shared.problem
+    else:
+        assert shared.problem is None

@@ -117,6 +117,16 @@ def test_one_key_run_killed_mid_save_resumes_bit_exact(s3, moto_server, tmp_path
         assert [c.name for c in list_checkpoints(ckpts, s3.options)] == \
             ["global_step_1", "global_step_2"]
 
+        # Relaunched without RLinf's resume key: refused before training, naming it.
+        cmd, environ = on_node(here(launch, s3.root), disks, "node-b", env, run=False)
+        fresh = subprocess.run(cmd, env=environ, cwd=run, capture_output=True, text=True,
+                               timeout=600)
+        assert fresh.returncode != 0
+        assert "runner.resume_dir is null, so this run would start over" in fresh.stderr
+        assert "Relaunch with runner.resume_dir=auto" in fresh.stderr
+        assert [c.name for c in list_checkpoints(ckpts, s3.options)] == \
+            ["global_step_1", "global_step_2"]
+
         out = run_node(lambda e: on_node(here(relaunch, s3.root), disks, "node-b", e,
                                          run=False), run, env, "relaunch")
     report = json.loads((run / "rlinf-run.json").read_text())

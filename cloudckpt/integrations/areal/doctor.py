@@ -148,8 +148,9 @@ def _notes(cfg: Any, uses: tuple[PathUse, ...]) -> list[str]:
         mode = "on" if mode else "off"
     if mode in (None, "disabled", "off"):
         notes.append("recover.mode is " + (f"{mode}" if mode else "unset (AReaL's default: "
-                     "disabled)") + ": no recover dump is taken and a relaunch starts "
-                     "over; set recover.mode: auto to resume from the last dump")
+                     "disabled)") + ": no recover dump is taken, a relaunch starts "
+                     "over, and a launch over a trial that holds a dump is refused; set "
+                     "recover.mode: on to resume from the last dump")
     elif all(_select(cfg, f"recover.freq_{u}") is None for u in ("epochs", "steps", "secs")):
         notes.append("recover.freq_epochs, freq_steps and freq_secs are all null: no "
                      "recover dump is ever taken, so a relaunch starts over")

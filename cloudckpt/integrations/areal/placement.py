@@ -112,6 +112,7 @@ def plan(cfg: Any, *, environ: Any = None, cwd: str | None = None) -> list[Place
     """Every path key of ``cfg`` and where it lands under activation (with a
     ``problem`` where it is a bucket URI AReaL could only use as a local path and
     cloudckpt cannot place)."""
+    environ = os.environ if environ is None else environ
     placed = []
     for key in path_keys(cfg):
         value = _resolved(cfg, key)
@@ -121,10 +122,31 @@ def plan(cfg: Any, *, environ: Any = None, cwd: str | None = None) -> list[Place
                 problem = (f"AReaL's name-resolve records are files its processes read "
                            f"and write with local file calls, which no bucket holds: set "
                            f"{key} to a local (or shared) directory, or leave it out")
+            elif key == NFS_ROOT and _nfs(cfg) and _nodes(environ) > 1:
+                problem = (f"this job runs on {_nodes(environ)} nodes, whose processes find "
+                           f"each other through name-resolve records in one shared "
+                           f"directory; derived from a bucket, {key} would be a local "
+                           f"directory on each node: set it to a shared (NFS) directory, "
+                           f"or cluster.name_resolve.type to etcd3 or ray")
             else:
                 lands = local_dir_for(value, environ=environ, cwd=cwd)
         placed.append(Placed(key, value, lands, problem))
     return placed
+
+
+def _nfs(cfg: Any) -> bool:
+    """Whether name resolution goes through files (AReaL's default type, ``nfs``)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(cfg, "cluster.name_resolve.type", default="nfs") == "nfs"
+
+
+def _nodes(environ: Any) -> int:
+    """The nodes of this process's job, as torchrun tells its workers (1 if unknown)."""
+    world, local = environ.get("WORLD_SIZE", ""), environ.get("LOCAL_WORLD_SIZE", "")
+    if world.isdigit() and local.isdigit() and int(local) > 0:
+        return max(1, -(-int(world) // int(local)))
+    return 1
 
 
 def _derived(cfg: Any, key: str) -> bool:

@@ -1,10 +1,13 @@
-"""Before training starts: the trial's bucket exists and answers, and the trial is not
-one AReaL wrote itself.
+"""Before training starts: the trial's bucket exists and answers, the trial is not
+one AReaL wrote itself, and a run that would not resume does not start over a trial
+that can be resumed.
 
 Without these checks a misspelt bucket reads as an empty trial ("starting from
-scratch") and the run dies at its first save, and a trial copied into the bucket with
+scratch") and the run dies at its first save; a trial copied into the bucket with
 ``aws s3 sync`` (AReaL's layout, no cloudckpt manifests) is ignored: the run starts over
-beside it. Both are refused here, at construction, with what to do.
+beside it; and a relaunch without ``recover.mode`` trains from scratch beside the
+trial's last dump, its exports kept from the run before. All are refused here, at
+construction, with what to do.
 """
 
 from __future__ import annotations
@@ -12,7 +15,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from cloudckpt.errors import AccessDeniedError, BucketNotFoundError, IncompleteCheckpointError
+from cloudckpt.errors import (
+    AccessDeniedError,
+    BucketNotFoundError,
+    ConfigError,
+    IncompleteCheckpointError,
+)
 from cloudckpt.integrations.areal.config import INFO_DIR, save_root
 from cloudckpt.names import SLOT_POINTER_NAME
 from cloudckpt.storage import Store, open_store
@@ -55,3 +63,15 @@ def check_trial(config: Any, storage_options: Mapping[str, Any] | None, *,
             "manifest, e.g. copied with `aws s3 sync`); resuming would ignore it and train "
             f"from scratch. Check and commit it once with `{ADOPT_HINT} {store.uri}`, then "
             "launch again (or set a new trial_name to start afresh)")
+
+
+def refuse_fresh_start(config: Any, storage_options: Mapping[str, Any] | None) -> None:
+    """Raise if the trial holds a committed recover dump that this run, its recover
+    mode off, would train from scratch beside (call on one rank)."""
+    store = open_store(save_root(config), storage_options)
+    if store.exists(SLOT_POINTER_NAME):
+        raise ConfigError(
+            f"{store.uri} holds a committed recover dump of this trial, and recover.mode is "
+            f"{config.mode!r}: this run would start over beside it. Set recover.mode: on to "
+            "resume from it, or set a new trial_name to start afresh (or delete the trial: "
+            f"cloudckpt rm {store.uri}), then launch again")

@@ -30,7 +30,7 @@ from cloudckpt.integrations.areal.info import (
     write,
 )
 from cloudckpt.integrations.areal.plugin import KIND
-from cloudckpt.integrations.areal.preflight import check_trial
+from cloudckpt.integrations.areal.preflight import check_trial, refuse_fresh_start
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.runtime.state import dumps_state, get_rng_state, loads_state, set_rng_state
 from cloudckpt.training.slot import RecoverSlot
@@ -59,7 +59,8 @@ class RecoverHandler(_Periodic):
 
     When recover is on, construction checks the trial directory first: a missing
     bucket, refused credentials, or a trial AReaL wrote itself (which would be
-    ignored) raise before any training, with what to do.
+    ignored) raise before any training, with what to do. When it is off, a trial that
+    holds a committed dump is refused likewise: the run would start over beside it.
     """
 
     def __init__(self, config: Any, ft_spec: Any, *,
@@ -69,6 +70,9 @@ class RecoverHandler(_Periodic):
         if recover_enabled(config):
             coord.on_coordinator(lambda: check_trial(config, self.storage_options,
                                                      recover=True), process_group)
+        else:
+            coord.on_coordinator(lambda: refuse_fresh_start(config, self.storage_options),
+                                 process_group)
         self.staging = staging
         self.last_step_info = step_info_type()(epoch=-1, epoch_step=-1, global_step=-1,
                                                steps_per_epoch=self.steps_per_epoch)

@@ -169,8 +169,9 @@ def uses(cfg: Any, cwd: str | None = None) -> tuple[list[PathUse], list[str]]:
                      "DCP shards to the bucket with no manifest (nothing a run resumes "
                      "from), and the rest of the step to the local directory above")
     if resume is None and bucket:
-        notes.append("runner.resume_dir is null (RLinf's default): a relaunch starts over; "
-                     "set runner.resume_dir=auto to resume the newest committed step")
+        notes.append("runner.resume_dir is null (RLinf's default): a relaunch over "
+                     "committed steps is refused at start-up; set runner.resume_dir=auto to "
+                     "resume the newest committed step")
     return found, notes
 
 

@@ -14,6 +14,7 @@ import logging
 from typing import Any
 
 from cloudckpt.core.checkpoint import Checkpoint
+from cloudckpt.errors import ConfigError
 from cloudckpt.integrations.rlinf.checkpointer import read_data_state
 from cloudckpt.integrations.rlinf.layout import (
     ACTOR,
@@ -59,12 +60,28 @@ def resolve(runner: Any) -> None:
     """``runner.resume_dir`` as ``init_workers`` then reads it: ``auto`` becomes the
     newest committed step of the bucket (or None), a bucket URI a committed step."""
     r = runner.cfg.runner
+    root = checkpoints_root(r.output_dir, r.experiment_name)
+    if r.resume_dir is None and is_remote(r.output_dir):
+        refuse_fresh_start(root)
     if not (r.resume_dir == "auto" or is_remote(r.resume_dir)):
         return
-    root = checkpoints_root(r.output_dir, r.experiment_name)
     r.resume_dir = resolve_resume_dir(r.resume_dir, root)
     log.info("resume_dir resolved in %s: %s", root, r.resume_dir or "nothing committed, "
              "a fresh start")
+
+
+def refuse_fresh_start(root: str) -> None:
+    """A run without ``resume_dir`` over a bucket that holds committed steps would train
+    from step 0 and fail at its first save, on a step name already committed (steps are
+    immutable): refused before any training, with the key that resumes."""
+    newest = resolve_resume_dir("auto", root)
+    if newest is not None:
+        raise ConfigError(
+            f"{root} holds committed RLinf steps (the newest {newest}) and "
+            "runner.resume_dir is null, so this run would start over and collide with them "
+            "at its first save. Relaunch with runner.resume_dir=auto to resume the newest, "
+            "or give the run a new runner.experiment_name (or output_dir), or delete the "
+            f"old steps (cloudckpt rm {root}/<step>)")
 
 
 def load_data(runner: Any) -> None:
