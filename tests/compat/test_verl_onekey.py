@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from onekey import scheme_named, unchanged
+from onekey import launch_lines, scheme_named, unchanged
 from relaunch import kill_node
 from test_relaunch import (
     assert_same_steps,
@@ -55,11 +55,9 @@ KEY = "trainer.default_local_dir"
 def guide_line(entry: str, root: str) -> list[str]:
     """The guide's recipe's launch line running ``entry``, its bucket replaced by ``root``:
     the words after ``cloudckpt run --``."""
-    recipe = GUIDE.read_text().split("\n## The shortest recipe\n")[1].split("\n## ")[0]
-    lines = [line for line in recipe.splitlines()
-             if line.startswith("cloudckpt run -- ") and f" {entry} " in f"{line} "]
+    lines = [w for w in launch_lines(GUIDE, after="The shortest recipe") if entry in w]
     assert len(lines) == 1, lines
-    words = shlex.split(lines[0], comments=True)[3:]
+    words = lines[0][3:]
     keys = [w for w in words if "=" in w]
     assert [w.split("=", 1)[0] for w in keys] == [KEY], keys  # the one key, nothing else
     return [f"{KEY}={root}" if w.startswith(f"{KEY}=") else w for w in words]
