@@ -37,3 +37,17 @@ for _name in ("rlinf", "roll"):
     _src = str(PEERS / _name / "src")
     if _src not in sys.path:
         sys.path.insert(0, _src)
+
+
+@pytest.fixture(scope="session")
+def verl_sft_reference(tmp_path_factory) -> dict[int, list[dict]]:
+    """verl's SFT handler saving four steps on local disk, never stopped: the run every
+    verl SFT relaunch test compares with, made once a session (a whole job)."""
+    from test_relaunch import node_disks, run_node, sft_reports, sft_saved, verl_sft_launch
+
+    tmp = tmp_path_factory.mktemp("verl-sft-reference")
+    with node_disks() as disks:
+        launch, out = verl_sft_launch(tmp, disks, "reference", {
+            "root": str(tmp / "ckpts"), "steps": [1, 2, 3, 4]}, "node-r")
+        run_node(launch, tmp, {}, "reference")
+    return sft_saved(sft_reports(out))

@@ -1,13 +1,16 @@
 """What every framework's one-key test checks: a run configured by only the
 framework's own output key set to a bucket URI, under ``cloudckpt run -- <its usual
 command>``, leaves the framework's code as it was and no file under the working
-directory named for a scheme (``s3:``, ``gs:``: a bucket URI handed to local file calls).
+directory named for a scheme (``s3:``, ``gs:``: a bucket URI handed to local file calls);
+and what each reads of its guide's recipe (its code blocks, its launch lines).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import re
+import shlex
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -45,3 +48,45 @@ def scheme_named(cwd: Path) -> list[str]:
     """Every path below ``cwd`` one of whose parts starts with a scheme."""
     return sorted(str(p.relative_to(cwd)) for p in cwd.rglob("*")
                   if any(part.startswith(SCHEMES) for part in p.relative_to(cwd).parts))
+
+
+#: A fenced code block: its fence's indentation, its language, its text.
+_BLOCK = re.compile(r"^( *)```(\S*)\n(.*?)^\1```", re.S | re.M)
+
+
+def _section(text: str, heading: str) -> str:
+    """The text under the Markdown heading ``heading`` (its words, without the ``#``),
+    to the next heading of its level or above; code blocks' ``#`` lines are no headings."""
+    masked = _BLOCK.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), text)
+    start = re.search(rf"^(#+) +{re.escape(heading)} *$", masked, re.M)
+    assert start, f"the guide has no heading {heading!r}"
+    end = re.compile(rf"^#{{1,{len(start.group(1))}}} ", re.M).search(masked, start.end())
+    return text[start.end():end.start() if end else len(text)]
+
+
+def guide_blocks(path: Path, lang: str | None = None, *, after: str | None = None
+                 ) -> list[str]:
+    """The code blocks of the guide ``path`` (of language ``lang``, or any; under the
+    heading ``after``, or anywhere), their fence's indentation taken off."""
+    text = path.read_text() if after is None else _section(path.read_text(), after)
+    return [re.sub(rf"(?m)^{m.group(1)}", "", m.group(3)) for m in _BLOCK.finditer(text)
+            if lang is None or m.group(2) == lang]
+
+
+def guide_block(path: Path, lang: str, *, after: str | None = None,
+                containing: str = "") -> str:
+    """The first ``lang`` block of :func:`guide_blocks` that contains ``containing``."""
+    found = [b for b in guide_blocks(path, lang, after=after) if containing in b]
+    assert found, f"{path.name} has no {lang} block{f' under {after!r}' if after else ''} " \
+        f"containing {containing!r}"
+    return found[0]
+
+
+def launch_lines(path: Path, *, after: str | None = None) -> list[list[str]]:
+    """The words of each ``cloudckpt run -- ...`` line of the guide's code blocks (under
+    the heading ``after``), a line continued by ``\\`` read whole."""
+    lines = [shlex.split(line, comments=True)
+             for block in guide_blocks(path, after=after)
+             for line in block.replace("\\\n", " ").splitlines()
+             if line.startswith("cloudckpt run ")]
+    return [words for words in lines if words[:3] == ["cloudckpt", "run", "--"]]

@@ -13,14 +13,13 @@ The doctor says all this of the same command before it runs, and what a launch w
 from __future__ import annotations
 
 import getpass
-import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from onekey import scheme_named, unchanged
+from onekey import guide_block, scheme_named, unchanged
 from test_areal_trainer import (
     BOUND_AT_CONFIG,
     SFT,
@@ -51,10 +50,10 @@ WORLD = 2
 
 
 def recipe_yaml() -> str:
-    """The guide's recipe: its first YAML block."""
-    block = re.search(r"```yaml\n(.*?)```", GUIDE.read_text(), flags=re.S)
-    assert block and "cluster:" in block.group(1) and GUIDE_BUCKET in block.group(1)
-    return block.group(1)
+    """The guide's recipe: its YAML block."""
+    block = guide_block(GUIDE, "yaml", after="The recipe")
+    assert "cluster:" in block and GUIDE_BUCKET in block
+    return block
 
 
 def user_config(where: Path, fileroot: str) -> Path:

@@ -240,17 +240,6 @@ def sft_saved(reports: list[dict]) -> dict[int, list[dict]]:
     return {int(step): [rep["saved"][step] for rep in reports] for step in reports[0]["saved"]}
 
 
-@pytest.fixture(scope="module")
-def verl_sft_reference(tmp_path_factory) -> dict[int, list[dict]]:
-    """verl's SFT handler saving four steps on local disk, never stopped."""
-    tmp = tmp_path_factory.mktemp("verl-sft-reference")
-    with node_disks() as disks:
-        launch, out = verl_sft_launch(tmp, disks, "reference", {
-            "root": str(tmp / "ckpts"), "steps": [1, 2, 3, 4]}, "node-r")
-        run_node(launch, tmp, {}, "reference")
-    return sft_saved(sft_reports(out))
-
-
 @pytest.mark.parametrize("relaunch", RELAUNCHES)
 def test_verl_sft_handler_killed_mid_save_comes_back_on_another_node(
         relaunch, s3, moto_server, tmp_path, disks, verl_sft_reference):

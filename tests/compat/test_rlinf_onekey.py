@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shlex
 import subprocess
 import sys
 from importlib.metadata import distribution
@@ -31,7 +29,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
-from onekey import code_hashes, scheme_named
+from onekey import code_hashes, launch_lines, scheme_named
 from test_relaunch import assert_same_steps, kill_mid_save, node_disks, on_node, run_node
 
 from cloudckpt import list_checkpoints
@@ -50,9 +48,7 @@ EXPERIMENT = "grpo-1.5b"
 
 def recipe() -> tuple[list[str], list[str]]:
     """The guide's launch and relaunch lines: its shell blocks that are a ``cloudckpt run``."""
-    blocks = re.findall(r"```bash\n(.*?)```", GUIDE.read_text(), flags=re.S)
-    lines = [shlex.split(b.replace("\\\n", " ")) for b in blocks
-             if b.startswith("cloudckpt run --")]
+    lines = launch_lines(GUIDE, after="The shortest recipe")
     assert len(lines) == 2, lines
     launch, relaunch = lines
     assert "--integration" not in launch and relaunch == [*launch, "runner.resume_dir=auto"]

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from onekey import scheme_named, unchanged
+from onekey import launch_lines, scheme_named, unchanged
 from relaunch import kill_node
 from test_relaunch import (
     assert_same_steps,
@@ -55,11 +55,9 @@ KEY = "trainer.default_local_dir"
 def guide_line(entry: str, root: str) -> list[str]:
     """The guide's recipe's launch line running ``entry``, its bucket replaced by ``root``:
     the words after ``cloudckpt run --``."""
-    recipe = GUIDE.read_text().split("\n## The shortest recipe\n")[1].split("\n## ")[0]
-    lines = [line for line in recipe.splitlines()
-             if line.startswith("cloudckpt run -- ") and f" {entry} " in f"{line} "]
+    lines = [w for w in launch_lines(GUIDE, after="The shortest recipe") if entry in w]
     assert len(lines) == 1, lines
-    words = shlex.split(lines[0], comments=True)[3:]
+    words = lines[0][3:]
     keys = [w for w in words if "=" in w]
     assert [w.split("=", 1)[0] for w in keys] == [KEY], keys  # the one key, nothing else
     return [f"{KEY}={root}" if w.startswith(f"{KEY}=") else w for w in words]
@@ -162,17 +160,6 @@ def test_ppo_trainer_by_its_one_key_on_s3_killed_mid_save_resumes_bit_exact(
 # ------------------------------------------------------------------ SFT, on GCS
 
 
-@pytest.fixture(scope="module")
-def sft_reference(tmp_path_factory) -> dict[int, list[dict]]:
-    """verl's SFT handler saving four steps on local disk, never stopped."""
-    tmp = tmp_path_factory.mktemp("verl-onekey-sft-reference")
-    with node_disks() as nodes:
-        launch, out = verl_sft_launch(tmp, nodes, "reference", {
-            "root": str(tmp / "ckpts"), "steps": [1, 2, 3, 4]}, "node-r")
-        run_node(launch, tmp, {}, "reference")
-    return sft_saved(sft_reports(out))
-
-
 def kill_node_when(proc: subprocess.Popen, ready: Callable[[], bool], log: Path,
                    timeout: float = 600) -> None:
     """SIGKILL the node ``proc`` made, every process in it at once, once ``ready()``."""
@@ -187,7 +174,7 @@ def kill_node_when(proc: subprocess.Popen, ready: Callable[[], bool], log: Path,
 
 
 def test_sft_trainer_by_its_one_key_on_gcs_killed_mid_run_resumes_bit_exact(
-        gcs, tmp_path, disks, sft_reference):
+        gcs, tmp_path, disks, verl_sft_reference):
     work = tmp_path / "work"
     work.mkdir()
     words = guide_line("verl.trainer.sft_trainer", gcs.root)
@@ -216,7 +203,7 @@ def test_sft_trainer_by_its_one_key_on_gcs_killed_mid_run_resumes_bit_exact(
     reports = sft_reports(out)
     assert [rep["resumed_at"] for rep in reports] == [2, 2]
     assert all(rep["bound"] for rep in reports)
-    assert_same_steps(sft_saved(reports), sft_reference, [3, 4])
+    assert_same_steps(sft_saved(reports), verl_sft_reference, [3, 4])
     assert [c.name for c in list_checkpoints(gcs.root, gcs.options)] == \
         ["global_step_1", "global_step_2", "global_step_3", "global_step_4"]
     open_checkpoint(f"{gcs.root}/global_step_4", gcs.options).verify(deep=True)

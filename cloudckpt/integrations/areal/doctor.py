@@ -21,6 +21,7 @@ from cloudckpt.core.launchplan import LaunchPlan, PathUse, unlaunched
 from cloudckpt.errors import ConfigError
 from cloudckpt.integrations.areal import placement
 from cloudckpt.storage import is_remote
+from cloudckpt.util import hydracompose
 
 _YAML = (".yaml", ".yml")
 
@@ -81,24 +82,12 @@ def _looks_areal(path: str) -> bool:
 
 def compose(config_file: str, overrides: list[str]) -> Any:
     """The config as AReaL's ``parse_cli_args`` composes it."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
     path = os.path.abspath(config_file)
     if not os.path.isfile(path):
         raise ConfigError(f"AReaL's config file {config_file} does not exist")
-    if GlobalHydra.instance().is_initialized():
-        GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=os.path.dirname(path), job_name="app",
-                                   version_base=None):
-            return hydra_compose(config_name=os.path.basename(path).rsplit(".", 1)[0],
-                                 overrides=overrides)
-    except (HydraException, OmegaConfBaseException) as exc:
-        raise ConfigError(f"AReaL's config {config_file} with {overrides}: {exc}") from None
+    return hydracompose.compose(os.path.dirname(path), os.path.basename(path).rsplit(".", 1)[0],
+                                overrides, needed_by=f"reading AReaL's config {config_file}",
+                                job_name="app", version_base=None)
 
 
 def _select(cfg: Any, key: str) -> Any:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from cloudckpt.integrations.rlinf.localpaths import (
 )
 from cloudckpt.runtime.localdirs import local_dir_for
 from cloudckpt.storage import is_remote
+from cloudckpt.util import hydracompose
 
 #: Hydra's options that take a value (``--config-path X`` or ``--config-path=X``).
 _VALUED = {"--config-path": "path", "-cp": "path", "--config-name": "name", "-cn": "name",
@@ -96,19 +96,8 @@ def _hydra_args(args: Sequence[str]) -> tuple[dict[str, str], list[str]]:
 
 def _compose(config_dir: Path, name: str | None, overrides: list[str]) -> Any:
     """The config RLinf's script gets: Hydra's own composition (defaults lists, overrides)."""
-    try:
-        from hydra import compose, initialize_config_dir
-    except ImportError as exc:
-        raise ConfigError(f"reading an RLinf launch needs Hydra, RLinf's config library "
-                          f"({exc}); install hydra-core") from None
-    try:  # RLinf's own configs draw Hydra's warning on a defaults list without _self_
-        with warnings.catch_warnings(), initialize_config_dir(
-                config_dir=str(config_dir), version_base="1.1"):
-            warnings.simplefilter("ignore", UserWarning)
-            return compose(config_name=name, overrides=overrides)
-    except Exception as exc:  # Hydra's errors: a missing file, a bad override
-        raise ConfigError(f"Hydra could not compose {name or '(no config)'} from "
-                          f"{config_dir}: {exc}") from exc
+    return hydracompose.compose(config_dir, name, overrides,
+                                needed_by="reading an RLinf launch", version_base="1.1")
 
 
 def _value(cfg: Any, key: str) -> Any:

@@ -25,6 +25,7 @@ from cloudckpt.core.launchplan import LaunchPlan, PathUse, unlaunched
 from cloudckpt.errors import ConfigError
 from cloudckpt.integrations.roll.bucketkey import as_written, bucket_scheme
 from cloudckpt.runtime.localdirs import local_dir_for
+from cloudckpt.util import hydracompose
 
 __all__ = ["plan", "refuse_unplaceable"]
 
@@ -111,19 +112,15 @@ def _compose(config_dir: Path, config_name: str) -> dict[str, Any]:
     if not (config_dir / f"{config_name}.yaml").is_file():
         raise ConfigError(f"ROLL's config {config_dir / config_name}.yaml does not exist "
                           "(--config_path is relative to the start script's directory)")
+    cfg = hydracompose.compose(config_dir, config_name, needed_by="reading a ROLL launch",
+                               version_base=None)
+    from omegaconf import OmegaConf  # there with hydra
+
     try:
-        from hydra import compose, initialize_config_dir
-        from omegaconf import OmegaConf
-    except ImportError:
-        raise ConfigError("reading a ROLL launch needs hydra-core, which ROLL's start "
-                          "scripts use: pip install hydra-core") from None
-    try:
-        with initialize_config_dir(config_dir=str(config_dir), version_base=None):
-            cfg = compose(config_name=config_name)
         data = OmegaConf.to_container(cfg, resolve=True)
-    except Exception as exc:  # hydra's and omegaconf's errors have no common base
-        raise ConfigError(f"hydra could not compose ROLL's config {config_name} in "
-                          f"{config_dir}: {exc}") from exc
+    except Exception as exc:  # omegaconf's errors: an interpolation that does not resolve
+        raise ConfigError(f"ROLL's config {config_name} in {config_dir} does not resolve "
+                          f"({exc}): set the key it names") from exc
     return data if isinstance(data, dict) else {}
 
 

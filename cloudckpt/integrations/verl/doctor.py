@@ -23,6 +23,7 @@ from cloudckpt.errors import ConfigError
 from cloudckpt.integrations.verl.paths import PPO_LOCAL, problem
 from cloudckpt.integrations.verl.resume import run_root
 from cloudckpt.storage import is_remote
+from cloudckpt.util import hydracompose
 
 __all__ = ["ENTRIES", "compose", "plan", "read_command"]
 
@@ -100,10 +101,6 @@ def read_command(command: Sequence[str]) -> dict[str, Any] | None:
 
 def compose(args: dict[str, Any]) -> Any:
     """The run's config, composed as verl's ``@hydra.main`` does (``hydra`` included)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
     home = verl_dir()
     if home is None:
         raise ConfigError("verl is not installed here, so its config cannot be composed: "
@@ -120,18 +117,8 @@ def compose(args: dict[str, Any]) -> Any:
     overrides = list(args["overrides"])
     if search:
         overrides.append(f"hydra.searchpath=[{','.join(search)}]")
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(config_dir), version_base=None):
-            return hydra_compose(config_name=name, overrides=overrides,
-                                 return_hydra_config=True)
-    except ConfigError:
-        raise
-    except Exception as exc:  # hydra's own errors: a missing config, a bad override
-        raise ConfigError(f"verl's config does not compose ({type(exc).__name__}: {exc}); "
-                          f"config {name} in {config_dir}, overrides {overrides}") from exc
-    finally:
-        GlobalHydra.instance().clear()
+    return hydracompose.compose(config_dir, name, overrides, needed_by="reading a verl launch",
+                                version_base=None, return_hydra_config=True)
 
 
 def _select(cfg: Any, key: str) -> Any:
