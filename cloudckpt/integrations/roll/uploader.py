@@ -79,9 +79,10 @@ class RollUploader(OpenCheckpoints):
       for an upload that succeeded); a background one deletes it after its upload,
       in case ROLL's manager did not, and puts it back if the upload fails;
     - ``expected_uploads``: parts per checkpoint (pipeline + every uploading rank), an
-      override; without it each part declares its set (:mod:`.membership`) and the part
-      that completes the checkpoint commits it. Either way only once the parts hold all
-      ROLL's resume reads;
+      override; without it each part declares its set, the pipeline's naming ROLL's
+      pipeline's checkpoint clusters (:mod:`.membership`), and the part that completes
+      the checkpoint commits it. Either way only once the parts hold all ROLL's resume
+      reads;
     - ``parts_timeout`` (120 s): a checkpoint this process uploaded a part of that
       then gets no new part for this long is reported as an ERROR (at the next
       ``upload``, or by ``wait``/``close``, which wait that long at most);
