@@ -12,16 +12,17 @@ pipeline object as it uploads (:mod:`.pipeline`). Each part also announces itsel
 *intent* object) when ``upload`` is called, before its files go up.
 
 A checkpoint is complete when the pipeline's part and at least one cluster's are in,
-every part announced is in, every cluster the pipeline's part names, a part names, or
-the newest committed checkpoint of the output directory recorded (any attempt), has all
-its ranks, and the parts hold all that ROLL's resume reads (:mod:`.parts`: every DCP
-shard each ``.metadata`` names). So a cluster whose ranks upload late (a critic's async
-save) holds its checkpoint back, the first one of an output directory too. A checkpoint
-that never meets them is reported (``parts_timeout``), never waited for forever. Where
-no pipeline object built the driver's uploader (a ``CheckpointManager`` driven by
-hand), its part names no cluster: the first checkpoint of an output directory then
-commits without a cluster none of whose ranks had called ``upload`` yet
-(``expected_uploads`` closes that gap for such a job).
+every part announced is in, every cluster a part names (the pipeline's part: each of
+the pipeline's checkpoint clusters) or the newest committed checkpoint of the output
+directory recorded (any attempt) has all its ranks, and the parts hold all that ROLL's
+resume reads (:mod:`.parts`: every DCP shard each ``.metadata`` names). So a cluster
+whose ranks upload late (a critic's async save) holds its checkpoint back, the first
+one of an output directory too. A checkpoint that never meets them is reported
+(``parts_timeout``), never waited for forever. Where no pipeline object built the
+driver's uploader (a ``CheckpointManager`` driven by hand), its part names no cluster:
+the first checkpoint of an output directory then commits without a cluster none of
+whose ranks had called ``upload`` yet (``expected_uploads`` closes that gap for such a
+job).
 """
 
 from __future__ import annotations
@@ -82,9 +83,8 @@ def clusters(parts: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
 
 
 def _declared(parts: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
-    """``{cluster: size}`` every part declares (the pipeline's names its checkpoint
-    clusters); a size declared twice differently is reported by :func:`missing` as the
-    parts' disagreement, the largest kept here."""
+    """``{cluster: size}`` the parts declare: only the pipeline's names clusters (its
+    checkpoint clusters); were two to differ on a size, the largest is kept."""
     out: dict[str, int] = {}
     for m in parts.values():
         for name, world in dict(m.get("clusters") or {}).items():
