@@ -4,8 +4,11 @@ and the rule that says a checkpoint's parts are all in."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from cloudckpt import open_checkpoint
 from cloudckpt.integrations.roll.bucketkey import as_written, file_system_or_bucket
 from cloudckpt.integrations.roll.membership import declare, missing
 from cloudckpt.integrations.roll.resume import recorded_clusters
@@ -122,3 +125,96 @@ def test_the_clusters_a_commit_records_bind_every_later_attempt(s3, monkeypatch,
     upload(relaunch, "checkpoint-3", "critic-0", "critic", 0, 1)
     upload(relaunch, "checkpoint-3", "pipeline")
     assert not relaunch.store.child("checkpoint-3").exists("cloudckpt-manifest.json")
+
+
+def declaring(clusters):
+    return {**PIPELINE, "clusters": clusters}
+
+
+def test_every_checkpoint_cluster_the_pipeline_names_must_be_in():
+    """The first checkpoint of an output directory (nothing known yet): the pipeline's
+    part names the critic, none of whose ranks has uploaded; without that declaration
+    the same parts make a whole checkpoint."""
+    C0 = marker("critic-0", "critic", 0, 1)
+    named = declaring({"actor_train": 2, "critic": 1})
+    assert missing(parts(PIPELINE, A0, A1), set()) == []
+    gaps = missing(parts(named, A0, A1), set())
+    assert gaps == ["every part of critic (1 rank: a checkpoint cluster of ROLL's pipeline, "
+                    "none of whose ranks has uploaded yet)"]
+    assert missing(parts(named, A0, A1, C0), set()) == []
+    assert "1 of 2 ranks of actor_train (actor_train-1)" in missing(parts(named, A0, C0), set())
+    # A cluster whose ranks say another size than the pipeline's: never whole.
+    assert missing(parts(declaring({"actor_train": 4}), A0, A1), set()) == \
+        ["actor_train: its parts disagree on its size ([2, 4])"]
+
+
+def test_the_pipeline_part_declares_the_clusters_it_is_given():
+    clusters = {"actor_train": 2, "critic": 1}
+    assert declare("pipeline", {}, clusters=clusters) == \
+        {"group": "pipeline", "rank": 0, "world": 1, "clusters": clusters}
+    assert "clusters" not in declare("pipeline", {}, clusters=None)
+
+
+class Cluster:
+    """ROLL's Cluster, as the pipeline's part reads it."""
+
+    def __init__(self, cluster_name, world_size):
+        self.cluster_name, self.world_size = cluster_name, world_size
+
+
+class Manager:
+    """ROLL's CheckpointManager: builds the uploader from checkpoint_config."""
+
+    def __init__(self, **checkpoint_config):
+        self.uploader = S3Uploader(**checkpoint_config)
+
+
+class Pipeline:
+    """BasePipeline's shape: its manager built in __init__, its checkpoint clusters."""
+
+    checkpoint_clusters: list = []
+
+    def __init__(self, **checkpoint_config):
+        self.checkpoint_manager = Manager(**checkpoint_config)
+
+    def set_checkpoint_clusters(self, *clusters):
+        self.checkpoint_clusters.extend(clusters)
+
+    def do_checkpoint(self, global_step):
+        raise NotImplementedError
+
+
+def test_the_pipelines_part_names_its_checkpoint_clusters(s3, monkeypatch, tmp_path):
+    """The uploader ROLL's pipeline builds finds the pipeline; its part then names the
+    pipeline's checkpoint clusters as they are at the upload, and the first checkpoint of
+    the output directory waits for the critic. A manager built by hand names none."""
+    for k, v in s3.env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(Pipeline, "checkpoint_clusters", [])
+    pipeline = Pipeline(output_dir=s3.root, async_upload=False, parts_timeout=0.5)
+    pipeline.set_checkpoint_clusters(Cluster("actor_train", 2), Cluster("critic", 1))
+    alone = Manager(output_dir=s3.root, async_upload=False, parts_timeout=0.5).uploader
+    assert alone._pipeline is None
+
+    def upload(uploader, part, cluster=None, rank=0, world=1):
+        env = {"CLUSTER_NAME": cluster, "RANK": str(rank), "WORLD_SIZE": str(world)}
+        for key, value in env.items():
+            monkeypatch.setenv(key, value) if cluster else monkeypatch.delenv(key, False)
+        src = tmp_path / part / "checkpoint-1"
+        name = "pipeline/worker_state_pipeline.json" if part == "pipeline" else f"{part}.json"
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_text("{}")
+        uploader.upload("checkpoint-1", str(src))
+
+    ckpt = pipeline.checkpoint_manager.uploader.store.child("checkpoint-1")
+    for rank in range(2):
+        upload(alone, f"actor_train-{rank}", "actor_train", rank, 2)
+    upload(pipeline.checkpoint_manager.uploader, "pipeline")
+    assert json.loads(ckpt.get("_cloudckpt_parts/pipeline.json"))["clusters"] == \
+        {"actor_train": 2, "critic": 1}
+    assert not ckpt.exists("cloudckpt-manifest.json")
+    upload(alone, "critic-0", "critic", 0, 1)
+    assert open_checkpoint(ckpt.uri, s3.options).metadata["parts"] == \
+        ["actor_train-0", "actor_train-1", "critic-0", "pipeline"]
+    for uploader in (alone, pipeline.checkpoint_manager.uploader):
+        uploader.wait()  # nothing left open for the exit's check

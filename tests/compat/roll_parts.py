@@ -109,17 +109,25 @@ class ShardedWorker:
         return out
 
 
-def stage_rank(root: Path, ckpt_id: str, worker: ShardedWorker, rank: int) -> Path:
-    """A rank's local dir (``actor_train-{rank}/{ckpt_id}``): its DCP shard (rank 0 also
-    DCP's ``.metadata``) and, on rank 0, the gathered HF export. Every rank calls it."""
-    d = root / f"actor_train-{rank}" / ckpt_id
+def stage_rank(root: Path, ckpt_id: str, worker: ShardedWorker, rank: int,
+               cluster: str = "actor_train") -> Path:
+    """A rank's local dir (``{cluster}-{rank}/{ckpt_id}``): its DCP shard (rank 0 also
+    DCP's ``.metadata``) and, on the actor's rank 0, the gathered HF export; another
+    cluster's files (a critic's) lie in a folder named for it. Every rank calls it."""
+    d = root / f"{cluster}-{rank}" / ckpt_id
     d.mkdir(parents=True, exist_ok=True)  # a relaunch saves a killed step again
-    roll_dcp_save(worker, d)
+    roll_dcp_save(worker, d / cluster_folder(cluster))
     full = {k: v.full_tensor() for k, v in worker.model.state_dict().items()}  # collective
-    if rank == 0:
+    if rank == 0 and cluster == "actor_train":
         save_file({k: v.contiguous() for k, v in full.items()}, str(d / "model.safetensors"))
         (d / "config.json").write_text('{"model_type": "tiny"}')
     return d
+
+
+def cluster_folder(cluster: str) -> str:
+    """Where a cluster's files lie in a checkpoint: the actor's at its root, any other
+    cluster's in a folder of its name (``critic/dcp/...``)."""
+    return "" if cluster == "actor_train" else cluster
 
 
 def stage_pipeline(root: Path, ckpt_id: str, step: int) -> Path:

@@ -74,11 +74,16 @@ def digests(tensors: dict) -> dict[str, str]:
 
 @ray.remote
 class RollRank:
-    """One rank of ROLL's actor (``actor_train-{rank}``): a gloo group member, its
-    sharded model, its own CheckpointManager and local checkpoint dir."""
+    """One rank of a ROLL cluster (``actor_train-{rank}``, or another cluster's): a gloo
+    group member, its sharded model, its own CheckpointManager and local checkpoint dir.
+
+    Test knobs, each ``checkpoint-N:PART`` (``PART``: ``actor_train-1``, ``critic-0``):
+    ``ROLL_TEST_LOST_PART``, a rank that dies before its upload; ``ROLL_TEST_LATE_PART``,
+    a rank whose upload comes late (ROLL's done-callback of an async DCP save): held
+    until :meth:`upload_held`, which the pipeline calls after its own part is in."""
 
     def __init__(self, checkpoint_config: dict, rank: int, world: int, port: int,
-                 local: str | None = None) -> None:
+                 local: str | None = None, cluster: str = "actor_train") -> None:
         sys.path.insert(0, str(HERE))
         import torch
         import torch.distributed as dist
@@ -89,11 +94,12 @@ class RollRank:
                                 world_size=world)
         from roll_parts import ShardedWorker
 
-        self.rank = rank
+        self.rank, self.cluster = rank, cluster
         self.worker = ShardedWorker()
         self.manager = CheckpointManager(checkpoint_config=checkpoint_config)
         # ROLL stages under its output_dir ({output_dir}/actor_train-{rank}/checkpoint-N).
         self.local = Path(local) if local else Path(tempfile.mkdtemp())
+        self.held: list[tuple[str, str]] = []
 
     def train(self, step: int) -> dict[str, str]:
         self.worker.train(step)
@@ -104,16 +110,24 @@ class RollRank:
 
         from roll_parts import stage_rank
 
-        local = stage_rank(self.local, ckpt_id, self.worker, self.rank)
-        # A rank that dies before its upload: ROLL_TEST_LOST_PART=checkpoint-N:RANK.
-        if os.environ.get("ROLL_TEST_LOST_PART") == f"{ckpt_id}:{self.rank}":
+        local = stage_rank(self.local, ckpt_id, self.worker, self.rank, self.cluster)
+        me = f"{ckpt_id}:{self.cluster}-{self.rank}"
+        if os.environ.get("ROLL_TEST_LOST_PART") == me:
+            return
+        if os.environ.get("ROLL_TEST_LATE_PART") == me:
+            self.held.append((ckpt_id, str(local)))
             return
         self.manager.upload(ckpt_id=ckpt_id, local_state_path=str(local))
 
-    def load(self, ckpt_dir: str) -> dict[str, str]:
-        from roll_parts import roll_dcp_load
+    def upload_held(self) -> None:
+        held, self.held = self.held, []
+        for ckpt_id, local in held:
+            self.manager.upload(ckpt_id=ckpt_id, local_state_path=local)
 
-        roll_dcp_load(self.worker, Path(ckpt_dir))
+    def load(self, ckpt_dir: str) -> dict[str, str]:
+        from roll_parts import cluster_folder, roll_dcp_load
+
+        roll_dcp_load(self.worker, Path(ckpt_dir) / cluster_folder(self.cluster))
         return digests(self.worker.tensors())
 
     def wait(self) -> None:

@@ -8,7 +8,8 @@ go on bit-exact with ROLL's own run that never stopped; nothing under the workin
 directory is named for a scheme and ROLL's files hash the same.
 
 Then: a checkpoint whose rank never uploads never commits and is an ERROR at the next
-save and at exit; and the forgotten launcher, caught by ``cloudckpt doctor``."""
+save and at exit; a critic beside the actor holds the first checkpoints back until its
+part is in; and the forgotten launcher, caught by ``cloudckpt doctor``."""
 
 from __future__ import annotations
 
@@ -144,7 +145,7 @@ def test_a_checkpoint_missing_a_rank_never_commits_and_is_reported(s3, tmp_path)
     uri = f"{s3.root}/onekey"
     with node_disks() as disks:
         out = run_node(node(launch, disks, "node-a", s3.env), tmp_path,
-                       {"ROLL_TEST_LOST_PART": "checkpoint-1:1",
+                       {"ROLL_TEST_LOST_PART": "checkpoint-1:actor_train-1",
                         "ROLL_TEST_STEP_PAUSE": "3"}, "lost")
     assert [c.name for c in list_checkpoints(uri, s3.options)] == \
         ["checkpoint-2", "checkpoint-3", "checkpoint-4"]
@@ -158,6 +159,46 @@ def test_a_checkpoint_missing_a_rank_never_commits_and_is_reported(s3, tmp_path)
     lines = out.text.splitlines()
     first_error = next(i for i, line in enumerate(lines) if "checkpoint-1 was NOT" in line)
     assert any(f"committed {uri}/checkpoint-2" in line for line in lines[first_error:])
+
+
+def test_a_critic_that_uploads_late_or_never_holds_its_checkpoint_back(s3, tmp_path):
+    """A job with two checkpoint clusters (the actor of 2 ranks and a critic of 1), a new
+    output directory: nothing was committed there before. The critic's part of
+    checkpoint-1 never comes (as if it died first): checkpoint-1 is never committed and
+    is an ERROR naming the critic at the next save and at exit. The critic's part of
+    checkpoint-2 comes only after the pipeline's and the actor's are all in (ROLL's
+    async DCP save, its upload from the done-callback): checkpoint-2 is committed once
+    the critic's part is in, never without it. ROLL's pipeline names its checkpoint
+    clusters; nobody gives a count."""
+    block, _ = guide_recipe()
+    block = block.replace(GUIDE_URI, s3.root).replace("resume_from_checkpoint: true",
+                                                      "resume_from_checkpoint: false")
+    launch = cloudckpt_run(project(tmp_path, block,
+                                   "critic:\n  device_mapping: list(range(0,1))\n"))
+    config = next((tmp_path / "examples").rglob("*.yaml"))
+    # The pipeline's part uploads synchronously: a late critic is surely later than it.
+    config.write_text(config.read_text().replace("max_steps: 5", "max_steps: 4").replace(
+        "checkpoint_config:\n", "checkpoint_config:\n  parts_timeout: 2\n  async_upload: false\n"))
+    uri = f"{s3.root}/onekey"
+    with node_disks() as disks:
+        out = run_node(node(launch, disks, "node-a", s3.env), tmp_path,
+                       {"ROLL_TEST_LOST_PART": "checkpoint-1:critic-0",
+                        "ROLL_TEST_LATE_PART": "checkpoint-2:critic-0",
+                        "ROLL_TEST_STEP_PAUSE": "3"}, "critic")
+    assert [c.name for c in list_checkpoints(uri, s3.options)] == \
+        ["checkpoint-2", "checkpoint-3"]
+    step2 = open_checkpoint(f"{uri}/checkpoint-2", s3.options)
+    step2.verify(deep=True)
+    assert step2.metadata["parts"] == ["actor_train-0", "actor_train-1", "critic-0", "pipeline"]
+    assert step2.metadata["clusters"] == {"actor_train": 2, "critic": 1}
+    assert {"dcp/.metadata", "critic/dcp/.metadata", "critic/dcp/__0_0.distcp",
+            "pipeline/worker_state_pipeline.json"} <= set(step2.files)
+    errors = [line for line in out.text.splitlines() if "ERROR:cloudckpt" in line]
+    assert errors and all("checkpoint-1" in e for e in errors), errors  # none of step 2
+    at_save = [e for e in errors if "checkpoint-1 was NOT committed" in e]
+    assert at_save and all("every part of critic (1 rank" in e for e in at_save), errors
+    at_exit = [e for e in errors if "at exit: checkpoint-1 never committed" in e]
+    assert at_exit and all("critic" in e for e in at_exit), errors
 
 
 def test_the_forgotten_launcher_is_caught_by_the_doctor(s3, tmp_path):

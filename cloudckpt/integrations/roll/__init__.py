@@ -14,10 +14,10 @@ marker ``{ckpt_id}/_cloudckpt_parts/{part}.json`` lists them. The checkpoint is
 committed (cloudckpt manifest, written create-only, listing every object)
 
 - automatically by whichever uploader completes it: without a count, the parts declare
-  the set they belong to (the pipeline, every rank of each uploading cluster:
-  ``membership``); with ``expected_uploads``, that many current parts (listings are
-  strongly consistent, and two simultaneous committers race on a create-only write
-  that exactly one wins), or
+  the set they belong to (the pipeline, naming every checkpoint cluster of ROLL's
+  pipeline; every rank of each cluster: ``membership``, ``pipeline``); with
+  ``expected_uploads``, that many current parts (listings are strongly consistent, and
+  two simultaneous committers race on a create-only write that exactly one wins), or
 - explicitly by :meth:`RollUploader.commit`.
 
 Either way only once the parts hold all that ROLL's resume reads (the pipeline's
@@ -43,10 +43,10 @@ checkpoint or fetches the latest one. See docs/integrations/roll.md.
 
 The package: ``staging`` (a worker's local files and part name), ``parts`` (the part
 markers, and what ROLL's resume needs of them), ``membership`` (which parts make a
-checkpoint), ``uploader`` (the uploaders and the commit), ``openckpts`` (checkpoints not
-yet committed, reported), ``resume`` (the latest committed checkpoint, downloaded),
-``bucketkey`` and ``registries`` (ROLL's registries), ``doctor`` (a launch, read) and
-``cli`` (the ``cloudckpt roll`` commands).
+checkpoint), ``pipeline`` (ROLL's pipeline object, read), ``uploader`` (the uploaders
+and the commit), ``openckpts`` (checkpoints not yet committed, reported), ``resume``
+(the latest committed checkpoint, downloaded), ``bucketkey`` and ``registries`` (ROLL's
+registries), ``doctor`` (a launch, read) and ``cli`` (the ``cloudckpt roll`` commands).
 """
 
 from cloudckpt.util.lazy import lazy_exports

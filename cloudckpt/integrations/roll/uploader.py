@@ -29,7 +29,7 @@ from cloudckpt.errors import (
     IncompleteCheckpointError,
     StorageError,
 )
-from cloudckpt.integrations.roll import commits, membership
+from cloudckpt.integrations.roll import commits, membership, pipeline
 from cloudckpt.integrations.roll.openckpts import OpenCheckpoints
 from cloudckpt.integrations.roll.plugin import PARTS_DIR
 from cloudckpt.integrations.roll.resume import (
@@ -79,9 +79,10 @@ class RollUploader(OpenCheckpoints):
       for an upload that succeeded); a background one deletes it after its upload,
       in case ROLL's manager did not, and puts it back if the upload fails;
     - ``expected_uploads``: parts per checkpoint (pipeline + every uploading rank), an
-      override; without it each part declares its set (:mod:`.membership`) and the part
-      that completes the checkpoint commits it. Either way only once the parts hold all
-      ROLL's resume reads;
+      override; without it each part declares its set, the pipeline's naming ROLL's
+      pipeline's checkpoint clusters (:mod:`.membership`), and the part that completes
+      the checkpoint commits it. Either way only once the parts hold all ROLL's resume
+      reads;
     - ``parts_timeout`` (120 s): a checkpoint this process uploaded a part of that
       then gets no new part for this long is reported as an ERROR (at the next
       ``upload``, or by ``wait``/``close``, which wait that long at most);
@@ -142,6 +143,9 @@ class RollUploader(OpenCheckpoints):
         self.blobs = BlobArea(self.store) if blobs.requested(incremental) else None
         self._created = time.time()
         self._uploaded = False
+        #: ROLL's pipeline building this uploader (its driver's), or None: its part then
+        #: names every checkpoint cluster the pipeline has (:mod:`.pipeline`).
+        self._pipeline = pipeline.constructing() if self.expected_uploads is None else None
         #: The clusters the newest committed checkpoint was made of (then those of each
         #: one this process commits): a later checkpoint without one of them is not whole.
         #: Read at the first commit without a count (:meth:`_known_clusters`).
@@ -155,7 +159,9 @@ class RollUploader(OpenCheckpoints):
         log.info("ROLL checkpoints go to %s (%s upload, %s)", self.output_dir,
                  "async" if self.async_upload else "sync",
                  f"expected_uploads={self.expected_uploads}" if self.expected_uploads
-                 else "parts known from the job")
+                 else "parts known from the job" + (
+                     ", every checkpoint cluster named by ROLL's pipeline"
+                     if self._pipeline is not None else ""))
 
     def _normalise(self, uri: str) -> str:
         if "://" not in uri:
@@ -182,9 +188,12 @@ class RollUploader(OpenCheckpoints):
             atexit.register(self._exiting)
         if self.expected_uploads is None:
             membership.announce(store, part, self.attempt_id)
+        # The pipeline's clusters as they are at its upload: after their do_checkpoint.
+        clusters = (pipeline.checkpoint_clusters(self._pipeline)
+                    if self._pipeline is not None else None)
         if not self.async_upload:
             try:
-                self._upload_part(ckpt_id, src, part, src)
+                self._upload_part(ckpt_id, src, part, src, clusters)
             except Exception as exc:
                 self._report_failure(ckpt_id, part, exc, src)
                 raise
@@ -193,7 +202,7 @@ class RollUploader(OpenCheckpoints):
 
         def background() -> None:
             with self._one_at_a_time:
-                self._background(ckpt_id, staging, part, src)
+                self._background(ckpt_id, staging, part, src, clusters)
 
         # Tracked like every background save: an upload still running when the process
         # ends is waited for (ROLL never calls wait()), or reported.
@@ -282,9 +291,10 @@ class RollUploader(OpenCheckpoints):
         for fut in pending:
             fut.exception()
 
-    def _background(self, ckpt_id: str, staging: Path, part: str, original: Path) -> None:
+    def _background(self, ckpt_id: str, staging: Path, part: str, original: Path,
+                    clusters: Mapping[str, int] | None) -> None:
         try:
-            self._upload_part(ckpt_id, staging, part, original)
+            self._upload_part(ckpt_id, staging, part, original, clusters)
         except BaseException as exc:
             with self._lock:
                 self._failed.setdefault(ckpt_id, exc)
@@ -311,7 +321,11 @@ class RollUploader(OpenCheckpoints):
                               f"got {ckpt_id!r}")
         return self.store.child(ckpt_id.strip("/"))
 
-    def _upload_part(self, ckpt_id: str, src: Path, part: str, original: Path) -> None:
+    def _upload_part(self, ckpt_id: str, src: Path, part: str, original: Path,
+                     clusters: Mapping[str, int] | None = None) -> None:
+        """Upload ``src`` as ``part``, its marker naming ``clusters`` (the pipeline's
+        checkpoint clusters, each of which the checkpoint then needs), then commit if
+        it is whole."""
         self._report_stalled(ckpt_id)
         store = self._checkpoint_store(ckpt_id)
         if store.exists(MANIFEST_NAME):
@@ -323,7 +337,7 @@ class RollUploader(OpenCheckpoints):
         entries = send_files(store, files, self.blobs)
         marker = {"part": part, "attempt": self.attempt_id, "created": time.time(),
                   "host": socket.gethostname(), "pid": os.getpid(), "files": entries,
-                  **membership.declare(part)}
+                  **membership.declare(part, clusters=clusters)}
         store.put(f"{PARTS_DIR}/{part}.json", json.dumps(marker, sort_keys=True).encode())
         log.info("uploaded part %r of %s: %d files, %d bytes in %.1f s", part, store.uri,
                  len(entries), sum(e["size"] for e in entries.values()), time.monotonic() - t0)
