@@ -40,6 +40,11 @@ def bind_launch(module: ModuleType) -> tuple[str, ...]:
             bucket = cfg.runner.output_dir
             if not is_remote(bucket):
                 return own(func)(cfg, *args, **kwargs)
+            if cfg.runner.get("resume_dir") is None:  # before RLinf starts its loggers
+                from cloudckpt.integrations.rlinf.layout import checkpoints_root
+                from cloudckpt.integrations.rlinf.runner import refuse_fresh_start
+
+                refuse_fresh_start(checkpoints_root(bucket, cfg.runner.experiment_name))
 
             def inside(cfg: Any, *args: Any, **kwargs: Any) -> Any:
                 cfg.runner.output_dir = bucket  # RLinf's log is open: the bucket again

@@ -73,7 +73,10 @@ def resolve(runner: Any) -> None:
 def refuse_fresh_start(root: str) -> None:
     """A run without ``resume_dir`` over a bucket that holds committed steps would train
     from step 0 and fail at its first save, on a step name already committed (steps are
-    immutable): refused before any training, with the key that resumes."""
+    immutable): refused before any training, with the key that resumes. Checked where
+    the entry script's ``output_redirector`` gets the config, before RLinf's runner
+    starts its loggers (an exception after wandb's start hangs the process at exit, in
+    ``MetricLogger.__del__``), and again in ``init_workers`` for other entry points."""
     newest = resolve_resume_dir("auto", root)
     if newest is not None:
         raise ConfigError(
