@@ -16,14 +16,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from onekey import scheme_named, unchanged
+from helpers import HUB_TOKEN
+from onekey import guide_block, launch_lines, scheme_named, unchanged
 from test_relaunch import kill_mid_save, node_disks, on_node, run_node
 from test_roll_ray import ROLL_SRC
 
@@ -48,13 +48,10 @@ actor_train:
 
 
 def guide_recipe() -> tuple[str, list[str]]:
-    """The recipe's YAML block and its launch line, from the guide."""
-    text = GUIDE.read_text()
-    recipe = text[text.index("## The shortest recipe"):]
-    yaml = re.search(r"```yaml\n(.*?)```", recipe, re.S)
-    launch = re.search(r"^cloudckpt run -- (python examples/start_\w+\.py .*)$", recipe, re.M)
-    assert yaml and launch, "the guide's recipe has no YAML block or launch line"
-    return yaml.group(1), shlex.split(launch.group(1))
+    """The recipe's YAML block and its launch line (after ``cloudckpt run --``)."""
+    launch = launch_lines(GUIDE, after="The shortest recipe")
+    assert launch and launch[0][3:5] == ["python", "examples/start_rlvr_pipeline.py"], launch
+    return guide_block(GUIDE, "yaml", after="The shortest recipe"), launch[0][3:]
 
 
 def project(tmp: Path, checkpoint_block: str, extra: str = "") -> list[str]:
@@ -99,7 +96,7 @@ def roll_reference(tmp_path_factory) -> dict[int, list[dict]]:
 
 
 def test_one_key_run_is_killed_and_comes_back_bit_exact(s3, moto_server, tmp_path,
-                                                         roll_reference):
+                                                         roll_reference, hub_server):
     block, _ = guide_recipe()
     assert "expected_uploads" not in block
     assert not re.search(r"cloudckpt run [^\n]*--integration", GUIDE.read_text())
@@ -129,6 +126,24 @@ def test_one_key_run_is_killed_and_comes_back_bit_exact(s3, moto_server, tmp_pat
     assert scheme_named(tmp_path) == []
     assert list((tmp_path / "output" / "logs" / "onekey").glob("log_rank_DRIVER_*.log"))
     assert list((tmp_path / "output" / "onekey").iterdir())  # the tensorboard directory
+    push_as_the_guide_says(uri, s3.env, tmp_path / "hub", hub_server)
+
+
+def push_as_the_guide_says(uri: str, env: dict[str, str], cwd: Path, hub) -> None:
+    """The guide's Hub push of the newest checkpoint, run as written: the HF files of
+    rank 0 reach the Hub, none of ROLL's own state."""
+    script = guide_block(GUIDE, "bash", containing="hf upload").replace(
+        "s3://my-bucket/roll/my_exp", uri)
+    cwd.mkdir()
+    bin_dir = str(Path(sys.executable).parent)
+    r = subprocess.run(["bash", "-ec", script], cwd=cwd, capture_output=True, text=True,
+                       timeout=300, env={**os.environ, **env, "HF_TOKEN": HUB_TOKEN,
+                                         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
+    assert r.returncode == 0, r.stderr[-4000:]
+    pushed = hub.files("my-org/my-model")
+    fetched = cwd / "ckpt" / "checkpoint-4"
+    assert set(pushed) == {"config.json", "model.safetensors"}, sorted(pushed)
+    assert pushed["model.safetensors"] == (fetched / "model.safetensors").read_bytes()
 
 
 def test_a_checkpoint_missing_a_rank_never_commits_and_is_reported(s3, tmp_path):
