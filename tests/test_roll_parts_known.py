@@ -9,6 +9,7 @@ import json
 import pytest
 
 from cloudckpt import open_checkpoint
+from cloudckpt.errors import IncompleteCheckpointError
 from cloudckpt.integrations.roll.bucketkey import as_written, file_system_or_bucket
 from cloudckpt.integrations.roll.membership import declare, missing
 from cloudckpt.integrations.roll.resume import recorded_clusters
@@ -125,6 +126,9 @@ def test_the_clusters_a_commit_records_bind_every_later_attempt(s3, monkeypatch,
     upload(relaunch, "checkpoint-3", "critic-0", "critic", 0, 1)
     upload(relaunch, "checkpoint-3", "pipeline")
     assert not relaunch.store.child("checkpoint-3").exists("cloudckpt-manifest.json")
+    # Reported by the relaunch's wait (and so not left for its exit, past the server's).
+    with pytest.raises(IncompleteCheckpointError, match="checkpoint-3 never committed"):
+        relaunch.wait()
 
 
 def declaring(clusters):

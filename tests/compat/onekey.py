@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
 import re
 import shlex
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -90,3 +93,16 @@ def launch_lines(path: Path, *, after: str | None = None) -> list[list[str]]:
              for line in block.replace("\\\n", " ").splitlines()
              if line.startswith("cloudckpt run ")]
     return [words for words in lines if words[:3] == ["cloudckpt", "run", "--"]]
+
+
+def run_guide_script(script: str, cwd: Path, env: dict[str, str]) -> None:
+    """A guide's shell block, run as written (``bash -e``) in ``cwd`` with this Python's
+    commands (``cloudckpt``, ``hf``) first on ``PATH``, the Hub's test token and ``env``."""
+    from helpers import HUB_TOKEN
+
+    cwd.mkdir(parents=True, exist_ok=True)
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    r = subprocess.run(["bash", "-ec", script], cwd=cwd, capture_output=True, text=True,
+                       timeout=300, env={**os.environ, **env, "HF_TOKEN": HUB_TOKEN,
+                                         "PATH": path})
+    assert r.returncode == 0, (script, r.stdout[-2000:], r.stderr[-4000:])

@@ -13,13 +13,14 @@ The doctor says all this of the same command before it runs, and what a launch w
 from __future__ import annotations
 
 import getpass
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from onekey import guide_block, scheme_named, unchanged
+from onekey import guide_block, run_guide_script, scheme_named, unchanged
 from test_areal_trainer import (
     BOUND_AT_CONFIG,
     SFT,
@@ -36,6 +37,7 @@ from test_areal_trainer import (
     steps_done,
 )
 
+from cloudckpt import open_store
 from cloudckpt.cli import main as cloudckpt_cli
 from cloudckpt.errors import EXIT_USAGE
 from cloudckpt.runtime.localdirs import local_dir_for
@@ -82,7 +84,7 @@ def fixtures(tmp_path_factory) -> dict[str, str]:
 
 
 def test_the_recipe_killed_and_relaunched_resumes_bit_exact(fixtures, s3, tmp_path,
-                                                           tmp_path_factory):
+                                                           tmp_path_factory, hub_server):
     bucket = f"{s3.root}/experiments"
     work = tmp_path / "work"
     config = user_config(tmp_path / "conf", bucket)
@@ -108,6 +110,19 @@ def test_the_recipe_killed_and_relaunched_resumes_bit_exact(fixtures, s3, tmp_pa
     assert_recover_equal(slot, s3, ref_trial, tmp_path)
     ref_export = last_export(ref_trial)
     assert_export_equal(f"{bucket}/{TRIAL}/default/{ref_export.name}", s3, ref_export)
+
+    # The guide's Hub push of an export, as written: the export's files on the Hub.
+    (line,) = re.findall(r"`(cloudckpt push \S+ \S+)`", GUIDE.read_text())
+    user, experiment, trial = TRIAL.split("/")[1:]
+    line = re.sub(r"default/epoch\w+", f"default/{ref_export.name}", line.replace(
+        GUIDE_BUCKET, bucket).replace("<user>", user).replace("<experiment>", experiment)
+        .replace("<trial>", trial))
+    run_guide_script(line, tmp_path / "hub", s3.env)
+    pushed = hub_server.files("my-org/my-model")
+    export = open_store(f"{bucket}/{TRIAL}/default/{ref_export.name}", s3.options)
+    weights = [p.name for p in ref_export.glob("*.safetensors")]
+    assert weights and {"config.json", *weights} <= pushed.keys()
+    assert all(pushed[name] == export.get(name) for name in weights)
 
     # AReaL's local files under the directory named for the bucket, nothing named s3:.
     local = Path(local_dir_for(bucket, cwd=str(work), environ={}))
@@ -260,11 +275,13 @@ def test_name_resolve_files_on_a_bucket_derived_path_are_refused_on_several_node
     from cloudckpt.integrations.areal.placement import NFS_ROOT, plan
 
     cfg = composed(tmp_path, SECTIONS.format(root="s3://b/x", mode="on"),
-                   [f"+cluster.name_resolve.type={resolver}"])
+                   [f"+cluster.name_resolve.type={resolver}",  # as AReaL's examples write
+                    "+cluster.name_resolve.nfs_record_root=${cluster.fileroot}/name_resolve"])
     one_node = {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"}
     two_nodes = {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}
     (alone,) = [p for p in plan(cfg, environ=one_node, cwd=str(tmp_path)) if p.key == NFS_ROOT]
-    assert alone.problem is None and alone.lands.startswith(f"{tmp_path}/cloudckpt-local/b/x")
+    assert alone.problem is None, alone
+    assert alone.lands == f"{tmp_path}/cloudckpt-local/b/x/name_resolve"
     (shared,) = [p for p in plan(cfg, environ=two_nodes, cwd=str(tmp_path))
                  if p.key == NFS_ROOT]
     if refused:

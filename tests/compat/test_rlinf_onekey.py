@@ -28,12 +28,15 @@ from importlib.metadata import distribution
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
-from onekey import code_hashes, launch_lines, scheme_named
+from onekey import code_hashes, guide_block, launch_lines, run_guide_script, scheme_named
+from safetensors.torch import load as safetensors_load
 from test_relaunch import assert_same_steps, kill_mid_save, node_disks, on_node, run_node
 
 from cloudckpt import list_checkpoints
 from cloudckpt.errors import ConfigError
+from cloudckpt.hf.convert import model_state_from_dcp
 from cloudckpt.integrations.rlinf import doctor, localpaths
 from cloudckpt.runtime.localdirs import local_dir_for
 
@@ -77,7 +80,8 @@ def saved(report: dict) -> dict[int, dict]:
     return {s["step"]: {"digests": s["digests"], "next": s["next"]} for s in report["saved"]}
 
 
-def test_one_key_run_killed_mid_save_resumes_bit_exact(s3, moto_server, tmp_path):
+def test_one_key_run_killed_mid_save_resumes_bit_exact(s3, moto_server, tmp_path,
+                                                        hub_server):
     launch, relaunch = recipe()
     env = {**s3.env, "WANDB_MODE": "offline"}
     rlinf_files = code_hashes(installed_rlinf())
@@ -142,6 +146,20 @@ def test_one_key_run_killed_mid_save_resumes_bit_exact(s3, moto_server, tmp_path
     assert "bound the rlinf integration into rlinf 0.3.0" in out.text
     assert scheme_named(run) == []
     assert code_hashes(installed_rlinf()) == rlinf_files
+
+    # The guide's Hub push: the newest step's model converted to an HF export, pushed.
+    config = tmp_path / "model-config.json"
+    config.write_text('{"model_type": "qwen2"}')
+    script = guide_block(GUIDE, "bash", containing="cloudckpt push").replace(
+        GUIDE_BUCKET, s3.root).replace("global_step_150", "global_step_4").replace(
+        "/path/to/model/config.json", str(config))
+    run_guide_script(script, tmp_path / "hub", s3.env)
+    pushed = hub_server.files("my-org/grpo-1.5b")
+    weights = {k: v for f, data in pushed.items() if f.endswith(".safetensors")
+               for k, v in safetensors_load(data).items()}
+    step4 = model_state_from_dcp(f"{ckpts}/global_step_4", storage_options=s3.options)
+    assert weights.keys() == step4.keys() and "config.json" in pushed
+    assert all(torch.equal(weights[k], step4[k]) for k in step4)
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:

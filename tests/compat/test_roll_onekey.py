@@ -22,8 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import HUB_TOKEN
-from onekey import guide_block, launch_lines, scheme_named, unchanged
+from onekey import guide_block, launch_lines, run_guide_script, scheme_named, unchanged
 from test_relaunch import kill_mid_save, node_disks, on_node, run_node
 from test_roll_ray import ROLL_SRC
 
@@ -132,17 +131,12 @@ def test_one_key_run_is_killed_and_comes_back_bit_exact(s3, moto_server, tmp_pat
 def push_as_the_guide_says(uri: str, env: dict[str, str], cwd: Path, hub) -> None:
     """The guide's Hub push of the newest checkpoint, run as written: the HF files of
     rank 0 reach the Hub, none of ROLL's own state."""
-    script = guide_block(GUIDE, "bash", containing="hf upload").replace(
-        "s3://my-bucket/roll/my_exp", uri)
-    cwd.mkdir()
-    bin_dir = str(Path(sys.executable).parent)
-    r = subprocess.run(["bash", "-ec", script], cwd=cwd, capture_output=True, text=True,
-                       timeout=300, env={**os.environ, **env, "HF_TOKEN": HUB_TOKEN,
-                                         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
-    assert r.returncode == 0, r.stderr[-4000:]
+    run_guide_script(guide_block(GUIDE, "bash", containing="hf upload").replace(
+        "s3://my-bucket/roll/my_exp", uri), cwd, env)
     pushed = hub.files("my-org/my-model")
+    assert set(pushed) - {".gitattributes"} == {"config.json", "model.safetensors"}, \
+        sorted(pushed)  # the Hub's own .gitattributes, from the repo's creation
     fetched = cwd / "ckpt" / "checkpoint-4"
-    assert set(pushed) == {"config.json", "model.safetensors"}, sorted(pushed)
     assert pushed["model.safetensors"] == (fetched / "model.safetensors").read_bytes()
 
 
