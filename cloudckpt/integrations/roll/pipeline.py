@@ -13,8 +13,8 @@ manager, or a CheckpointManager driven by hand) nothing is found and nothing is 
 
 from __future__ import annotations
 
+import inspect
 import logging
-import sys
 import weakref
 from typing import Any
 
@@ -37,9 +37,10 @@ def _is_pipeline(obj: Any) -> bool:
 def constructing() -> Pipeline | None:
     """The ROLL pipeline whose constructor is building the caller (weakly held: the
     uploader never keeps the pipeline alive), or None."""
-    frame = sys._getframe(1)
+    frame = inspect.currentframe()  # this function's; its caller's is the uploader's
+    frame = frame.f_back if frame is not None else None
     for _ in range(_DEPTH):
-        frame = frame.f_back
+        frame = frame.f_back if frame is not None else None
         if frame is None:
             return None
         owner = frame.f_locals.get("self")
