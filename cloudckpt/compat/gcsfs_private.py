@@ -5,23 +5,22 @@ cloudckpt sends GCS requests gcsfs has no public call for (multipart uploads wit
 precondition and a CRC32C, compose, rewrite, ranged GETs read as they arrive) through
 gcsfs's own session, so they carry its credentials, endpoint and error translation.
 
-gcsfs reads ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT`` once, when it is imported; this module
-imports gcsfs for cloudckpt and sets that to false first (unless it is set), as the
-emulator needs.
+cloudckpt's client is gcsfs's core class (``gcsfs.core.GCSFileSystem``), whatever
+``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT`` makes ``gcsfs.GCSFileSystem`` in the host process
+(gcsfs reads it once, at its import, and by default swaps in its experimental
+subclass, whose every call to an emulator stalls about a minute): a library leaves its
+host's environment, and the host's other users of gcsfs, as they are.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+import gcsfs.core
 
-import gcsfs  # noqa: E402 - must follow the environment default above
+from cloudckpt.compat import Internal
 
-from cloudckpt.compat import Internal  # noqa: E402
-
-_FS = "gcsfs.GCSFileSystem"
+_FS = "gcsfs.core.GCSFileSystem"
 
 INTERNALS = {
     f"{_FS}._call": Internal("one JSON API request through gcsfs's session and errors"),
@@ -38,42 +37,42 @@ INTERNALS = {
 }
 
 
-class OneTryGCSFileSystem(gcsfs.GCSFileSystem):
+class OneTryGCSFileSystem(gcsfs.core.GCSFileSystem):
     """gcsfs with one try per request (``GCSFileSystem._request`` unwrapped from its
     retry decorator): retries belong to cloudckpt's RetryPolicy."""
 
-    _request = getattr(gcsfs.GCSFileSystem._request, "__wrapped__",
-                       gcsfs.GCSFileSystem._request)
+    _request = getattr(gcsfs.core.GCSFileSystem._request, "__wrapped__",
+                       gcsfs.core.GCSFileSystem._request)
 
 
-async def call(fs: gcsfs.GCSFileSystem, method: str, path: str, *args: Any,
+async def call(fs: gcsfs.core.GCSFileSystem, method: str, path: str, *args: Any,
                **kwargs: Any) -> Any:
     """``GCSFileSystem._call``: one request of the JSON API (``path`` a template of
     ``args``, relative to the API's base unless a URL), gcsfs's errors as OSErrors."""
     return await fs._call(method, path, *args, **kwargs)
 
 
-def location(fs: gcsfs.GCSFileSystem) -> str:
+def location(fs: gcsfs.core.GCSFileSystem) -> str:
     """``GCSFileSystem._location``: the endpoint's base URL."""
     return str(fs._location)
 
 
-async def delete_files(fs: gcsfs.GCSFileSystem, paths: list[str], batch: int) -> list[Any]:
+async def delete_files(fs: gcsfs.core.GCSFileSystem, paths: list[str], batch: int) -> list[Any]:
     """``GCSFileSystem._delete_files``: deletes ``paths`` literally, ``batch`` per request;
     a result per path (None, or its exception)."""
     return await fs._delete_files(paths, batch)
 
 
-async def session(fs: gcsfs.GCSFileSystem) -> Any:
+async def session(fs: gcsfs.core.GCSFileSystem) -> Any:
     """``GCSFileSystem._set_session``: gcsfs's aiohttp session, made if need be."""
     return await fs._set_session()
 
 
-def params(fs: gcsfs.GCSFileSystem) -> dict[str, Any]:
+def params(fs: gcsfs.core.GCSFileSystem) -> dict[str, Any]:
     """``GCSFileSystem._get_params``: the query parameters gcsfs sends with a request."""
     return fs._get_params({})
 
 
-def headers(fs: gcsfs.GCSFileSystem, extra: dict[str, str] | None = None) -> dict[str, str]:
+def headers(fs: gcsfs.core.GCSFileSystem, extra: dict[str, str] | None = None) -> dict[str, str]:
     """``GCSFileSystem._get_headers``: gcsfs's headers (its credentials) plus ``extra``."""
     return fs._get_headers(dict(extra or {}))

@@ -20,9 +20,9 @@ then could not keep its deadline; this backend runs gcsfs with one try per
 request and retries under the policy alone, as the S3 backend does. What
 gcsfs's errors mean is in :mod:`.gcs_errors`.
 
-gcsfs is imported through :mod:`cloudckpt.compat.gcsfs_private`, which sets
-``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` first unless it is set (the emulator
-needs it).
+gcsfs is reached through :mod:`cloudckpt.compat.gcsfs_private`: its core
+filesystem class, whatever ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT`` says, and the
+environment left alone.
 """
 
 from __future__ import annotations
