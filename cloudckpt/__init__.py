@@ -4,6 +4,9 @@ A checkpoint is a prefix of objects plus a manifest written last and
 create-only: it is either complete and verifiable, or invisible.
 """
 
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
+
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
 from cloudckpt.core.deletion import delete_checkpoint
 from cloudckpt.core.listing import CheckpointInfo, latest_checkpoint, list_checkpoints
@@ -37,7 +40,10 @@ __getattr__ = lazy_exports(__name__, {
     "runtime.state": ("StepInfo",),
 })
 
-__version__ = "0.1.0"
+try:  # written once, in pyproject.toml
+    __version__ = _version("cloudckpt")
+except PackageNotFoundError:  # a source tree on sys.path, never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "MANIFEST_NAME",

@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers import torn_save
@@ -297,3 +298,18 @@ def test_other_commands_import_no_frameworks_commands(s3):
     out = subprocess.run([sys.executable, "-c", code, s3.root], capture_output=True, text=True,
                          env={**os.environ, **s3.env}, timeout=120)
     assert "LOADED [] TORCH False" in out.stdout, out.stdout + out.stderr
+
+
+
+def test_the_version_is_written_once_in_pyproject(capsys):
+    """``--version`` prints pyproject's version, which no module repeats."""
+    import tomllib
+
+    import cloudckpt
+
+    root = Path(cloudckpt.__file__).resolve().parent
+    want = tomllib.loads((root.parent / "pyproject.toml").read_text())["project"]["version"]
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.strip() == f"cloudckpt {want}"
+    assert not [p for p in root.rglob("*.py") if f'"{want}"' in p.read_text()]
