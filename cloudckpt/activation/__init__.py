@@ -99,7 +99,7 @@ def _bind_imported(fw: Framework, allow_untested: bool | None) -> None:
     bound = [f"{module.__name__}.{name}" for b, module in now
              for name in bind(fw, b, module, allow_untested=allow_untested, say=False)]
     if bound:
-        announce(fw, describe(fw, *now[0]), bound)
+        announce(fw, describe(fw, identify(fw, *now[0])), bound)
 
 
 def _carry_into_ray(names: Iterable[str] | str | None, chosen: list[Framework],

@@ -47,10 +47,9 @@ def identify(fw: Framework, binding: Binding, module: ModuleType) -> str:
     return "unknown"
 
 
-def describe(fw: Framework, binding: Binding, module: ModuleType) -> str:
+def describe(fw: Framework, found: str) -> str:
     """What the log lines call the framework: its distribution and version, or its
-    code's fingerprint."""
-    found = identify(fw, binding, module)
+    code's fingerprint (``found``: :func:`identify`'s answer)."""
     return f"{fw.distribution} {found}" if fw.distribution else f"{fw.name} (code {found})"
 
 
@@ -64,7 +63,7 @@ def bind(fw: Framework, binding: Binding, module: ModuleType, *,
     found = identify(fw, binding, module)
     if allow_untested is None:
         allow_untested = os.environ.get(ENV_ALLOW_UNTESTED, "") not in ("", "0")
-    what = describe(fw, binding, module)
+    what = describe(fw, found)
     if found not in fw.tested:
         tested = ", ".join(fw.tested) or "none"
         if not allow_untested:
