@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -62,8 +63,9 @@ def test_sft_steps_commit_to_s3_resume_auto_and_by_path_and_prune_and_megatron_s
     plan = {"root": s3.root, "keep": 2, "steps": [1, 2, 3], "megatron": megatron,
             "resumes": [["auto", None], ["resume_path", f"{s3.root}/global_step_2"]]}
     reports, stderr = run_ranks(tmp_path, plan, {**s3.env, "CLOUDCKPT_STAGING": str(stage)})
-    assert stderr.count("verl.utils.checkpoint.checkpoint_handler.CheckpointHandler."
-                        "save_checkpoint") == 2  # each rank bound it, and said so
+    # Each rank bound verl and said so in one line (what it bound: the resumes below).
+    assert len(re.findall(r"bound the verl integration into verl 0\.9\.1, pid \d+: ",
+                          stderr)) == 2, stderr
     assert_resumed(reports, 0, 3)
     assert_resumed(reports, 1, 2)
     # max_ckpt_to_keep after each commit, over whole committed steps
@@ -79,8 +81,6 @@ def test_sft_steps_commit_to_s3_resume_auto_and_by_path_and_prune_and_megatron_s
     assert open_store(s3.root, s3.options).get(TRACKER) == b"3"
     assert_megatron_staged([rep["megatron"] for rep in reports])
     assert list(stage.iterdir()) == []  # every staging copy (saves, loads) removed
-    assert "verl.utils.checkpoint.megatron_checkpoint_manager.MegatronCheckpointManager." \
-        "save_checkpoint" in stderr
 
 
 def assert_megatron_staged(reports: list[dict]) -> None:
