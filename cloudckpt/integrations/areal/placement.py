@@ -113,6 +113,7 @@ def plan(cfg: Any, *, environ: Any = None, cwd: str | None = None) -> list[Place
     ``problem`` where it is a bucket URI AReaL could only use as a local path and
     cloudckpt cannot place)."""
     environ = os.environ if environ is None else environ
+    nodes = _nodes(environ)
     placed = []
     for key in path_keys(cfg):
         value = _resolved(cfg, key)
@@ -122,8 +123,8 @@ def plan(cfg: Any, *, environ: Any = None, cwd: str | None = None) -> list[Place
                 problem = (f"AReaL's name-resolve records are files its processes read "
                            f"and write with local file calls, which no bucket holds: set "
                            f"{key} to a local (or shared) directory, or leave it out")
-            elif key == NFS_ROOT and _nfs(cfg) and _nodes(environ) > 1:
-                problem = (f"this job runs on {_nodes(environ)} nodes, whose processes find "
+            elif key == NFS_ROOT and _nfs(cfg) and nodes > 1:
+                problem = (f"this job runs on {nodes} nodes, whose processes find "
                            f"each other through name-resolve records in one shared "
                            f"directory; derived from a bucket, {key} would be a local "
                            f"directory on each node: set it to a shared (NFS) directory, "
