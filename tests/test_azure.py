@@ -12,8 +12,8 @@ import pytest
 
 from cloudckpt import CheckpointWriter, ConfigError, StorageError, open_checkpoint
 from cloudckpt.movement.transfer import copy_checkpoint
-from cloudckpt.storage import azure as azure_mod
 from cloudckpt.storage import conditional, open_store
+from cloudckpt.storage.backends.azure import backend as azure_mod
 
 PART = 256 * 1024
 

@@ -40,7 +40,7 @@ def through(s3, proxy, **extra) -> dict:
 
 
 def errors_about(caplog, bucket: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "cloudckpt.storage"
+    return [r.getMessage() for r in caplog.records if r.name.startswith("cloudckpt.storage.")
             and r.levelno == logging.ERROR and bucket in r.getMessage()]
 
 

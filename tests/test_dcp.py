@@ -471,7 +471,7 @@ def test_a_loaded_tensor_is_received_into_its_own_memory(s3, monkeypatch):
     import numpy as np
 
     from cloudckpt.dcp.placement import _Stream
-    from cloudckpt.storage.ranges import Filling
+    from cloudckpt.storage.transfer.ranges import Filling
     from cloudckpt.util import pages
 
     pieces: list[tuple[int, int]] = []  # (address, bytes) of every piece a sink took

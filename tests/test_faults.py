@@ -144,7 +144,7 @@ def test_a_range_read_into_buffers_on_the_event_loop_resumes_where_it_was_cut(
     whole range."""
     import threading
 
-    from cloudckpt.storage import ranges
+    from cloudckpt.storage.transfer import ranges
     from cloudckpt.util.crc import Crc32c
 
     via, proxy = proxied

@@ -45,7 +45,7 @@ def test_gc_on_local_respects_the_grace_period(local):
 def test_gc_leaves_an_unfinished_save_whose_age_it_cannot_tell(local, monkeypatch, caplog):
     # a listing without times must not read as "abandoned at the epoch": on a
     # backend that gives none, gc would delete saves in progress
-    import cloudckpt.storage.base as base
+    import cloudckpt.storage.store as base
 
     torn(local, "step-2", b"torn, old")
     age(local.uri("step-2"), 7200)

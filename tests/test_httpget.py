@@ -1,4 +1,4 @@
-"""The lean HTTP client of ranged GETs (cloudckpt/storage/httpget.py): over moto and
+"""The lean HTTP client of ranged GETs (cloudckpt/storage/transfer/httpget.py): over moto and
 fake-gcs-server through the S3 and GCS backends, and against a small HTTP server on
 loopback for what they never do (a kept connection closed under it, a stall, a
 chunked answer)."""
@@ -13,8 +13,8 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from cloudckpt import open_store
-from cloudckpt.storage import httpget
-from cloudckpt.storage.httpget import Unanswered, get_range
+from cloudckpt.storage.transfer import httpget
+from cloudckpt.storage.transfer.httpget import Unanswered, get_range
 
 
 @pytest.mark.parametrize("where", ["s3", "gcs", "azure"])
@@ -31,7 +31,7 @@ def test_ranged_reads_take_the_lean_client(where, request, monkeypatch):
         used.append((start, end))
         return await real(url, start, end, give, **kw)
 
-    monkeypatch.setattr("cloudckpt.storage.ranges.get_range", counted)
+    monkeypatch.setattr("cloudckpt.storage.transfer.ranges.get_range", counted)
     data = os.urandom(3 * httpget.PIECE + 12345)
     store = open_store(backend.root, backend.options)
     store.put("obj.bin", data)
@@ -103,7 +103,7 @@ def test_filling_offers_its_buffers_and_takes_views_of_them_as_in_place():
     there (not copied: here a view of other bytes of it, which a copy would have
     written over the slot), any other piece is copied in, and the CRC32C covers
     both."""
-    from cloudckpt.storage.ranges import Filling
+    from cloudckpt.storage.transfer.ranges import Filling
     from cloudckpt.util.crc import crc32c_value
 
     first, second = bytearray(b"abcdefghij"), bytearray(b"-" * 6)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -233,7 +236,7 @@ def test_gcs_stream_composes_parts_in_a_tree(gcs):
 def test_gcs_compose_of_a_wrong_part_fails_the_write(gcs, monkeypatch):
     """A part stored with other bytes than sent (say, twice) must not become an
     object that a manifest could list: the composed CRC32C is checked."""
-    from cloudckpt.storage import gcs as gcs_mod
+    from cloudckpt.storage.backends.gcs import backend as gcs_mod
 
     store = open_store(gcs.root, {**gcs.options, "part_size": 256 * 1024})
     real_finish = gcs_mod._ComposeWriter._finish
@@ -279,7 +282,7 @@ def test_gcs_failed_part_fails_the_stream_early(gcs, gcs_server):
 
 
 def test_gcs_abort_removes_parts_and_compose_tree(gcs, monkeypatch):
-    from cloudckpt.storage import gcs as gcs_mod
+    from cloudckpt.storage.backends.gcs import backend as gcs_mod
 
     store = open_store(gcs.root, {**gcs.options, "part_size": 256 * 1024})
     real = gcs_mod.GCSBackend._compose
@@ -297,7 +300,7 @@ def test_gcs_abort_removes_parts_and_compose_tree(gcs, monkeypatch):
 
 
 def test_gcs_part_limit_is_checked_before_sending(gcs, monkeypatch):
-    from cloudckpt.storage import gcs as gcs_mod
+    from cloudckpt.storage.backends.gcs import backend as gcs_mod
 
     monkeypatch.setattr(gcs_mod._ComposeWriter, "MAX_PARTS", 3)
     store = open_store(gcs.root, {**gcs.options, "part_size": 256 * 1024})
@@ -337,7 +340,7 @@ class _Refused(Exception):
 
 
 def _flaky_backend():
-    from cloudckpt.storage.memory import MemoryBackend
+    from cloudckpt.storage.backends.memory import MemoryBackend
     from cloudckpt.storage.retry import Classified, Failure
 
     class FlakyBackend(MemoryBackend):
@@ -381,6 +384,33 @@ def test_the_backend_classifies_its_own_failures():
         store.get("gone")
     with pytest.raises(AccessDeniedError, match="access was denied"):
         store.put("denied", b"x")
+
+
+def test_every_builtin_backends_failures_are_judged_without_its_client_library():
+    """A failure whose backend is not named (``is_transient(exc)``) is judged by every
+    built-in backend's ``errors.classify``, Azure's included, and the registry loads
+    those rules without s3fs, gcsfs, adlfs or the Azure SDK."""
+    code = textwrap.dedent("""
+        import sys
+        import cloudckpt.storage as s
+        from cloudckpt.storage import registry
+        assert all(b.errors for b in registry.BUILTIN if b.schemes[0] in ("s3", "gs", "az"))
+        heavy = {"s3fs", "botocore", "gcsfs", "adlfs", "azure.core", "azure.storage.blob"}
+        print(sorted(heavy & set(sys.modules)))
+
+        class ServiceResponseError(Exception):
+            pass
+        ServiceResponseError.__module__ = "azure.core.exceptions"
+        class HttpResponseError(Exception):
+            status_code, error_code = 503, "ServerBusy"
+        HttpResponseError.__module__ = "azure.core.exceptions"
+        print(s.is_transient(ServiceResponseError("reset")),
+              s.is_transient(HttpResponseError("busy")))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["[]", "True True"]
 
 
 def test_stores_opened_one_after_another_reuse_the_io_threads(memory):

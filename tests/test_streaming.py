@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 import cloudckpt.dcp as cloud_dcp
 from cloudckpt import open_checkpoint
 from cloudckpt.errors import CorruptCheckpointError, StateMismatchError
-from cloudckpt.storage.window import shared_window
+from cloudckpt.storage.transfer.window import shared_window
 
 if TYPE_CHECKING:
     from conftest import Backend

@@ -17,8 +17,8 @@ from cloudckpt.errors import CommitConflictError, CorruptCheckpointError
 from cloudckpt.movement.transfer import _copy_objects, copy_checkpoint
 from cloudckpt.storage import ObjectInfo
 from cloudckpt.storage.backend import Backend, Host
-from cloudckpt.storage.s3 import S3Backend
-from cloudckpt.storage.s3_copy import whole_crc32c
+from cloudckpt.storage.backends.s3 import S3Backend
+from cloudckpt.storage.backends.s3.copy import whole_crc32c
 from cloudckpt.util.crc import Crc32c, crc32c_combine, crc32c_hex
 
 PART = 256 * 1024  # the test moto server accepts parts this small (conftest)
@@ -77,7 +77,7 @@ def assert_same(ckpt: Any, src: Any, objs: dict[str, bytes]) -> None:
 def small_s3_parts(monkeypatch: pytest.MonkeyPatch) -> None:
     """S3 part copies as small as the test server allows, so a few hundred KiB make
     several parts."""
-    monkeypatch.setattr("cloudckpt.storage.s3_copy.MIN_PART_SIZE", PART)
+    monkeypatch.setattr("cloudckpt.storage.backends.s3.copy.MIN_PART_SIZE", PART)
 
 
 # ------------------------------------------------------------ crc32c combination
@@ -360,7 +360,7 @@ def test_a_ranged_read_resumes_where_it_broke(local, monkeypatch, caplog) -> Non
     """A reset after progress resumes at the first byte not delivered, with a fresh
     retry budget: even a policy of one attempt gets through a long range."""
     from cloudckpt.storage import RetryPolicy
-    from cloudckpt.storage.file import FileBackend
+    from cloudckpt.storage.backends.file import FileBackend
 
     data = os.urandom(1_000_000)
     store = open_store(local.root, local.options)

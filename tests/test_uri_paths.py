@@ -22,7 +22,7 @@ from cloudckpt import (
 from cloudckpt.cli import main
 from cloudckpt.core.deletion import delete_checkpoint
 from cloudckpt.errors import ConfigError
-from cloudckpt.storage.fsspec_generic import FsspecGenericBackend
+from cloudckpt.storage.backends.fsspec_generic import FsspecGenericBackend
 
 
 @pytest.fixture

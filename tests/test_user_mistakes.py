@@ -370,9 +370,9 @@ def test_no_credentials_are_said_as_such(s3, gcs, tmp_path):
     assert "no Google Cloud credentials were found" in done.stderr
     assert "GOOGLE_APPLICATION_CREDENTIALS" in done.stderr
     with pytest.raises(AccessDeniedError):
-        from cloudckpt.storage.gcs import _no_credentials
+        from cloudckpt.storage.backends.gcs.options import no_credentials
 
-        raise _no_credentials("bucket")
+        raise no_credentials("bucket")
 
 
 # ------------------------------------------------------- 10: never a raw traceback

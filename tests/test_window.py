@@ -8,15 +8,17 @@ import threading
 import pytest
 
 from cloudckpt import open_store
-from cloudckpt.storage.parts import PartWriter
-from cloudckpt.storage.window import ByteWindow, shared_window
+from cloudckpt.storage.transfer.parts import PartWriter
+from cloudckpt.storage.transfer.window import ByteWindow, shared_window
 
 PART = 256 * 1024  # fake-gcs-server takes parts this small
 
 
 @pytest.mark.parametrize("where", ["gcs", "s3", "azure"])
 def test_parallel_writes_stay_within_the_window(where, request, monkeypatch):
-    from cloudckpt.storage import azure, gcs, s3
+    from cloudckpt.storage.backends.azure import backend as azure
+    from cloudckpt.storage.backends.gcs import backend as gcs
+    from cloudckpt.storage.backends.s3 import backend as s3
 
     cls = {"gcs": gcs._ComposeWriter, "s3": s3._MultipartWriter,
            "azure": azure._BlockWriter}[where]
@@ -152,7 +154,7 @@ def test_part_body_reads_its_segments_as_one_file():
     the concatenation, from any position, again after a seek (a retried request)."""
     import io
 
-    from cloudckpt.storage.bodies import PartBody
+    from cloudckpt.storage.transfer.bodies import PartBody
 
     segments = [b"head-", memoryview(bytearray(b"0123456789")), b"", b"-tail"]
     whole = b"head-0123456789-tail"
@@ -227,8 +229,8 @@ def test_whole_parts_of_lent_bytes_are_sent_from_them(where, request, monkeypatc
     whole part is copied."""
     import numpy as np
 
-    from cloudckpt.storage import parts
-    from cloudckpt.storage.bodies import segments_of
+    from cloudckpt.storage.transfer import parts
+    from cloudckpt.storage.transfer.bodies import segments_of
 
     backend = request.getfixturevalue(where)
     part = PART if where == "gcs" else 5 * 1024 * 1024
@@ -277,7 +279,7 @@ def test_part_body_sends_large_pieces_as_views_and_joins_small_ones():
     """A body of headers between tensors: each tensor's bytes go out as views of the
     tensor (a read stops short at its end rather than copy across), small pieces
     between them in one read; read on until empty, the bytes are the pieces in order."""
-    from cloudckpt.storage.bodies import PartBody, Pieces
+    from cloudckpt.storage.transfer.bodies import PartBody, Pieces
 
     tensors = [bytearray(os.urandom(300_000)), bytearray(os.urandom(100_000))]
     pieces = [b"zip-head", tensors[0], b"dir", b"pickle", tensors[1], b"end"]

@@ -18,7 +18,7 @@ from cloudckpt.dcp.readplan import _Item
 from cloudckpt.errors import CorruptCheckpointError
 from cloudckpt.serialization.records import HEAD_BYTES, SavedTensor, try_locate
 from cloudckpt.serialization.torchload import safe_torch_load
-from cloudckpt.storage.window import ByteWindow
+from cloudckpt.storage.transfer.window import ByteWindow
 from cloudckpt.util.crc import Crc32c
 
 

@@ -44,8 +44,8 @@ from cloudckpt.names import MANIFEST_NAME
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.serialization.records import HEAD_BYTES, try_locate
 from cloudckpt.storage import Store, as_store
-from cloudckpt.storage.ranges import READ_PIECE
-from cloudckpt.storage.window import ByteWindow, shared_window
+from cloudckpt.storage.transfer.ranges import READ_PIECE
+from cloudckpt.storage.transfer.window import ByteWindow, shared_window
 from cloudckpt.util import pages
 from cloudckpt.util.crc import crc32c_hex
 

@@ -2,10 +2,9 @@
 the contract is :class:`~cloudckpt.storage.backend.Backend`)."""
 
 from cloudckpt.storage.backend import Backend
-from cloudckpt.storage.base import Store
+from cloudckpt.storage.fsspec_backend import FsspecBackend
 from cloudckpt.storage.objects import ObjectInfo
 from cloudckpt.storage.options import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE
-from cloudckpt.storage.primitives import FsspecBackend
 from cloudckpt.storage.registry import (
     as_store,
     can_open,
@@ -18,6 +17,7 @@ from cloudckpt.storage.registry import (
     split_uri,
 )
 from cloudckpt.storage.retry import ONE_TRY, RetryPolicy, is_transient
+from cloudckpt.storage.store import Store
 from cloudckpt.storage.writers import ObjectWriter
 
 __all__ = [

@@ -8,7 +8,7 @@ full filesystem paths (``"bucket/prefix/key"``). Primitives may raise anything:
 the backend's :meth:`Backend.classify` says what its exceptions mean, and the
 Store's retry policy decides from that.
 
-Most backends subclass :class:`~cloudckpt.storage.primitives.FsspecBackend`,
+Most backends subclass :class:`~cloudckpt.storage.fsspec_backend.FsspecBackend`,
 which implements every primitive it can over an fsspec filesystem; the protocol
 here is what a backend must offer however it is built. A backend is constructed
 as ``Backend(root, *, protocol=None, storage_options=None, max_concurrency=16)``
@@ -24,7 +24,7 @@ from typing import Any, Protocol, TypeVar
 
 from cloudckpt.storage.objects import ObjectInfo
 from cloudckpt.storage.retry import Classified, Classifier, Failure, RetryPolicy
-from cloudckpt.storage.window import ByteWindow
+from cloudckpt.storage.transfer.window import ByteWindow
 from cloudckpt.storage.writers import RangeWriter, RawWriter
 from cloudckpt.util.crc import Buffer
 

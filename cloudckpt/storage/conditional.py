@@ -25,7 +25,7 @@ from cloudckpt.storage.retry import status_of
 from cloudckpt.util.crc import Buffer
 from cloudckpt.util.perkey import OncePerKey
 
-log = logging.getLogger("cloudckpt.storage")
+log = logging.getLogger(__name__)
 
 #: What ``conditional_writes`` may be: refuse a store that does not honour them,
 #: probe it (the default), or trust it without a probe.

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import posixpath
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from cloudckpt.errors import ConfigError
+from cloudckpt.names import CLAIM_NAME, MANIFEST_NAME
 
 
 def uri_path(uri: str, scheme: str, path: str) -> str:
@@ -54,3 +57,48 @@ def validate_key(key: str) -> str:
     if any(p in ("", ".", "..") for p in parts):
         raise ConfigError(f"invalid object key {key!r}: empty, '.' or '..' path component")
     return key
+
+
+#: What a :meth:`~cloudckpt.storage.Store.writing_under` view keeps at its own name:
+#: the objects the commit protocol finds by name.
+FIXED_NAMES = (MANIFEST_NAME, CLAIM_NAME)
+
+
+@dataclass(frozen=True)
+class KeyMap:
+    """Where a store's keys lie below its root: at their own paths (:data:`PLAIN`), read
+    from other objects of the backend (``located``: key -> path below the backend's
+    root; such a view is read-only), or written in an area below the root its view was
+    made at (``under``: that root, and the area)."""
+
+    located: Mapping[str, str] | None = None
+    under: tuple[str, str] | None = None
+
+    def path(self, root: str, key: str) -> str:
+        """The backend path of ``key`` of a store rooted at ``root``."""
+        if self.located is not None:
+            located = self.located.get(key)
+            if located is not None:
+                return located
+        if self.under is not None and key.rsplit("/", 1)[-1] not in FIXED_NAMES:
+            anchor, area = self.under
+            return f"{anchor}/{area}/{self.plain(root, key)[len(anchor) + 1:]}"
+        return self.plain(root, key)
+
+    @staticmethod
+    def plain(root: str, key: str) -> str:
+        """``key``'s own path below ``root``, whatever the view."""
+        return f"{root}/{validate_key(key)}"
+
+    def child(self, prefix: str) -> KeyMap:
+        """The map of a child store at ``prefix``: the located keys below it, relative
+        to it; the same area."""
+        if self.located is None:
+            return self
+        below = prefix + "/"
+        return KeyMap({k[len(below):]: v for k, v in self.located.items()
+                       if k.startswith(below)}, self.under)
+
+
+#: The key map of a plain store: every key at its own path.
+PLAIN = KeyMap()

@@ -6,8 +6,7 @@ built-in one (below), one a package declares as an entry point in the group
 the generic fsspec backend where fsspec knows the scheme. Targets are imported
 on first use, so that e.g. gcsfs loads only when a ``gs://`` URI is opened.
 
-A target is a backend class (:mod:`.backend`), held by a plain :class:`Store`;
-a :class:`Store` subclass naming its own (``backend_class``) is built as itself.
+A target is a backend class (:mod:`.backend`), held by a :class:`Store`.
 """
 
 from __future__ import annotations
@@ -17,14 +16,15 @@ import os
 import posixpath
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
 
 from cloudckpt.errors import ConfigError
-from cloudckpt.storage import gcs_errors, retry, s3_errors
-from cloudckpt.storage.base import Store
+from cloudckpt.storage import retry
 from cloudckpt.storage.keys import uri_path
 from cloudckpt.storage.options import STORE_OPTIONS, own_options, parse_options
+from cloudckpt.storage.store import Store
 from cloudckpt.util.lazy import load_target
 
 __all__ = ["ENTRY_POINT_GROUP", "STORE_OPTIONS", "as_store", "can_open", "open_below",
@@ -33,25 +33,39 @@ __all__ = ["ENTRY_POINT_GROUP", "STORE_OPTIONS", "as_store", "can_open", "open_b
 #: The entry-point group third-party backends are declared in.
 ENTRY_POINT_GROUP = "cloudckpt.backends"
 
+@dataclass(frozen=True)
+class Builtin:
+    """A built-in backend: the URL schemes it serves, its class (``"module:Class"``,
+    imported on first use) and, where its failures can be told apart without its
+    client library, the function that classifies them (``"module:function"``)."""
+
+    schemes: tuple[str, ...]
+    backend: str
+    errors: str | None = None
+
+
+#: The built-in backends; adding one is one entry here (and its package under
+#: ``backends/``).
+BUILTIN = (
+    Builtin(("file", "local"), "cloudckpt.storage.backends.file:FileBackend"),
+    Builtin(("memory",), "cloudckpt.storage.backends.memory:MemoryBackend"),
+    Builtin(("s3", "s3a"), "cloudckpt.storage.backends.s3:S3Backend",
+            "cloudckpt.storage.backends.s3.errors:classify"),
+    Builtin(("gs", "gcs"), "cloudckpt.storage.backends.gcs:GCSBackend",
+            "cloudckpt.storage.backends.gcs.errors:classify"),
+    Builtin(("az", "abfs", "abfss"), "cloudckpt.storage.backends.azure:AzureBackend",
+            "cloudckpt.storage.backends.azure.errors:classify"),
+)
+
 # scheme -> "module:Class": the built-in backends, and those registered since.
-_BACKENDS: dict[str, str] = {
-    "file": "cloudckpt.storage.file:FileBackend",
-    "local": "cloudckpt.storage.file:FileBackend",
-    "memory": "cloudckpt.storage.memory:MemoryBackend",
-    "s3": "cloudckpt.storage.s3:S3Backend",
-    "s3a": "cloudckpt.storage.s3:S3Backend",
-    "gs": "cloudckpt.storage.gcs:GCSBackend",
-    "gcs": "cloudckpt.storage.gcs:GCSBackend",
-    "az": "cloudckpt.storage.azure:AzureBackend",
-    "abfs": "cloudckpt.storage.azure:AzureBackend",
-    "abfss": "cloudckpt.storage.azure:AzureBackend",
-}
+_BACKENDS: dict[str, str] = {s: b.backend for b in BUILTIN for s in b.schemes}
 
 # A failure whose backend is not named (cloudckpt.storage.is_transient(exc), the
 # description of an error from anywhere) is judged by the built-in backends' rules;
 # those modules import no client library.
-retry.add_fallback(s3_errors.classify)
-retry.add_fallback(gcs_errors.classify)
+for _builtin in BUILTIN:
+    if _builtin.errors is not None:
+        retry.add_fallback(load_target(_builtin.errors))
 
 _entry_points: dict[str, str] | None = None
 _entry_lock = threading.Lock()
@@ -60,7 +74,7 @@ _entry_lock = threading.Lock()
 def register_backend(scheme: str, target: str) -> None:
     """Register ``"module:Class"`` for a URL scheme: a backend class (see
     :mod:`cloudckpt.storage.backend`) that lists ``scheme`` in its ``protocols``
-    (or lists none: any scheme), or a :class:`Store` subclass naming one. Replaces
+    (or lists none: any scheme). Replaces
     a built-in or entry-point backend of that scheme."""
     _BACKENDS[scheme] = target
 
@@ -174,19 +188,16 @@ def open_store(uri: str, storage_options: Mapping[str, Any] | None = None) -> St
     scheme, root = split_uri(uri)
     options = dict(storage_options or {})
     own = own_options(options)
-    cls = _backend(scheme, uri)
-    if isinstance(cls, type) and issubclass(cls, Store):
-        return cls(root, protocol=scheme, storage_options=options, **own)
-    return Store(root, cls, protocol=scheme, storage_options=options, **own)
+    return Store(root, _backend(scheme, uri), protocol=scheme, storage_options=options, **own)
 
 
 def _backend(scheme: str, uri: str) -> Any:
-    """The backend class (or Store subclass) for ``scheme``: a registered or built-in
+    """The backend class for ``scheme``: a registered or built-in
     one, one an entry point declares, else the generic fsspec one where fsspec knows
     the scheme."""
     target = _BACKENDS.get(scheme) or _declared().get(scheme)
     if target is None:
-        from cloudckpt.storage.fsspec_generic import FsspecGenericBackend
+        from cloudckpt.storage.backends.fsspec_generic import FsspecGenericBackend
 
         _check_protocol(scheme, uri)
         return FsspecGenericBackend

@@ -37,10 +37,10 @@ from cloudckpt.errors import (
     DiskFullError,
     StorageError,
 )
-from cloudckpt.storage.stopping import check_stop
-from cloudckpt.storage.tally import count_attempt
+from cloudckpt.storage.transfer.stopping import check_stop
+from cloudckpt.storage.transfer.tally import count_attempt
 
-log = logging.getLogger("cloudckpt.storage")
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 

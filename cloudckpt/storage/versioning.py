@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 from cloudckpt.util.perkey import OncePerKey
 
 if TYPE_CHECKING:
-    from cloudckpt.storage.base import Store
+    from cloudckpt.storage.store import Store
 
-log = logging.getLogger("cloudckpt.storage")
+log = logging.getLogger(__name__)
 
 #: What ``Backend.bucket_versioning`` answers: versions kept; kept no longer (those
 #: made while it was on stay); never kept (or nothing to keep them: a local disk);

@@ -3,7 +3,7 @@
 :class:`ObjectWriter` is what :meth:`Store.open_write` returns: it counts size and
 CRC32C as data passes and hands the bytes to the backend's :class:`RawWriter`
 (a multipart upload, a temporary file, or
-:class:`~cloudckpt.storage.primitives.BufferedRawWriter`), which the Store's
+:class:`~cloudckpt.storage.fsspec_backend.BufferedRawWriter`), which the Store's
 backend opened. A :class:`RangeWriter` takes ranges at any offset
 (:meth:`Store.open_write_at`).
 """
@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from cloudckpt.storage.objects import ObjectInfo
-from cloudckpt.storage.stopping import check_stop
+from cloudckpt.storage.transfer.stopping import check_stop
 from cloudckpt.util.crc import Buffer, Crc32c, nbytes
 
 

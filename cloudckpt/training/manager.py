@@ -31,7 +31,7 @@ from cloudckpt.runtime.pending import SaveFuture, run_in_background
 from cloudckpt.runtime.preemption import Notice
 from cloudckpt.runtime.state import StepInfo
 from cloudckpt.storage import Store, as_store, open_below
-from cloudckpt.storage.tally import Tally, counting
+from cloudckpt.storage.transfer.tally import Tally, counting
 from cloudckpt.training import reports, tiers
 from cloudckpt.training import snapshot as training
 from cloudckpt.training.options import ManagerOptions

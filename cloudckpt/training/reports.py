@@ -1,7 +1,7 @@
 """What each save, drain and restore cost: one small :class:`Report`, logged at INFO
 and handed to the user's callback (TensorBoard, W&B, a framework's stats logger).
 
-Every rank counts its own requests (:func:`cloudckpt.storage.tally.counting`) and
+Every rank counts its own requests (:func:`cloudckpt.storage.transfer.tally.counting`) and
 time; rank 0 gathers them, so a report names the slowest rank. The figures known
 before the commit (the ranks' write times and requests up to then) also go into the
 checkpoint's manifest (:class:`Figures`, under ``metadata["report"]``), where
@@ -19,7 +19,7 @@ from typing import Any
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.storage import Store
-from cloudckpt.storage.tally import Tally
+from cloudckpt.storage.transfer.tally import Tally
 
 log = logging.getLogger("cloudckpt")
 

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from cloudckpt.storage.memory import MemoryBackend
+from cloudckpt.storage.backends.memory import MemoryBackend
 from cloudckpt.util.crc import Buffer
 from cloudckpt_testkit.threadranks import current_rank
 

@@ -38,8 +38,10 @@ class Row:
 _ROWS: list[Row] = []
 
 
-PRELOAD = ["crash_worker", "race_worker", "cloudckpt.storage.s3", "cloudckpt.storage.gcs",
-           "cloudckpt.storage.azure", "cloudckpt.storage.file", "torch.distributed.checkpoint"]
+PRELOAD = ["crash_worker", "race_worker", "cloudckpt.storage.backends.s3",
+           "cloudckpt.storage.backends.gcs",
+           "cloudckpt.storage.backends.azure", "cloudckpt.storage.backends.file",
+           "torch.distributed.checkpoint"]
 
 
 @pytest.fixture(scope="session")

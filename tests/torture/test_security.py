@@ -75,7 +75,7 @@ from cloudckpt.movement.transfer import copy_checkpoint
 from cloudckpt.runtime import state as state_module
 from cloudckpt.runtime.state import loads_state
 from cloudckpt.storage import Store
-from cloudckpt.storage.file import FileBackend
+from cloudckpt.storage.backends.file import FileBackend
 from cloudckpt.training import snapshot as training
 from cloudckpt.util.crc import crc32c_hex
 

@@ -18,7 +18,8 @@ gcsfs retries requests itself (up to six tries with sleeps of 1 to 16 s),
 inside each attempt of our :class:`~cloudckpt.storage.RetryPolicy`, which
 then could not keep its deadline; this backend runs gcsfs with one try per
 request and retries under the policy alone, as the S3 backend does. What
-gcsfs's errors mean is in :mod:`.gcs_errors`.
+gcsfs's errors mean is in :mod:`.errors`, what it makes of its options in
+:mod:`.options`.
 
 gcsfs is reached through :mod:`cloudckpt.compat.gcsfs_private`: its core
 filesystem class, whatever ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT`` says, and the
@@ -27,10 +28,8 @@ environment left alone.
 
 from __future__ import annotations
 
-import http.client
 import json
 import logging
-import os
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
@@ -40,23 +39,29 @@ from fsspec.asyn import sync
 
 from cloudckpt.compat import gcsfs_private
 from cloudckpt.compat.gcsfs_private import OneTryGCSFileSystem
-from cloudckpt.errors import AccessDeniedError, StorageError
+from cloudckpt.errors import StorageError
 from cloudckpt.names import PART_SUFFIX
-from cloudckpt.storage import gcs_errors, versioning
+from cloudckpt.storage import versioning
 from cloudckpt.storage.backend import Backend, Host
-from cloudckpt.storage.base import Store
-from cloudckpt.storage.bodies import PartBody, Pieces, crc32c_hex_of
-from cloudckpt.storage.httpget import DirectGet
+from cloudckpt.storage.backends.gcs import errors as gcs_errors
+from cloudckpt.storage.backends.gcs.options import (
+    credentials_may_exist,
+    mask_token,
+    no_credentials,
+    searches_credentials,
+)
+from cloudckpt.storage.fsspec_backend import FsspecBackend
 from cloudckpt.storage.objects import ObjectInfo
 from cloudckpt.storage.options import init_options
-from cloudckpt.storage.parts import PartWriter
-from cloudckpt.storage.primitives import FsspecBackend
-from cloudckpt.storage.ranges import StreamedRanges
-from cloudckpt.storage.retry import describe, mask_secrets
+from cloudckpt.storage.retry import describe
+from cloudckpt.storage.transfer.bodies import PartBody, Pieces, crc32c_hex_of
+from cloudckpt.storage.transfer.httpget import DirectGet
+from cloudckpt.storage.transfer.parts import PartWriter
+from cloudckpt.storage.transfer.ranges import StreamedRanges
 from cloudckpt.storage.writers import RawWriter
 from cloudckpt.util.crc import Buffer, crc32c_b64, crc32c_from_b64
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 
 class GCSBackend(StreamedRanges, FsspecBackend):
@@ -73,9 +78,9 @@ class GCSBackend(StreamedRanges, FsspecBackend):
 
     def _filesystem(self, options: dict[str, Any]) -> OneTryGCSFileSystem:
         root = self.root
-        searched = _searches_credentials(options)
-        if searched and not _credentials_may_exist():
-            raise _no_credentials(root)
+        searched = searches_credentials(options)
+        if searched and not credentials_may_exist():
+            raise no_credentials(root)
         try:
             fs = OneTryGCSFileSystem(**options)
         except Exception as exc:  # noqa: BLE001 - re-raised without the token it may quote
@@ -83,7 +88,7 @@ class GCSBackend(StreamedRanges, FsspecBackend):
             # access_token=<token>: its errors quote that URL, token and all.
             error = StorageError(
                 f"cannot set up GCS access for gs://{root}: "
-                f"{_mask(describe(exc), options.get('token'))}; check the token "
+                f"{mask_token(describe(exc), options.get('token'))}; check the token "
                 "storage option and that the token service is reachable"
             )
         else:
@@ -91,7 +96,7 @@ class GCSBackend(StreamedRanges, FsspecBackend):
         if error is not None:
             raise error  # outside the except block: no __context__ to quote the token either
         if searched and getattr(getattr(fs, "credentials", None), "method", None) == "anon":
-            raise _no_credentials(root)  # gcsfs found none and fell back to anonymous access
+            raise no_credentials(root)  # gcsfs found none and fell back to anonymous access
         return fs
 
     def _split(self, path: str) -> tuple[str, str]:
@@ -331,80 +336,3 @@ class _ComposeWriter(PartWriter):
 
     def _gcs_key(self, path: str) -> str:
         return path[len(self._store.root) + 1:]
-
-
-class GCSStore(Store):
-    """A :class:`Store` over a :class:`GCSBackend`."""
-
-    backend_class = GCSBackend
-
-
-def _searches_credentials(options: dict[str, Any]) -> bool:
-    """Whether gcsfs will look for credentials itself: no token given, and no emulator
-    (which needs none)."""
-    return (options.get("token") is None and not options.get("endpoint_url")
-            and not os.environ.get("STORAGE_EMULATOR_HOST"))
-
-
-_found_credentials: dict[tuple[str | None, ...], bool] = {}  # per environment, this process
-
-
-def _credentials_may_exist() -> bool:
-    """Whether any source of Google credentials is here: the key file variable, gcloud's
-    application default credentials or login, gcsfs's token cache, or a metadata server
-    (a GCE, GKE or Cloud Run host), which must answer within a second. Without this
-    check, google-auth takes some 15 s probing for a metadata server that is not there.
-    Asked once per process and environment."""
-    env = tuple(os.environ.get(k) for k in ("GOOGLE_APPLICATION_CREDENTIALS",
-                                            "CLOUDSDK_CONFIG", "HOME", "GCE_METADATA_HOST",
-                                            "GCE_METADATA_IP"))
-    if env not in _found_credentials:
-        _found_credentials[env] = _look_for_credentials()
-    return _found_credentials[env]
-
-
-def _look_for_credentials() -> bool:
-    if os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"):
-        return True
-    home = os.path.expanduser("~")
-    gcloud = os.environ.get("CLOUDSDK_CONFIG") or os.path.join(home, ".config", "gcloud")
-    for path in (os.path.join(gcloud, "application_default_credentials.json"),
-                 os.path.join(gcloud, "credentials.db"), os.path.join(home, ".gcs_tokens")):
-        if os.path.exists(path):
-            return True
-    try:
-        with open("/sys/class/dmi/id/product_name") as f:
-            if "Google" in f.read():
-                return True
-    except OSError:
-        pass
-    host = os.environ.get("GCE_METADATA_HOST") or os.environ.get("GCE_METADATA_IP")
-    conn = http.client.HTTPConnection(host or "169.254.169.254", timeout=1.0)
-    try:
-        conn.request("GET", "/computeMetadata/v1/", headers={"Metadata-Flavor": "Google"})
-        return conn.getresponse().getheader("Metadata-Flavor") == "Google"
-    except (OSError, http.client.HTTPException):
-        return False
-    finally:
-        conn.close()
-
-
-def _no_credentials(root: str) -> AccessDeniedError:
-    return AccessDeniedError(
-        f"no Google Cloud credentials were found for gs://{root}, so no request was sent "
-        "(looked for GOOGLE_APPLICATION_CREDENTIALS, gcloud's application default "
-        "credentials and a metadata server). Set GOOGLE_APPLICATION_CREDENTIALS to a key "
-        "file, run `gcloud auth application-default login`, or pass the token storage "
-        "option (token='anon' for public buckets)")
-
-
-
-
-def _mask(text: str, token: Any) -> str:
-    """``text`` with every string in ``token`` (a raw token, or the fields of a
-    credentials dict) masked, as is and URL-encoded."""
-    values = [token] if isinstance(token, str) else (
-        list(token.values()) if isinstance(token, dict) else [])
-    methods = {"google_default", "cache", "cloud", "token", "anon", "browser"}
-    return mask_secrets(text, (v for v in values if isinstance(v, str) and len(v) >= 8
-                               and v not in methods))

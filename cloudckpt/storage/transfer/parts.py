@@ -23,9 +23,9 @@ from typing import Any
 
 from cloudckpt.errors import StorageError
 from cloudckpt.storage.backend import Backend, Host
-from cloudckpt.storage.bodies import Pieces
 from cloudckpt.storage.retry import ONE_TRY
-from cloudckpt.storage.window import ByteWindow, exported
+from cloudckpt.storage.transfer.bodies import Pieces
+from cloudckpt.storage.transfer.window import ByteWindow, exported
 from cloudckpt.storage.writers import RawWriter
 from cloudckpt.util.crc import Buffer
 

@@ -41,35 +41,25 @@ try:
     from azure.storage.extensions.checksums import crc64 as _crc64
 except ImportError:
     _crc64 = None
-from azure.core.exceptions import (
-    AzureError,
-    HttpResponseError,
-    ResourceNotFoundError,
-    ServiceRequestError,
-    ServiceResponseError,
-)
+from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
 from fsspec.asyn import sync
 
 from cloudckpt.errors import ConfigError, StorageError
 from cloudckpt.storage.backend import Backend, Host
-from cloudckpt.storage.base import Store
-from cloudckpt.storage.bodies import PartBody, Pieces, segments_of
-from cloudckpt.storage.httpget import DirectGet
+from cloudckpt.storage.backends.azure.errors import classify
+from cloudckpt.storage.backends.azure.options import TRANSFER_CHECKS, adlfs_options
+from cloudckpt.storage.fsspec_backend import FsspecBackend
 from cloudckpt.storage.objects import ObjectInfo
 from cloudckpt.storage.options import init_options
-from cloudckpt.storage.parts import PartWriter
-from cloudckpt.storage.primitives import FsspecBackend
-from cloudckpt.storage.ranges import StreamedRanges
-from cloudckpt.storage.retry import Classified, Failure
+from cloudckpt.storage.transfer.bodies import PartBody, Pieces, segments_of
+from cloudckpt.storage.transfer.httpget import DirectGet
+from cloudckpt.storage.transfer.parts import PartWriter
+from cloudckpt.storage.transfer.ranges import StreamedRanges
 from cloudckpt.storage.writers import RawWriter
 from cloudckpt.util.crc import Buffer
 
 #: Azure's most blocks per blob.
 _MAX_BLOCKS = 50_000
-#: What the service checks each request's body with (the ``transfer_checksum``
-#: storage option): x-ms-content-crc64, Content-MD5, nothing. The manifest's
-#: CRC32C is checked on every read whichever it is.
-_TRANSFER_CHECKS = ("crc64", "md5", "none")
 #: Bytes copied at a time for the CRC64 extension (see crc64_of).
 _CRC_SLICE = 256 << 10
 #: Bytes per request of adlfs's whole-object reads (see _filesystem).
@@ -80,8 +70,6 @@ _COPY_TIMEOUT = 3600.0
 _SAS_FOR = 900
 #: Seconds a ranged GET may go without a byte.
 _READ_TIMEOUT = 60.0
-#: Error codes worth retrying whatever their status says.
-_TRANSIENT_CODES = frozenset({"ServerBusy", "OperationTimedOut", "InternalError"})
 
 
 class AzureBackend(StreamedRanges, FsspecBackend):
@@ -97,9 +85,9 @@ class AzureBackend(StreamedRanges, FsspecBackend):
 
     def _read_options(self, scheme: str, options: dict[str, Any]) -> dict[str, Any]:
         check = options.get("transfer_checksum", "crc64")
-        if check not in _TRANSFER_CHECKS:
+        if check not in TRANSFER_CHECKS:
             raise ConfigError(f"{scheme}:// storage option transfer_checksum={check!r}: "
-                              f"expected one of {', '.join(map(repr, _TRANSFER_CHECKS))}")
+                              f"expected one of {', '.join(map(repr, TRANSFER_CHECKS))}")
         if check == "crc64" and _crc64 is None:
             raise ConfigError(f"{scheme}:// checks each request with CRC64, which needs "
                               "azure-storage-extensions: pip install 'cloudckpt[azure]', or "
@@ -107,11 +95,11 @@ class AzureBackend(StreamedRanges, FsspecBackend):
         self._check = check
         # adlfs's options checked as every backend's (direct_gets taken out there);
         # transfer_checksum stays, so that stores differing only there are told apart.
-        rest = super()._read_options(scheme, _adlfs_options(options))
+        rest = super()._read_options(scheme, adlfs_options(options))
         return {**rest, **{k: v for k, v in options.items() if k == "transfer_checksum"}}
 
     def _filesystem(self, options: dict[str, Any]) -> adlfs.AzureBlobFileSystem:
-        fs = adlfs.AzureBlobFileSystem(**_adlfs_options(options))
+        fs = adlfs.AzureBlobFileSystem(**adlfs_options(options))
         # The requests of adlfs's whole-object reads (manifests, metadata): the SDK
         # holds each body whole, and its first is 32 MiB by default.
         config = azure_private.service_config(fs.service_client)
@@ -318,14 +306,7 @@ class AzureBackend(StreamedRanges, FsspecBackend):
         info = self.head(path) or {}
         return ObjectInfo(path, int(info.get("size", -1)), None, self.version_of(info))
 
-    def classify(self, exc: BaseException) -> Classified | None:
-        return classify(exc)
-
-
-def _adlfs_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """The storage options less the backend's own (kept in ``storage_options``, so
-    that stores differing only there are told apart)."""
-    return {k: v for k, v in options.items() if k != "transfer_checksum"}
+    classify = staticmethod(classify)
 
 
 def _entry(name: str, props: Any) -> dict[str, Any]:
@@ -350,22 +331,6 @@ def crc64_of(data: Buffer | Pieces) -> int:
         for i in range(0, len(view), _CRC_SLICE):
             crc = _crc64.compute(bytes(view[i:i + _CRC_SLICE]), crc)
     return crc
-
-
-def classify(exc: BaseException) -> Classified | None:
-    """What Azure says of one exception of a failure's chain (None: not the SDK's)."""
-    if isinstance(exc, ResourceNotFoundError):
-        return Classified(Failure.NOT_FOUND, 404, getattr(exc, "error_code", None))
-    if isinstance(exc, HttpResponseError) and exc.status_code:
-        error_code = getattr(exc, "error_code", None)  # absent on errors without a body
-        code = str(error_code) if error_code else None
-        transient = code in _TRANSIENT_CODES
-        return Classified(Failure.TRANSIENT if transient else None, exc.status_code, code)
-    if isinstance(exc, (ServiceRequestError, ServiceResponseError)):
-        return Classified(Failure.TRANSIENT)  # the connection failed or broke
-    if isinstance(exc, AzureError) and "credential" in type(exc).__name__.lower():
-        return Classified(Failure.NO_CREDENTIALS)
-    return None
 
 
 class _BlockWriter(PartWriter):
@@ -398,9 +363,3 @@ class _BlockWriter(PartWriter):
 
     def _single(self, data: memoryview | Pieces, size: int, crc32c: str) -> None:
         self._azure.put(self._path, data)
-
-
-class AzureStore(Store):
-    """A :class:`Store` over an :class:`AzureBackend`."""
-
-    backend_class = AzureBackend

@@ -46,9 +46,8 @@ from cloudckpt.errors import OutsideRootError, StorageError
 from cloudckpt.names import TMP_PREFIX
 from cloudckpt.storage import versioning
 from cloudckpt.storage.backend import Host
-from cloudckpt.storage.base import Store
+from cloudckpt.storage.fsspec_backend import FsspecBackend
 from cloudckpt.storage.options import flag, refuse_options
-from cloudckpt.storage.primitives import FsspecBackend
 from cloudckpt.storage.retry import storage_error
 from cloudckpt.storage.writers import RangeWriter, RawWriter
 from cloudckpt.util.crc import Buffer
@@ -302,12 +301,6 @@ class FileBackend(FsspecBackend):
                 except OSError:
                     break
                 d = os.path.dirname(d)
-
-
-class FileStore(Store):
-    """A :class:`Store` over a :class:`FileBackend`."""
-
-    backend_class = FileBackend
 
 
 def _create(path: str, attempts: int = 5) -> int:

@@ -7,9 +7,9 @@ import base64
 from typing import Any
 
 from cloudckpt.storage.backend import Host
+from cloudckpt.storage.backends.s3.errors import error_code as _code
 from cloudckpt.storage.objects import ObjectInfo
 from cloudckpt.storage.retry import ONE_TRY
-from cloudckpt.storage.s3_errors import error_code as _code
 from cloudckpt.util.crc import Crc32c, crc32c_b64, crc32c_from_b64, crc32c_hex
 
 #: S3 refuses parts smaller than this (except the last).

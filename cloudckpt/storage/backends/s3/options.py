@@ -126,7 +126,7 @@ def presigned_gets_tls(options: Mapping[str, Any], extra_kwargs: bool) -> TlsCon
     botocore would send anything a presigned URL leaves out: a proxy, request-payer
     or SSE-C headers (``extra_kwargs``), or no verification (``client_kwargs=
     {"verify": False}``). ``direct_gets=False`` and proxies in the environment are
-    :class:`~cloudckpt.storage.ranges.StreamedRanges`' to judge, for every backend."""
+    :class:`~cloudckpt.storage.transfer.ranges.StreamedRanges`' to judge, for every backend."""
     client = options.get("client_kwargs")
     client = client if isinstance(client, Mapping) else {}
     config = options.get("config_kwargs")

@@ -4,35 +4,37 @@ A Store speaks in *keys*, paths relative to its root (``"step-10/a.bin"``). It
 holds a backend (:mod:`.backend`: the primitives ``put``, ``get``, the two
 conditional writes, a streamed writer, ... of one service, on full paths) and
 does everything a caller uses once for all of them -- retries, checksums,
-conditional writes, key validation -- with parallel batches in :mod:`.batch` and
-streamed ranged reads in :mod:`.ranges`.
+conditional writes (whether the server enforces them: :mod:`.conditional`), key
+validation -- with two collaborators from :mod:`.transfer`: parallel batches
+(:class:`~.transfer.batch.Batches`) and streamed ranged reads
+(:class:`~.transfer.ranges.RangedRead`).
 
 Every store is constructed the same way::
 
-    Store(root, backend=FileBackend, *, protocol=None, storage_options=None,
+    Store(root, FileBackend, *, protocol=None, storage_options=None,
           retry=None, max_concurrency=DEFAULT_CONCURRENCY, part_size=DEFAULT_PART_SIZE)
 
-(``FileStore(root, ...)``, ``S3Store``, ... name their backend themselves), or
-from a URI by :func:`~cloudckpt.storage.open_store`.
+or from a URI by :func:`~cloudckpt.storage.open_store`. A store derived from one
+(:meth:`Store.child`, a view, another retry policy) shares its backend and pool.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 from cloudckpt.errors import (
     AccessDeniedError,
     BucketNotFoundError,
+    CommitConflictError,
     ConfigError,
 )
-from cloudckpt.names import CLAIM_NAME, MANIFEST_NAME
 from cloudckpt.storage import conditional
 from cloudckpt.storage.backend import Backend
-from cloudckpt.storage.batch import BatchMixin
-from cloudckpt.storage.keys import validate_key
+from cloudckpt.storage.keys import PLAIN, KeyMap, validate_key
 from cloudckpt.storage.objects import ObjectInfo, T, chunks, mtime_of
 from cloudckpt.storage.options import (
     DEFAULT_CONCURRENCY,
@@ -40,10 +42,10 @@ from cloudckpt.storage.options import (
     DEFAULT_UPLOAD_WINDOW,
     refuse_own_options,
 )
-from cloudckpt.storage.preconditions import ConditionalWritesMixin
-from cloudckpt.storage.ranges import RangeReadMixin
 from cloudckpt.storage.retry import RetryPolicy, status_of
-from cloudckpt.storage.window import shared_window
+from cloudckpt.storage.transfer.batch import Batches
+from cloudckpt.storage.transfer.ranges import RangedRead
+from cloudckpt.storage.transfer.window import shared_window
 from cloudckpt.storage.writers import (
     ObjectWriter,
     RangeWriter,
@@ -52,23 +54,17 @@ from cloudckpt.util.crc import Buffer, crc32c_hex, nbytes
 
 __all__ = ["Store"]
 
-log = logging.getLogger("cloudckpt.storage")
+log = logging.getLogger(__name__)
 
 
-#: What a :meth:`Store.writing_under` view keeps at its own name: the objects the
-#: commit protocol finds by name.
-FIXED_NAMES = (MANIFEST_NAME, CLAIM_NAME)
-
-
-class Store(ConditionalWritesMixin, BatchMixin, RangeReadMixin):
+class Store:
     """Objects under one root prefix, through one backend.
 
     Instances are cheap and thread-safe; :meth:`child` makes a store rooted at a
     sub-prefix sharing the same backend and pool.
 
     ``root`` is the bucket and prefix (or local path) without the scheme;
-    ``backend`` the backend class (see :mod:`.backend`; ``FileStore`` and the
-    other named stores set :attr:`backend_class` instead); ``protocol`` the URL
+    ``backend`` the backend class (see :mod:`.backend`); ``protocol`` the URL
     scheme the store is opened under (one of the backend's ``protocols``;
     required only where a backend serves any scheme); ``storage_options`` the
     filesystem's and the backend's own (``fsync`` on local disk), checked by the
@@ -77,18 +73,10 @@ class Store(ConditionalWritesMixin, BatchMixin, RangeReadMixin):
     every store of the process with the same value).
     """
 
-    #: The backend class of a store that names its own (``FileStore``: FileBackend).
-    backend_class: ClassVar[type[Backend] | None] = None
-    #: Keys read from elsewhere in the backend (:meth:`located`); such a view is read-only.
-    _located: Mapping[str, str] | None = None
-    #: Where a :meth:`writing_under` view keeps its objects: the root it was made at,
-    #: and the area below it.
-    _under: tuple[str, str] | None = None
-
     def __init__(
         self,
         root: str,
-        backend: type[Backend] | None = None,
+        backend: type[Backend],
         *,
         protocol: str | None = None,
         storage_options: Mapping[str, Any] | None = None,
@@ -100,10 +88,6 @@ class Store(ConditionalWritesMixin, BatchMixin, RangeReadMixin):
     ) -> None:
         if max_concurrency < 1:
             raise ConfigError("max_concurrency must be >= 1")
-        backend = backend or self.backend_class
-        if backend is None:
-            raise ConfigError("Store needs a backend class (Store(root, FileBackend, ...)); "
-                              "open_store(uri) finds the one for a URI")
         self.retry = retry or RetryPolicy()
         self.max_concurrency = max_concurrency
         self.part_size = part_size
@@ -114,6 +98,10 @@ class Store(ConditionalWritesMixin, BatchMixin, RangeReadMixin):
         self.backend: Backend = backend(root, protocol=protocol, storage_options=options,
                                         max_concurrency=max_concurrency)
         self.root = self.backend.root
+        #: Where this store's keys lie (a view's keys elsewhere: :meth:`located`,
+        #: :meth:`writing_under`).
+        self.keys: KeyMap = PLAIN
+        self._batches = Batches(max_concurrency)
 
     # ------------------------------------------------------------------ naming
 
@@ -150,28 +138,21 @@ class Store(ConditionalWritesMixin, BatchMixin, RangeReadMixin):
 
     def path(self, key: str) -> str:
         """The filesystem path of ``key`` (for the backend's primitives)."""
-        if self._located is not None:
-            located = self._located.get(key)
-            if located is not None:
-                return located
-        if self._under is not None and key.rsplit("/", 1)[-1] not in FIXED_NAMES:
-            anchor, area = self._under
-            return f"{anchor}/{area}/{self._plain(key)[len(anchor) + 1:]}"
-        return self._plain(key)
+        return self.keys.path(self.root, key)
 
-    def _plain(self, key: str) -> str:
-        return f"{self.root}/{validate_key(key)}"
+    def _derived(self, **changes: Any) -> Store:
+        """This store with some attributes changed, sharing backend and pool: how every
+        child and view of a store is made."""
+        new = copy.copy(self)
+        new.__dict__.update(changes)
+        return new
 
     def located(self, elsewhere: Mapping[str, str]) -> Store:
         """A read-only view of this store whose reads of the keys in ``elsewhere`` go to
         other objects of the same backend (``{key: key of the other object, relative to
         this store's bucket or filesystem root}``): an incremental checkpoint's objects
         kept in its run's blob area. Its children keep the mapping of their keys."""
-        new = object.__new__(type(self))
-        new.__dict__.update(self.__dict__)
-        new._located = dict(elsewhere)
-        new._under = None
-        return new
+        return self._derived(keys=KeyMap(located=dict(elsewhere)))
 
     def writing_under(self, area: str) -> Store:
         """A view of this store keeping its objects in ``area`` below its root (those
@@ -179,24 +160,21 @@ class Store(ConditionalWritesMixin, BatchMixin, RangeReadMixin):
         the writer claim keep their own names. A save's names no other writer uses
         (:mod:`cloudckpt.core.checkpoint`). A view of ``area`` already (a part of the
         save) is returned as it is: its objects stay where the save's root put them."""
-        if self._under is not None and self._under[1] == area:
+        if self.keys.under is not None and self.keys.under[1] == area:
             return self
-        new = object.__new__(type(self))
-        new.__dict__.update(self.__dict__)
-        new._under = (self.root, area)
-        return new
+        return self._derived(keys=KeyMap(self.keys.located, (self.root, area)))
 
     @property
     def written_under(self) -> tuple[str, int] | None:
         """A :meth:`writing_under` view's area, and how many levels above this store
         the root it was made at lies; None for a plain store."""
-        if self._under is None:
+        if self.keys.under is None:
             return None
-        anchor, area = self._under
+        anchor, area = self.keys.under
         return area, self.root[len(anchor):].count("/")
 
     def _writable(self, key: str) -> None:
-        if self._located is not None:
+        if self.keys.located is not None:
             raise ConfigError(f"{self.key_uri(key)}: this view of {self.uri} reads objects "
                               "kept elsewhere (a blob area) and cannot write or delete")
 
@@ -208,12 +186,8 @@ class Store(ConditionalWritesMixin, BatchMixin, RangeReadMixin):
         if levels < 0 or keep < (2 if self.root.startswith("/") else 1) or not all(
                 parts[keep:]):
             raise ConfigError(f"{self.uri} has no prefix {levels} level(s) above it")
-        new = object.__new__(type(self))
-        new.__dict__.update(self.__dict__)
-        new.backend = self.backend.rooted("/".join(parts[:keep]))
-        new.root = new.backend.root
-        new._located = new._under = None
-        return new
+        backend = self.backend.rooted("/".join(parts[:keep]))
+        return self._derived(backend=backend, root=backend.root, keys=PLAIN)
 
     def key_uri(self, key: str) -> str:
         """The full URI of ``key``, for messages."""
@@ -221,10 +195,7 @@ class Store(ConditionalWritesMixin, BatchMixin, RangeReadMixin):
 
     def with_retry(self, retry: RetryPolicy) -> Store:
         """This store with another retry policy (sharing backend and pool)."""
-        new = object.__new__(type(self))
-        new.__dict__.update(self.__dict__)
-        new.retry = retry
-        return new
+        return self._derived(retry=retry)
 
     def child(self, prefix: str) -> Store:
         """A store rooted at ``prefix`` below this one, sharing backend and pool."""
@@ -232,14 +203,7 @@ class Store(ConditionalWritesMixin, BatchMixin, RangeReadMixin):
         if not prefix:
             return self
         validate_key(prefix)  # "a//b" is refused: URIs are normalised, keys are checked
-        new = object.__new__(type(self))
-        new.__dict__.update(self.__dict__)
-        new.root = f"{self.root}/{prefix}"
-        if self._located is not None:
-            below = prefix + "/"
-            new._located = {k[len(below):]: v for k, v in self._located.items()
-                            if k.startswith(below)}
-        return new
+        return self._derived(root=f"{self.root}/{prefix}", keys=self.keys.child(prefix))
 
     # ----------------------------------------------------------- public API
 
@@ -348,7 +312,7 @@ class Store(ConditionalWritesMixin, BatchMixin, RangeReadMixin):
     def list(self, prefix: str = "", *, internal: bool = False) -> list[ObjectInfo]:
         """Every object below ``prefix`` (recursively), sorted by key; with
         ``internal`` also the backend's hidden files (temporaries, parts)."""
-        base = self._plain(prefix.strip("/")) if prefix.strip("/") else self.root
+        base = self.keys.plain(self.root, prefix.strip("/")) if prefix.strip("/") else self.root
         found = self._call(lambda: self.backend.find(base), "list", prefix)
         out = []
         for name, raw in found.items():
@@ -364,7 +328,7 @@ class Store(ConditionalWritesMixin, BatchMixin, RangeReadMixin):
 
     def list_prefixes(self, prefix: str = "") -> list[str]:
         """The immediate sub-prefixes ("directories") below ``prefix``, as keys."""
-        base = self._plain(prefix.strip("/")) if prefix.strip("/") else self.root
+        base = self.keys.plain(self.root, prefix.strip("/")) if prefix.strip("/") else self.root
         names = self._call(lambda: self.backend.ls_dirs(base), "list", prefix)
         keys = [self._key_of(n.rstrip("/")) for n in names]
         return sorted(k for k in keys if k)
@@ -438,6 +402,174 @@ class Store(ConditionalWritesMixin, BatchMixin, RangeReadMixin):
         self._writable(key)
         info = self.backend.copy(src.path(src_key), self.path(key), size, self)
         return ObjectInfo(key, info.size, info.crc32c, info.version)
+
+    # ------------------------------------------------------ conditional writes
+
+    def put_if_absent(self, key: str, data: Buffer) -> ObjectInfo:
+        """Create ``key`` only if it does not exist (S3 ``If-None-Match: *``,
+        GCS ``ifGenerationMatch=0``, local ``link``). Raises CommitConflictError."""
+        self._writable(key)
+        path = self.path(key)
+        enforced = self._enforced(swap=False)  # probed outside the write's retries
+
+        def put() -> str:
+            if enforced:
+                return self.backend.put_if_absent(path, data)
+            return conditional.emulated_write(self.backend, path, data, lambda v: v is None)
+
+        return self._conditional(key, data, put, "create-only put", "it exists already")
+
+    def put_if_match(self, key: str, data: Buffer, version: str) -> ObjectInfo:
+        """Replace ``key`` only if its version token is still ``version`` (compare-and-swap)."""
+        if not version:
+            raise ConfigError("put_if_match needs the version token returned by a read or write")
+        self._writable(key)
+        path = self.path(key)
+        enforced = self._enforced(swap=True)
+
+        def put() -> str:
+            if enforced:
+                return self.backend.put_if_match(path, data, version)
+            return conditional.emulated_write(self.backend, path, data,
+                                              lambda v: v == version)
+
+        return self._conditional(key, data, put, "compare-and-swap put",
+                                 f"its version is no longer {version}")
+
+    def _enforced(self, *, swap: bool) -> bool:
+        """Whether the server enforces create-only writes (``swap``: compare-and-swap)
+        here; backends that emulate them in ``put_if_absent`` themselves say so with
+        ``native_conditional_writes = False``."""
+        if not self.backend.native_conditional_writes:
+            return True
+        return conditional.supports(
+            self.conditional_writes, self.backend.cache_key(self.root), self.bucket_uri(),
+            lambda: self._write(self._probe_conditionals, "probe conditional writes", ""),
+            swap=swap)
+
+    def _probe_conditionals(self) -> str:
+        """One attempt of the conditional-write probe (:func:`.conditional.probe`) on a
+        fresh hidden object below the root, deleted after under the store's retries."""
+        key = conditional.probe_key()
+        path = self.path(key)
+
+        def cleanup() -> None:
+            try:
+                self._call(lambda: self.backend.delete([path], self.root), "delete", key)
+            except FileNotFoundError:
+                pass  # no bucket: nothing was written
+            except Exception as exc:  # noqa: BLE001 - a hidden leftover gc removes
+                log.warning("could not delete the probe object %s: %s", self.key_uri(key), exc)
+
+        return conditional.probe(self.backend, path, cleanup, self.bucket_uri())
+
+    def _conditional(self, key: str, data: Buffer, fn: Callable[[], str], what: str,
+                     why: str) -> ObjectInfo:
+        crc = crc32c_hex(data)
+        try:
+            version = self._write(fn, what, key)
+        except FileExistsError as exc:
+            # A re-sent request may lose to its own earlier attempt that the server
+            # applied before the response was lost: same bytes, ours. Re-sends happen
+            # below our retries too (aiohttp re-sends a PUT once by itself), so the
+            # check does not depend on how many attempts we made. cloudckpt's own
+            # conditional writes (manifests, claims, slot pointers) carry unique ids,
+            # so equal bytes never come from another writer.
+            try:
+                # Compare sizes first: what won may be large, and only ours matters.
+                head = self.info(key)
+                if head is None or head.size != nbytes(data):
+                    current = None
+                else:
+                    current, current_version = self.get_with_version(key)
+            except FileNotFoundError:
+                current = None
+            if current is not None and crc32c_hex(current) == crc and len(current) == nbytes(
+                data
+            ):
+                log.info("%s of %s: the object holds our bytes already (a re-sent request "
+                         "lost to its own first attempt)", what, self.key_uri(key))
+                return ObjectInfo(key, nbytes(data), crc, current_version)
+            raise CommitConflictError(
+                f"{what} of {self.key_uri(key)} lost: {why}. Another writer got there first; "
+                "re-read the current state before trying again."
+            ) from exc
+        return ObjectInfo(key, nbytes(data), crc, version)
+
+    def get_with_version(self, key: str) -> tuple[bytes, str]:
+        """Read a whole object and the version token to pass to :meth:`put_if_match`."""
+        path = self.path(key)
+        return self._call(lambda: self.backend.get_versioned(path), "get", key)
+
+    # ------------------------------------------------------------- batches
+
+    def map(self, fn: Callable[[Any], T], items: Sequence[Any]) -> list[T]:
+        """Run ``fn`` over ``items`` with at most ``max_concurrency`` in flight, results
+        in the order of ``items``; the first failure is raised once the calls in flight
+        have finished (:meth:`.transfer.batch.Batches.map`)."""
+        return self._batches.map(fn, items)
+
+    def put_many(self, items: Mapping[str, Buffer]) -> dict[str, ObjectInfo]:
+        """Write many objects in parallel; return their infos by key."""
+        infos = self.map(lambda kv: self.put(kv[0], kv[1]), list(items.items()))
+        return {i.key: i for i in infos}
+
+    def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
+        """Read many whole objects in parallel."""
+        keys = list(keys)
+        return dict(zip(keys, self.map(self.get, keys), strict=True))
+
+    def get_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
+        """Read many ``(key, start, end)`` ranges in parallel, in the given order."""
+        return self.map(lambda r: self.get_range(*r), list(ranges))
+
+    def iter_ranges(self, ranges: Sequence[tuple[str, int, int]], *,
+                    max_bytes: int | None = None) -> Iterator[bytes]:
+        """Read ``(key, start, end)`` ranges in parallel; yield them in the given order,
+        each as soon as it has arrived, with at most ``max_bytes`` asked for or yielded
+        but not yet consumed (:meth:`.transfer.batch.Batches.in_order`)."""
+        return self._batches.in_order(lambda r: self.get_range(*r), list(ranges),
+                                      lambda r: r[2] - r[1], max_bytes)
+
+    # --------------------------------------------------------- ranged reads
+
+    def _ranged(self, key: str) -> RangedRead:
+        return RangedRead(self.backend, self.path(key), self.key_uri(key),
+                          lambda fn: self._call(fn, "get_range", key))
+
+    def read_range_to(self, key: str, start: int, end: int,
+                      sink: Callable[[int, bytes], Any], *, chunk: int = 8 << 20,
+                      on_loop: bool = False) -> None:
+        """Stream bytes ``[start, end)`` of ``key`` into ``sink(offset, data)``, in
+        order, in pieces of at most ``chunk`` bytes: memory holds one piece, however
+        long the range. A transient failure resumes at the first byte not yet given
+        to ``sink``; one that comes after progress gets a fresh retry budget (a long
+        range is not one short operation). ``EOFError`` if the object ends before
+        ``end``; an exception raised by ``sink`` stops the read and passes through
+        unchanged.
+
+        ``on_loop``: where the backend's GET is a response on an event loop
+        (:class:`~.transfer.ranges.StreamedRanges`), ``sink`` is called there with each
+        piece as it arrives, none handed to this thread and back (a round trip each,
+        which cost a GCS load a third of its speed); it must then never block, and a
+        piece is valid only during the call (a view of the client's buffer: copy what
+        is kept). There, a sink with a method ``space(offset, n)`` may say where the
+        bytes from ``offset`` go (writable, contiguous memory for at most ``n`` of them,
+        or None): the client may receive them straight into it, and then calls the sink
+        with a view of that memory, so that nothing is copied. What ``space`` raises
+        passes through as the sink's errors do.
+        """
+        if start < 0 or end < start or chunk < 1:
+            raise ConfigError(f"invalid byte range [{start}, {end}) for {key}")
+        self._ranged(key).to(start, end, sink, chunk=chunk, on_loop=on_loop)
+
+    def read_range_into(self, key: str, start: int, outs: Sequence[Any]) -> int:
+        """Fill the writable buffers ``outs`` in turn with the bytes of ``key`` from
+        ``start`` on (one ranged read, resumed like :meth:`read_range_to`), with no
+        buffer of its own beyond a network piece; return the CRC32C value of the
+        bytes read, computed as they arrive. ``EOFError`` if the object is shorter.
+        """
+        return self._ranged(key).into(start, outs)
 
     # --------------------------------------------------------------- helpers
 

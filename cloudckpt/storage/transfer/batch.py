@@ -1,7 +1,7 @@
 """Parallel batches of requests: the thread pool a store and its children share.
 
-:class:`BatchMixin` is part of every :class:`~cloudckpt.storage.Store`. It runs
-``map``, ``put_many``, ``get_many``, ``get_ranges`` and ``iter_ranges`` on the
+:class:`Batches` runs a :class:`~cloudckpt.storage.Store`'s ``map``, ``put_many``,
+``get_many``, ``get_ranges`` and ``iter_ranges`` on the
 process's pool of ``max_concurrency`` threads (:func:`io_pool`): started once and
 kept, because each save and load opens its stores afresh, and starting 16 threads
 took about 40 ms of a 256 MiB load. Stores used at once share it. Nested batches (a
@@ -15,13 +15,12 @@ import contextvars
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
 from typing import Any
 
-from cloudckpt.storage.objects import ObjectInfo, T
-from cloudckpt.storage.stopping import Stopped, task_context
-from cloudckpt.util.crc import Buffer
+from cloudckpt.storage.objects import T
+from cloudckpt.storage.transfer.stopping import Stopped, task_context
 
 _worker = threading.local()
 _pools: dict[int, ThreadPoolExecutor] = {}
@@ -65,18 +64,18 @@ def _first(errors: list[BaseException]) -> BaseException:
     return next((e for e in errors if not isinstance(e, given_up)), errors[0])
 
 
-class BatchMixin:
-    """Batches over the store's own ``put``, ``get`` and ``get_range``, with at most
-    ``max_concurrency`` requests in flight."""
+class Batches:
+    """Calls run in parallel on the process's pool of ``size`` threads: at most ``size``
+    in flight."""
 
-    max_concurrency: int
-    # put, get and get_range: the Store's own (see base.py)
+    def __init__(self, size: int) -> None:
+        self.size = size
 
     def map(self, fn: Callable[[Any], T], items: Sequence[Any]) -> list[T]:
-        """Run ``fn`` over ``items`` with at most ``max_concurrency`` in flight.
+        """Run ``fn`` over ``items`` with at most ``size`` in flight.
 
         Results keep the order of ``items``. The first failure is raised after
-        the requests already in flight have finished (nothing keeps running
+        the calls already in flight have finished (nothing keeps running
         behind the caller's back).
         """
         if len(items) <= 1 or getattr(_worker, "active", False):
@@ -86,8 +85,8 @@ class BatchMixin:
         # Each task runs in a copy of the caller's context (its context variables: who
         # asked, for logging and request accounting), with the batch's stop flag.
         stop = threading.Event()
-        futures = [self._executor().submit(task_context(stop).run, _in_worker, fn, i)
-                   for i in items]
+        pool = io_pool(self.size)
+        futures = [pool.submit(task_context(stop).run, _in_worker, fn, i) for i in items]
         results: list[T] = []
         errors: list[BaseException] = []
         for f in futures:
@@ -110,55 +109,37 @@ class BatchMixin:
             raise _first(errors)
         return results
 
-    def put_many(self, items: Mapping[str, Buffer]) -> dict[str, ObjectInfo]:
-        """Write many objects in parallel; return their infos by key."""
-        infos = self.map(lambda kv: self.put(kv[0], kv[1]), list(items.items()))
-        return {i.key: i for i in infos}
-
-    def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
-        """Read many whole objects in parallel."""
-        keys = list(keys)
-        return dict(zip(keys, self.map(self.get, keys), strict=True))
-
-    def get_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
-        """Read many ``(key, start, end)`` ranges in parallel, in the given order."""
-        return self.map(lambda r: self.get_range(*r), list(ranges))
-
-    def _get_range_tuple(self, r: tuple[str, int, int]) -> bytes:
-        return self.get_range(*r)
-
-    def iter_ranges(self, ranges: Sequence[tuple[str, int, int]], *,
-                    max_bytes: int | None = None) -> Iterator[bytes]:
-        """Read ``(key, start, end)`` ranges in parallel; yield them in the given order,
+    def in_order(self, fn: Callable[[Any], T], items: Sequence[Any],
+                 size_of: Callable[[Any], int], max_bytes: int | None) -> Iterator[T]:
+        """Run ``fn`` over ``items`` in parallel; yield the results in the given order,
         each as soon as it has arrived, so the caller works on one while later ones
-        are fetched.
+        run.
 
-        At most ``max_concurrency`` requests run at once, and at most ``max_bytes``
-        are requested or yielded but not yet consumed (one range alone may exceed
-        it). Closing the iterator early, or a failed read, cancels the requests not
-        started and waits for those running (nothing keeps running behind the
+        At most ``size`` calls run at once, and at most ``max_bytes`` (each item's
+        ``size_of``) are asked for or yielded but not yet consumed (one item alone may
+        exceed it). Closing the iterator early, or a failed call, cancels the calls
+        not started and waits for those running (nothing keeps running behind the
         caller's back); the failure is raised in order.
         """
-        ranges = list(ranges)
         if getattr(_worker, "active", False):
             # Inside a pool thread: one at a time, inline (see map()).
-            for key, start, end in ranges:
-                yield self.get_range(key, start, end)
+            for item in items:
+                yield fn(item)
             return
-        pending: deque[tuple[Future[bytes], int]] = deque()
+        pool = io_pool(self.size)
+        pending: deque[tuple[Future[T], int]] = deque()
         held = 0
         nxt = 0
         try:
-            while nxt < len(ranges) or pending:
-                while nxt < len(ranges):
-                    key, start, end = ranges[nxt]
-                    if pending and max_bytes is not None and held + (end - start) > max_bytes:
+            while nxt < len(items) or pending:
+                while nxt < len(items):
+                    size = size_of(items[nxt])
+                    if pending and max_bytes is not None and held + size > max_bytes:
                         break
-                    fut = self._executor().submit(contextvars.copy_context().run, _in_worker,
-                                                  self._get_range_tuple,
-                                                  (key, start, end))
-                    pending.append((fut, end - start))
-                    held += end - start
+                    fut = pool.submit(contextvars.copy_context().run, _in_worker, fn,
+                                      items[nxt])
+                    pending.append((fut, size))
+                    held += size
                     nxt += 1
                 fut, size = pending.popleft()
                 data = fut.result()
@@ -168,6 +149,3 @@ class BatchMixin:
             for fut, _ in pending:
                 fut.cancel()
             wait([fut for fut, _ in pending])
-
-    def _executor(self) -> ThreadPoolExecutor:
-        return io_pool(self.max_concurrency)

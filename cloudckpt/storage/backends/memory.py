@@ -13,9 +13,8 @@ from typing import Any, ClassVar
 from fsspec.implementations.memory import MemoryFileSystem
 
 from cloudckpt.storage import versioning
-from cloudckpt.storage.base import Store
+from cloudckpt.storage.fsspec_backend import FsspecBackend
 from cloudckpt.storage.options import refuse_options
-from cloudckpt.storage.primitives import FsspecBackend
 from cloudckpt.util.crc import Buffer
 
 _LOCK = threading.RLock()
@@ -77,12 +76,6 @@ class MemoryBackend(FsspecBackend):
     def strip_protocol(self, name: str) -> str:
         name = super().strip_protocol(name)
         return name if name.startswith("/") else "/" + name
-
-
-class MemoryStore(Store):
-    """A :class:`Store` over a :class:`MemoryBackend`."""
-
-    backend_class = MemoryBackend
 
 
 def _version(data: bytes) -> str:

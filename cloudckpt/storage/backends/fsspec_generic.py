@@ -15,11 +15,10 @@ from typing import Any, ClassVar
 
 import fsspec
 
-from cloudckpt.storage.base import Store
-from cloudckpt.storage.primitives import FsspecBackend
+from cloudckpt.storage.fsspec_backend import FsspecBackend
 from cloudckpt.util.crc import Buffer
 
-log = logging.getLogger("cloudckpt.storage")
+log = logging.getLogger(__name__)
 _warned: set[str] = set()
 _LOCK = threading.Lock()
 
@@ -64,12 +63,6 @@ class FsspecGenericBackend(FsspecBackend):
     def get_versioned(self, path: str) -> tuple[bytes, str]:
         data = self.fs.cat_file(path)
         return data, _version(data)
-
-
-class FsspecStore(Store):
-    """A :class:`Store` over a :class:`FsspecGenericBackend` (``protocol=`` required)."""
-
-    backend_class = FsspecGenericBackend
 
 
 def _version(data: bytes) -> str:

@@ -1,7 +1,7 @@
 """Ranged reads streamed to a sink a piece at a time, resumed where they stopped.
 
-:class:`RangeReadMixin` gives every :class:`~cloudckpt.storage.Store` its
-``read_range_to`` and ``read_range_into``, on top of the backend's ``iter_range``
+:class:`RangedRead` does a :class:`~cloudckpt.storage.Store`'s ``read_range_to``
+and ``read_range_into``, on top of the backend's ``iter_range``
 (one S3, GCS or Azure GET read as it arrives; ranged reads of a piece elsewhere).
 Backends whose GET is a response on the fsspec event loop (:class:`StreamedRanges`)
 can also hand each piece to a sink there, as it arrives (``stream_range``).
@@ -19,9 +19,10 @@ from typing import Any
 
 from fsspec.asyn import sync
 
-from cloudckpt.errors import CloudCkptError, ConfigError, StorageError
+from cloudckpt.errors import CloudCkptError, StorageError
 from cloudckpt.storage.backend import Backend
-from cloudckpt.storage.httpget import (
+from cloudckpt.storage.retry import describe, is_transient, status_of
+from cloudckpt.storage.transfer.httpget import (
     DirectGet,
     Room,
     Unanswered,
@@ -30,17 +31,16 @@ from cloudckpt.storage.httpget import (
     proxies_in_environment,
     receivable,
 )
-from cloudckpt.storage.retry import describe, is_transient, status_of
 from cloudckpt.util.crc import Crc32c
 
-log = logging.getLogger("cloudckpt.storage")
+log = logging.getLogger(__name__)
 
 #: Bytes of a response body held at once while it is copied into a caller's buffer.
 READ_PIECE = 2 << 20
 
 
 class _SinkError(CloudCkptError):
-    """Carries a failure of a :meth:`Store.read_range_to` sink through the retry
+    """Carries a failure of a :meth:`RangedRead.to` sink through the retry
     loop untouched (it is the caller's, not the store's)."""
 
     def __init__(self, error: BaseException) -> None:
@@ -55,7 +55,7 @@ class _Resume(_SinkError):
 
 class Filling:
     """Buffers filled in turn from the first byte of a range, with the CRC32C of the
-    bytes put so far (the sink of :meth:`RangeReadMixin.read_range_into`)."""
+    bytes put so far (the sink of :meth:`RangedRead.into`)."""
 
     def __init__(self, outs: Sequence[Any]) -> None:
         self.views = [memoryview(o).cast("B") for o in outs]
@@ -69,7 +69,7 @@ class Filling:
 
     def space(self, offset: int, n: int) -> memoryview | None:
         """Where the range's next bytes go: the rest of the buffer being filled, up
-        to ``n`` bytes (see :meth:`RangeReadMixin.read_range_to`)."""
+        to ``n`` bytes (see :meth:`RangedRead.to`)."""
         i = bisect.bisect_right(self.bounds, self.done) - 1
         if i >= len(self.views):
             return None
@@ -94,44 +94,30 @@ class Filling:
         self.done = pos
 
 
-class RangeReadMixin:
-    """``read_range_to`` and ``read_range_into`` over the store's ``path``, ``backend``,
-    ``_call`` and ``key_uri`` (see base.py)."""
+class RangedRead:
+    """The ranged reads of one object of a store: ``path`` on ``backend``, named
+    ``uri`` in messages, every attempt run by ``call`` (the store's retry policy)."""
 
-    backend: Backend
+    def __init__(self, backend: Backend, path: str, uri: str,
+                 call: Callable[[Callable[[], None]], None]) -> None:
+        self.backend = backend
+        self.path = path
+        self.uri = uri
+        self.call = call
 
-    def read_range_to(self, key: str, start: int, end: int,
-                      sink: Callable[[int, bytes], Any], *, chunk: int = 8 << 20,
-                      on_loop: bool = False) -> None:
-        """Stream bytes ``[start, end)`` of ``key`` into ``sink(offset, data)``, in
-        order, in pieces of at most ``chunk`` bytes: memory holds one piece, however
-        long the range. A transient failure resumes at the first byte not yet given
-        to ``sink``; one that comes after progress gets a fresh retry budget (a long
-        range is not one short operation). ``EOFError`` if the object ends before
-        ``end``; an exception raised by ``sink`` stops the read and passes through
-        unchanged.
-
-        ``on_loop``: where the backend's GET is a response on an event loop
-        (:class:`StreamedRanges`), ``sink`` is called there with each piece as it
-        arrives, none handed to this thread and back (a round trip each, which cost
-        a GCS load a third of its speed); it must then never block, and a piece is
-        valid only during the call (a view of the client's buffer: copy what is kept).
-        There, a sink with a method ``space(offset, n)`` may say where the bytes from
-        ``offset`` go (writable, contiguous memory for at most ``n`` of them, or
-        None): the client may receive them straight into it, and then calls the sink
-        with a view of that memory, so that nothing is copied. What ``space`` raises
-        passes through as the sink's errors do.
-        """
-        if start < 0 or end < start or chunk < 1:
-            raise ConfigError(f"invalid byte range [{start}, {end}) for {key}")
-        path = self.path(key)
+    def to(self, start: int, end: int, sink: Callable[[int, bytes], Any], *,
+           chunk: int, on_loop: bool) -> None:
+        """Stream bytes ``[start, end)`` into ``sink(offset, data)``, resumed where a
+        transient failure stopped it (:meth:`Store.read_range_to
+        <cloudckpt.storage.Store.read_range_to>` says what the caller may expect)."""
+        path, uri = self.path, self.uri
         stream = getattr(self.backend, "stream_range", None) if on_loop else None
 
         def give(done: list[int], data: bytes) -> None:
             if not data:
                 return
             if len(data) > end - done[0]:
-                raise StorageError(f"{self.key_uri(key)}: the store sent more bytes than "
+                raise StorageError(f"{uri}: the store sent more bytes than "
                                    f"the range [{start}, {end}) asked for")
             try:
                 sink(done[0], data)
@@ -162,14 +148,13 @@ class RangeReadMixin:
                 if close is not None:
                     close()
 
-        self._resumably(key, start, end, attempt)
+        self._resumably(start, end, attempt)
 
-    def _resumably(self, key: str, start: int, end: int,
-                   attempt: Callable[[list[int]], None]) -> None:
+    def _resumably(self, start: int, end: int, attempt: Callable[[list[int]], None]) -> None:
         """Run ``attempt(done)``, which reads on from byte ``done[0]`` and moves it on,
-        under the retry policy until ``[start, end)`` is read (see
-        :meth:`read_range_to`)."""
+        under the retry policy until ``[start, end)`` is read (see :meth:`to`)."""
         done = [start]
+        uri = self.uri
 
         def once() -> None:
             first = done[0]
@@ -179,46 +164,43 @@ class RangeReadMixin:
                 raise
             except Exception as exc:
                 if status_of(exc, self.backend) == 416:  # shorter than the range
-                    raise EOFError(f"{self.key_uri(key)} ends before byte {end}") from exc
+                    raise EOFError(f"{uri} ends before byte {end}") from exc
                 if done[0] > first and is_transient(exc, self.backend):
                     raise _Resume(exc) from exc
                 raise
             if done[0] < end:
-                raise EOFError(f"short read of {self.key_uri(key)} [{start}, {end}): the "
+                raise EOFError(f"short read of {uri} [{start}, {end}): the "
                                f"object ends at byte {done[0]}")
 
         failure: BaseException | None = None
         while done[0] < end:
             try:
-                self._call(once, "get_range", key)
+                self.call(once)
             except _Resume as exc:
                 log.warning("resuming get_range %s at byte %d of [%d, %d) after: %s",
-                            self.key_uri(key), done[0], start, end,
-                            describe(exc.error, self.backend))
+                            uri, done[0], start, end, describe(exc.error, self.backend))
             except _SinkError as exc:
                 failure = exc.error
                 break
         if failure is not None:
             raise failure  # outside the handler: the sink's error, as it was raised
 
-    def read_range_into(self, key: str, start: int, outs: Sequence[Any]) -> int:
-        """Fill the writable buffers ``outs`` in turn with the bytes of ``key`` from
-        ``start`` on (one ranged read, resumed like :meth:`read_range_to`), with no
-        buffer of its own beyond a network piece; return the CRC32C value of the
-        bytes read, computed as they arrive. ``EOFError`` if the object is shorter.
-        """
+    def into(self, start: int, outs: Sequence[Any]) -> int:
+        """Fill the writable buffers ``outs`` in turn with the bytes from ``start`` on
+        (one ranged read, resumed like :meth:`to`), with no buffer of its own beyond
+        a network piece; return the CRC32C value of the bytes read, computed as they
+        arrive. ``EOFError`` if the object is shorter."""
         filling = Filling(outs)
         if filling.total == 0:
             return 0
-        path = self.path(key)
         readinto = getattr(self.backend, "readinto_range", None)
         if readinto is not None:  # a local file: straight into the buffers
-            self._call(lambda: readinto(path, start, filling.views), "get_range", key)
+            path = self.path
+            self.call(lambda: readinto(path, start, filling.views))
             for v in filling.views:
                 filling.crc.update(v)
             return filling.crc.value
-        self.read_range_to(key, start, start + filling.total, filling, chunk=READ_PIECE,
-                           on_loop=True)
+        self.to(start, start + filling.total, filling, chunk=READ_PIECE, on_loop=True)
         return filling.crc.value
 
 

@@ -8,8 +8,8 @@ sent in parallel and retried one by one.
 Retries are ours alone (:mod:`cloudckpt.storage.retry`): botocore's and
 s3fs's own retry loops are set to a single attempt unless the caller
 configures them, so a failure is retried, logged and bounded in one place.
-What botocore's errors mean is in :mod:`.s3_errors`; the storage options s3fs
-gets, and the masking of credentials in botocore's logs, in :mod:`.s3_options`.
+What botocore's errors mean is in :mod:`.errors`; the storage options s3fs
+gets, and the masking of credentials in botocore's logs, in :mod:`.options`.
 """
 
 from __future__ import annotations
@@ -24,30 +24,30 @@ from fsspec.asyn import sync
 
 from cloudckpt.compat.s3fs_private import call_s3
 from cloudckpt.errors import StorageError
-from cloudckpt.storage import s3_errors, versioning
+from cloudckpt.storage import versioning
 from cloudckpt.storage.backend import Backend, Host
-from cloudckpt.storage.base import Store
-from cloudckpt.storage.bodies import PartBody, Pieces
-from cloudckpt.storage.httpget import DirectGet
-from cloudckpt.storage.objects import ObjectInfo
-from cloudckpt.storage.options import init_options
-from cloudckpt.storage.parts import PartWriter
-from cloudckpt.storage.primitives import FsspecBackend
-from cloudckpt.storage.ranges import StreamedRanges
-from cloudckpt.storage.retry import status_of
-from cloudckpt.storage.s3_copy import MIN_PART_SIZE, ServerCopy
-from cloudckpt.storage.s3_errors import error_code as _code
-from cloudckpt.storage.s3_options import (
+from cloudckpt.storage.backends.s3 import errors as s3_errors
+from cloudckpt.storage.backends.s3.copy import MIN_PART_SIZE, ServerCopy
+from cloudckpt.storage.backends.s3.errors import error_code as _code
+from cloudckpt.storage.backends.s3.options import (
     create_only_header,
     mask_credentials,
     presigned_gets_tls,
     s3fs_options,
     sends_checksums,
 )
+from cloudckpt.storage.fsspec_backend import FsspecBackend
+from cloudckpt.storage.objects import ObjectInfo
+from cloudckpt.storage.options import init_options
+from cloudckpt.storage.retry import status_of
+from cloudckpt.storage.transfer.bodies import PartBody, Pieces
+from cloudckpt.storage.transfer.httpget import DirectGet
+from cloudckpt.storage.transfer.parts import PartWriter
+from cloudckpt.storage.transfer.ranges import StreamedRanges
 from cloudckpt.storage.writers import RawWriter
 from cloudckpt.util.crc import Buffer, crc32c_b64
 
-log = logging.getLogger("cloudckpt.storage")
+log = logging.getLogger(__name__)
 
 #: Stores (probe keys) that answered 400 to the CRC32C header: sent without it.
 _CHECKSUM_REFUSED: set[tuple[str, ...]] = set()
@@ -320,9 +320,3 @@ class _MultipartWriter(PartWriter):
         if self._upload_id is not None:
             self._s3backend._s3("abort_multipart_upload", self._path, UploadId=self._upload_id)
             self._upload_id = None
-
-
-class S3Store(Store):
-    """A :class:`Store` over an :class:`S3Backend`."""
-
-    backend_class = S3Backend

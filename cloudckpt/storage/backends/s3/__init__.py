@@ -1,0 +1,10 @@
+"""The Amazon S3 (and S3-compatible) backend: its class (``backend``), how its failures
+are classified (``errors``, importing no client library, so that the registry can
+judge them wherever they surface) and what it makes of its storage options
+(``options``)."""
+
+from cloudckpt.util.lazy import lazy_exports
+
+__all__ = ["S3Backend"]
+
+__getattr__ = lazy_exports(__name__, {"backend": ["S3Backend"]})
