@@ -311,7 +311,7 @@ def test_stale_parts_of_a_crashed_attempt_are_not_committed(s3, tmp_path):
 def test_the_attempt_under_ray_is_its_job_in_its_cluster(monkeypatch):
     """Every fresh Ray cluster numbers its first job 01000000: a relaunch on a new
     cluster is another attempt all the same (its session differs)."""
-    from cloudckpt.integrations.roll.staging import _attempt_from_env
+    from cloudckpt.integrations.roll.worker import _attempt_from_env
 
     class Context:
         def __init__(self, session: str) -> None:

@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from cloudckpt.errors import ConfigError
-from cloudckpt.integrations.areal.config import save_root, steps_per_epoch
+from cloudckpt.integrations.areal.config import steps_per_epoch
+from cloudckpt.integrations.areal.layout import save_root
 from cloudckpt.training.schedule import SaveSchedule
 
 

@@ -2,7 +2,7 @@
 the last part (or :meth:`RollUploader.commit`), pruned by ``max_ckpt_to_keep``.
 
 A multi-part checkpoint is complete or invisible, and never lost silently: it commits
-only when its parts hold everything ROLL's resume reads (:mod:`.parts`), and one whose
+only when its parts hold everything ROLL's resume reads (:mod:`.markers`), and one whose
 parts stop arriving is reported as an ERROR at the next save and at ``wait``/``close``.
 """
 
@@ -30,17 +30,16 @@ from cloudckpt.errors import (
     StorageError,
 )
 from cloudckpt.integrations.roll import commits, membership, pipeline
+from cloudckpt.integrations.roll.layout import PARTS_DIR, checkpoint_order
 from cloudckpt.integrations.roll.openckpts import OpenCheckpoints
-from cloudckpt.integrations.roll.plugin import PARTS_DIR
 from cloudckpt.integrations.roll.resume import (
-    checkpoint_order,
     default_download_dir,
     download_checkpoint,
     latest_committed,
     recorded_clusters,
 )
 from cloudckpt.integrations.roll.sending import send_files
-from cloudckpt.integrations.roll.staging import (
+from cloudckpt.integrations.roll.worker import (
     _PART_RE,
     _attempt_from_env,
     _default_part_id,

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cloudckpt.errors import EXIT_OK, ConfigError
-from cloudckpt.integrations.roll.resume import CKPT_RE, download_checkpoint
+from cloudckpt.integrations.roll.layout import CKPT_RE
+from cloudckpt.integrations.roll.resume import download_checkpoint
 from cloudckpt.util.cliargs import add_command
 
 if TYPE_CHECKING:  # the uploaders load torch: `cloudckpt roll --help` need not wait for it
