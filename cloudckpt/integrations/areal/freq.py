@@ -87,7 +87,7 @@ class FreqCtl:
                               f"{dict(state)!r}"[:500]) from None
 
 
-class _Periodic:
+class Periodic:
     """What Saver and RecoverHandler share: their config (AReaL's dataclass or this
     package's), the ``FinetuneSpec``, where they write, and the frequency control that
     decides when."""

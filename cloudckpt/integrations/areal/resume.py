@@ -21,7 +21,7 @@ from cloudckpt.core.expected import expect_kind
 from cloudckpt.integrations.areal.config import recover_enabled
 from cloudckpt.integrations.areal.dataorder import mark_resumed
 from cloudckpt.integrations.areal.engines import engines_of, save_load_meta
-from cloudckpt.integrations.areal.freq import _Periodic
+from cloudckpt.integrations.areal.freq import Periodic
 from cloudckpt.integrations.areal.info import (
     DATALOADER_FILE,
     load_pickle,
@@ -49,7 +49,7 @@ def _state(obj: Any, default: Any = None) -> Any:
     return obj.state_dict() if obj is not None else default
 
 
-class RecoverHandler(_Periodic):
+class RecoverHandler(Periodic):
     """AReaL's ``RecoverHandler(config, ft_spec)``, with its ``dump`` and ``load``
     (same arguments, positions and results), on any URI.
 
