@@ -311,7 +311,7 @@ def test_stale_parts_of_a_crashed_attempt_are_not_committed(s3, tmp_path):
 def test_the_attempt_under_ray_is_its_job_in_its_cluster(monkeypatch):
     """Every fresh Ray cluster numbers its first job 01000000: a relaunch on a new
     cluster is another attempt all the same (its session differs)."""
-    from cloudckpt.integrations.roll.staging import _attempt_from_env
+    from cloudckpt.integrations.roll.worker import attempt_from_env
 
     class Context:
         def __init__(self, session: str) -> None:
@@ -336,12 +336,12 @@ def test_the_attempt_under_ray_is_its_job_in_its_cluster(monkeypatch):
     monkeypatch.delenv("CLOUDCKPT_ATTEMPT_ID", raising=False)
     monkeypatch.setitem(sys.modules, "ray", ray)
     ray.session = "session_2026-01-01_00-00-00_000001_100"
-    crashed = _attempt_from_env()
+    crashed = attempt_from_env()
     ray.session = "session_2026-01-01_00-05-00_000001_100"
-    assert _attempt_from_env() not in ("", crashed)
+    assert attempt_from_env() not in ("", crashed)
     assert crashed.endswith("01000000")
     monkeypatch.setenv("CLOUDCKPT_ATTEMPT_ID", "launch-7")
-    assert _attempt_from_env() == "launch-7"
+    assert attempt_from_env() == "launch-7"
 
 
 def test_max_ckpt_to_keep_prunes_the_bucket_but_not_young_torn(s3, tmp_path):

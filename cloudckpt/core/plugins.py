@@ -59,7 +59,8 @@ class Framework:
     #: The framework setting that makes its saves hold that export, for ``push`` to name.
     export_setting: str | None = None
     #: ``"module:function"``: ``function(parser)`` adds its ``cloudckpt <name>``
-    #: subcommands to an ``argparse`` parser; imported only when that command runs.
+    #: subcommands to an ``argparse`` parser (with :func:`cloudckpt.util.cliargs.subcommands`
+    #: and ``add_command``); imported only when that command runs.
     commands: str | None = None
     #: What activation binds (see :class:`Binding`); nothing is bound otherwise.
     bindings: tuple[Binding, ...] = ()

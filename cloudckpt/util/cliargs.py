@@ -10,9 +10,11 @@ argparse parses each subcommand into a namespace of its own, whose defaults over
 what the level above parsed; so each level keeps its own destination (:data:`LEVELS`),
 and :func:`verbosity` and :func:`option_pairs` add them up.
 
-A command module adds a subcommand with :func:`add_command`: the common options, and
-``func`` set to its handler, ``handler(args) -> int`` (the exit status; raising a
-:class:`~cloudckpt.errors.CloudCkptError` gives that error's exit code).
+A framework's ``add_commands(parser)`` takes :func:`subcommands` of its parser and adds
+each subcommand with :func:`add_command`: the common options, and ``func`` set to its
+handler, ``handler(args) -> int`` (the exit status; raising a
+:class:`~cloudckpt.errors.CloudCkptError` gives that error's exit code). The
+``cloudckpt`` command's own subcommands use :func:`add_command` too.
 """
 
 from __future__ import annotations
@@ -43,6 +45,13 @@ def common_options(level: str = SUBCOMMAND) -> argparse.ArgumentParser:
     p.add_argument("-o", "--storage-option", "--option", action="append", metavar="KEY=VALUE",
                    dest=f"storage_option{level}", help=OPTION_HELP)
     return p
+
+
+def subcommands(parser: argparse.ArgumentParser) -> Any:
+    """The subcommands of ``parser`` (``cloudckpt NAME COMMAND``): one is required, and
+    each is added with :func:`add_command`."""
+    return parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND",
+                                 help="what to do (COMMAND --help says more)")
 
 
 def add_command(subparsers: Any, name: str, handler: Handler, help: str,

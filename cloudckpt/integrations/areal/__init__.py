@@ -18,31 +18,33 @@ own ``RecoverHandler`` resumes from it); ``cloudckpt areal import`` brings a tri
 AReaL wrote on local disk into a bucket, and ``cloudckpt areal adopt`` commits one
 AReaL wrote that is already there (which the handler otherwise refuses to resume).
 
-One module per job: ``config`` (the sections and the paths they name), ``yaml_loader``,
-``freq`` (when to save), ``engines`` (AReaL's engine interface, and an adapter for a
-plain model), ``info`` (the ``recover_info/`` files), ``saver``, ``recover``,
-``preflight`` (the checks before training), ``importer``, ``adoption``, ``commands``
-(``cloudckpt areal ...``) and ``relaunch`` (:func:`run_with_retries`).
+The package: ``plugin`` (the declaration), ``binding`` (what activation binds),
+``commands`` (``cloudckpt areal ...``), ``layout`` (where a trial's files go),
+``resume`` (the ``RecoverHandler``), then one module per job: ``config`` (the
+sections), ``yaml_loader``, ``freq`` (when to save), ``engines`` (AReaL's engine
+interface, and an adapter for a plain model), ``info`` (the ``recover_info/`` files),
+``saver``, ``preflight`` (the checks before training), ``importer``, ``adoption``,
+``placement`` and ``dataorder`` (what activation changes), ``doctor`` (a launch, read)
+and ``relaunch`` (:func:`run_with_retries`).
 """
 
 from cloudckpt.util.lazy import lazy_exports
 
 __getattr__ = lazy_exports(__name__, {
     "adoption": ("adopt_trial",),
-    "config": (
+    "config": ("RecoverConfig", "SaverConfig"),
+    "engines": ("Engine", "ModuleEngine", "SaveLoadMeta"),
+    "freq": ("FreqCtl",),
+    "importer": ("import_trial",),
+    "info": ("RecoverInfo",),
+    "layout": (
         "EXPORT_RE",
-        "RecoverConfig",
-        "SaverConfig",
         "export_name",
         "recover_checkpoint_uri",
         "recover_info_uri",
         "save_root",
     ),
-    "engines": ("Engine", "ModuleEngine", "SaveLoadMeta"),
-    "freq": ("FreqCtl",),
-    "importer": ("import_trial",),
-    "info": ("RecoverInfo",),
-    "recover": ("RecoverHandler", "read_dataloader_info"),
+    "resume": ("RecoverHandler", "read_dataloader_info"),
     "relaunch": ("run_with_retries",),
     "saver": ("Saver", "latest_export", "list_exports"),
     "yaml_loader": ("load_yaml",),

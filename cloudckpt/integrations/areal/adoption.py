@@ -29,9 +29,9 @@ from cloudckpt.core.ownership import COMMITTED, FOREIGN, survey
 from cloudckpt.dcp.metadata import METADATA_NAME, load_metadata, missing_files
 from cloudckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from cloudckpt.hf import KIND as HF_KIND
-from cloudckpt.integrations.areal.config import EXPORT_RE, INFO_DIR, is_recover_file
 from cloudckpt.integrations.areal.info import DATALOADER_FILE, JSON_FILES
-from cloudckpt.integrations.areal.recover import KIND
+from cloudckpt.integrations.areal.layout import EXPORT_RE, INFO_DIR, is_recover_file
+from cloudckpt.integrations.areal.resume import KIND
 from cloudckpt.movement.copying import checksum_object, copy_objects
 from cloudckpt.storage import ObjectInfo, Store, as_store
 from cloudckpt.training.slot import RecoverSlot

@@ -23,7 +23,7 @@ from cloudckpt.util import logsetup
 from cloudckpt.util.lazy import load_target
 
 _OURS = {"Saver": "cloudckpt.integrations.areal.saver:Saver",
-         "RecoverHandler": "cloudckpt.integrations.areal.recover:RecoverHandler"}
+         "RecoverHandler": "cloudckpt.integrations.areal.resume:RecoverHandler"}
 
 
 class ByFileroot:

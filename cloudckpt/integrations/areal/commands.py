@@ -15,7 +15,7 @@ import argparse
 from collections.abc import Iterable
 
 from cloudckpt.errors import EXIT_OK
-from cloudckpt.util.cliargs import add_command
+from cloudckpt.util.cliargs import add_command, subcommands
 
 TRIAL = "{fileroot}/checkpoints/{user}/{experiment}/{trial}"
 
@@ -40,8 +40,7 @@ def cmd_adopt(args: argparse.Namespace) -> int:
 
 def add_commands(parser: argparse.ArgumentParser) -> None:
     """``cloudckpt areal``'s subcommands, added to ``parser``."""
-    sub = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND",
-                                help="what to do (COMMAND --help says more)")
+    sub = subcommands(parser)
     sp = add_command(sub, "import", cmd_import, "commit a trial AReaL wrote on local disk "
                      "(its recover state and exports) into a bucket, resumable from there")
     sp.add_argument("local_trial", help=f"the trial on local disk: {TRIAL}")

@@ -1,10 +1,9 @@
-"""AReaL's ``saver:`` and ``recover:`` config sections, and the paths they name."""
+"""AReaL's ``saver:`` and ``recover:`` config sections, and what AReaL derives from them
+(whether recover runs, steps per epoch); where their files go is :mod:`.layout`."""
 
 from __future__ import annotations
 
 import dataclasses
-import getpass
-import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -12,8 +11,6 @@ from typing import Any, ClassVar
 
 from cloudckpt.errors import ConfigError
 
-EXPORT_RE = re.compile(r"^epoch(\d+)epochstep(\d+)globalstep(\d+)$")
-INFO_DIR = "recover_info"
 _SAVER_MODES = ("auto", "sync", "async")
 _RECOVER_MODES = ("on", "auto", "off", "disabled")
 
@@ -127,7 +124,7 @@ def _validate_common(cfg: _Section) -> None:
         _check_freq(name, key, getattr(cfg, key))
 
 
-# --------------------------------------------------------------------------- paths
+# ------------------------------------------------------------------------- helpers
 
 
 def recover_enabled(cfg: Any) -> bool:
@@ -148,31 +145,3 @@ def steps_per_epoch(ft_spec: Any) -> int:
         raise ConfigError(f"need AReaL's FinetuneSpec or a number of steps per epoch >= 0, "
                           f"got {ft_spec!r}")
     return n
-
-
-def save_root(cfg: Any) -> str:
-    """``{fileroot}/checkpoints/{user}/{experiment}/{trial}``, as AReaL builds it, for
-    AReaL's config objects or this module's."""
-    user = getattr(cfg, "user", None) or getpass.getuser()
-    return "/".join([cfg.fileroot.rstrip("/"), "checkpoints", user, cfg.experiment_name,
-                     cfg.trial_name])
-
-
-def export_name(epoch: int, epoch_step: int, global_step: int) -> str:
-    return f"epoch{epoch}epochstep{epoch_step}globalstep{global_step}"
-
-
-def recover_checkpoint_uri(cfg: Any, name: str = "default") -> str:
-    return f"{save_root(cfg)}/{name}/recover_checkpoint"
-
-
-def recover_info_uri(cfg: Any) -> str:
-    return f"{save_root(cfg)}/recover_info"
-
-
-def is_recover_file(rel: str) -> bool:
-    """Whether ``rel`` (relative to the trial directory) is part of AReaL's recover
-    state: ``recover_info/*`` or ``{name}/recover_checkpoint/*``."""
-    parts = rel.split("/")
-    return (parts[0] == INFO_DIR and len(parts) > 1) or \
-        (len(parts) > 2 and parts[1] == "recover_checkpoint")

@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from cloudckpt.errors import ConfigError
-from cloudckpt.integrations.areal.config import save_root, steps_per_epoch
+from cloudckpt.integrations.areal.config import steps_per_epoch
+from cloudckpt.integrations.areal.layout import save_root
 from cloudckpt.training.schedule import SaveSchedule
 
 
@@ -86,7 +87,7 @@ class FreqCtl:
                               f"{dict(state)!r}"[:500]) from None
 
 
-class _Periodic:
+class Periodic:
     """What Saver and RecoverHandler share: their config (AReaL's dataclass or this
     package's), the ``FinetuneSpec``, where they write, and the frequency control that
     decides when."""

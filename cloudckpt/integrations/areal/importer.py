@@ -17,8 +17,8 @@ from typing import Any
 
 from cloudckpt.errors import CheckpointNotFoundError
 from cloudckpt.hf import KIND as HF_KIND
-from cloudckpt.integrations.areal.config import EXPORT_RE, INFO_DIR, is_recover_file
-from cloudckpt.integrations.areal.recover import KIND
+from cloudckpt.integrations.areal.layout import EXPORT_RE, INFO_DIR, is_recover_file
+from cloudckpt.integrations.areal.resume import KIND
 from cloudckpt.training.slot import RecoverSlot
 from cloudckpt.training.staging import upload_dir
 

@@ -21,7 +21,7 @@ from cloudckpt.errors import (
     ConfigError,
     IncompleteCheckpointError,
 )
-from cloudckpt.integrations.areal.config import INFO_DIR, save_root
+from cloudckpt.integrations.areal.layout import INFO_DIR, save_root
 from cloudckpt.names import SLOT_POINTER_NAME
 from cloudckpt.storage import Store, open_store
 

@@ -13,9 +13,9 @@ from cloudckpt.core.checkpoint import Checkpoint, open_checkpoint
 from cloudckpt.core.listing import list_checkpoints
 from cloudckpt.core.manifest import MANIFEST_NAME
 from cloudckpt.hf import KIND as HF_KIND
-from cloudckpt.integrations.areal.config import EXPORT_RE, export_name, save_root
 from cloudckpt.integrations.areal.engines import as_engine, save_load_meta
-from cloudckpt.integrations.areal.freq import _Periodic
+from cloudckpt.integrations.areal.freq import Periodic
+from cloudckpt.integrations.areal.layout import EXPORT_RE, export_name, save_root
 from cloudckpt.integrations.areal.preflight import check_trial
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.storage import open_store
@@ -33,7 +33,7 @@ def _dir(*parts: str) -> str:
     return path
 
 
-class Saver(_Periodic):
+class Saver(Periodic):
     """AReaL's ``Saver(config, ft_spec)``: ``save`` exports the model through the
     engine's own ``save`` when due, into ``{name}/epoch{E}epochstep{S}globalstep{G}/``
     (a bucket URI or a local path), committed with a manifest, so a crash mid-export

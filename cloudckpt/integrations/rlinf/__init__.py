@@ -23,11 +23,14 @@ Our DCP writer names shard files ``__{rank}_{i}.distcp`` (``i`` > 0 when a
 rank's items are split over several files); ``.metadata`` records every name,
 so stock DCP readers load them as usual.
 
-The package has one module per job: ``layout`` (RLinf's names and paths), ``config``
-(``runner.*`` keys, ``max_steps``, the ``save_interval`` rule), ``fsdp`` (the actor's
-state dict, RNG, full weights), ``checkpointer`` (:class:`RLinfCheckpointer`),
-``resume`` (``runner.resume_dir``), ``adoption`` (steps RLinf wrote), ``converter``
-(RLinf's DCP -> ``torch.save`` tool) and ``command`` (``cloudckpt rlinf ...``).
+The package: ``plugin`` (the declaration), ``binding`` (what activation binds),
+``commands`` (``cloudckpt rlinf ...``), ``layout`` (RLinf's names and paths),
+``resume`` (``runner.resume_dir``), then one module per job: ``config`` (``runner.*``
+keys, ``max_steps``, the ``save_interval`` rule), ``fsdp`` (the actor's state dict,
+RNG, full weights), ``checkpointer`` (:class:`RLinfCheckpointer`), ``adoption`` (steps
+RLinf wrote), ``converter`` (RLinf's DCP -> ``torch.save`` tool), ``strategy`` and
+``runner`` (RLinf's FSDP strategy and runner on a bucket), ``localpaths`` (where its
+local files go) and ``doctor`` (a launch, read).
 """
 
 from cloudckpt.util.lazy import lazy_exports

@@ -17,7 +17,6 @@ from cloudckpt.errors import CommitConflictError, ConfigError
 from cloudckpt.integrations.rlinf.config import RunnerConfig, should_save
 from cloudckpt.integrations.rlinf.fsdp import fsdp_parts
 from cloudckpt.integrations.rlinf.layout import (
-    _STEP_RE,
     ACTOR,
     CRITIC,
     DATA_PATH,
@@ -25,10 +24,11 @@ from cloudckpt.integrations.rlinf.layout import (
     KEY_PREFIX,
     KIND,
     ROOT_KEY,
+    STEP_RE,
     step_name,
 )
 from cloudckpt.integrations.rlinf.resume import (
-    _checked_step,
+    checked_step,
     open_rlinf_checkpoint,
     resolve_resume_dir,
 )
@@ -208,7 +208,7 @@ class RLinfCheckpointer:
 
         def checked() -> tuple[Checkpoint, int, Any]:  # every part, before any loads
             ckpt = open_rlinf_checkpoint(uri, self.storage_options)
-            step = _checked_step(ckpt)
+            step = checked_step(ckpt)
             for part in parts:
                 if part not in ckpt.metadata.get("parts", []):
                     raise ConfigError(f"{ckpt.uri} has no {part}/ part; it has "
@@ -238,4 +238,4 @@ def read_data_state(ckpt: Checkpoint) -> Any:
 
 
 #: Retention governs only RLinf's own checkpoints: kind ``rlinf``, named ``global_step_N``.
-_OWN_STEPS = Managed(KIND, _STEP_RE)
+_OWN_STEPS = Managed(KIND, STEP_RE)

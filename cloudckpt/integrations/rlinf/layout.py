@@ -27,7 +27,7 @@ FSDP_VERSIONS = ("fsdp", "fsdp2")
 #: fsdp_version, rng}}``; DCP flattens it, so model tensors are under this prefix.
 ROOT_KEY = "fsdp_checkpoint"
 KEY_PREFIX = f"{ROOT_KEY}.model."
-_STEP_RE = re.compile(rf"^{STEP_PREFIX}(\d+)$")
+STEP_RE = re.compile(rf"^{STEP_PREFIX}(\d+)$")
 
 
 
@@ -45,7 +45,7 @@ def step_name(step: int) -> str:
 def step_of_part(uri: str) -> int | None:
     """The step of ``.../global_step_N/<part>`` (None when not named so)."""
     parent = str(uri).rstrip("/").rpartition("/")[0].rpartition("/")[2]
-    m = _STEP_RE.match(parent)
+    m = STEP_RE.match(parent)
     return int(m.group(1)) if m else None
 
 
@@ -56,7 +56,7 @@ def parse_step(uri: str) -> int:
     here (plus a trailing slash), anything else is refused by name instead of a
     bare ``ValueError``."""
     name = str(uri).rstrip("/").rpartition("/")[2]
-    m = _STEP_RE.match(name)
+    m = STEP_RE.match(name)
     if not m:
         raise ConfigError(f"resume_dir {uri!r} does not end in {STEP_PREFIX}<N>; RLinf takes "
                           "the resumed step from that name (use null for a fresh start, "

@@ -19,7 +19,7 @@ FRAMEWORK = Framework(
     part_dirs=(ACTOR, CRITIC),
     # A model converts out of an RLinf step from its actor's DCP part.
     dcp_layouts={KIND: (f"{ACTOR}/{DCP_DIR}", KEY_PREFIX)},
-    commands="cloudckpt.integrations.rlinf.command:add_commands",
+    commands="cloudckpt.integrations.rlinf.commands:add_commands",
     doctor="cloudckpt.integrations.rlinf.doctor:plan",
     bindings=(Binding(module="rlinf.hybrid_engines.fsdp.strategy.base",
                       bind="cloudckpt.integrations.rlinf.binding:bind_strategy"),

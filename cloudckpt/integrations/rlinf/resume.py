@@ -16,7 +16,7 @@ from cloudckpt.errors import (
     ConfigError,
     IncompleteCheckpointError,
 )
-from cloudckpt.integrations.rlinf.layout import _STEP_RE, ACTOR, DCP_DIR, KIND, parse_step
+from cloudckpt.integrations.rlinf.layout import ACTOR, DCP_DIR, KIND, STEP_RE, parse_step
 from cloudckpt.storage import Store, as_store
 
 log = logging.getLogger("cloudckpt.rlinf")
@@ -42,7 +42,7 @@ def open_rlinf_checkpoint(uri: str | Store,
     return expect_kind(ckpt, KIND, "an RLinf step")
 
 
-def _checked_step(ckpt: Checkpoint) -> int:
+def checked_step(ckpt: Checkpoint) -> int:
     """The step of ``ckpt``'s name (RLinf resumes at it), which its manifest must say."""
     step = parse_step(ckpt.uri)
     expect_step(ckpt, step)
@@ -76,19 +76,19 @@ def resolve_resume_dir(resume_dir: str | None, root: str | Store,
         ckpt = open_rlinf_checkpoint(store.child(target[len(store.uri) + 1:]))
     else:
         ckpt = open_rlinf_checkpoint(target, storage_options)
-    _checked_step(ckpt)
+    checked_step(ckpt)
     return ckpt.uri
 
 
 def _latest(store: Store) -> str | None:
     infos = [i for i in list_checkpoints(store, include_uncommitted=True)
-             if _STEP_RE.match(i.name)]
+             if STEP_RE.match(i.name)]
     for info in sorted(infos, key=lambda i: parse_step(i.name), reverse=True):
         if info.committed and not info.whole(store):  # fall back from it, as for a torn one
             continue
         if info.committed:  # checked as a named one is, before any worker loads it
             ckpt = open_rlinf_checkpoint(store.child(info.name))
-            _checked_step(ckpt)
+            checked_step(ckpt)
             return ckpt.uri
         if info.status == "foreign":
             # RLinf would resume from it; skipping it would later collide with its name.

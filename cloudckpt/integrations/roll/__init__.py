@@ -21,7 +21,7 @@ committed (cloudckpt manifest, written create-only, listing every object)
 - explicitly by :meth:`RollUploader.commit`.
 
 Either way only once the parts hold all that ROLL's resume reads (the pipeline's
-state, every DCP shard each ``.metadata`` names: ``parts``), so a wrong count or a
+state, every DCP shard each ``.metadata`` names: ``markers``), so a wrong count or a
 wrong declaration never commits a checkpoint missing a shard. After the commit the
 markers (and objects only a crashed earlier attempt wrote) are removed, so the prefix
 holds exactly the manifest's objects. A checkpoint whose parts stop arriving is an
@@ -41,21 +41,23 @@ are invisible) and returns its local directory: ROLL hands that value to
 anything else to a model hub. ``cloudckpt roll upload|fetch`` uploads a local
 checkpoint or fetches the latest one. See docs/integrations/roll.md.
 
-The package: ``staging`` (a worker's local files and part name), ``parts`` (the part
-markers, and what ROLL's resume needs of them), ``membership`` (which parts make a
-checkpoint), ``pipeline`` (ROLL's pipeline object, read), ``uploader`` (the uploaders
-and the commit), ``openckpts`` (checkpoints not yet committed, reported), ``resume``
-(the latest committed checkpoint, downloaded), ``bucketkey`` and ``registries`` (ROLL's
-registries), ``doctor`` (a launch, read) and ``cli`` (the ``cloudckpt roll`` commands).
+The package: ``plugin`` (the declaration), ``binding`` (what activation binds into
+ROLL's registries), ``commands`` (``cloudckpt roll ...``), ``layout`` (ROLL's names),
+``resume`` (the latest committed checkpoint, downloaded), then ``worker`` (a worker's
+local files and part name), ``markers`` (the part markers, and what ROLL's resume
+needs of them), ``membership`` (which parts make a checkpoint), ``pipeline`` (ROLL's
+pipeline object, read), ``uploader`` (the uploaders and the commit), ``openckpts``
+(checkpoints not yet committed, reported), ``bucketkey`` (a bucket ``output_dir``
+under ROLL's ``file_system`` type) and ``doctor`` (a launch, read).
 """
 
 from cloudckpt.util.lazy import lazy_exports
 
 __getattr__ = lazy_exports(__name__, {
-    "cli": ("upload_checkpoint", "uploader_for"),
-    "plugin": ("PARTS_DIR",),
-    "registries": ("register", "wrap_model_downloaders"),
-    "resume": ("CKPT_RE", "download_checkpoint"),
+    "binding": ("register", "wrap_model_downloaders"),
+    "commands": ("upload_checkpoint", "uploader_for"),
+    "layout": ("CKPT_RE", "PARTS_DIR"),
+    "resume": ("download_checkpoint",),
     "uploader": (
         "DEFAULT_PARTS_TIMEOUT",
         "DEFAULT_TORN_GRACE_SECONDS",

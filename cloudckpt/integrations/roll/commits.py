@@ -23,9 +23,8 @@ from cloudckpt.errors import (
     StorageError,
 )
 from cloudckpt.integrations.roll import membership
-from cloudckpt.integrations.roll.parts import part_names, read_markers, resume_problems, summary
-from cloudckpt.integrations.roll.plugin import KIND
-from cloudckpt.integrations.roll.resume import CKPT_RE
+from cloudckpt.integrations.roll.layout import CKPT_RE, KIND
+from cloudckpt.integrations.roll.markers import part_names, read_markers, resume_problems, summary
 from cloudckpt.names import MANIFEST_NAME
 from cloudckpt.storage import Store
 from cloudckpt.training import multipart

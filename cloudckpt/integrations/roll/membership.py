@@ -15,7 +15,7 @@ A checkpoint is complete when the pipeline's part and at least one cluster's are
 every part announced is in, every cluster a part names (the pipeline's part: each of
 the pipeline's checkpoint clusters) or the newest committed checkpoint of the output
 directory recorded (any attempt) has all its ranks, and the parts hold all that ROLL's
-resume reads (:mod:`.parts`: every DCP shard each ``.metadata`` names). So a cluster
+resume reads (:mod:`.markers`: every DCP shard each ``.metadata`` names). So a cluster
 whose ranks upload late (a critic's async save) holds its checkpoint back, the first
 one of an output directory too. A checkpoint that never meets them is reported
 (``parts_timeout``), never waited for forever. Where no pipeline object built the
@@ -36,7 +36,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from cloudckpt.integrations.roll.plugin import PARTS_DIR
+from cloudckpt.integrations.roll.layout import PARTS_DIR
 from cloudckpt.storage import Store
 from cloudckpt.util.text import plural
 

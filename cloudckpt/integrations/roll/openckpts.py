@@ -12,7 +12,7 @@ from typing import Any
 
 from cloudckpt.errors import CommitConflictError, StorageError
 from cloudckpt.integrations.roll import commits
-from cloudckpt.integrations.roll.resume import checkpoint_order
+from cloudckpt.integrations.roll.layout import checkpoint_order
 
 log = logging.getLogger("cloudckpt.roll")
 

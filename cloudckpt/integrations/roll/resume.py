@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -16,14 +15,11 @@ from cloudckpt.core.checkpoint import open_checkpoint
 from cloudckpt.core.expected import expect_kind, expect_step
 from cloudckpt.core.listing import CheckpointInfo, list_checkpoints
 from cloudckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError
-from cloudckpt.integrations.roll.parts import part_names, read_markers
-from cloudckpt.integrations.roll.plugin import KIND
+from cloudckpt.integrations.roll.layout import CKPT_RE, KIND, checkpoint_order
+from cloudckpt.integrations.roll.markers import part_names, read_markers
 from cloudckpt.storage import Store, open_store
 
 log = logging.getLogger("cloudckpt.roll")
-
-#: ROLL's checkpoint directory names.
-CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
 def latest_committed(store: Store, expected_uploads: int | None = None) -> str | None:
@@ -66,13 +62,6 @@ def recorded_clusters(store: Store) -> set[str]:
     newest = max(done, key=lambda i: checkpoint_order(i.name))
     assert newest.manifest is not None
     return set((newest.manifest.metadata or {}).get("clusters") or {})
-
-
-def checkpoint_order(name: str) -> tuple[int, str]:
-    """Sort key of checkpoint names: ``checkpoint-9`` before ``checkpoint-11``; other
-    names first."""
-    m = CKPT_RE.match(name)
-    return (int(m.group(1)) if m else -1, name)
 
 
 def _why_skipped(store: Store, info: CheckpointInfo, expected: int | None) -> str:

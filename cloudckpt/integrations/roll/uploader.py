@@ -2,7 +2,7 @@
 the last part (or :meth:`RollUploader.commit`), pruned by ``max_ckpt_to_keep``.
 
 A multi-part checkpoint is complete or invisible, and never lost silently: it commits
-only when its parts hold everything ROLL's resume reads (:mod:`.parts`), and one whose
+only when its parts hold everything ROLL's resume reads (:mod:`.markers`), and one whose
 parts stop arriving is reported as an ERROR at the next save and at ``wait``/``close``.
 """
 
@@ -30,24 +30,23 @@ from cloudckpt.errors import (
     StorageError,
 )
 from cloudckpt.integrations.roll import commits, membership, pipeline
+from cloudckpt.integrations.roll.layout import PARTS_DIR, checkpoint_order
 from cloudckpt.integrations.roll.openckpts import OpenCheckpoints
-from cloudckpt.integrations.roll.plugin import PARTS_DIR
 from cloudckpt.integrations.roll.resume import (
-    checkpoint_order,
     default_download_dir,
     download_checkpoint,
     latest_committed,
     recorded_clusters,
 )
 from cloudckpt.integrations.roll.sending import send_files
-from cloudckpt.integrations.roll.staging import (
-    _PART_RE,
-    _attempt_from_env,
-    _default_part_id,
-    _local_files,
-    _remove,
-    _restore,
-    _snapshot,
+from cloudckpt.integrations.roll.worker import (
+    UNSAFE_PART_CHARS,
+    attempt_from_env,
+    default_part_id,
+    local_files,
+    remove_path,
+    restore_staged,
+    snapshot_dir,
 )
 from cloudckpt.names import MANIFEST_NAME
 from cloudckpt.runtime.pending import run_in_background
@@ -133,7 +132,7 @@ class RollUploader(OpenCheckpoints):
         self.max_ckpt_to_keep = int(max_ckpt_to_keep or 0)
         self.torn_grace_seconds = float(torn_grace_seconds)
         self.parts_timeout = float(parts_timeout)
-        self.attempt_id = str(attempt_id) if attempt_id else _attempt_from_env()
+        self.attempt_id = str(attempt_id) if attempt_id else attempt_from_env()
         self.part_id = part_id
         self.storage_options = dict(storage_options or {})
         self.download_dir = Path(download_dir or default_download_dir(self.output_dir))
@@ -180,8 +179,8 @@ class RollUploader(OpenCheckpoints):
         checkpoint's failure never stops this one. A synchronous failure is logged
         and raised (ROLL's manager logs it and keeps the local copy)."""
         src = Path(local_state_path)
-        part = _PART_RE.sub("_", str(kwargs.get("part_id") or self.part_id or
-                                     _default_part_id(ckpt_id, str(src))))
+        part = UNSAFE_PART_CHARS.sub("_", str(kwargs.get("part_id") or self.part_id or
+                                              default_part_id(ckpt_id, str(src))))
         store = self._checkpoint_store(ckpt_id)  # validates the name now, not in the thread
         if not self._uploaded:  # what is left open at process end is reported then
             self._uploaded = True
@@ -198,7 +197,7 @@ class RollUploader(OpenCheckpoints):
                 self._report_failure(ckpt_id, part, exc, src)
                 raise
             return
-        staging = _snapshot(src)
+        staging = snapshot_dir(src)
 
         def background() -> None:
             with self._one_at_a_time:
@@ -298,9 +297,9 @@ class RollUploader(OpenCheckpoints):
         except BaseException as exc:
             with self._lock:
                 self._failed.setdefault(ckpt_id, exc)
-            self._report_failure(ckpt_id, part, exc, _restore(staging, original))
+            self._report_failure(ckpt_id, part, exc, restore_staged(staging, original))
             return
-        _remove(staging)
+        remove_path(staging)
 
     def _report_failure(self, ckpt_id: str, part: str, exc: BaseException,
                         local: Path) -> None:
@@ -332,7 +331,7 @@ class RollUploader(OpenCheckpoints):
             raise CommitConflictError(
                 f"{store.uri} is already committed (checkpoints are immutable); part {part!r} "
                 "arrived after the commit: is expected_uploads too small?")
-        files = _local_files(src)
+        files = local_files(src)
         t0 = time.monotonic()
         entries = send_files(store, files, self.blobs)
         marker = {"part": part, "attempt": self.attempt_id, "created": time.time(),
@@ -348,7 +347,7 @@ class RollUploader(OpenCheckpoints):
             with self._lock:
                 self._open[ckpt_id] = None
         if not self.keep_local_file and original != src:  # a background upload's copy
-            _remove(original)
+            remove_path(original)
 
     def _current_parts(self, store: Store) -> dict[str, dict[str, Any]]:
         """The markers of this attempt's parts (see ``attempt_id``), by key."""

@@ -18,8 +18,10 @@ crash at any point leaves the previous step as the newest committed one, which i
 ``resume_mode: auto`` resumes (verl's own resume reads the tracker and trusts the
 files). The files are verl's own, so a downloaded step resumes under verl itself.
 
-One module per job: ``layout`` (verl's names), ``workers`` (``FSDPCheckpointManager``
-on a bucket), ``trainer`` (``RayPPOTrainer``'s save and load), ``resume`` (which step),
-``transfer`` (steps between disk and bucket), ``binding`` (what activation binds),
-``command`` (``cloudckpt verl ...``) and ``plugin`` (the declaration).
+The package: ``plugin`` (the declaration), ``binding`` (what activation binds),
+``commands`` (``cloudckpt verl ...``), ``layout`` (verl's names), ``resume`` (which
+step), then one module per job: ``workers`` (``FSDPCheckpointManager`` on a bucket),
+``trainer`` (``RayPPOTrainer``'s save and load), ``sft`` (its SFT trainer's handler),
+``localsteps`` (steps on local disk, to and from a bucket), ``paths`` (its other path
+keys) and ``doctor`` (a launch, read).
 """

@@ -11,7 +11,7 @@ FRAMEWORK = Framework(
     # A PPO step commits its roles' parts below its own claim; a role and an SFT step
     # their HF export (hf_model in save_contents).
     part_dirs=(ACTOR, CRITIC, HF_DIR),
-    commands="cloudckpt.integrations.verl.command:add_commands",
+    commands="cloudckpt.integrations.verl.commands:add_commands",
     # With hf_model in save_contents, a role holds the model as an HF export.
     exports={KIND: f"{ACTOR}/{HF_DIR}", ROLE_KIND: HF_DIR, SFT_KIND: HF_DIR},
     export_setting="actor_rollout_ref.actor.checkpoint.save_contents: [..., hf_model]",

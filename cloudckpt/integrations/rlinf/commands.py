@@ -25,7 +25,7 @@ from cloudckpt.integrations.rlinf.adoption import adopt_step, upload_step
 from cloudckpt.integrations.rlinf.converter import convert
 from cloudckpt.integrations.rlinf.layout import checkpoints_root
 from cloudckpt.integrations.rlinf.resume import resolve_resume_dir
-from cloudckpt.util.cliargs import add_command
+from cloudckpt.util.cliargs import add_command, subcommands
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
@@ -79,8 +79,7 @@ def _flags(parser: argparse.ArgumentParser, **helps: str) -> None:
 
 def add_commands(parser: argparse.ArgumentParser) -> None:
     """``cloudckpt rlinf``'s subcommands, added to ``parser``."""
-    sub = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND",
-                                help="what to do (COMMAND --help says more)")
+    sub = subcommands(parser)
     c = add_command(sub, "convert", cmd_convert, "DCP actor checkpoint -> torch.save state dict")
     _flags(c, dcp_path="global_step_N, its actor/ or actor/dcp_checkpoint (any URI)",
            output_path="file to write (a local path or any URI)")

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cloudckpt.errors import EXIT_OK, ConfigError
-from cloudckpt.integrations.roll.resume import CKPT_RE, download_checkpoint
-from cloudckpt.util.cliargs import add_command
+from cloudckpt.integrations.roll.layout import CKPT_RE
+from cloudckpt.integrations.roll.resume import download_checkpoint
+from cloudckpt.util.cliargs import add_command, subcommands
 
 if TYPE_CHECKING:  # the uploaders load torch: `cloudckpt roll --help` need not wait for it
     from cloudckpt.integrations.roll.uploader import RollUploader
@@ -71,8 +72,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 def add_commands(parser: argparse.ArgumentParser) -> None:
     """``cloudckpt roll``'s subcommands, added to ``parser``."""
-    sub = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND",
-                                help="what to do (COMMAND --help says more)")
+    sub = subcommands(parser)
     up = add_command(sub, "upload", cmd_upload, "commit a local checkpoint-N into OUTPUT_DIR")
     up.add_argument("local_dir", help="the local checkpoint-N directory")
     up.add_argument("output_dir", help="checkpoint_config.output_dir, e.g. s3://bucket/run")

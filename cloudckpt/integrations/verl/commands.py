@@ -2,9 +2,9 @@
 
 - ``upload LOCAL_STEP ROOT``: a ``global_step_N`` verl wrote on local disk (its PPO
   trainer's or its SFT trainer's), checked
-  and committed under the run's root in a bucket (:func:`.transfer.upload_step`);
+  and committed under the run's root in a bucket (:func:`.localsteps.upload_step`);
 - ``download STEP_URI LOCAL_ROOT``: a committed step into a local
-  ``default_local_dir``, with verl's tracker (:func:`.transfer.download_step`);
+  ``default_local_dir``, with verl's tracker (:func:`.localsteps.download_step`);
 - ``latest ROOT``: print the step ``resume_mode: auto`` resumes.
 
 Storage options come from the ``cloudckpt`` command's ``-o KEY=VALUE``; logging
@@ -17,9 +17,9 @@ import argparse
 
 from cloudckpt.errors import EXIT_OK, CheckpointNotFoundError
 from cloudckpt.integrations.verl.layout import STEP_KINDS
+from cloudckpt.integrations.verl.localsteps import download_step, upload_step
 from cloudckpt.integrations.verl.resume import latest_step
-from cloudckpt.integrations.verl.transfer import download_step, upload_step
-from cloudckpt.util.cliargs import add_command
+from cloudckpt.util.cliargs import add_command, subcommands
 
 
 def cmd_upload(args: argparse.Namespace) -> int:
@@ -44,8 +44,7 @@ def cmd_latest(args: argparse.Namespace) -> int:
 
 def add_commands(parser: argparse.ArgumentParser) -> None:
     """``cloudckpt verl``'s subcommands, added to ``parser``."""
-    sub = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND",
-                                help="what to do (COMMAND --help says more)")
+    sub = subcommands(parser)
     up = add_command(sub, "upload", cmd_upload, "check a global_step_N verl wrote on local "
                      "disk and commit it under a run's root in a bucket")
     up.add_argument("local_step", help="the local .../global_step_N")

@@ -21,7 +21,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from cloudckpt.errors import CorruptCheckpointError
-from cloudckpt.integrations.roll.plugin import PARTS_DIR as ROLL_PARTS_DIR
+from cloudckpt.integrations.roll.layout import PARTS_DIR as ROLL_PARTS_DIR
+from cloudckpt.integrations.roll.layout import PIPELINE_STATE
 from cloudckpt.storage import Store
 
 log = logging.getLogger("cloudckpt.roll")
@@ -29,8 +30,6 @@ log = logging.getLogger("cloudckpt.roll")
 #: DCP's names (as in ``cloudckpt.dcp.metadata``, imported only when a part holds DCP
 #: files: it imports torch, which the uploader's processes need not pay for).
 METADATA_NAME, SUFFIX = ".metadata", ".distcp"
-#: The pipeline's state: ROLL's resume reads it before anything else.
-PIPELINE_STATE = "pipeline/worker_state_pipeline.json"
 #: ROLL's per-rank torch files (fsdp2_strategy._build_checkpoint_paths).
 _TORCH_SHARD_RE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
 #: Problems named in one message, at most (the rest are counted).

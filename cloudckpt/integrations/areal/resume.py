@@ -18,10 +18,10 @@ from typing import Any
 
 from cloudckpt.core.checkpoint import open_checkpoint
 from cloudckpt.core.expected import expect_kind
-from cloudckpt.integrations.areal.config import INFO_DIR, recover_enabled, save_root
+from cloudckpt.integrations.areal.config import recover_enabled
 from cloudckpt.integrations.areal.dataorder import mark_resumed
 from cloudckpt.integrations.areal.engines import engines_of, save_load_meta
-from cloudckpt.integrations.areal.freq import _Periodic
+from cloudckpt.integrations.areal.freq import Periodic
 from cloudckpt.integrations.areal.info import (
     DATALOADER_FILE,
     load_pickle,
@@ -29,6 +29,7 @@ from cloudckpt.integrations.areal.info import (
     step_info_type,
     write,
 )
+from cloudckpt.integrations.areal.layout import INFO_DIR, save_root
 from cloudckpt.integrations.areal.plugin import KIND
 from cloudckpt.integrations.areal.preflight import check_trial, refuse_fresh_start
 from cloudckpt.runtime import coordination as coord
@@ -48,7 +49,7 @@ def _state(obj: Any, default: Any = None) -> Any:
     return obj.state_dict() if obj is not None else default
 
 
-class RecoverHandler(_Periodic):
+class RecoverHandler(Periodic):
     """AReaL's ``RecoverHandler(config, ft_spec)``, with its ``dump`` and ``load``
     (same arguments, positions and results), on any URI.
 

@@ -11,10 +11,11 @@ import socket
 import uuid
 from pathlib import Path
 
-_PART_RE = re.compile(r"[^A-Za-z0-9._-]+")
+#: What a part name may not hold (each run of it becomes ``_``).
+UNSAFE_PART_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
 
 
-def _attempt_from_env() -> str:
+def attempt_from_env() -> str:
     """The id shared by every process of one launch of the job, if one is known: under
     Ray, its job's id qualified by the cluster's session. A job id alone names the job
     within its cluster only: every fresh cluster numbers its first job ``01000000``,
@@ -38,7 +39,7 @@ def _attempt_from_env() -> str:
     return ""
 
 
-def _default_part_id(ckpt_id: str, local_state_path: str) -> str:
+def default_part_id(ckpt_id: str, local_state_path: str) -> str:
     """ROLL stages into ``{output_dir}/{worker_name}/{ckpt_id}``: the worker name
     ("pipeline", "actor_train-3") names the part, stably across restarts."""
     p = Path(local_state_path)
@@ -47,10 +48,11 @@ def _default_part_id(ckpt_id: str, local_state_path: str) -> str:
     else:
         digest = hashlib.sha1(str(p).encode()).hexdigest()[:8]
         name = f"{socket.gethostname()}-{os.getpid()}-{digest}"
-    return _PART_RE.sub("_", name).strip("._") or "part"
+    return UNSAFE_PART_CHARS.sub("_", name).strip("._") or "part"
 
 
-def _local_files(root: Path) -> dict[str, Path]:
+def local_files(root: Path) -> dict[str, Path]:
+    """The files under ``root`` (or ``root`` itself, a file) by their relative key."""
     if root.is_file():
         return {root.name: root}
     if not root.is_dir():
@@ -63,12 +65,12 @@ def _local_files(root: Path) -> dict[str, Path]:
     return out
 
 
-def _snapshot(src: Path) -> Path:
+def snapshot_dir(src: Path) -> Path:
     """Hard-link (or copy) ``src`` into a private staging directory beside it, so
     a background upload survives ROLL deleting ``src`` as soon as ``upload``
     returns. Linking is free; ROLL never modifies checkpoint files in place."""
     staging = src.parent / f".cloudckpt-staging-{src.name}-{uuid.uuid4().hex[:8]}"
-    for rel, full in _local_files(src).items():
+    for rel, full in local_files(src).items():
         dst = staging / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -79,14 +81,15 @@ def _snapshot(src: Path) -> Path:
     return staging
 
 
-def _remove(path: Path) -> None:
+def remove_path(path: Path) -> None:
+    """Remove a file or a directory tree, whichever ``path`` is, if it is there."""
     if path.is_dir():
         shutil.rmtree(path, ignore_errors=True)
     elif path.exists():
         path.unlink(missing_ok=True)
 
 
-def _restore(staging: Path, original: Path) -> Path:
+def restore_staged(staging: Path, original: Path) -> Path:
     """After a failed background upload: put the staged files back where ROLL wrote them
     when ROLL has deleted its copy (as its synchronous path keeps a copy it could not
     upload), else drop the snapshot. Either way no staging directory stays behind, and
@@ -97,5 +100,5 @@ def _restore(staging: Path, original: Path) -> Path:
             return original
         except OSError:
             pass
-    _remove(staging)
+    remove_path(staging)
     return original
