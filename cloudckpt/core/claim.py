@@ -37,8 +37,9 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cloudckpt.core.leases import Lease
@@ -82,39 +83,77 @@ def _after_fork() -> None:
 os.register_at_fork(after_in_child=_after_fork)
 
 
-def _own_writer_gone(record: dict[str, Any]) -> bool | None:
+@dataclass(frozen=True)
+class ClaimRecord:
+    """A claim as stored in ``.cloudckpt-writer.json``: its writer's id; whether its
+    save gave it up (``abandoned``) or it is a delete's (``deleting``); and ``stamp``,
+    every other field as read (the process, attempt and lease of
+    :func:`~cloudckpt.core.liveness.stamp`, which :mod:`~cloudckpt.core.liveness`
+    judges). A record that cannot be read is one with no writer: never this writer's,
+    judged by its lease."""
+
+    writer: str | None
+    abandoned: bool = False
+    deleting: bool = False
+    stamp: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, raw: bytes) -> ClaimRecord:
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            doc = None
+        if not isinstance(doc, dict):
+            return cls(None)
+        writer = doc.pop("writer", None)
+        return cls(writer if isinstance(writer, str) else None,
+                   abandoned=bool(doc.pop("abandoned", False)),
+                   deleting=bool(doc.pop("deleting", False)), stamp=doc)
+
+    def to_bytes(self) -> bytes:
+        flags = {k: True for k in ("abandoned", "deleting") if getattr(self, k)}
+        return json.dumps({"writer": self.writer, **self.stamp, **flags}).encode()
+
+    def given_up(self) -> ClaimRecord:
+        """This record marked abandoned now: its objects stay provably cloudckpt's, and
+        any contender may take the prefix over at once."""
+        return replace(self, abandoned=True, stamp={**self.stamp, "until": time.time()})
+
+    def describe(self) -> str:
+        """Who wrote it, for messages."""
+        when = self.stamp.get("since")
+        age = f", {time.time() - when:.0f} s ago" if isinstance(when, int | float) else ""
+        run = f", run {self.stamp['run']!r}" if self.stamp.get("run") else ""
+        return f"host {self.stamp.get('host')!r}, pid {self.stamp.get('pid')}{run}{age}"
+
+
+
+def _own_writer_gone(record: ClaimRecord) -> bool | None:
     """For a record of this very process: whether its writer is gone (None: the record
     is another process's)."""
-    if record.get("pid") != os.getpid() or not here(record):
+    if record.stamp.get("pid") != os.getpid() or not here(record.stamp):
         return None
     with _live_lock:
-        if record.get("writer") not in _live:
+        if record.writer not in _live:
             return True
     # An abandoned writer may sit in a reference cycle (an exception's traceback
     # holds the frames of every call it passed): collect, then look again. Only on
     # a conflict within one process, so the pause is rare.
     gc.collect()
     with _live_lock:
-        return record.get("writer") not in _live
+        return record.writer not in _live
 
 
-def _verdict(record: dict[str, Any]) -> Verdict:
+def _verdict(record: ClaimRecord) -> Verdict:
     """Whether the writer that made ``record`` runs, is gone, or holds a lease."""
-    if record.get("abandoned"):
+    if record.abandoned:
         return Verdict(State.GONE, "its save failed and gave it up")
     own = _own_writer_gone(record)
     if own is None:
-        return judge(record)
+        return judge(record.stamp)
     if own:
         return Verdict(State.GONE, "its writer in this process failed or was dropped")
     return Verdict(State.LIVE, "a writer of this process holds it")
-
-
-def _describe(record: dict[str, Any]) -> str:
-    when = record.get("since")
-    age = f", {time.time() - when:.0f} s ago" if isinstance(when, int | float) else ""
-    run = f", run {record['run']!r}" if record.get("run") else ""
-    return f"host {record.get('host')!r}, pid {record.get('pid')}{run}{age}"
 
 
 def _version(store: Store, info: ObjectInfo) -> str:
@@ -224,10 +263,10 @@ class WriterClaim:
             raw, version = self.store.get_with_version(CLAIM_NAME)
         except FileNotFoundError:  # released meanwhile: try once more from scratch
             return True, self._create()
-        record = _parse(raw)
+        record = ClaimRecord.parse(raw)
         for _ in range(_LOOKS):
-            if record.get("writer") == self.writer:
-                if record.get("abandoned"):  # this writer again, after it failed: live again
+            if record.writer == self.writer:
+                if record.abandoned:  # this writer again, after it failed: live again
                     version = _version(self.store, self.store.put_if_match(
                         CLAIM_NAME, self._data(), version))
                 return False, version
@@ -244,12 +283,12 @@ class WriterClaim:
                                               f"{verdict.left:.0f} s left of it")
             if verdict.state is State.LIVE:
                 raise CommitConflictError(
-                    f"another save is writing {self.store.uri} ({_describe(record)}: "
+                    f"another save is writing {self.store.uri} ({record.describe()}: "
                     f"{verdict.why}); one writer per checkpoint. Wait for it; if that save "
                     "is dead, its claim expires with its lease (or remove its leftovers "
                     "with `cloudckpt rm --force URI`, or pass takeover=True).")
             log.warning("taking over %s from a save that is gone (%s: %s)", self.store.uri,
-                        _describe(record), verdict.why)
+                        record.describe(), verdict.why)
             return False, _version(self.store, self.store.put_if_match(
                 CLAIM_NAME, self._data(), version))
         raise CommitConflictError(f"the claim of {self.store.uri} kept changing hands while "
@@ -258,15 +297,15 @@ class WriterClaim:
     def _create(self) -> str:
         return _version(self.store, self.store.put_if_absent(CLAIM_NAME, self._data()))
 
-    def _watch(self, record: dict[str, Any], version: str, verdict: Verdict
-               ) -> tuple[dict[str, Any], str] | None:
+    def _watch(self, record: ClaimRecord, version: str, verdict: Verdict
+               ) -> tuple[ClaimRecord, str] | None:
         """Watch a claim whose lease may still run, on this process's clock: returns it
         as it is once changed (a renewal by a live writer, or another's takeover), or
         unchanged once ``verdict.left`` passed without a renewal; None once removed."""
         log.info("%s is claimed by a save elsewhere (%s; %s): waiting up to %.0f s for "
-                 "a renewal", self.store.uri, _describe(record), verdict.why, verdict.left)
+                 "a renewal", self.store.uri, record.describe(), verdict.why, verdict.left)
         deadline = time.monotonic() + verdict.left
-        poll = min(max(lease_of(record), 1.0) / 8, 5.0)  # a few looks per renewal
+        poll = min(max(lease_of(record.stamp), 1.0) / 8, 5.0)  # a few looks per renewal
         while (left := deadline - time.monotonic()) > 0:
             time.sleep(min(poll, left))
             try:
@@ -274,17 +313,18 @@ class WriterClaim:
             except FileNotFoundError:
                 return None
             if seen != version:
-                new = _parse(raw)
-                if new.get("writer") == record.get("writer") and not new.get("abandoned"):
+                new = ClaimRecord.parse(raw)
+                if new.writer == record.writer and not new.abandoned:
                     raise CommitConflictError(
-                        f"another save is writing {self.store.uri} ({_describe(new)}): it "
+                        f"another save is writing {self.store.uri} ({new.describe()}): it "
                         "renewed its claim while this save waited; one writer per "
                         "checkpoint. Wait for it to end, or stop it.")
                 return new, seen
         return record, version
 
-    def _taken_over(self, record: dict[str, Any] | None) -> CommitConflictError:
-        who = f" by {_describe(record)}" if record else ""
+    def _taken_over(self, record: ClaimRecord | None) -> CommitConflictError:
+        known = record is not None and (record.writer is not None or record.stamp)
+        who = f" by {record.describe()}" if known and record is not None else ""
         return CommitConflictError(
             f"this save to {self.store.uri} was taken over{who} while it ran; not "
             "committing. Only one job should write a checkpoint URI.")
@@ -296,12 +336,12 @@ class WriterClaim:
             return
         self.acquire()
         try:
-            record = _parse(self.store.get(CLAIM_NAME))
+            record: ClaimRecord | None = ClaimRecord.parse(self.store.get(CLAIM_NAME))
         except FileNotFoundError:
-            record = {}
-        if record.get("writer") != self.writer:
+            record = None
+        if record is None or record.writer != self.writer:
             self.suspend()
-            raise self._taken_over(record or None)
+            raise self._taken_over(record)
 
     def suspend(self) -> None:
         """The writer's operation failed: it is no longer live (the object stays)."""
@@ -330,11 +370,9 @@ class WriterClaim:
         store = self.store.with_retry(ONE_TRY)
         try:
             raw, version = store.get_with_version(CLAIM_NAME)
-            record = _parse(raw)
-            if record.get("writer") == self.writer:
-                store.put_if_match(CLAIM_NAME, json.dumps({**record, "abandoned": True,
-                                                           "until": time.time()}).encode(),
-                                   version)
+            record = ClaimRecord.parse(raw)
+            if record.writer == self.writer:
+                store.put_if_match(CLAIM_NAME, record.given_up().to_bytes(), version)
         except Exception as exc:  # noqa: BLE001 - the claim stays; its lease runs out
             log.warning("could not mark the writer claim of %s abandoned: %s",
                         self.store.uri, exc)
@@ -349,7 +387,7 @@ class WriterClaim:
             return
         store = self.store
         try:
-            if verify and _parse(store.get(CLAIM_NAME)).get("writer") != self.writer:
+            if verify and ClaimRecord.parse(store.get(CLAIM_NAME)).writer != self.writer:
                 return
             store.delete([CLAIM_NAME])
         except Exception as exc:  # noqa: BLE001 - a leftover claim only delays a retry
@@ -365,10 +403,10 @@ class WriterClaim:
             pass
 
 
-def _recorder(writer: str, lease: float, **extra: Any) -> Callable[[], bytes]:
+def _recorder(writer: str, lease: float, *, deleting: bool = False) -> Callable[[], bytes]:
     """The bytes of ``writer``'s claim, each time it is written (renewed) from now on."""
     since = time.time()
-    return lambda: json.dumps({"writer": writer, **stamp(lease, since), **extra}).encode()
+    return lambda: ClaimRecord(writer, deleting=deleting, stamp=stamp(lease, since)).to_bytes()
 
 
 @contextmanager
@@ -413,11 +451,3 @@ def seized(store: Store, objects: Sequence[ObjectInfo]) -> Iterator[bool]:
         yield True
     finally:
         held.stop()
-
-
-def _parse(raw: bytes) -> dict[str, Any]:
-    try:
-        record = json.loads(raw)
-    except ValueError:
-        return {}
-    return record if isinstance(record, dict) else {}
