@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cloudckpt import open_store
+from cloudckpt.core.manifest import Written
 from cloudckpt.errors import StorageError
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.training import multipart
@@ -18,17 +19,17 @@ class Shards:
 
     fail_on: int | None = None
 
-    def write(self, store: Any, group: Any) -> list[multipart.Entry]:
-        def mine() -> multipart.Entry:
+    def write(self, store: Any, group: Any) -> list[Written]:
+        def mine() -> Written:
             rank = coord.rank(group)
             if rank == self.fail_on:
                 raise StorageError(f"rank {rank}: the disk went away")
             info = store.put(f"shards/{rank}.bin", bytes([rank]) * (rank + 1))
-            return info.key, info.size, info.crc32c
+            return multipart.entry(store, info.key, info.size, info.crc32c)
 
         return coord.each_rank(mine, group)
 
-    def commit(self, writer: Any, written: list[multipart.Entry]) -> None:
+    def commit(self, writer: Any, written: list[Written]) -> None:
         multipart.Stored(written).commit(writer, None)
 
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cloudckpt.core.manifest import DIGEST_RE, Manifest, read_manifest_bytes
+from cloudckpt.core.manifest import DIGEST_RE, FileEntry, Manifest, read_manifest_bytes
 from cloudckpt.errors import (
     CommitConflictError,
     ConfigError,
@@ -116,9 +116,10 @@ class BlobArea:
         digest = digest or digest_of(data)
         return digest, self.store.put(digest, data)
 
-    def put_file(self, path: str | os.PathLike[str]) -> tuple[str, int, str]:
+    def put_file(self, path: str | os.PathLike[str]) -> FileEntry:
         """Store a local file as a blob unless the area has it: one pass to hash it,
-        then a HEAD, then the upload only when missing. Its digest, size and CRC32C."""
+        then a HEAD, then the upload only when missing. Its entry: size, CRC32C and
+        the blob's digest."""
         sha, crc = hashlib.sha256(), Crc32c()
         with open(path, "rb") as f:
             while chunk := f.read(8 << 20):
@@ -133,7 +134,7 @@ class BlobArea:
                 raise CorruptCheckpointError(
                     f"{path} changed while it was saved to {self.store.key_uri(digest)}; "
                     "nothing was committed", {str(path): "changed"})
-        return digest, crc.size, crc.hexdigest()
+        return FileEntry(crc.size, crc.hexdigest(), digest)
 
     def put_many(self, store: Store, items: Mapping[str, Buffer]
                  ) -> dict[str, tuple[str, ObjectInfo]]:
@@ -148,14 +149,14 @@ class BlobArea:
         return {key: (digest, sent[digest]) for key, digest in digests.items()}
 
     def put_files(self, store: Store, files: Mapping[str, str | os.PathLike[str]]
-                  ) -> dict[str, tuple[str, int, str]]:
+                  ) -> dict[str, FileEntry]:
         """Store local files (``{key: path}``) of the checkpoint at ``store`` as blobs,
-        in parallel, held until it commits: ``{key: (digest, size, crc32c)}``."""
+        in parallel, held until it commits: ``{key: entry}``."""
         holding = self.holding(self.top_of(store))
         keys = sorted(files)
         sent = dict(zip(keys, store.map(lambda key: self.put_file(files[key]), keys),
                         strict=True))
-        by_digest = {digest: files[key] for key, (digest, _, _) in sent.items()}
+        by_digest = {entry.blob: files[key] for key, entry in sent.items()}
         holding.settle(by_digest, lambda digest: self.put_file(by_digest[digest]))
         return sent
 

@@ -86,6 +86,16 @@ class FileEntry:
 
 
 @dataclass(frozen=True)
+class Written:
+    """An object a save wrote, as its checkpoint's manifest will list it: its path
+    below the checkpoint and its entry. What every part, drain and uploader hands to
+    the commit."""
+
+    path: str
+    entry: FileEntry
+
+
+@dataclass(frozen=True)
 class Manifest:
     """A checkpoint's table of contents. Immutable once committed."""
 

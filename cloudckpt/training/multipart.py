@@ -26,6 +26,7 @@ from cloudckpt import dcp
 from cloudckpt.core.blobs import BlobArea
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter
 from cloudckpt.core.deletion import remove_leftovers
+from cloudckpt.core.manifest import FileEntry, Written
 from cloudckpt.errors import IncompleteCheckpointError
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.runtime import interrupts
@@ -33,19 +34,12 @@ from cloudckpt.storage import Store
 
 log = logging.getLogger("cloudckpt")
 
-#: An object a part stored: its key (relative to the checkpoint), size and CRC32C; in
-#: an incremental save, the digest of the blob holding it; and whether it went to the
-#: save's writer area (see :func:`entry`; left out, it did when it is no blob and the
-#: save writes its objects there: a part writes through the store it is given).
-Entry = (tuple[str, int, str] | tuple[str, int, str, str | None]
-         | tuple[str, int, str, str | None, bool])
-
-
-def entry(store: Store, key: str, size: int, crc32c: str, blob: str | None = None) -> Entry:
-    """The :class:`Entry` of an object a part wrote through ``store`` (the one its
-    :meth:`Part.write` was given): moved when not a blob and ``store`` keeps its
-    objects in a writer area."""
-    return key, size, crc32c, blob, blob is None and store.written_under is not None
+def entry(store: Store, key: str, size: int, crc32c: str, blob: str | None = None) -> Written:
+    """What a part wrote through ``store`` (the one its :meth:`Part.write` was given)
+    at ``key``: moved when not a blob (an incremental save's, by its digest) and
+    ``store`` keeps its objects in a writer area."""
+    moved = blob is None and store.written_under is not None
+    return Written(key, FileEntry(size, crc32c, blob, moved))
 
 
 class Part(Protocol):
@@ -196,8 +190,8 @@ class RankBytes:
     data: bytes
     blobs: BlobArea | None = None
 
-    def write(self, store: Store, group: Any) -> list[Entry]:
-        def mine() -> Entry:
+    def write(self, store: Store, group: Any) -> list[Written]:
+        def mine() -> Written:
             key = self.key(coord.rank(group))
             if self.blobs is None:
                 info, digest = store.put(key, self.data), None
@@ -208,7 +202,7 @@ class RankBytes:
 
         return coord.each_rank(mine, group)
 
-    def commit(self, writer: CheckpointWriter, written: list[Entry]) -> None:
+    def commit(self, writer: CheckpointWriter, written: list[Written]) -> None:
         Stored(written).commit(writer, None)
 
 
@@ -229,16 +223,14 @@ class SharedBytes:
 
 @dataclass
 class Stored:
-    """Objects already in the checkpoint, each with its size and CRC32C (see
-    :data:`Entry`)."""
+    """Objects already in the checkpoint, as their parts wrote them."""
 
-    entries: Iterable[Entry]
+    entries: Iterable[Written]
 
     def write(self, store: Store, group: Any) -> None:
         return None
 
     def commit(self, writer: CheckpointWriter, written: Any) -> None:
-        for key, size, crc, *rest in self.entries:
-            blob = rest[0] if rest else None
-            moved = rest[1] if len(rest) > 1 else blob is None and writer.moving is not None
-            writer.add_existing(key, size, crc, blob, moved)
+        for w in self.entries:
+            writer.add_existing(w.path, w.entry.size, w.entry.crc32c, w.entry.blob,
+                                w.entry.moved)

@@ -36,12 +36,12 @@ from typing import Any
 from cloudckpt.core.blobs import BlobArea
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter
 from cloudckpt.core.liveness import process_gone, this_process
+from cloudckpt.core.manifest import Written
 from cloudckpt.movement.transfer import download
 from cloudckpt.names import MANIFEST_NAME
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.storage import Store, as_store
 from cloudckpt.training import multipart
-from cloudckpt.training.multipart import Entry
 
 log = logging.getLogger("cloudckpt")
 
@@ -188,7 +188,7 @@ def _files(root: Path, chosen: set[str] | None) -> list[str]:
     return sorted(f for f in found if chosen is None or f in chosen)
 
 
-def _send(store: Store, root: Path, rel: str) -> Entry:
+def _send(store: Store, root: Path, rel: str) -> Written:
     info = store.put_file(rel, root / rel)
     assert info.crc32c is not None
     return multipart.entry(store, rel, info.size, info.crc32c)
@@ -205,7 +205,7 @@ class LocalFiles:
     select: set[str] | None = None
     blobs: BlobArea | None = None
 
-    def write(self, store: Store, group: Any) -> list[list[Entry]]:
+    def write(self, store: Store, group: Any) -> list[list[Written]]:
         leaders = _leaders(group)
         me = coord.rank(group)
         held = coord.each_rank(
@@ -221,12 +221,12 @@ class LocalFiles:
                                    group)
         return coord.each_rank(lambda: self._send_blobs(store, mine), group)
 
-    def _send_blobs(self, store: Store, rels: list[str]) -> list[Entry]:
+    def _send_blobs(self, store: Store, rels: list[str]) -> list[Written]:
         assert self.blobs is not None
         sent = self.blobs.put_files(store, {rel: self.root / rel for rel in rels})
-        return [(rel, size, crc, digest) for rel, (digest, size, crc) in sent.items()]
+        return [Written(rel, entry) for rel, entry in sent.items()]
 
-    def commit(self, writer: CheckpointWriter, written: list[list[Entry]]) -> None:
+    def commit(self, writer: CheckpointWriter, written: list[list[Written]]) -> None:
         multipart.Stored(e for sent in written for e in sent).commit(writer, None)
 
 

@@ -39,6 +39,7 @@ from cloudckpt.core.blobs import BlobArea
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
 from cloudckpt.core.deletion import delete_checkpoint
 from cloudckpt.core.listing import list_checkpoints
+from cloudckpt.core.manifest import FileEntry, Written
 from cloudckpt.core.retention import Managed, apply_retention
 from cloudckpt.dcp.metadata import DCP_KIND, METADATA_NAME, load_metadata
 from cloudckpt.errors import (
@@ -293,40 +294,41 @@ class Drained:
         part.claim()
         return part
 
-    def _send(self, store: Store, keys: list[str]) -> list[multipart.Entry]:
+    def _send(self, store: Store, keys: list[str]) -> list[Written]:
         """Send the local checkpoint's files (as blobs of an incremental run), each
         checked against the local manifest."""
         paths = {key: self.local.store.path(key) for key in keys}
         if self.blobs is None:
             sent = dict(zip(keys, store.map(
-                lambda key: (None, *_size_crc(store.put_file(key, paths[key]))), keys),
+                lambda key: FileEntry(*_size_crc(store.put_file(key, paths[key]))), keys),
                 strict=True))
         else:
             sent = self.blobs.put_files(store, paths)
         entries = []
         for key in keys:
-            entry, (blob, size, crc) = self.local.entry(key), sent[key]
-            if size != entry.size or crc != entry.crc32c:
+            entry, got = self.local.entry(key), sent[key]
+            if got.size != entry.size or got.crc32c != entry.crc32c:
                 raise CorruptCheckpointError(
                     f"{self.local.store.key_uri(key)} changed after its local commit "
-                    f"(crc32c {crc}, {size} bytes; the manifest says "
+                    f"(crc32c {got.crc32c}, {got.size} bytes; the manifest says "
                     f"{entry.crc32c}, {entry.size}); this drain stops, nothing is committed",
                     {key: "differs"})
-            entries.append(multipart.entry(store, key, entry.size, entry.crc32c, blob))
+            entries.append(multipart.entry(store, key, entry.size, entry.crc32c, got.blob))
         return entries
 
     def commit(self, writer: CheckpointWriter, written: Any) -> None:
         part, merged, crcs, entries = written
         shared = self.local.read(training.SHARED)
-        for key, size, crc, blob, moved in entries:
-            if key.startswith(f"{MODEL_PART}/"):
-                part.add_existing(key[len(MODEL_PART) + 1:], size, crc, blob, moved)
+        for w in entries:
+            if w.path.startswith(f"{MODEL_PART}/"):
+                part.add_existing(w.path[len(MODEL_PART) + 1:], w.entry.size, w.entry.crc32c,
+                                  w.entry.blob, w.entry.moved)
         part.metadata = {"dcp": {"item_crcs": crcs, "key_spread": 0}}
         merged.storage_meta = StorageMeta(checkpoint_id=part.uri)
         part.put(METADATA_NAME, pickle.dumps(merged))
         part.commit()
         writer.add_part(MODEL_PART)
-        multipart.Stored(e for e in entries if not e[0].startswith(f"{MODEL_PART}/")
+        multipart.Stored(w for w in entries if not w.path.startswith(f"{MODEL_PART}/")
                          ).commit(writer, None)
         writer.put(training.SHARED, shared)
 

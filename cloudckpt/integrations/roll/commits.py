@@ -15,6 +15,7 @@ from cloudckpt.core.blobs import BlobArea
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
 from cloudckpt.core.deletion import remove_leftovers
 from cloudckpt.core.gc import collect, find_garbage
+from cloudckpt.core.manifest import FileEntry, Written
 from cloudckpt.core.retention import Managed, apply_retention
 from cloudckpt.errors import (
     CheckpointNotFoundError,
@@ -33,9 +34,6 @@ from cloudckpt.util.text import plural
 log = logging.getLogger("cloudckpt.roll")
 
 Markers = Mapping[str, Mapping[str, Any]]
-#: A file the parts uploaded: its size, CRC32C, and its blob's digest (an incremental
-#: upload) or None.
-Uploaded = tuple[int, str, str | None]
 
 
 def current_parts(store: Store, attempt_id: str | None, since: float) -> dict[str, dict[str, Any]]:
@@ -55,22 +53,22 @@ def current_parts(store: Store, attempt_id: str | None, since: float) -> dict[st
     return parts
 
 
-def merged_files(store: Store, parts: Markers) -> dict[str, Uploaded]:
-    """Every file the parts list, with its size and CRC32C (and blob), each one in the
-    bucket."""
-    files: dict[str, Uploaded] = {}
+def merged_files(store: Store, parts: Markers) -> dict[str, FileEntry]:
+    """Every file the parts list, with its size and CRC32C (and blob: an incremental
+    upload's), each one in the bucket at its own path (or in the blob area)."""
+    files: dict[str, FileEntry] = {}
     for marker in parts.values():
         for key, e in marker["files"].items():
             blob = e.get("blob")
-            entry = (int(e["size"]), str(e["crc32c"]), str(blob) if blob else None)
+            entry = FileEntry(int(e["size"]), str(e["crc32c"]), str(blob) if blob else None)
             if files.setdefault(key, entry) != entry:
                 raise CommitConflictError(
                     f"{store.uri}: two parts uploaded different {key!r}; not committing")
     present = {o.key: o.size for o in store.list()}
-    gone = _area(store).missing(b for _, _, b in files.values() if b) if any(
-        b for _, _, b in files.values()) else set()
-    missing = [k for k, (size, _, blob) in files.items()
-               if (blob in gone if blob else present.get(k) != size)]
+    blobs = [e.blob for e in files.values() if e.blob]
+    gone = _area(store).missing(blobs) if blobs else set()
+    missing = [k for k, e in files.items()
+               if (e.blob in gone if e.blob else present.get(k) != e.size)]
     if missing:
         raise StorageError(f"{store.uri}: parts list objects that are missing or of the "
                            f"wrong size: {sorted(missing)[:5]}; not committing")
@@ -81,18 +79,18 @@ def _area(store: Store) -> BlobArea:
     return BlobArea(store.ancestor(1))
 
 
-def _resume_problems(store: Store, files: Mapping[str, Uploaded]) -> list[str]:
+def _resume_problems(store: Store, files: Mapping[str, FileEntry]) -> list[str]:
     """What ROLL's resume would miss in ``files`` (with their sizes), read from ``store``
     (or its run's blob area)."""
     def read(key: str) -> bytes:
-        blob = files[key][2] if key in files else None
+        blob = files[key].blob if key in files else None
         return _area(store).store.get(blob) if blob else store.get(key)
 
-    return resume_problems({k: size for k, (size, _, _) in files.items()}, read)
+    return resume_problems({k: e.size for k, e in files.items()}, read)
 
 
 def ready(store: Store, parts: Markers, expected: int | None,
-          gaps: Sequence[str] = ()) -> dict[str, Uploaded] | str:
+          gaps: Sequence[str] = ()) -> dict[str, FileEntry] | str:
     """The files to commit if the parts are all in (``expected`` of them; without a
     count, no ``gaps`` left: :func:`.membership.missing`) and hold all ROLL's resume
     reads; else why not (a part still on its way, or one missing)."""
@@ -147,7 +145,7 @@ class Progress:
 
 
 def assess(store: Store, parts: Markers, expected: int | None,
-           gaps: Sequence[str] = ()) -> Progress | dict[str, Uploaded]:
+           gaps: Sequence[str] = ()) -> Progress | dict[str, FileEntry]:
     """The files to commit when the parts are complete (as this process counts them),
     else where the checkpoint stands; quiet, unlike :func:`ready`."""
     problems: list[str] = []
@@ -165,7 +163,7 @@ def assess(store: Store, parts: Markers, expected: int | None,
                     list(gaps))
 
 
-def commit(store: Store, ckpt_id: str, parts: Markers, files: Mapping[str, Uploaded],
+def commit(store: Store, ckpt_id: str, parts: Markers, files: Mapping[str, FileEntry],
            attempt_id: str | None) -> Checkpoint:
     """Commit the checkpoint the parts make (a concurrent committer of the same parts
     may win), then remove what only a crashed earlier attempt wrote."""
@@ -173,8 +171,8 @@ def commit(store: Store, ckpt_id: str, parts: Markers, files: Mapping[str, Uploa
     meta = {"framework": "roll", "parts": sorted(p["part"] for p in parts.values()),
             "attempt": attempt_id, "clusters": membership.clusters(parts)}
     # The parts' uploaders wrote every file at its own path.
-    stored = multipart.Stored((key, *entry, False) for key, entry in files.items())
-    incremental = any(blob for _, _, blob in files.values())
+    stored = multipart.Stored(Written(key, entry) for key, entry in files.items())
+    incremental = any(e.blob for e in files.values())
     try:
         writer = CheckpointWriter(store, step=int(m.group(1)) if m else None, kind=KIND,
                                   metadata=meta, blobs=_area(store) if incremental else None)

@@ -22,5 +22,5 @@ def send_files(store: Store, files: Mapping[str, Path], area: BlobArea | None
 
         return dict(zip(sorted(files), store.map(put, sorted(files)), strict=True))
     sent = area.put_files(store, files)
-    return {key: {"size": size, "crc32c": crc, "blob": blob}
-            for key, (blob, size, crc) in sent.items()}
+    return {key: {"size": e.size, "crc32c": e.crc32c, "blob": e.blob}
+            for key, e in sent.items()}

@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 from cloudckpt.core import blobs
 from cloudckpt.core.blobs import BlobArea
 from cloudckpt.core.checkpoint import Checkpoint
+from cloudckpt.core.manifest import FileEntry
 from cloudckpt.errors import (
     CommitConflictError,
     ConfigError,
@@ -379,7 +380,7 @@ class RollUploader(OpenCheckpoints):
         return files if isinstance(files, str) else self._commit(store, ckpt_id, parts, files)
 
     def _commit(self, store: Store, ckpt_id: str, parts: Mapping[str, Mapping[str, Any]],
-                files: Mapping[str, commits.Uploaded]) -> Checkpoint:
+                files: Mapping[str, FileEntry]) -> Checkpoint:
         ckpt = commits.commit(store, ckpt_id, parts, files, self.attempt_id)
         self._known_clusters().update(str(m["group"]) for m in parts.values() if "group" in m)
         try:
