@@ -4,7 +4,7 @@ Measures, in one run against a moto server (and a fake-gcs-server) it starts
 itself, on one committed checkpoint of ``--objects`` objects of ``--size-mib``
 each (default 4 x 256 MiB = 1 GiB):
 
-* ``cp`` S3 -> S3: :func:`cloudckpt.movement.transfer.copy_checkpoint` to a new prefix
+* ``cp`` S3 -> S3: :func:`cloudckpt.movement.checkpoint_copy.copy_checkpoint` to a new prefix
   of the same bucket (server-side copies, each checked by the CRC32C S3
   reports) versus s3fs ``fs.copy(src_paths, dst_paths)`` of the same objects;
 * ``download`` S3 -> local: ``copy_checkpoint`` to a local directory (parallel
@@ -92,7 +92,7 @@ def crc_of_file(path: str) -> str:
 def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     """One timed run described by ``spec``; what it measured, as a dict."""
     import cloudckpt
-    from cloudckpt.movement.transfer import copy_checkpoint
+    from cloudckpt.movement.checkpoint_copy import copy_checkpoint
 
     op, side, dst, check = spec["op"], spec["side"], spec["dst"], spec["check"]
     s3 = spec["op"] != "cp_gcs"

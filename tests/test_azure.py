@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from cloudckpt import CheckpointWriter, ConfigError, StorageError, open_checkpoint
-from cloudckpt.movement.transfer import copy_checkpoint
+from cloudckpt.movement.checkpoint_copy import copy_checkpoint
 from cloudckpt.storage import conditional, open_store
 from cloudckpt.storage.backends.azure import backend as azure_mod
 

@@ -22,7 +22,7 @@ from cloudckpt import (
     open_checkpoint,
     open_store,
 )
-from cloudckpt.movement.transfer import copy_checkpoint
+from cloudckpt.movement.checkpoint_copy import copy_checkpoint
 
 
 def write_ckpt(uri, options, step, n=5, size=2000):

@@ -153,7 +153,7 @@ def test_retry_while_the_failed_attempt_is_still_referenced(backend):
 
 
 def test_copies_leave_no_claim(s3, local):
-    from cloudckpt.movement.transfer import copy_checkpoint
+    from cloudckpt.movement.checkpoint_copy import copy_checkpoint
 
     src = s3.uri("step-8")
     with CheckpointWriter(src, step=8, storage_options=s3.options) as w:

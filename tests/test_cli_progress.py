@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from cloudckpt import CheckpointManager, CheckpointWriter, ManagerOptions, open_checkpoint
-from cloudckpt.movement.transfer import copy_checkpoint
+from cloudckpt.movement.checkpoint_copy import copy_checkpoint
 from cloudckpt.runtime.state import StepInfo
 
 #: How long the child may stay silent before the test gives up on it (no timing

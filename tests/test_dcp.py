@@ -26,7 +26,7 @@ from cloudckpt import (
 )
 from cloudckpt.cli import main as cli
 from cloudckpt.dcp import CloudStorageReader, CloudStorageWriter, adopt, async_save
-from cloudckpt.movement.transfer import copy_checkpoint
+from cloudckpt.movement.checkpoint_copy import copy_checkpoint
 from cloudckpt.util.crc import crc32c_hex
 
 
@@ -470,7 +470,7 @@ def test_a_loaded_tensor_is_received_into_its_own_memory(s3, monkeypatch):
     beforehand, off the loop that receives."""
     import numpy as np
 
-    from cloudckpt.dcp.placement import _Stream
+    from cloudckpt.dcp.placement import ItemStream
     from cloudckpt.storage.transfer.ranges import Filling
     from cloudckpt.util import pages
 
@@ -483,7 +483,7 @@ def test_a_loaded_tensor_is_received_into_its_own_memory(s3, monkeypatch):
             return real(self, *args)
         return sink
 
-    monkeypatch.setattr(_Stream, "__call__", recorded(_Stream.__call__))
+    monkeypatch.setattr(ItemStream, "__call__", recorded(ItemStream.__call__))
     monkeypatch.setattr(Filling, "put", recorded(Filling.put))
     faulted: list[tuple[int, int]] = []  # pages faulted in before the bytes came
     real_populate = pages.populate

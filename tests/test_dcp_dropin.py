@@ -33,7 +33,7 @@ from cloudckpt.core.deletion import delete_checkpoint
 from cloudckpt.core.manifest import MANIFEST_NAME, Manifest
 from cloudckpt.dcp import CloudStorageReader, CloudStorageWriter
 from cloudckpt.errors import CommitConflictError, ConfigError, ManifestError, NotACheckpointError
-from cloudckpt.movement.transfer import download
+from cloudckpt.movement.checkpoint_copy import download
 from cloudckpt.names import WRITER_AREAS
 from cloudckpt.storage import open_store
 

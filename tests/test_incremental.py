@@ -26,7 +26,7 @@ from cloudckpt.core.gc import BLOBS, collect, find_garbage
 from cloudckpt.core.listing import list_checkpoints
 from cloudckpt.core.manifest import MANIFEST_NAME, Manifest
 from cloudckpt.errors import CommitConflictError, ConfigError, ManifestError
-from cloudckpt.movement.transfer import copy_checkpoint, download
+from cloudckpt.movement.checkpoint_copy import copy_checkpoint, download
 from cloudckpt.names import BLOB_AREA
 from cloudckpt.runtime.state import StepInfo
 from cloudckpt.storage import open_store

@@ -341,7 +341,7 @@ def test_a_dump_the_load_refuses_leaves_everything_as_it_was(s3, tmp_path, bad):
     its CRC32C holds), or is not an AReaL dump at all: the load refuses before it gives
     the engine, the stats logger or the RNG anything."""
     from cloudckpt.errors import CorruptCheckpointError
-    from cloudckpt.movement.transfer import download
+    from cloudckpt.movement.checkpoint_copy import download
     from cloudckpt.training.staging import upload_dir
 
     spe = 6

@@ -147,7 +147,7 @@ def test_a_load_the_checkpoint_refuses_applies_nothing(memory):
     """A critic asked of a step that has none, or a step copied under a newer name:
     refused before a tensor of the actor (or the RNG) is loaded, by the checkpointer and
     by ``resume_dir: auto``, which RLinf's workers load from."""
-    from cloudckpt.movement.transfer import copy_checkpoint
+    from cloudckpt.movement.checkpoint_copy import copy_checkpoint
 
     ck = rlinf.RLinfCheckpointer(memory.uri("out"), "exp", save_interval=1, max_steps=10)
     model = torch.nn.Linear(3, 2)

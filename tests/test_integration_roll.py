@@ -260,7 +260,7 @@ def test_a_checkpoint_under_another_name_or_kind_is_refused_before_it_downloads(
     resume at step 3 from files named 9, then save over the names it skipped. The newest
     (what get_latest_ckpt takes) and the name itself are refused before a file comes
     down; a committed checkpoint-10 that is not ROLL's is refused too."""
-    from cloudckpt.movement.transfer import copy_checkpoint
+    from cloudckpt.movement.checkpoint_copy import copy_checkpoint
 
     up = roll_manager_uploader(config(s3, expected_uploads=2))
     commit_checkpoint(up, tmp_path, 3)

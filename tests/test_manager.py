@@ -23,7 +23,7 @@ from cloudckpt import (
     list_checkpoints,
     open_store,
 )
-from cloudckpt.movement.transfer import copy_checkpoint
+from cloudckpt.movement.checkpoint_copy import copy_checkpoint
 
 
 class Counter:

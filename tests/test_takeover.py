@@ -22,7 +22,7 @@ from cloudckpt.core.committed import open_checkpoint
 from cloudckpt.core.deletion import delete_checkpoint
 from cloudckpt.core.manifest import MANIFEST_NAME, Manifest
 from cloudckpt.errors import CommitConflictError, ManifestError
-from cloudckpt.movement.transfer import download
+from cloudckpt.movement.checkpoint_copy import download
 from cloudckpt.names import WRITER_AREAS
 from cloudckpt.storage import open_store
 from cloudckpt.training import multipart

@@ -161,7 +161,7 @@ def test_retention_per_tier_and_the_drained_checkpoint_is_standard(s3, tmp_path)
     # The drained checkpoint is a training checkpoint torch's own reader loads.
     import torch.distributed.checkpoint as dcp
 
-    from cloudckpt.movement.transfer import download
+    from cloudckpt.movement.checkpoint_copy import download
 
     download(s3.uri("step-6"), tmp_path / "down", s3.options)
     state = {"model": torch.nn.Linear(4, 4).state_dict()}

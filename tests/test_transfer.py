@@ -1,5 +1,6 @@
-"""Copies between stores (cloudckpt.movement.transfer): server-side within one store, parallel
-ranges into local disk, streamed across stores; every route verified end to end."""
+"""Copies between stores (cloudckpt.movement.checkpoint_copy): server-side within one
+store, parallel ranges into local disk, streamed across stores; every route verified end
+to end."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 from cloudckpt import CheckpointWriter, open_checkpoint, open_store
 from cloudckpt.core.manifest import MANIFEST_NAME
 from cloudckpt.errors import CommitConflictError, CorruptCheckpointError
-from cloudckpt.movement.transfer import _copy_objects, copy_checkpoint
+from cloudckpt.movement.checkpoint_copy import _copy_objects, copy_checkpoint
 from cloudckpt.storage import ObjectInfo
 from cloudckpt.storage.backend import Backend, Host
 from cloudckpt.storage.backends.s3 import S3Backend

@@ -250,7 +250,7 @@ def copy_dest(request):
 
 
 def test_an_interrupted_copy_resumes_and_leaves_no_parts(s3, copy_dest, monkeypatch):
-    from cloudckpt.movement import transfer
+    from cloudckpt.movement import checkpoint_copy
 
     objects = {f"obj-{i}.bin": os.urandom(3000 + i) for i in range(6)}
     objects["big.bin"] = os.urandom(3 * 1024 * 1024)  # streamed in parts
@@ -258,7 +258,7 @@ def test_an_interrupted_copy_resumes_and_leaves_no_parts(s3, copy_dest, monkeypa
     src = open_checkpoint(s3.uri("step-1"), s3.options)
     dst = copy_dest.uri("copy")
     opts = {**copy_dest.options, "part_size": 256 * 1024}
-    real = transfer._copy_objects
+    real = checkpoint_copy._copy_objects
     copied: list[str] = []
 
     def interrupted(ckpt, writer, paths, progress):
@@ -266,20 +266,20 @@ def test_an_interrupted_copy_resumes_and_leaves_no_parts(s3, copy_dest, monkeypa
         copied.extend(paths[:3])
         raise KeyboardInterrupt  # Ctrl-C after three objects
 
-    monkeypatch.setattr(transfer, "_copy_objects", interrupted)
+    monkeypatch.setattr(checkpoint_copy, "_copy_objects", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        transfer.copy_checkpoint(src, dst, dst_options=opts)
+        checkpoint_copy.copy_checkpoint(src, dst, dst_options=opts)
     # What a kill in the middle of a streamed object leaves: a hidden upload part.
     open_store(dst, copy_dest.options).put("obj-5.bin.0a1b2c3d-0001.cloudckpt-part", b"p" * 99)
-    monkeypatch.setattr(transfer, "_copy_objects", real)
+    monkeypatch.setattr(checkpoint_copy, "_copy_objects", real)
     second: list[str] = []
 
     def counting(ckpt, writer, paths, progress):
         second.extend(paths)
         real(ckpt, writer, paths, progress)
 
-    monkeypatch.setattr(transfer, "_copy_objects", counting)
-    out = transfer.copy_checkpoint(src, dst, dst_options=opts)
+    monkeypatch.setattr(checkpoint_copy, "_copy_objects", counting)
+    out = checkpoint_copy.copy_checkpoint(src, dst, dst_options=opts)
     assert sorted(second) == sorted(set(objects) - set(copied))  # only what was missing
     out.verify(deep=True)
     assert out.manifest.commit_id == src.manifest.commit_id
@@ -569,7 +569,7 @@ def test_deleting_a_checkpoint_leaves_what_it_does_not_list(s3, caplog):
 
 def test_a_save_below_is_not_a_leftover_of_the_root(local, s3, capsys):
     from cloudckpt import NotACheckpointError
-    from cloudckpt.movement.transfer import copy_checkpoint
+    from cloudckpt.movement.checkpoint_copy import copy_checkpoint
 
     commit(s3, "src", 1)
     live = CheckpointWriter(local.uri("run/step-7"), step=7, storage_options=local.options)

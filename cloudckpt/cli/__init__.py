@@ -20,7 +20,7 @@ from typing import Any
 
 from cloudckpt import __version__
 from cloudckpt.cli.commands import (
-    _INFO_FILES,
+    INFO_FILES_SHOWN,
     cmd_adopt,
     cmd_convert,
     cmd_cp,
@@ -115,7 +115,7 @@ def _add_inspection(sub: LazySubcommands) -> None:
     sp.add_argument("uri", help="the checkpoint, e.g. s3://bucket/run/step-100")
     sp.add_argument("--json", action="store_true", help="print the manifest itself")
     sp.add_argument("--all", action="store_true",
-                    help=f"list every object (default: the first {_INFO_FILES})")
+                    help=f"list every object (default: the first {INFO_FILES_SHOWN})")
     sp = _add(sub, "verify", cmd_verify, "check a checkpoint's objects (sizes; --deep: CRC32C "
               "too)")
     sp.add_argument("uri", help="the checkpoint")

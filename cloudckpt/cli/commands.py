@@ -32,7 +32,7 @@ from cloudckpt.errors import (
     CorruptCheckpointError,
     NotACheckpointError,
 )
-from cloudckpt.movement.transfer import copy_checkpoint
+from cloudckpt.movement.checkpoint_copy import copy_checkpoint
 from cloudckpt.movement.trees import tree_units
 from cloudckpt.names import MANIFEST_NAME
 from cloudckpt.storage import Store, open_store, parse_options, versioning
@@ -77,7 +77,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-_INFO_FILES = 20
+#: The objects ``cloudckpt info`` lists without ``--all``.
+INFO_FILES_SHOWN = 20
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -98,7 +99,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     if m.metadata:
         text = json.dumps(dict(m.metadata), sort_keys=True)
         print(f"metadata:  {text if args.all or len(text) <= 500 else text[:500] + ' ...'}")
-    shown = c.files if args.all else c.files[:_INFO_FILES]
+    shown = c.files if args.all else c.files[:INFO_FILES_SHOWN]
     for path in shown:
         e = m.files[path]
         print(f"  {e.crc32c}  {e.size:>12}  {path}"

@@ -46,7 +46,7 @@ def _shape(shape: Any) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from cloudckpt.contents.listing import list_contents
+    from cloudckpt.contents.inventory import list_contents
 
     c = list_contents(args.uri, args.options).matching(args.names)
     if args.json:

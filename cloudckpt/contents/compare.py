@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from cloudckpt.contents.listing import Contents, Entry, list_contents
+from cloudckpt.contents.inventory import Contents, Entry, list_contents
 from cloudckpt.core.checkpoint import Checkpoint, open_checkpoint
 
 if TYPE_CHECKING:

@@ -21,9 +21,9 @@ from cloudckpt.core.blobs import BlobArea
 from cloudckpt.core.claim import WriterClaim
 from cloudckpt.core.committed import (
     Checkpoint,
-    _manifest_and_bytes,
     open_checkpoint,
     read_manifest,
+    read_manifest_and_bytes,
 )
 from cloudckpt.core.manifest import MANIFEST_NAME, FileEntry, Manifest, validate_path
 from cloudckpt.core.ownership import Survey
@@ -269,7 +269,7 @@ class CheckpointWriter:
         """Record the committed checkpoint at ``prefix`` (below this one) as a part:
         its objects and its own manifest, so this manifest covers all of them."""
         sub = self.store.child(prefix)
-        manifest, raw = _manifest_and_bytes(sub)  # one read: the manifest and its checksum
+        manifest, raw = read_manifest_and_bytes(sub)  # one read: the manifest and its checksum
         levels = len(prefix.strip("/").split("/"))
         depth = None if manifest.blob_depth is None else manifest.blob_depth - levels
         area = None if manifest.writer_area is None else (

@@ -261,16 +261,18 @@ def read_manifest(store: Store) -> Manifest:
     objects cloudckpt did not write, :class:`CheckpointNotFoundError` when nothing
     is there (:class:`BucketNotFoundError` when not even the bucket is).
     """
-    return _manifest_and_bytes(store)[0]
+    return read_manifest_and_bytes(store)[0]
 
 
-def _manifest_and_bytes(store: Store, retry: bool = True) -> tuple[Manifest, bytes]:
+def read_manifest_and_bytes(store: Store, retry: bool = True) -> tuple[Manifest, bytes]:
+    """:func:`read_manifest`, with the bytes it was parsed from (one read gives a caller
+    both the manifest and what its checksum is taken over)."""
     try:
         data = read_manifest_bytes(store)  # bounded: never more than MAX_MANIFEST_BYTES
     except FileNotFoundError:
         found = survey(store)
         if found.kind == COMMITTED and retry:  # committed between the read and the listing
-            return _manifest_and_bytes(store, retry=False)
+            return read_manifest_and_bytes(store, retry=False)
         if found.kind == EMPTY:
             store.check_bucket()
         raise missing_manifest_error(found) from None

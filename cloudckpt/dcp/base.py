@@ -7,7 +7,7 @@ from typing import Any
 from cloudckpt.storage import Store, can_open
 
 
-class _OnStore:
+class OnStore:
     """What the writer and the reader share: a store, its URI, URI validation."""
 
     store: Store

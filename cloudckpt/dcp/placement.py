@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
-from cloudckpt.dcp.readplan import _Item
+from cloudckpt.dcp.readplan import RequestedItem
 from cloudckpt.errors import CorruptCheckpointError
 from cloudckpt.serialization.records import HEAD_BYTES, SavedTensor, try_locate
 from cloudckpt.serialization.torchload import safe_torch_load
@@ -22,7 +22,7 @@ from cloudckpt.storage.transfer.window import ByteWindow
 from cloudckpt.util.crc import Crc32c
 
 
-def _deliver(item: _Item, buf: Any, at: int, uri: str) -> None:
+def deliver(item: RequestedItem, buf: Any, at: int, uri: str) -> None:
     """Copy a checked item whose bytes lie in ``buf`` from ``at`` into its destination:
     from the bytes where its tensor is one plain record, else through ``torch.load``."""
     assert item.target is not None
@@ -40,7 +40,7 @@ def _deliver(item: _Item, buf: Any, at: int, uri: str) -> None:
     _place(src, 0, item.req, item.target)
 
 
-def _direct(item: _Item, saved: SavedTensor) -> bool:
+def goes_straight(item: RequestedItem, saved: SavedTensor) -> bool:
     """Whether the item's bytes can go straight into its destination's memory."""
     target, req = item.target, item.req
     return (target is not None and target.device.type == "cpu" and target.dtype == saved.dtype
@@ -48,11 +48,11 @@ def _direct(item: _Item, saved: SavedTensor) -> bool:
             and saved.nbytes > 0)
 
 
-class _Rows:
+class RowBuffer:
     """A window buffer of whole rows of a saved tensor, placed (converted) into the
     destination when full: rows ``first_row``... for up to ``rows`` rows."""
 
-    def __init__(self, item: _Item, window: ByteWindow, rows: int, *, first_row: int = 0
+    def __init__(self, item: RequestedItem, window: ByteWindow, rows: int, *, first_row: int = 0
                  ) -> None:
         assert item.saved is not None
         self.item, self.saved, self._window = item, item.saved, window
@@ -94,13 +94,13 @@ class NotStraight(Exception):
     destination: read it again off the loop (converting may wait for window bytes)."""
 
 
-class _Stream:
+class ItemStream:
     """Takes a whole item's bytes in order (one request): finds its tensor in the
     first few KiB, then puts every byte where it goes, checksumming all of it.
     ``on_loop``: it runs where the bytes arrive, so it must never wait: an item that
     does not go straight into its destination raises :class:`NotStraight`."""
 
-    def __init__(self, item: _Item, window: ByteWindow, row_budget: int, *,
+    def __init__(self, item: RequestedItem, window: ByteWindow, row_budget: int, *,
                  on_loop: bool = False) -> None:
         self.item, self._window, self._row_budget = item, window, row_budget
         self._on_loop = on_loop
@@ -109,7 +109,7 @@ class _Stream:
         self._got = 0
         self._saved: SavedTensor | None = None
         self._dest: memoryview | None = None
-        self._rows: _Rows | None = None
+        self._rows: RowBuffer | None = None
         self._whole: Any = None
         self._held = 0
 
@@ -146,18 +146,18 @@ class _Stream:
             self._put(r, v)
 
     def _choose(self, saved: SavedTensor | None) -> None:
-        if self._on_loop and (saved is None or not _direct(self.item, saved)):
+        if self._on_loop and (saved is None or not goes_straight(self.item, saved)):
             raise NotStraight(self.item.fqn)
         self._saved = self.item.saved = saved
         if saved is None:  # another layout: the whole item, torch.load'ed once checked
             self._held = self._window.acquire(self.item.info.length)
             self._whole = self._window.mapping(self.item.info.length)
-        elif _direct(self.item, saved):
+        elif goes_straight(self.item, saved):
             assert self.item.target is not None
-            self._dest = _bytes_of(self.item.target)
+            self._dest = bytes_of(self.item.target)
         elif saved.nbytes:
             rows = min(saved.rows_within(self._row_budget), saved.rows)
-            self._rows = _Rows(self.item, self._window, rows)
+            self._rows = RowBuffer(self.item, self._window, rows)
 
     def _put(self, rel: int, view: memoryview) -> None:
         if self._whole is not None:
@@ -184,7 +184,7 @@ class _Stream:
         if self.crc.hexdigest() != self.item.crc:
             raise self.item.corrupt(uri, self.crc.hexdigest())
         if self._whole is not None:
-            _deliver(self.item, self._whole, 0, uri)
+            deliver(self.item, self._whole, 0, uri)
         elif self._rows is not None:
             self._rows.flush()
 
@@ -196,7 +196,7 @@ class _Stream:
             self._whole = None
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
+def bytes_of(t: torch.Tensor) -> memoryview:
     """The memory of a contiguous CPU tensor, as writable bytes (any dtype)."""
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
@@ -258,7 +258,7 @@ class _BufferReader(io.RawIOBase):
         return n
 
 
-def _refuse_unsafe_pickle(raw: bytes, what: str) -> None:
+def refuse_unsafe_pickle(raw: bytes, what: str) -> None:
     """DCP's planner unpickles byte items with ``weights_only=False``; only let
     through what ``weights_only=True`` accepts, so no pickled code can run."""
     safe_torch_load(io.BytesIO(raw), what)

@@ -27,18 +27,18 @@ from torch.futures import Future
 
 from cloudckpt.compat.torch_private import StorageInfo
 from cloudckpt.core.checkpoint import Checkpoint, open_checkpoint
-from cloudckpt.dcp.base import _OnStore
+from cloudckpt.dcp.base import OnStore
 from cloudckpt.dcp.metadata import METADATA_NAME, ItemCrcs, load_metadata
 from cloudckpt.dcp.placement import (
+    ItemStream,
     NotStraight,
-    _bytes_of,
-    _deliver,
-    _direct,
-    _refuse_unsafe_pickle,
-    _Rows,
-    _Stream,
+    RowBuffer,
+    bytes_of,
+    deliver,
+    goes_straight,
+    refuse_unsafe_pickle,
 )
-from cloudckpt.dcp.readplan import _coalesce, _Item, _Prefetched, _raw_request, _split_range
+from cloudckpt.dcp.readplan import Prefetched, RequestedItem, coalesce, raw_request, split_range
 from cloudckpt.errors import CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError
 from cloudckpt.names import MANIFEST_NAME
 from cloudckpt.runtime import coordination as coord
@@ -73,7 +73,7 @@ def _open_dcp(store: Store) -> Checkpoint:
         raise
 
 
-class CloudStorageReader(_OnStore, StorageReader):
+class CloudStorageReader(OnStore, StorageReader):
     """DCP storage reader for a committed cloudckpt DCP checkpoint at any URI.
 
     ``share_metadata=True`` has rank 0 of ``process_group`` (the group given to
@@ -198,19 +198,19 @@ class CloudStorageReader(_OnStore, StorageReader):
         if not shared:
             return plans
         item_crcs = ItemCrcs(self._ckpt().metadata.get("dcp"))
-        items = [_Item(_raw_request(i), *self._entry(i, item_crcs), None) for i in shared]
+        items = [RequestedItem(raw_request(i), *self._entry(i, item_crcs), None) for i in shared]
         window = shared_window(self.read_window)
         self.store.map(lambda group: self._fetch_group(*group, window),
-                       _coalesce(items, self.store.part_size))
+                       coalesce(items, self.store.part_size))
         raw = {item.req.storage_index: item.raw for item in items}
-        return [dataclasses.replace(plan, storage_data=_Prefetched(
+        return [dataclasses.replace(plan, storage_data=Prefetched(
             {req.storage_index: raw[req.storage_index] for req in plan.items
              if req.storage_index in raw})) for plan in plans]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         fut: Future[None] = Future()
         try:
-            given = plan.storage_data.items if isinstance(plan.storage_data, _Prefetched) else {}
+            given = plan.storage_data.items if isinstance(plan.storage_data, Prefetched) else {}
             self._read(plan.items, planner, given)
         except Exception as exc:  # noqa: BLE001 - handed to DCP through the future
             fut.set_exception(exc)  # (an interrupt propagates: a torch Future cannot hold it)
@@ -229,7 +229,7 @@ class CloudStorageReader(_OnStore, StorageReader):
             if item.req.storage_index in given:
                 item.raw = given[item.req.storage_index]
                 if item.target is not None:
-                    _deliver(item, bytearray(item.raw), 0, self.uri)
+                    deliver(item, bytearray(item.raw), 0, self.uri)
         # Large tensors go straight into their destinations. One of up to two parts
         # comes in one request whose first bytes say where the tensor lies; a larger
         # one is located by a read of its head, then fetched as parallel spans. The
@@ -245,7 +245,7 @@ class CloudStorageReader(_OnStore, StorageReader):
         whole = [i for i in todo if id(i) not in apart]
         tasks: list[Callable[[], None]] = [
             functools.partial(self._fetch_group, path, start, end, members, window)
-            for path, start, end, members in _coalesce(whole, self.store.part_size)]
+            for path, start, end, members in coalesce(whole, self.store.part_size)]
         tasks += [functools.partial(self._stream, i, window)
                   for i in large if i.info.length <= split_above]
         for item in streamed:
@@ -258,7 +258,7 @@ class CloudStorageReader(_OnStore, StorageReader):
                 planner.commit_tensor(item.req, item.target)
             else:
                 assert item.raw is not None
-                _refuse_unsafe_pickle(item.raw, f"{self.uri} item {item.fqn}")
+                refuse_unsafe_pickle(item.raw, f"{self.uri} item {item.fqn}")
                 planner.load_bytes(item.req, io.BytesIO(item.raw))
 
     def _entry(self, index: MetadataIndex, item_crcs: ItemCrcs) -> tuple[StorageInfo, str]:
@@ -290,7 +290,7 @@ class CloudStorageReader(_OnStore, StorageReader):
         return info, expected
 
     def _item(self, req: ReadItem, planner: LoadPlanner,
-              item_crcs: ItemCrcs) -> _Item:
+              item_crcs: ItemCrcs) -> RequestedItem:
         info, expected = self._entry(req.storage_index, item_crcs)
         target = None
         if req.type != LoadItemType.BYTE_IO:
@@ -300,9 +300,9 @@ class CloudStorageReader(_OnStore, StorageReader):
                     f"loading {self.uri}: {req.storage_index.fqn} has shape "
                     f"{tuple(req.lengths)} in the checkpoint but {tuple(target.size())} in the "
                     "state to load into; the model does not match the checkpoint")
-        return _Item(req, info, expected, target)
+        return RequestedItem(req, info, expected, target)
 
-    def _locate(self, item: _Item) -> None:
+    def _locate(self, item: RequestedItem) -> None:
         """Read an item's head and find its tensor's bytes (None: read it whole)."""
         n = min(item.info.length, HEAD_BYTES)
         with self._ckpt().reading(item.path):
@@ -311,7 +311,7 @@ class CloudStorageReader(_OnStore, StorageReader):
         if item.saved is not None:
             item.head = head[:item.saved.data_start]
 
-    def _spans(self, item: _Item, window: ByteWindow) -> list[Callable[[], None]]:
+    def _spans(self, item: RequestedItem, window: ByteWindow) -> list[Callable[[], None]]:
         """Ranged reads of the item's body (its tensor's bytes, then the zip's tail):
         into the destination's own memory where it takes the bytes as they are, else a
         whole number of rows at a time through a buffer, converted into place."""
@@ -320,9 +320,9 @@ class CloudStorageReader(_OnStore, StorageReader):
         base = item.info.offset + saved.data_start
         tail = bytearray(item.info.length - saved.data_start - saved.nbytes)
         item.tail = tail
-        if _direct(item, saved):
-            dest = _bytes_of(target)
-            bounds = _split_range(0, saved.nbytes, max(self.store.part_size, 1 << 20))
+        if goes_straight(item, saved):
+            dest = bytes_of(target)
+            bounds = split_range(0, saved.nbytes, max(self.store.part_size, 1 << 20))
             item.crcs = [None] * len(bounds)
             return [functools.partial(self._read_direct, item, k, base + a,
                                       [dest[a:b], *([tail] if b == saved.nbytes else [])],
@@ -339,7 +339,7 @@ class CloudStorageReader(_OnStore, StorageReader):
         """Bytes of rows converted at once: about a part, within the read window."""
         return max(1, min(max(self.store.part_size, 1 << 20), self.read_window))
 
-    def _read_direct(self, item: _Item, k: int, start: int, outs: list[Any],
+    def _read_direct(self, item: RequestedItem, k: int, start: int, outs: list[Any],
                      address: int) -> None:
         # Faulted in here, not page by page on the loop as the bytes arrive.
         pages.populate(address, memoryview(outs[0]).nbytes)
@@ -347,10 +347,10 @@ class CloudStorageReader(_OnStore, StorageReader):
             crc = self.store.read_range_into(item.path, start, outs)
         item.crcs[k] = (crc, sum(memoryview(o).nbytes for o in outs))
 
-    def _read_rows(self, item: _Item, k: int, r0: int, r1: int, base: int,
+    def _read_rows(self, item: RequestedItem, k: int, r0: int, r1: int, base: int,
                    window: ByteWindow, last: bool) -> None:
         assert item.saved is not None and item.target is not None and item.tail is not None
-        rows = _Rows(item, window, r1 - r0, first_row=r0)
+        rows = RowBuffer(item, window, r1 - r0, first_row=r0)
         try:
             outs = [rows.buffer, *([item.tail] if last else [])]
             with self._ckpt().reading(item.path):
@@ -360,7 +360,7 @@ class CloudStorageReader(_OnStore, StorageReader):
         finally:
             rows.close()
 
-    def _stream(self, item: _Item, window: ByteWindow) -> None:
+    def _stream(self, item: RequestedItem, window: ByteWindow) -> None:
         """One request for a whole item, its bytes put where they go as they arrive: on
         the event loop that receives them where they go straight into the destination
         (as ``.metadata`` says they will; if the record says otherwise, again here)."""
@@ -376,8 +376,8 @@ class CloudStorageReader(_OnStore, StorageReader):
                 pass
         self._stream_once(item, window, on_loop=False)
 
-    def _stream_once(self, item: _Item, window: ByteWindow, *, on_loop: bool) -> None:
-        sink = _Stream(item, window, self._row_budget(), on_loop=on_loop)
+    def _stream_once(self, item: RequestedItem, window: ByteWindow, *, on_loop: bool) -> None:
+        sink = ItemStream(item, window, self._row_budget(), on_loop=on_loop)
         try:
             with self._ckpt().reading(item.path):
                 self.store.read_range_to(item.path, item.info.offset,
@@ -387,7 +387,7 @@ class CloudStorageReader(_OnStore, StorageReader):
         finally:
             sink.close()
 
-    def _straight(self, item: _Item) -> bool:
+    def _straight(self, item: RequestedItem) -> bool:
         """Whether ``.metadata`` says the item's tensor is the whole of a saved chunk
         of the destination's dtype, and the destination takes its bytes as they are."""
         target, req = item.target, item.req
@@ -401,7 +401,7 @@ class CloudStorageReader(_OnStore, StorageReader):
         return any(tuple(c.offsets) == offset and tuple(c.sizes) == tuple(req.lengths)
                    for c in md.chunks)
 
-    def _fetch_group(self, path: str, start: int, end: int, members: list[_Item],
+    def _fetch_group(self, path: str, start: int, end: int, members: list[RequestedItem],
                      window: ByteWindow) -> None:
         """Items close together in one file, fetched with one request into a window
         buffer; each checked, then copied into its destination (or kept, for bytes)."""
@@ -420,7 +420,7 @@ class CloudStorageReader(_OnStore, StorageReader):
                 if item.target is None:
                     item.raw = bytes(data)
                     continue
-                _deliver(item, buf, item.info.offset - start, self.uri)
+                deliver(item, buf, item.info.offset - start, self.uri)
             view.release()
         finally:
             window.release(held, keep=buf)

@@ -1,7 +1,7 @@
 """What a DCP load reads: each requested item, and how items are grouped into requests.
 
-An item (:class:`_Item`) carries where it lies, the CRC32C its bytes must have and
-what has arrived for it; :func:`_coalesce` joins items lying close together in one
+An item (:class:`RequestedItem`) carries where it lies, the CRC32C its bytes must have and
+what has arrived for it; :func:`coalesce` joins items lying close together in one
 file into one ranged read, so a load makes few requests for many small items.
 """
 
@@ -24,7 +24,7 @@ COALESCE_GAP = 1024 * 1024
 
 
 @dataclass(eq=False)
-class _Item:
+class RequestedItem:
     """One requested item: where it is, its checksum, where it goes, what arrived."""
 
     req: ReadItem
@@ -62,18 +62,18 @@ class _Item:
             "an earlier checkpoint.", {self.path: f"crc32c mismatch in {self.fqn}"})
 
 
-def _split_range(start: int, end: int, chunk: int) -> list[tuple[int, int]]:
+def split_range(start: int, end: int, chunk: int) -> list[tuple[int, int]]:
     """``[start, end)`` as about-equal ranges of about ``chunk`` bytes (at least one)."""
     n = max(1, round((end - start) / chunk))
     return [(start + (end - start) * i // n, start + (end - start) * (i + 1) // n)
             for i in range(n)]
 
 
-def _coalesce(items: Sequence[_Item], limit: int
-              ) -> list[tuple[str, int, int, list[_Item]]]:
+def coalesce(items: Sequence[RequestedItem], limit: int
+              ) -> list[tuple[str, int, int, list[RequestedItem]]]:
     """Items of one file closer than :data:`COALESCE_GAP` as one range of at most about
     ``limit`` bytes (one item may be longer): ``(path, start, end, members)``."""
-    groups: list[tuple[str, int, int, list[_Item]]] = []
+    groups: list[tuple[str, int, int, list[RequestedItem]]] = []
     for item in sorted(items, key=lambda i: (i.path, i.info.offset)):
         end = item.info.offset + item.info.length
         if groups:
@@ -87,13 +87,13 @@ def _coalesce(items: Sequence[_Item], limit: int
 
 
 @dataclass(frozen=True)
-class _Prefetched:
+class Prefetched:
     """A rank's plan data: the checked bytes of the shared small items it reads."""
 
     items: dict[MetadataIndex, bytes]
 
 
-def _raw_request(index: MetadataIndex) -> ReadItem:
+def raw_request(index: MetadataIndex) -> ReadItem:
     """A request for an item's stored bytes as they are (read whole, kept raw)."""
     return ReadItem(LoadItemType.BYTE_IO, index, torch.Size(), index, torch.Size(),
                     torch.Size())

@@ -26,7 +26,7 @@ from cloudckpt.compat.torch_private import StorageInfo
 from cloudckpt.core.blobs import BlobArea
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter
 from cloudckpt.dcp import options as torch_options
-from cloudckpt.dcp.base import _OnStore
+from cloudckpt.dcp.base import OnStore
 from cloudckpt.dcp.budget import StagedState
 from cloudckpt.dcp.metadata import DCP_KIND, METADATA_NAME, SUFFIX, pack_item_crcs
 from cloudckpt.dcp.units import (
@@ -80,7 +80,7 @@ except ImportError:  # pragma: no cover - older torch
     _DCP_VERSION = None
 
 
-class CloudStorageWriter(_OnStore, StorageWriter, BlockingAsyncStager):
+class CloudStorageWriter(OnStore, StorageWriter, BlockingAsyncStager):
     """DCP storage writer for any cloudckpt URI (``s3://``, ``gs://``, a path, ...).
 
     >>> writer = CloudStorageWriter("s3://b/run/step-100")

@@ -33,7 +33,7 @@ from cloudckpt.dcp.metadata import pack_item_crcs
 from cloudckpt.errors import ConfigError, CorruptCheckpointError
 from cloudckpt.hf.hub import HUB_FILE_LIMIT
 from cloudckpt.hf.lazy import TENSOR_CRCS
-from cloudckpt.movement.transfer import download  # noqa: F401 - public here as hf.download
+from cloudckpt.movement.checkpoint_copy import download  # noqa: F401 - public here as hf.download
 from cloudckpt.util.crc import crc32c_hex
 
 log = logging.getLogger("cloudckpt.hf")

@@ -53,7 +53,7 @@ from cloudckpt.hf.hubcommit import (
     upload_missing,
 )
 from cloudckpt.hf.lazy import read_header
-from cloudckpt.movement.transfer import download
+from cloudckpt.movement.checkpoint_copy import download
 from cloudckpt.runtime.pending import run_in_background
 
 log = logging.getLogger("cloudckpt.hf.hub")

@@ -37,7 +37,7 @@ from cloudckpt.core.blobs import BlobArea
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter
 from cloudckpt.core.liveness import process_gone, this_process
 from cloudckpt.core.manifest import Written
-from cloudckpt.movement.transfer import download
+from cloudckpt.movement.checkpoint_copy import download
 from cloudckpt.names import MANIFEST_NAME
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.storage import Store, as_store

@@ -322,7 +322,7 @@ def check_format(rank: int, root: str, fmt: str) -> dict:
 def refused_copy(cfg, save_path: str, fmt: str) -> dict:
     """The part copied under a newer step (``cloudckpt cp``: its manifest keeps step 2):
     the strategy's load refuses it on every rank before it loads anything."""
-    from cloudckpt.movement.transfer import copy_checkpoint
+    from cloudckpt.movement.checkpoint_copy import copy_checkpoint
 
     newer = save_path.replace(STEP_DIR, "global_step_5")
     if dist.get_rank() == 0:

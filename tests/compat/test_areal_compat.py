@@ -180,7 +180,7 @@ def test_export_is_what_areal_exports(s3, tmp_path, monkeypatch, incremental):
     import safetensors.torch
 
     from cloudckpt import open_checkpoint
-    from cloudckpt.movement.transfer import download
+    from cloudckpt.movement.checkpoint_copy import download
 
     monkeypatch.setenv("CLOUDCKPT_INCREMENTAL", "1" if incremental else "0")
     mine = Trainer(areal.Saver, areal.RecoverHandler, *configs(s3.root),

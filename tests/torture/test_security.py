@@ -71,7 +71,7 @@ from cloudckpt.errors import (
 )
 from cloudckpt.hf.convert import dcp_to_pt
 from cloudckpt.integrations import areal, rlinf, roll
-from cloudckpt.movement.transfer import copy_checkpoint
+from cloudckpt.movement.checkpoint_copy import copy_checkpoint
 from cloudckpt.runtime import state as state_module
 from cloudckpt.runtime.state import loads_state
 from cloudckpt.storage import Store

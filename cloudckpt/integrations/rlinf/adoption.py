@@ -27,8 +27,8 @@ from cloudckpt.integrations.rlinf.layout import (
     KIND,
     parse_step,
 )
+from cloudckpt.movement.checkpoint_copy import copy_checkpoint
 from cloudckpt.movement.copying import checksum_object
-from cloudckpt.movement.transfer import copy_checkpoint
 from cloudckpt.storage import Store, as_store
 
 log = logging.getLogger("cloudckpt.rlinf")

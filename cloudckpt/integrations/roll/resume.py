@@ -98,7 +98,7 @@ def download_checkpoint(uri_or_latest: str, local_dir: str | os.PathLike[str],
     ``local_dir/checkpoint-N`` in ROLL's layout; files already there with the right
     CRC32C are not fetched again, so a second resume costs nothing.
     """
-    from cloudckpt.movement.transfer import download
+    from cloudckpt.movement.checkpoint_copy import download
 
     store = open_store(str(uri_or_latest).rstrip("/"), storage_options)
     name = store.uri.rstrip("/").rsplit("/", 1)[-1]

@@ -40,7 +40,7 @@ from cloudckpt.integrations.verl.layout import (
 )
 from cloudckpt.integrations.verl.resume import open_step
 from cloudckpt.integrations.verl.workers import files_under, role_parts
-from cloudckpt.movement.transfer import download
+from cloudckpt.movement.checkpoint_copy import download
 from cloudckpt.storage import open_store
 from cloudckpt.training import multipart
 
