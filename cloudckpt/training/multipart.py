@@ -31,7 +31,7 @@ from cloudckpt.runtime import coordination as coord
 from cloudckpt.runtime import interrupts
 from cloudckpt.storage import Store
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 #: An object a part stored: its key (relative to the checkpoint), size and CRC32C; in
 #: an incremental save, the digest of the blob holding it; and whether it went to the

@@ -20,7 +20,7 @@ from cloudckpt.integrations.roll.parts import part_names, read_markers
 from cloudckpt.integrations.roll.plugin import KIND
 from cloudckpt.storage import Store, open_store
 
-log = logging.getLogger("cloudckpt.roll")
+log = logging.getLogger(__name__)
 
 #: ROLL's checkpoint directory names.
 CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
