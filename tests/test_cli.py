@@ -300,6 +300,17 @@ def test_other_commands_import_no_frameworks_commands(s3):
     assert "LOADED [] TORCH False" in out.stdout, out.stdout + out.stderr
 
 
+def test_import_and_help_load_no_pyyaml():
+    """PyYAML is the ``areal`` extra's: ``import cloudckpt`` and the command line's help
+    run in an install without it."""
+    code = ("import sys\nimport cloudckpt\nfrom cloudckpt.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('YAML', 'yaml' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert "YAML False" in out.stdout, out.stdout + out.stderr
+
+
 
 def test_the_version_is_written_once_in_pyproject(capsys):
     """``--version`` prints pyproject's version, which no module repeats."""

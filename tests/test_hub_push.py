@@ -368,7 +368,7 @@ def test_a_hub_that_limits_operations_per_commit_gets_batches_index_last(
 
         base = cli_args(hub, s3, s3.uri("new"), "--replace", "--files-per-commit", "2")
         capsys.readouterr()
-        with caplog.at_level(logging.INFO, logger="cloudckpt.hf.hub"):
+        with caplog.at_level(logging.INFO, logger="cloudckpt.hf"):
             assert cli(base) == 0
         assert hub.lfs_uploads() == uploaded  # nothing sent again
         assert "3 of 4 files already on the Hub" in caplog.text  # the shards; not the index

@@ -81,6 +81,19 @@ def test_config_keys_and_validation():
     assert areal.save_root(cfg) == "gs://b/x/checkpoints/bob/e/t"
 
 
+def test_reading_an_areal_config_without_pyyaml_names_the_extra(monkeypatch):
+    """PyYAML is the ``areal`` extra's: an install without it is told what to install
+    when AReaL's YAML is read (by the integration and by the doctor), not before."""
+    from cloudckpt.integrations.areal import doctor
+
+    monkeypatch.setitem(sys.modules, "yaml", None)  # `import yaml` raises ImportError
+    extra = r"needs pyyaml .*: pip install 'cloudckpt\[areal\]'"
+    with pytest.raises(ConfigError, match=r"reading an AReaL config " + extra):
+        areal.load_yaml(CONFIG)
+    with pytest.raises(ConfigError, match=r"whether .*config.yaml is an AReaL config " + extra):
+        doctor.recognise([str(CONFIG)])
+
+
 def test_freq_ctl_matches_areal_semantics_and_schema():
     ctl = areal.FreqCtl(freq_epochs=1, freq_steps=4, freq_secs=None)
     fired = [ctl.check(epochs=int(s % 6 == 5), steps=1) for s in range(12)]

@@ -191,7 +191,7 @@ def test_single_process_crash_mid_save_resumes_auto_bit_exact(s3, tmp_path, capl
     root = open_store(rlinf.checkpoints_root(out, "tiny-grpo"), s3.options)
     assert old_rlinf_complete(root, "global_step_9")
     assert old_rlinf_latest(root) == 9
-    with caplog.at_level(logging.WARNING, logger="cloudckpt.rlinf"):
+    with caplog.at_level(logging.WARNING, logger="cloudckpt.integrations.rlinf"):
         assert rlinf.resolve_resume_dir("auto", root) == root.child("global_step_6").uri
     assert any("global_step_9" in r.getMessage() and "torn" in r.getMessage()
                for r in caplog.records if r.levelno == logging.WARNING)
@@ -303,7 +303,7 @@ def test_torn_checkpoints_old_rule_vs_manifest(s3, caplog):
     old = {n: old_rlinf_complete(store, f"global_step_{n}") for n in (2, 4, 6, 8, 10, 12)}
     assert old == {2: True, 4: True, 6: False, 8: True, 10: True, 12: True}
     assert old_rlinf_latest(store) == 12
-    with caplog.at_level(logging.WARNING, logger="cloudckpt.rlinf"):
+    with caplog.at_level(logging.WARNING, logger="cloudckpt.integrations.rlinf"):
         assert rlinf.resolve_resume_dir("auto", store) == ck.step_uri(4)
     warned = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert all(f"global_step_{n}" in warned for n in (6, 8, 10, 12))

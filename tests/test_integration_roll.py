@@ -61,6 +61,7 @@ EXAMPLE = REPO / "examples" / "roll" / "train.py"
 CONFIG = REPO / "examples" / "roll" / "config.yaml"
 RANK_SCRIPT = Path(__file__).parent / "roll_rank_upload.py"
 PIPELINE_KEYS = {"kv", "log_history", "step"}
+ROLL_LOG = roll.__name__  # each of its modules logs under its own name below it
 
 
 def roll_manager_uploader(checkpoint_config: dict):
@@ -390,14 +391,14 @@ def test_a_failed_checkpoint_never_stops_the_next(s3, moto_server, tmp_path, cap
         up = roll_manager_uploader({**config(via, expected_uploads=1, keep_local_file=False),
                                     "async_upload": async_upload})
         bad = stage_pipeline(tmp_path, "checkpoint-2", 2)
-        with caplog.at_level(logging.ERROR, logger="cloudckpt.roll"):
+        with caplog.at_level(logging.ERROR, logger=ROLL_LOG):
             if async_upload:
                 up.upload("checkpoint-2", str(bad))
                 shutil.rmtree(bad)  # as ROLL's manager does once upload returns
             else:
                 with pytest.raises(StorageError):
                     up.upload("checkpoint-2", str(bad))
-            while not [r for r in caplog.records if r.name == "cloudckpt.roll"]:
+            while not [r for r in caplog.records if r.name.startswith(f"{ROLL_LOG}.")]:
                 time.sleep(0.05)  # checkpoint-2 has failed for good before checkpoint-4
             up.upload("checkpoint-4", str(stage_pipeline(tmp_path, "checkpoint-4", 4)))
             if async_upload:
@@ -408,7 +409,7 @@ def test_a_failed_checkpoint_never_stops_the_next(s3, moto_server, tmp_path, cap
     assert [c.name for c in list_checkpoints(s3.root, s3.options)] == ["checkpoint-4"]
     assert proxy.faults["slowdown"] >= 3
     errors = [r.getMessage() for r in caplog.records
-              if r.levelno == logging.ERROR and r.name == "cloudckpt.roll"]
+              if r.levelno == logging.ERROR and r.name.startswith(f"{ROLL_LOG}.")]
     assert len(errors) == 1 and "checkpoint-2 was NOT saved" in errors[0]
     assert "Fix:" in errors[0] and "later checkpoints upload on their own" in errors[0]
     assert not list(tmp_path.rglob(".cloudckpt-staging-*"))
@@ -422,7 +423,7 @@ def test_a_failed_checkpoint_never_stops_the_next(s3, moto_server, tmp_path, cap
 
 def roll_logs(caplog, level: int) -> list[str]:
     return [r.getMessage() for r in caplog.records
-            if r.levelno == level and r.name == "cloudckpt.roll"]
+            if r.levelno == level and r.name.startswith(f"{ROLL_LOG}.")]
 
 
 def test_too_high_expected_uploads_is_reported_at_next_save_wait_and_resume(s3, tmp_path,
@@ -432,7 +433,7 @@ def test_too_high_expected_uploads_is_reported_at_next_save_wait_and_resume(s3, 
     resume says what it skipped and that it starts from scratch."""
     cfg = config(s3, expected_uploads=3, parts_timeout=0)
     up = roll_manager_uploader(cfg)
-    with caplog.at_level(logging.WARNING, logger="cloudckpt.roll"):
+    with caplog.at_level(logging.WARNING, logger=ROLL_LOG):
         for step in (2, 4):
             ckpt = f"checkpoint-{step}"
             up.upload(ckpt, str(stage_actor(tmp_path / str(step), ckpt, 0, hf=True)))
@@ -473,7 +474,7 @@ def test_wait_waits_for_the_other_processes_parts(s3, tmp_path, caplog):
                            ("checkpoint-3", str(stage_pipeline(tmp_path, "checkpoint-3", 3))))
     late.start()
     t0 = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="cloudckpt.roll"):
+    with caplog.at_level(logging.WARNING, logger=ROLL_LOG):
         rank.wait()
     late.join()
     assert 1.0 < time.monotonic() - t0 < 20
@@ -670,10 +671,10 @@ def test_example_on_one_process_with_too_high_expected_uploads_fails_loudly(s3, 
     first = run_example(s3, s3.root, tmp_path / "a", "--set", "checkpoint_config.parts_timeout=0")
     assert first.returncode == EXIT_INCOMPLETE, first.stderr[-3000:]
     assert "saving step 11" in first.stdout and "done" not in first.stdout
-    lost = re.findall(r"^ERROR cloudckpt\.roll: (checkpoint-\d+) was NOT committed to "
-                      + re.escape(s3.root) + r": 2 of expected_uploads=3 parts arrived "
-                      r"\(actor_train-0, pipeline\).*set checkpoint_config\.expected_uploads",
-                      first.stderr, re.M)
+    lost = re.findall(r"^ERROR cloudckpt\.integrations\.roll\.\w+: (checkpoint-\d+) was NOT "
+                      r"committed to " + re.escape(s3.root) + r": 2 of expected_uploads=3 "
+                      r"parts arrived \(actor_train-0, pipeline\).*"
+                      r"set checkpoint_config\.expected_uploads", first.stderr, re.M)
     assert lost == ["checkpoint-3", "checkpoint-6", "checkpoint-9", "checkpoint-11"], (
         first.stderr[-3000:])
     assert ("error: checkpoint-3, checkpoint-6, checkpoint-9, checkpoint-11 never committed"
@@ -683,8 +684,8 @@ def test_example_on_one_process_with_too_high_expected_uploads_fails_loudly(s3, 
     second = run_example(s3, s3.root, tmp_path / "b", "--set", "max_steps=1")
     assert second.returncode == 0 and "done" in second.stdout, second.stderr[-3000:]
     assert "resumed at step" not in second.stdout
-    skipped = re.findall(r"^WARNING cloudckpt\.roll: resume from \S+: skipping (checkpoint-\d+)"
-                         r": not committed: 2 of expected_uploads=3 parts found "
-                         r"\(actor_train-0, pipeline\)", second.stderr, re.M)
+    skipped = re.findall(r"^WARNING cloudckpt\.integrations\.roll\.\w+: resume from \S+: "
+                         r"skipping (checkpoint-\d+): not committed: 2 of expected_uploads=3 "
+                         r"parts found \(actor_train-0, pipeline\)", second.stderr, re.M)
     assert skipped == lost, second.stderr[-3000:]
     assert "the run starts from scratch" in second.stderr

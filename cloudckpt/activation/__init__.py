@@ -46,7 +46,7 @@ from cloudckpt.util import logsetup
 ENV_INTEGRATIONS = "CLOUDCKPT_INTEGRATIONS"
 AUTO = "auto"
 
-log = logging.getLogger("cloudckpt.activation")
+log = logging.getLogger(__name__)
 _from_environment: dict[str, list[str]] = {}  # what this process activated from it
 
 __all__ = ["AUTO", "ENV_ALLOW_UNTESTED", "ENV_INTEGRATIONS", "activate",

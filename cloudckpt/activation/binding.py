@@ -15,7 +15,7 @@ from cloudckpt.core.plugins import Binding, Framework
 from cloudckpt.errors import UntestedVersionError
 from cloudckpt.util.lazy import load_target
 
-log = logging.getLogger("cloudckpt.activation")
+log = logging.getLogger(__name__)
 
 #: Set to ``1`` to bind into framework versions the integration was not tested with.
 ENV_ALLOW_UNTESTED = "CLOUDCKPT_ALLOW_UNTESTED"

@@ -32,7 +32,7 @@ from typing import Any
 from cloudckpt.errors import ConfigError
 from cloudckpt.runtime import attempt
 
-log = logging.getLogger("cloudckpt.activation")
+log = logging.getLogger(__name__)
 
 __all__ = ["SETUP_HOOK", "carried", "carry_into", "merged", "setup_worker"]
 

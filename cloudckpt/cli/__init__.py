@@ -65,7 +65,7 @@ from cloudckpt.util.cliargs import (
     verbosity,
 )
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 _EPILOG = """\
 exit codes:

@@ -21,7 +21,7 @@ from cloudckpt.core.plugins import Framework, frameworks
 from cloudckpt.errors import ConfigError
 from cloudckpt.util.lazy import load_target
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 __all__ = ["add_doctor", "cmd_doctor", "plan_launch", "report"]
 

@@ -18,7 +18,7 @@ from cloudckpt.core.plugins import Framework, frameworks
 from cloudckpt.util.cliargs import COMMAND, common_options
 from cloudckpt.util.lazy import load_target
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 
 class LazySubcommands(SubParsersAction):

@@ -15,7 +15,7 @@ from cloudckpt.cli import doctor
 from cloudckpt.errors import ConfigError
 from cloudckpt.runtime import attempt
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 
 def add_run(sp: argparse.ArgumentParser) -> None:

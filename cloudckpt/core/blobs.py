@@ -42,7 +42,7 @@ from cloudckpt.names import BLOB_AREA, MANIFEST_NAME
 from cloudckpt.storage import ObjectInfo, Store
 from cloudckpt.util.crc import Buffer, Crc32c
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 #: The area's sweep record: how many sweeps ran, and whether one runs now.
 SWEEP_RECORD = ".cloudckpt-sweep.json"

@@ -34,7 +34,7 @@ from cloudckpt.storage import ObjectInfo, ObjectWriter, Store, as_store
 from cloudckpt.storage.writers import CloseOnExit
 from cloudckpt.util.crc import Buffer, crc32c_hex
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 __all__ = [
     "Checkpoint",

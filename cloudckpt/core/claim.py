@@ -65,7 +65,7 @@ from cloudckpt.errors import CommitConflictError, NotACheckpointError
 from cloudckpt.names import CLAIM_NAME
 from cloudckpt.storage import ONE_TRY, ObjectInfo, Store
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 
 _live: set[str] = set()  # claims held by writers of this process that are still open

@@ -37,7 +37,7 @@ from cloudckpt.errors import (
 from cloudckpt.names import BLOB_AREA, CLAIM_NAME, MANIFEST_NAME
 from cloudckpt.storage import Store, as_store, versioning
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 
 def delete_checkpoint(uri: str | Store, storage_options: Mapping[str, Any] | None = None,

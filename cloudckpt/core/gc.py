@@ -38,7 +38,7 @@ from cloudckpt.errors import CommitConflictError, CorruptCheckpointError
 from cloudckpt.names import BLOB_AREA, MANIFEST_NAME, SLOT_POINTER_NAME
 from cloudckpt.storage import Store, as_store, open_store
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 DEFAULT_GRACE_SECONDS = 6 * 3600.0
 UNFINISHED, ORPHAN, BLOBS = "unfinished save", "orphan generation", "unreferenced blobs"

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from cloudckpt.errors import CommitConflictError
 from cloudckpt.storage import RetryPolicy, Store
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 
 class Lease:

@@ -24,7 +24,7 @@ from cloudckpt.errors import CorruptCheckpointError
 from cloudckpt.names import BLOB_AREA
 from cloudckpt.storage import Store, as_store
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 GROUP = "cloudckpt.frameworks"
 

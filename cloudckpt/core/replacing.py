@@ -22,7 +22,7 @@ from cloudckpt.core.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from cloudckpt.errors import CommitConflictError, ConfigError, ManifestError
 from cloudckpt.storage import Store
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from cloudckpt.core.listing import CheckpointInfo, list_checkpoints
 from cloudckpt.errors import CloudCkptError
 from cloudckpt.storage import Store
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 
 def select_for_deletion(steps: list[int], keep_last: int | None,

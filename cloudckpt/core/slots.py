@@ -31,7 +31,7 @@ from cloudckpt.names import SLOT_POINTER_NAME
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.storage import Store, as_store
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 POINTER = SLOT_POINTER_NAME
 GENERATION_RE = re.compile(r"^gen-\d{20}-[0-9a-f]{8}$")

@@ -32,7 +32,7 @@ from cloudckpt.compat.torch_private import (
 from cloudckpt.errors import ConfigError
 from cloudckpt.runtime.state import local_tensor, resolve_stateful
 
-log = logging.getLogger("cloudckpt.dcp")
+log = logging.getLogger(__name__)
 
 #: Share of the host's physical memory the default budget takes, split between the
 #: host's ranks (``LOCAL_WORLD_SIZE``).

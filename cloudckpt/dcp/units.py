@@ -28,7 +28,7 @@ from cloudckpt.serialization.torchsave import save_item
 from cloudckpt.storage import Store
 from cloudckpt.util.crc import Crc32c, crc32c_value
 
-log = logging.getLogger("cloudckpt.dcp")
+log = logging.getLogger(__name__)
 
 #: In an incremental save, a tensor of at least this many bytes is a file of its own.
 OWN_FILE_BYTES = 1 << 20

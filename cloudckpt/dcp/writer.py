@@ -40,7 +40,7 @@ from cloudckpt.dcp.units import (
 from cloudckpt.errors import CommitConflictError, ConfigError
 from cloudckpt.storage import Store, as_store
 
-log = logging.getLogger("cloudckpt.dcp")
+log = logging.getLogger(__name__)
 
 #: Target size of one uploaded file; a rank's items are split into files of about this size.
 #: About one part (the store's default part size): a file goes up in one PUT and comes

@@ -25,7 +25,7 @@ from cloudckpt.errors import ConfigError
 from cloudckpt.names import MODEL_PART
 from cloudckpt.storage import Store, as_store, open_store, split_uri
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 
 def auto_prefixes() -> tuple[str, ...]:

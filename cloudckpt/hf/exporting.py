@@ -36,7 +36,7 @@ from cloudckpt.hf.lazy import TENSOR_CRCS
 from cloudckpt.movement.checkpoint_copy import download  # noqa: F401 - public here as hf.download
 from cloudckpt.util.crc import crc32c_hex
 
-log = logging.getLogger("cloudckpt.hf")
+log = logging.getLogger(__name__)
 
 __all__ = ["download", "export", "from_pretrained", "load_state_dict", "parse_size"]
 

@@ -56,7 +56,7 @@ from cloudckpt.hf.lazy import read_header
 from cloudckpt.movement.checkpoint_copy import download
 from cloudckpt.runtime.pending import run_in_background
 
-log = logging.getLogger("cloudckpt.hf.hub")
+log = logging.getLogger(__name__)
 
 __all__ = ["HUB_FILE_LIMIT", "WEIGHT_PATTERNS", "PushJob", "PushResult", "push",
            "push_in_background", "push_to_hub"]

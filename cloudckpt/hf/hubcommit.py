@@ -27,7 +27,7 @@ from cloudckpt.errors import (
 )
 from cloudckpt.storage.retry import describe
 
-log = logging.getLogger("cloudckpt.hf.hub")
+log = logging.getLogger(__name__)
 
 #: Names at a repo's root that ``from_pretrained`` may load weights from; a push
 #: never leaves ones the export does not have beside the new weights.

@@ -31,7 +31,7 @@ from cloudckpt.movement.copying import copy_objects as _copy_objects
 from cloudckpt.storage import ObjectInfo, Store, as_store, open_store
 from cloudckpt.util.crc import crc32c_hex
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 
 def copy_checkpoint(

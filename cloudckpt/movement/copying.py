@@ -37,7 +37,7 @@ from cloudckpt.storage import ONE_TRY, ObjectInfo, Store
 from cloudckpt.storage.writers import RangeWriter
 from cloudckpt.util.crc import Crc32c
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 Progress = Callable[[int], Any]
 T = TypeVar("T")

@@ -17,7 +17,7 @@ from cloudckpt.core.slots import GENERATION_RE, Slot
 from cloudckpt.names import SLOT_POINTER_NAME
 from cloudckpt.storage import Store
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 
 def tree_units(store: Store) -> list[tuple[str, Checkpoint]]:

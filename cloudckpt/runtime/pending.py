@@ -36,7 +36,7 @@ from cloudckpt.compat.threading_private import register_before_pools_stop
 from cloudckpt.errors import EXIT_INCOMPLETE, EXIT_INTERRUPTED, exit_code
 from cloudckpt.util.text import plural
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from cloudckpt.errors import ConfigError
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 #: Seconds from the notice to the commit: below the 30 s that torchrun, SLURM's
 #: default ``KillWait`` and Kubernetes' default grace period give before SIGKILL.

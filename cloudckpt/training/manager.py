@@ -38,7 +38,7 @@ from cloudckpt.training.options import ManagerOptions
 from cloudckpt.training.reports import Timing
 from cloudckpt.training.schedule import SaveSchedule, Schedules
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 _SCHEDULE = "__schedule__"
 

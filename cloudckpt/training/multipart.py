@@ -32,7 +32,7 @@ from cloudckpt.runtime import coordination as coord
 from cloudckpt.runtime import interrupts
 from cloudckpt.storage import Store
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 def entry(store: Store, key: str, size: int, crc32c: str, blob: str | None = None) -> Written:
     """What a part wrote through ``store`` (the one its :meth:`Part.write` was given)

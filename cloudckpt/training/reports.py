@@ -21,7 +21,7 @@ from cloudckpt.runtime import coordination as coord
 from cloudckpt.storage import Store
 from cloudckpt.storage.transfer.tally import Tally
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 #: The manifest metadata key of the figures known at commit.
 REPORT_KEY = "report"

@@ -43,7 +43,7 @@ from cloudckpt.runtime import coordination as coord
 from cloudckpt.storage import Store, as_store
 from cloudckpt.training import multipart
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 PREFIX = "cloudckpt-staging-"
 MARKER_FORMAT = "cloudckpt-staging-owner"

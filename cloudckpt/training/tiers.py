@@ -56,7 +56,7 @@ from cloudckpt.storage import ObjectInfo, Store, as_store
 from cloudckpt.training import multipart
 from cloudckpt.training import snapshot as training
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 #: The manifest metadata key of a local-tier checkpoint: the job it belongs to.
 TIER_KEY = "local_tier"

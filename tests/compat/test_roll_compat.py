@@ -54,9 +54,11 @@ from cloudckpt import (
     open_checkpoint,
 )
 from cloudckpt.integrations.roll import GcsUploader, S3Uploader, register  # noqa: E402
+from cloudckpt.integrations.roll import resume as resume_module  # noqa: E402
 from cloudckpt.integrations.roll import uploader as uploader_module  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
+ROLL_LOG = "cloudckpt.integrations.roll."  # each module logs under its own name below
 #: The function ``@model_path_cache`` wraps (see the module docstring for why).
 download_model = roll_cm.download_model.__closure__[0].cell_contents
 register(upload_utils.uploader_registry)  # as every ROLL worker process must
@@ -90,7 +92,7 @@ def roll_resume(resume_from_checkpoint, checkpoint_config: dict):
 
 
 class UploaderErrors(logging.Handler):
-    """The records (ERRORs by default) the uploader's own logger object emits. Not
+    """The records (ERRORs by default) a roll module's own logger object emits. Not
     caplog: AReaL's ``getLogger`` (the AReaL tests run in this process) replaces
     logging's root and manager, which detaches loggers made before it from what caplog
     listens to."""
@@ -106,7 +108,7 @@ class UploaderErrors(logging.Handler):
 def wait_for_errors(errors: UploaderErrors, n: int, timeout: float = 30.0) -> None:
     """Until the uploader has logged ``n`` ERRORs (a background failure has landed)."""
     deadline = time.monotonic() + timeout
-    while sum(r.name == "cloudckpt.roll" for r in errors.records) < n:
+    while sum(r.name.startswith(ROLL_LOG) for r in errors.records) < n:
         assert time.monotonic() < deadline, "the failed upload was never reported"
         time.sleep(0.05)
 
@@ -153,11 +155,11 @@ def test_cloudckpt_to_bucket_to_roll_resume(bucket, tmp_path, monkeypatch, incre
     assert not (tmp_path / "out" / "pipeline" / "checkpoint-3").exists()  # ROLL deleted it
 
     warnings = UploaderErrors(logging.WARNING)
-    uploader_module.log.addHandler(warnings)
+    resume_module.log.addHandler(warnings)
     try:
         path, state = roll_resume(True, cfg)
     finally:
-        uploader_module.log.removeHandler(warnings)
+        resume_module.log.removeHandler(warnings)
     assert any("skipping checkpoint-5: not committed: 1 of expected_uploads=2 parts found "
                "(actor_train-0)" in r.getMessage() for r in warnings.records), warnings.records
     assert path == str(tmp_path / "latest" / "checkpoint-3") and state["step"] == 3
@@ -249,7 +251,7 @@ def test_one_failed_upload_does_not_stop_the_next(s3, moto_server, tmp_path, asy
     assert [c.name for c in list_checkpoints(s3.root, s3.options)] == ["checkpoint-4"]
     open_checkpoint(s3.uri("checkpoint-4"), s3.options).verify(deep=True)
     assert proxy.faults["slowdown"] >= 3
-    ours = [r.getMessage() for r in errors.records if r.name == "cloudckpt.roll"]
+    ours = [r.getMessage() for r in errors.records if r.name.startswith(ROLL_LOG)]
     assert len(ours) == 2, ours  # both parts of checkpoint-2, nothing about checkpoint-4
     assert all("checkpoint-2 was NOT saved" in m and "Fix:" in m for m in ours)
     assert not list(tmp_path.rglob(".cloudckpt-staging-*"))

@@ -36,7 +36,7 @@ from cloudckpt.movement.copying import checksum_object, copy_objects
 from cloudckpt.storage import ObjectInfo, Store, as_store
 from cloudckpt.training.slot import RecoverSlot
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 INFO_FILES = ("step_info.json", *(f"{n}.json" for n in JSON_FILES), DATALOADER_FILE)
 _STEP_KEYS = ("epoch", "epoch_step", "global_step", "steps_per_epoch")

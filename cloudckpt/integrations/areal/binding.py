@@ -71,7 +71,7 @@ def _stderr_log() -> logging.Logger:
     on stderr (as activation's "bound ..." line has): AReaL's ``getLogger`` replaces
     the logging module's root and manager, so a logger found by name later would have
     neither handler nor level."""
-    return logsetup.on_stderr(logging.getLogger("cloudckpt.activation.areal"))
+    return logsetup.on_stderr(logging.getLogger(__name__))
 
 
 def placing(parse: Any) -> Any:

@@ -20,6 +20,7 @@ from typing import Any
 from cloudckpt.core.launchplan import LaunchPlan, PathUse, unlaunched
 from cloudckpt.errors import ConfigError
 from cloudckpt.integrations.areal import placement
+from cloudckpt.integrations.areal.yaml_loader import pyyaml
 from cloudckpt.storage import is_remote
 from cloudckpt.util import hydracompose
 
@@ -68,8 +69,7 @@ def recognise(command: Sequence[str]) -> tuple[str, list[str], str] | None:
 
 def _looks_areal(path: str) -> bool:
     """Whether the YAML at ``path`` is shaped like an AReaL experiment config."""
-    import yaml
-
+    yaml = pyyaml(f"telling whether {path} is an AReaL config")
     try:
         with open(path) as f:
             doc = yaml.safe_load(f)

@@ -22,7 +22,7 @@ from cloudckpt.integrations.areal.resume import KIND
 from cloudckpt.training.slot import RecoverSlot
 from cloudckpt.training.staging import upload_dir
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 
 def _recover_files(trial: Path) -> list[str]:

@@ -11,7 +11,7 @@ from typing import Any
 
 from cloudckpt.errors import CloudCkptError, ConfigError
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 
 def run_with_retries(train: Callable[[], Any] | Sequence[str], retries: int = 3,

@@ -37,7 +37,7 @@ from cloudckpt.runtime.state import dumps_state, get_rng_state, loads_state, set
 from cloudckpt.training.slot import RecoverSlot
 from cloudckpt.training.staging import download_dir, staging_dir, upload_dir
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 _RNG = INFO_DIR + "/cloudckpt_rng_rank{:05d}.bin"  # beside AReaL's files, which it ignores
 #: Each engine's LR scheduler, which AReaL's engines do not checkpoint (its FSDP engine's

@@ -21,7 +21,7 @@ from cloudckpt.runtime import coordination as coord
 from cloudckpt.storage import open_store
 from cloudckpt.training.staging import staging_dir, upload_dir
 
-log = logging.getLogger("cloudckpt")
+log = logging.getLogger(__name__)
 
 
 def _dir(*parts: str) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
+from types import ModuleType
 from typing import Any
 
 from cloudckpt.errors import ConfigError
@@ -31,12 +32,21 @@ def load_yaml(path: str | os.PathLike) -> tuple[SaverConfig, RecoverConfig]:
     return SaverConfig.from_dict(resolved["saver"]), RecoverConfig.from_dict(resolved["recover"])
 
 
+def pyyaml(needed_by: str) -> ModuleType:
+    """PyYAML, imported when AReaL's YAML is read: it is the ``areal`` extra's, not a
+    dependency of every install. ``needed_by`` names the reading in the error."""
+    try:
+        import yaml
+    except ImportError as exc:
+        raise ConfigError(f"{needed_by} needs pyyaml ({exc}): "
+                          "pip install 'cloudckpt[areal]'") from exc
+    return yaml
+
+
 def _yaml_load(text: str) -> Any:
     """YAML as OmegaConf (AReaL's loader) reads it: YAML 1.1, so ``mode: on`` is True,
     which AReaL refuses (and so does :class:`RecoverConfig`, saying to quote it)."""
-    import yaml
-
-    return yaml.safe_load(text)
+    return pyyaml("reading an AReaL config").safe_load(text)
 
 
 _INTERP = re.compile(r"\$\{([A-Za-z0-9_.]+)\}")

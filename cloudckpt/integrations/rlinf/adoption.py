@@ -31,7 +31,7 @@ from cloudckpt.movement.checkpoint_copy import copy_checkpoint
 from cloudckpt.movement.copying import checksum_object
 from cloudckpt.storage import Store, as_store
 
-log = logging.getLogger("cloudckpt.rlinf")
+log = logging.getLogger(__name__)
 
 
 def adopt_step(uri: str | Store, storage_options: Mapping[str, Any] | None = None

@@ -38,7 +38,7 @@ from cloudckpt.serialization.torchload import numpy_rng_allowed, torch_bytes
 from cloudckpt.storage import open_store
 from cloudckpt.training import multipart
 
-log = logging.getLogger("cloudckpt.rlinf")
+log = logging.getLogger(__name__)
 
 
 @dataclass

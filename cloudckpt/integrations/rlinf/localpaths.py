@@ -25,7 +25,7 @@ from cloudckpt.errors import ConfigError
 from cloudckpt.runtime.localdirs import local_dir_for
 from cloudckpt.storage import is_remote
 
-log = logging.getLogger("cloudckpt.rlinf")
+log = logging.getLogger(__name__)
 
 OUTPUT_DIR = "runner.output_dir"
 RESUME_DIR = "runner.resume_dir"

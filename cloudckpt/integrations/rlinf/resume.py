@@ -19,7 +19,7 @@ from cloudckpt.errors import (
 from cloudckpt.integrations.rlinf.layout import ACTOR, DCP_DIR, KIND, STEP_RE, parse_step
 from cloudckpt.storage import Store, as_store
 
-log = logging.getLogger("cloudckpt.rlinf")
+log = logging.getLogger(__name__)
 
 ADOPT_HINT = "cloudckpt rlinf adopt"
 

@@ -30,7 +30,7 @@ from cloudckpt.serialization.torchload import torch_bytes
 from cloudckpt.storage import is_remote, open_store
 from cloudckpt.training import multipart
 
-log = logging.getLogger("cloudckpt.rlinf")
+log = logging.getLogger(__name__)
 
 
 def save_step(runner: Any) -> Checkpoint:

@@ -30,7 +30,7 @@ from cloudckpt.util.cliargs import add_command, subcommands
 if TYPE_CHECKING:  # the uploaders load torch: `cloudckpt roll --help` need not wait for it
     from cloudckpt.integrations.roll.uploader import RollUploader
 
-log = logging.getLogger("cloudckpt.roll")
+log = logging.getLogger(__name__)
 
 
 def uploader_for(output_dir: str, storage_options: Mapping[str, Any] | None = None,

@@ -31,7 +31,7 @@ from cloudckpt.storage import Store
 from cloudckpt.training import multipart
 from cloudckpt.util.text import plural
 
-log = logging.getLogger("cloudckpt.roll")
+log = logging.getLogger(__name__)
 
 Markers = Mapping[str, Mapping[str, Any]]
 

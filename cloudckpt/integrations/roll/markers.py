@@ -25,7 +25,7 @@ from cloudckpt.integrations.roll.layout import PARTS_DIR as ROLL_PARTS_DIR
 from cloudckpt.integrations.roll.layout import PIPELINE_STATE
 from cloudckpt.storage import Store
 
-log = logging.getLogger("cloudckpt.roll")
+log = logging.getLogger(__name__)
 
 #: DCP's names (as in ``cloudckpt.dcp.metadata``, imported only when a part holds DCP
 #: files: it imports torch, which the uploader's processes need not pay for).

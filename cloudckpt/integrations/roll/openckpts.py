@@ -14,7 +14,7 @@ from cloudckpt.errors import CommitConflictError, StorageError
 from cloudckpt.integrations.roll import commits
 from cloudckpt.integrations.roll.layout import checkpoint_order
 
-log = logging.getLogger("cloudckpt.roll")
+log = logging.getLogger(__name__)
 
 #: How often ``wait`` looks at the parts of checkpoints still short of some.
 _POLL_SECONDS = 0.5

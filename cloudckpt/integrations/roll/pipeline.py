@@ -18,7 +18,7 @@ import logging
 import weakref
 from typing import Any
 
-log = logging.getLogger("cloudckpt.roll")
+log = logging.getLogger(__name__)
 
 #: How many frames above the uploader's constructor a pipeline is looked for: the
 #: uploader's own ``__init__`` chain, a registry wrapper, ``CheckpointManager.__init__``

@@ -19,7 +19,7 @@ from cloudckpt.integrations.roll.layout import CKPT_RE, KIND, checkpoint_order
 from cloudckpt.integrations.roll.markers import part_names, read_markers
 from cloudckpt.storage import Store, open_store
 
-log = logging.getLogger("cloudckpt.roll")
+log = logging.getLogger(__name__)
 
 
 def latest_committed(store: Store, expected_uploads: int | None = None) -> str | None:

@@ -53,7 +53,7 @@ from cloudckpt.names import MANIFEST_NAME
 from cloudckpt.runtime.pending import run_in_background
 from cloudckpt.storage import Store, open_store, schemes_like
 
-log = logging.getLogger("cloudckpt.roll")
+log = logging.getLogger(__name__)
 
 #: Torn checkpoints younger than this are never pruned (a save may be running).
 DEFAULT_TORN_GRACE_SECONDS = 6 * 3600.0

@@ -44,7 +44,7 @@ from cloudckpt.movement.checkpoint_copy import download
 from cloudckpt.storage import open_store
 from cloudckpt.training import multipart
 
-log = logging.getLogger("cloudckpt.verl")
+log = logging.getLogger(__name__)
 
 
 def _check_role(role_dir: Path) -> tuple[int, str]:

@@ -18,7 +18,7 @@ from cloudckpt.errors import (
 from cloudckpt.integrations.verl.layout import KIND, STEP_RE, parse_step
 from cloudckpt.storage import is_remote, open_store
 
-log = logging.getLogger("cloudckpt.verl")
+log = logging.getLogger(__name__)
 
 UPLOAD_HINT = "cloudckpt verl upload"
 MODES = ("auto", "disable", "resume_path")

@@ -51,7 +51,7 @@ from cloudckpt.storage import Store, is_remote, open_store
 from cloudckpt.training import multipart
 from cloudckpt.training.staging import staging_dir
 
-log = logging.getLogger("cloudckpt.verl")
+log = logging.getLogger(__name__)
 
 
 def handler_root(handler: Any) -> str | None:

@@ -39,7 +39,7 @@ from cloudckpt.serialization.torchload import numpy_rng_allowed, safe_torch_load
 from cloudckpt.storage import Store, is_remote, open_store
 from cloudckpt.training import multipart
 
-log = logging.getLogger("cloudckpt.verl")
+log = logging.getLogger(__name__)
 
 
 def bucket_root(trainer_config: Any) -> str | None:

@@ -53,7 +53,7 @@ from cloudckpt.storage import Store, is_remote, open_store
 from cloudckpt.training import multipart
 from cloudckpt.training.staging import LocalFiles, download_dir, staging_dir, upload_dir
 
-log = logging.getLogger("cloudckpt.verl")
+log = logging.getLogger(__name__)
 
 def files_under(root: str | Path, since: float | None = None) -> set[str]:
     """The files below ``root`` as relative paths, but the manifests of an earlier
