@@ -293,3 +293,16 @@ def test_garbled_answers_end_cleanly_and_no_unframed_body_is_taken(data, cuts, w
     length = re.search(rb"(?im)^content-length[ \t]*:[ \t]*([0-9]+)", head)
     assert length is not None and len(got) == int(length.group(1)) <= want, data
     assert got == after[:len(got)], data
+
+
+def test_a_head_whose_end_spans_two_reads_leaves_the_body_whole():
+    """The empty line that ends a head may come in two reads (``\\r\\n`` then
+    ``\\r\\n``, or bare line feeds): the body's bytes that came with the second read
+    are given once, in order, and no more."""
+    body = bytes(range(256)) * 4
+    for eol in (b"\r\n", b"\n"):
+        head = b"HTTP/1.1 200 OK" + eol + b"Content-Length: %d" % len(body) + eol + eol
+        message = head + body
+        for at in range(len(head) - 5, len(head) + 3):
+            got, exc = asyncio.run(_exchange([message[:at], message[at:]], len(body)))
+            assert exc is None and got == body, (eol, at, exc)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import re
 import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ from cloudckpt.errors import ConfigError, StorageError
 PIECE = 1 << 20
 #: The longest response head read.
 _HEAD_LIMIT = 64 << 10
+#: Where h11 ends a head: the first empty line.
+_HEAD_END = re.compile(rb"\n\r?\n")
 #: The longest error body read before the connection is dropped.
 _ERROR_BODY_LIMIT = 1 << 20
 #: Idle connections kept per host.
@@ -180,10 +183,10 @@ class _Connection(asyncio.BufferedProtocol):
     def _read_head(self, data: memoryview) -> None:
         parser = self._parser
         assert parser is not None
-        event = self._parse_head(parser, data)
+        event, rest = self._parse_head(parser, data)
         if event is None:
             return
-        rest, self._parser = parser.trailing_data[0], None  # the body goes past h11
+        self._parser = None
         status = event.status_code
         headers = {name.decode("latin-1"): value.decode("latin-1")
                    for name, value in event.headers}  # names lower-cased; the last one wins
@@ -204,25 +207,35 @@ class _Connection(asyncio.BufferedProtocol):
                 self.close()
                 return
         if rest or self._left == 0:
-            (self._read_body if self._state == "body" else self._read_error)(memoryview(rest))
+            (self._read_body if self._state == "body" else self._read_error)(rest)
 
     @staticmethod
     def _parse_head(parser: h11.Connection, data: memoryview
-                    ) -> h11.Response | h11.InformationalResponse | None:
-        """The response head once ``data`` completes it (None until then); bytes
-        past it stay in ``parser`` (its ``trailing_data``). A head h11 refuses is
-        :class:`Unanswered`, one longer than the limit a ``StorageError``."""
-        parser.receive_data(bytes(data))  # a copy: the loop's buffer is used again
+                    ) -> tuple[h11.Response | h11.InformationalResponse | None, memoryview]:
+        """The response head once ``data`` completes it (None until then), and the
+        bytes of ``data`` past it. A head h11 refuses is :class:`Unanswered`, one
+        longer than the limit a ``StorageError``.
+
+        h11 is given ``data`` up to the head's end only: the body's first bytes stay
+        where they were received (h11 would copy them in, and out again), unless
+        the end lay across two reads, where h11 finds it first."""
+        found = _HEAD_END.search(data)
+        cut = len(data) if found is None else found.end()
+        parser.receive_data(bytes(data[:cut]))  # a copy: the loop's buffer is used again
         try:
             event = parser.next_event()
+            if event is h11.NEED_DATA and cut < len(data):  # not an end to h11: read on
+                parser.receive_data(bytes(data[cut:]))
+                cut, event = len(data), parser.next_event()
         except h11.RemoteProtocolError as exc:
             if exc.error_status_hint == 431:  # h11's "buffer too long": no head end yet
                 raise StorageError("a response head longer than 64 KiB") from None
             raise Unanswered(0, f"a response head this client does not read: {exc}") from None
         if event is h11.NEED_DATA:
-            return None
+            return None, data[:0]
         assert isinstance(event, (h11.Response, h11.InformationalResponse)), event
-        return event
+        early = parser.trailing_data[0]
+        return event, memoryview(early + bytes(data[cut:])) if early else data[cut:]
 
     def _check_range(self, status: int, headers: dict[str, str], length: int) -> None:
         if status == 206:
