@@ -13,9 +13,11 @@ bytes go (``room``: a tensor's memory) has the kernel copy them there instead, a
 ``give`` is handed a view of its own memory: no copy of them on the loop at all.
 
 Only what a ranged GET of an object store needs: a body of a known length in a
-200 or 206 response. Any other answer (an error status, a chunked body) is
-:class:`Unanswered`, and the caller asks again through its full client, which
-reads and classifies the error. Connections are kept per host and reused; a
+200 or 206 response. Any other answer (an error status, a chunked body, a head
+h11 refuses) is :class:`Unanswered`, and the caller asks again through its full
+client, which reads and classifies the error. h11 writes the request and parses
+the response head, and no more: the body's bytes go past it, from the kernel
+straight to where they are used. Connections are kept per host and reused; a
 request on a kept connection that the server had closed meanwhile is sent once
 more on a fresh one; a response silent for ``timeout`` seconds is a
 ``TimeoutError``, and one cut short a ``ConnectionResetError`` (both transient:
@@ -27,11 +29,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import re
 import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
+
+import h11
 
 from cloudckpt.errors import ConfigError, StorageError
 
@@ -39,6 +44,8 @@ from cloudckpt.errors import ConfigError, StorageError
 PIECE = 1 << 20
 #: The longest response head read.
 _HEAD_LIMIT = 64 << 10
+#: Where h11 ends a head: the first empty line.
+_HEAD_END = re.compile(rb"\n\r?\n")
 #: The longest error body read before the connection is dropped.
 _ERROR_BODY_LIMIT = 1 << 20
 #: Idle connections kept per host.
@@ -63,7 +70,8 @@ def receivable(memory: Any) -> memoryview:
 
 class Unanswered(Exception):
     """A response this client does not read (``status``: an error, or a body without
-    a length): ask again through the full client, which says what it was."""
+    a length; 0 where there was no status to read, or no request this client could
+    send): ask again through the full client, which says what it was."""
 
     def __init__(self, status: int, why: str) -> None:
         super().__init__(f"HTTP {status}: {why}")
@@ -76,7 +84,7 @@ class _Connection(asyncio.BufferedProtocol):
     def __init__(self, buffer: memoryview) -> None:
         self._buf = buffer  # the loop's: each piece is used up in buffer_updated
         self._transport: asyncio.Transport | None = None
-        self._head = bytearray()
+        self._parser: h11.Connection | None = None  # the current request's, until its head
         self._state = "idle"  # "head", "body", "error", "idle" or "closed"
         self._done: asyncio.Future[None] | None = None
         self._give: Callable[[memoryview], None] | None = None
@@ -97,19 +105,22 @@ class _Connection(asyncio.BufferedProtocol):
         return self._state == "idle" and self._transport is not None and \
             not self._transport.is_closing()
 
-    def request(self, head: bytes, start: int, want: int, give: Callable[[memoryview], None],
-                timeout: float, room: Room | None = None) -> asyncio.Future[None]:
+    def request(self, head: h11.Request, start: int, want: int,
+                give: Callable[[memoryview], None], timeout: float,
+                room: Room | None = None) -> asyncio.Future[None]:
         """Send ``head``; the body's bytes (``want`` of them, from ``start``) go to
         ``give``, received where ``room`` says when it offers memory. The future is
         done when the body is whole."""
         assert self._transport is not None and self._state == "idle"
-        self._state, self._head, self._answered = "head", bytearray(), False
+        parser = h11.Connection(h11.CLIENT, max_incomplete_event_size=_HEAD_LIMIT)
+        sent = parser.send(head) + parser.send(h11.EndOfMessage())
+        self._state, self._parser, self._answered = "head", parser, False
         self._start, self._want, self._give, self._room = start, want, give, room
         loop = asyncio.get_running_loop()
         self._done = loop.create_future()
         self._last = loop.time()
         self._watch(timeout)
-        self._transport.write(head)
+        self._transport.write(sent)
         return self._done
 
     @property
@@ -170,44 +181,68 @@ class _Connection(asyncio.BufferedProtocol):
 
     # -- reading --------------------------------------------------------------
     def _read_head(self, data: memoryview) -> None:
-        self._head += data
-        end = self._head.find(b"\r\n\r\n")
-        if end < 0:
-            if len(self._head) > _HEAD_LIMIT:
-                raise StorageError("a response head longer than 64 KiB")
+        parser = self._parser
+        assert parser is not None
+        event, rest = self._parse_head(parser, data)
+        if event is None:
             return
-        lines = bytes(self._head[:end]).decode("latin-1").split("\r\n")
-        rest = bytes(self._head[end + 4:])
-        self._head = bytearray()
-        parts = lines[0].split(" ", 2)
-        status = int(parts[1])
-        headers = {}
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-        self._keep = headers.get("connection", "").lower() != "close" and \
-            parts[0] == "HTTP/1.1"
-        length = headers.get("content-length")
+        self._parser = None
+        status = event.status_code
+        headers = {name.decode("latin-1"): value.decode("latin-1")
+                   for name, value in event.headers}  # names lower-cased; the last one wins
+        closing = any(b"close" in (token.strip() for token in value.lower().split(b","))
+                      for name, value in event.headers if name == b"connection")
+        self._keep = not closing and event.http_version == b"1.1"
+        length = headers.get("content-length")  # digits, one value: h11 checked
         if status in (200, 206) and length is not None and \
                 "transfer-encoding" not in headers:
             self._check_range(status, headers, int(length))
             self._state, self._left = "body", int(length)
         else:
             self._state = "error"
-            self._error = Unanswered(status, parts[2] if len(parts) > 2 else "")
+            self._error = Unanswered(status, event.reason.decode("latin-1"))
             self._left = int(length) if length is not None else _ERROR_BODY_LIMIT
             if self._left > _ERROR_BODY_LIMIT or length is None:
                 self._finish(self._error)  # not worth reading: the connection goes
                 self.close()
                 return
         if rest or self._left == 0:
-            (self._read_body if self._state == "body" else self._read_error)(memoryview(rest))
+            (self._read_body if self._state == "body" else self._read_error)(rest)
+
+    @staticmethod
+    def _parse_head(parser: h11.Connection, data: memoryview
+                    ) -> tuple[h11.Response | h11.InformationalResponse | None, memoryview]:
+        """The response head once ``data`` completes it (None until then), and the
+        bytes of ``data`` past it. A head h11 refuses is :class:`Unanswered`, one
+        longer than the limit a ``StorageError``.
+
+        h11 is given ``data`` up to the head's end only: the body's first bytes stay
+        where they were received (h11 would copy them in, and out again), unless
+        the end lay across two reads, where h11 finds it first."""
+        found = _HEAD_END.search(data)
+        cut = len(data) if found is None else found.end()
+        parser.receive_data(bytes(data[:cut]))  # a copy: the loop's buffer is used again
+        try:
+            event = parser.next_event()
+            if event is h11.NEED_DATA and cut < len(data):  # not an end to h11: read on
+                parser.receive_data(bytes(data[cut:]))
+                cut, event = len(data), parser.next_event()
+        except h11.RemoteProtocolError as exc:
+            if exc.error_status_hint == 431:  # h11's "buffer too long": no head end yet
+                raise StorageError("a response head longer than 64 KiB") from None
+            raise Unanswered(0, f"a response head this client does not read: {exc}") from None
+        if event is h11.NEED_DATA:
+            return None, data[:0]
+        assert isinstance(event, (h11.Response, h11.InformationalResponse)), event
+        early = parser.trailing_data[0]
+        return event, memoryview(early + bytes(data[cut:])) if early else data[cut:]
 
     def _check_range(self, status: int, headers: dict[str, str], length: int) -> None:
         if status == 206:
             spec = headers.get("content-range", "")
             first = spec.removeprefix("bytes ").split("-", 1)[0]
-            if not first.isdigit() or int(first) != self._start or length > self._want:
+            if not (first.isascii() and first.isdigit()) or int(first) != self._start or \
+                    length > self._want:
                 raise StorageError(f"the server answered the byte range from {self._start} "
                                    f"with {spec!r}")
         elif self._start > 0 or length > self._want:
@@ -378,11 +413,16 @@ async def get_range(url: str, start: int, end: int, give: Callable[[memoryview],
         context = default_tls()
     key = (scheme, parts.hostname, port, context if scheme == "https" else None)
     target = parts.path + (f"?{parts.query}" if parts.query else "")
-    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items()
-                    if k.lower() not in ("host", "range", "accept-encoding", "user-agent"))
-    head = (f"GET {target} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
-            f"Range: bytes={start}-{end - 1}\r\nAccept-Encoding: identity\r\n"
-            f"User-Agent: cloudckpt\r\n{extra}\r\n").encode("latin-1")
+    fields = [("Host", parts.netloc), ("Range", f"bytes={start}-{end - 1}"),
+              ("Accept-Encoding", "identity"), ("User-Agent", "cloudckpt"),
+              *((k, v) for k, v in (headers or {}).items()
+                if k.lower() not in ("host", "range", "accept-encoding", "user-agent"))]
+    try:
+        head = h11.Request(method=b"GET", target=target.encode("latin-1"),
+                           headers=[(k.encode("latin-1"), v.encode("latin-1"))
+                                    for k, v in fields])
+    except h11.LocalProtocolError as exc:
+        raise Unanswered(0, f"a request this client does not send: {exc}") from None
     pool = _pool_of(asyncio.get_running_loop())
     for attempt in range(2):
         conn, kept = await pool.connect(key)
