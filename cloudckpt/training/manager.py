@@ -202,10 +202,12 @@ class CheckpointManager:
                op: str = "save", deadline: float | None = None) -> Checkpoint | None:
         timing = timing or Timing()
         with counting() as tally:
-            ckpt = training.write(self.store.child(name), state_dict, captured, step=step,
-                                  group=self._io_group, staged=staged, deadline=deadline,
-                                  figures=reports.Figures(timing.start, tally),
-                                  incremental=self.options.incremental)
+            ckpt = training.write(
+                self.store.child(name), state_dict, captured,
+                training.WriteOptions(step=step, deadline=deadline,
+                                      incremental=self.options.incremental),
+                group=self._io_group, staged=staged,
+                figures=reports.Figures(timing.start, tally))
             durable = time.monotonic() - timing.start
             self._retain(name)
         self._in_bucket = max(self._in_bucket, step)
@@ -381,8 +383,8 @@ class CheckpointManager:
             newest = self.managed.number(candidates[0]) if candidates else None
             if self._local is not None:
                 found = tiers.restore_newest(self._local, state_dict, newest, self.group,
-                                             shared=shared, per_rank=per_rank, rng=rng,
-                                             planner=planner)
+                                             training.ReadOptions(rng=rng, planner=planner),
+                                             shared=shared, per_rank=per_rank)
                 if found is not None:
                     return found, "local"
         for i, cand in enumerate(candidates or []):
@@ -391,10 +393,10 @@ class CheckpointManager:
                 where: Store | Checkpoint = (
                     open_below(self.store, cand, self._storage_options) if uri
                     else listed.get(cand) or self.store.child(cand))
-                restored = training.read(where, state_dict, shared=shared, per_rank=per_rank,
-                                         rng=rng, group=self.group, planner=planner,
-                                         step=self.managed.number(cand.rstrip("/")
-                                                                  .rpartition("/")[2]))
+                step = self.managed.number(cand.rstrip("/").rpartition("/")[2])
+                restored = training.read(
+                    where, state_dict, training.ReadOptions(rng=rng, planner=planner, step=step),
+                    shared=shared, per_rank=per_rank, group=self.group)
             except CorruptCheckpointError as exc:
                 err = exc
             try:

@@ -49,8 +49,10 @@ class RecoverSlot(Slot):
                                               shared=extra, per_rank=per_rank, rng=rng,
                                               group=self.group)
         return self.commit(
-            lambda gen: training.write(gen, state_dict, captured, step=step,
-                                       metadata={"slot": self.uri}, group=self.group),
+            lambda gen: training.write(gen, state_dict, captured,
+                                       training.WriteOptions(step=step,
+                                                             metadata={"slot": self.uri}),
+                                       group=self.group),
             step=step, step_info=step_info)
 
     def load(
@@ -65,5 +67,5 @@ class RecoverSlot(Slot):
         stateful objects given; return the step info and shared values."""
         from cloudckpt.training import snapshot as training
 
-        return training.read(self._current_store(), state_dict, shared=extra,
-                              per_rank=per_rank, rng=rng, group=self.group)
+        return training.read(self._current_store(), state_dict, training.ReadOptions(rng=rng),
+                             shared=extra, per_rank=per_rank, group=self.group)

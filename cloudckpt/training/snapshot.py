@@ -116,39 +116,50 @@ def _rank_key(rank: int) -> str:
     return f"state/rank-{rank:05d}.bin"
 
 
+@dataclass(frozen=True)
+class WriteOptions:
+    """How :func:`write` saves a training checkpoint.
+
+    ``step`` and ``metadata`` go to the root manifest. ``as_rank``, with
+    ``group=SOLO`` (this rank alone), names the DCP files and the per-rank state as
+    that rank's of the job, so that the checkpoint's objects can join a job-wide one
+    under the same names (:mod:`cloudckpt.training.tiers`). ``deadline``
+    (``time.monotonic()``) refuses a commit after it (a preemption save).
+    ``incremental`` stores every object in the run's blob area (the directory above
+    the checkpoint), sending only those whose bytes are not there yet
+    (:mod:`cloudckpt.core.blobs`); ``file_per_tensor`` only lays the DCP files out as
+    such a save does."""
+
+    step: int | None = None
+    metadata: Mapping[str, Any] | None = None
+    as_rank: int | None = None
+    deadline: float | None = None
+    incremental: bool = False
+    file_per_tensor: bool = False
+
+
 def write(
     uri: str | Store,
     app_state: Mapping[str, Any],
     captured: Captured,
+    options: WriteOptions = WriteOptions(),
     *,
-    step: int | None = None,
-    metadata: Mapping[str, Any] | None = None,
     storage_options: Mapping[str, Any] | None = None,
     group: Any = None,
     staged: StagedState | None = None,
-    as_rank: int | None = None,
-    deadline: float | None = None,
     figures: multipart.Part | None = None,
-    incremental: bool = False,
-    file_per_tensor: bool = False,
 ) -> Checkpoint | None:
-    """Write and commit one training checkpoint; call on every rank.
+    """Write and commit one training checkpoint, as ``options`` say; call on every rank.
 
     ``app_state`` (model and optimizer state dicts, DTensors welcome) goes to
     the DCP part; ``staged``, when ``app_state`` is one, has its live tensors
-    written first (see :mod:`cloudckpt.dcp.budget`). Returns the committed
-    checkpoint on rank 0, None elsewhere. Raises on every rank if any rank
+    written first (see :mod:`cloudckpt.dcp.budget`). ``figures``
+    (:class:`cloudckpt.training.reports.Figures`) add the ranks' figures. Returns the
+    committed checkpoint on rank 0, None elsewhere. Raises on every rank if any rank
     failed; then nothing is committed.
-
-    ``as_rank``, with ``group=SOLO`` (this rank alone), names the DCP files and the
-    per-rank state as that rank's of the job, so that the checkpoint's objects can
-    join a job-wide one under the same names (:mod:`cloudckpt.training.tiers`).
-    ``deadline`` (``time.monotonic()``) refuses a commit after it (a preemption save);
-    ``figures`` (:class:`cloudckpt.training.reports.Figures`) add the ranks' figures.
-    ``incremental`` stores every object in the run's blob area (the directory above
-    ``uri``), sending only those whose bytes are not there yet (:mod:`cloudckpt.core.blobs`);
-    ``file_per_tensor`` only lays the DCP files out as such a save does.
     """
+    step, as_rank = options.step, options.as_rank
+    incremental, file_per_tensor = options.incremental, options.file_per_tensor
     store = as_store(uri, storage_options)
     blobs = BlobArea.above(store, 1) if incremental else None
     dcp_options: dict[str, Any] = {"staged": staged, "checked": captured.state_checked,
@@ -162,8 +173,9 @@ def write(
         multipart.SharedBytes(SHARED, lambda: dumps_state(captured.shared)),
         *([figures] if figures is not None else []),
     ]
-    return multipart.save(store, parts, group=group, step=step, kind=KIND, deadline=deadline,
-                          blobs=blobs, metadata={**dict(metadata or {}), **root_metadata(
+    return multipart.save(store, parts, group=group, step=step, kind=KIND,
+                          deadline=options.deadline, blobs=blobs,
+                          metadata={**dict(options.metadata or {}), **root_metadata(
                               coord.world_size(group), captured.shared.get(_STEP_INFO))})
 
 
@@ -182,27 +194,38 @@ class Restored:
     shared: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class ReadOptions:
+    """How :func:`read` loads a training checkpoint: ``rng`` restores the RNG state;
+    ``planner`` is DCP's load planner; ``as_rank`` the per-rank state to read, for a
+    checkpoint :func:`write` saved with one; ``step`` the step its name must say;
+    ``checks_group`` the ranks that agree on the checks (by default the group that
+    loads)."""
+
+    rng: bool = True
+    planner: LoadPlanner | None = None
+    as_rank: int | None = None
+    step: int | None = None
+    checks_group: Any = SAME_GROUP
+
+
 def read(
     uri: str | Store | Checkpoint,
     app_state: Mapping[str, Any],
+    options: ReadOptions = ReadOptions(),
     *,
     shared: Mapping[str, Any] | None = None,
     per_rank: Mapping[str, Any] | None = None,
-    rng: bool = True,
     storage_options: Mapping[str, Any] | None = None,
     group: Any = None,
-    planner: LoadPlanner | None = None,
-    as_rank: int | None = None,
-    step: int | None = None,
-    checks_group: Any = SAME_GROUP,
 ) -> Restored:
-    """Load a training checkpoint: ``app_state`` in place (DCP, any world size),
-    stateful ``shared``/``per_rank`` objects via ``load_state_dict``, and RNG.
+    """Load a training checkpoint, as ``options`` say: ``app_state`` in place (DCP, any
+    world size), stateful ``shared``/``per_rank`` objects via ``load_state_dict``, and
+    RNG.
 
     Call on every rank of ``group``. Rank 0 alone reads the manifests, DCP's
     ``.metadata`` and the shared state, and shares them; every rank reads its own
-    per-rank state and its shards. ``planner`` is DCP's load planner; ``as_rank``
-    the per-rank state to read, for a checkpoint :func:`write` saved with one.
+    per-rank state and its shards.
 
     Everything refusable is checked before anything is applied: the kind, ``step``
     (the one its name says, when given), the world size of per-rank state, the
@@ -213,6 +236,7 @@ def read(
     every rank of ``checks_group`` (by default ``group``) raises, and nothing was
     loaded anywhere.
     """
+    rng, as_rank, step = options.rng, options.as_rank, options.step
 
     def opened() -> tuple[Checkpoint, dict[str, Any], Checkpoint | None]:
         ckpt = uri if isinstance(uri, Checkpoint) else open_checkpoint(uri, storage_options)
@@ -244,9 +268,9 @@ def read(
 
     # Checked on every rank before anything is applied; from here on, state is.
     ckpt, saved_shared, saved, model = coord.checked(
-        checked, group if checks_group is SAME_GROUP else checks_group)
+        checked, group if options.checks_group is SAME_GROUP else options.checks_group)
     if model is not None:
-        cdcp.load(app_state, model, process_group=group, planner=planner)
+        cdcp.load(app_state, model, process_group=group, planner=options.planner)
     _restore_into(shared or {}, saved_shared)
     _restore_into(per_rank or {}, saved)
     if rng and _RNG in saved:

@@ -25,7 +25,7 @@ import pickle
 import socket
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import (
@@ -114,10 +114,12 @@ class LocalCopies:
     def save(self, name: str, state: Mapping[str, Any], captured: training.Captured,
              step: int) -> Checkpoint:
         """Commit this rank's local checkpoint ``name`` (no collective)."""
+        job = {"world_size": self.world, "rank": self.rank, "host": self.host}
         ckpt = training.write(
-            self.store.child(name), state, captured, step=step, group=coord.SOLO,
-            as_rank=self.rank, file_per_tensor=self.incremental, metadata={TIER_KEY: {
-                "world_size": self.world, "rank": self.rank, "host": self.host}})
+            self.store.child(name), state, captured,
+            training.WriteOptions(step=step, metadata={TIER_KEY: job}, as_rank=self.rank,
+                                  file_per_tensor=self.incremental),
+            group=coord.SOLO)
         assert ckpt is not None
         return ckpt
 
@@ -137,11 +139,13 @@ class LocalCopies:
     def open(self, name: str) -> Checkpoint:
         return open_checkpoint(self.store.child(name))
 
-    def restore(self, name: str, state: Mapping[str, Any], **read: Any) -> training.Restored:
+    def restore(self, name: str, state: Mapping[str, Any], options: training.ReadOptions,
+                **objects: Any) -> training.Restored:
         """Load this rank's local checkpoint ``name`` in place (no collective but the
-        agreement of ``checks_group``, when given, on the checks made first)."""
-        return training.read(self.store.child(name), state, group=coord.SOLO,
-                             as_rank=self.rank, **read)
+        agreement of ``options.checks_group``, when given, on the checks made first);
+        ``objects``: the ``shared`` and ``per_rank`` stateful objects."""
+        return training.read(self.store.child(name), state,
+                             replace(options, as_rank=self.rank), group=coord.SOLO, **objects)
 
     def prune_after(self, step: int | None) -> list[str]:
         """Delete this rank's local checkpoints newer than ``step`` (every one, for
@@ -176,7 +180,8 @@ def common_steps(mine: dict[int, str], group: Any = None) -> list[int]:
 
 
 def restore_newest(local: LocalCopies, state: Mapping[str, Any], newest: int | None,
-                   group: Any = None, **read: Any) -> training.Restored | None:
+                   group: Any, options: training.ReadOptions, **objects: Any
+                   ) -> training.Restored | None:
     """Resume from the local tier when every rank holds a step at least as new as
     the bucket's ``newest`` and can read it; None (on every rank) to go on to the
     bucket. A step some rank cannot read sends every rank to an older one; one that
@@ -187,7 +192,8 @@ def restore_newest(local: LocalCopies, state: Mapping[str, Any], newest: int | N
             break
         restored, err = None, None
         try:
-            restored = local.restore(mine[step], state, step=step, checks_group=group, **read)
+            restored = local.restore(mine[step], state,
+                                     replace(options, step=step, checks_group=group), **objects)
         except CloudCkptError as exc:
             err = exc
         try:

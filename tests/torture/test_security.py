@@ -947,9 +947,11 @@ def test_pickled_code_never_runs_from_training_state(local, tmp_path, record,
         evil = {"evil": plant(f"composite-{part}")}
         captured = training.capture(shared=evil if part == "shared" else None,
                                      per_rank=evil if part == "per_rank" else None, rng=False)
-        training.write(uri, {"w": torch.ones(4)}, captured, step=1, storage_options=opts)
+        training.write(uri, {"w": torch.ones(4)}, captured, training.WriteOptions(step=1),
+                       storage_options=opts)
         t.expect(f"training.read ({part})", partial(
-            training.read, uri, {"w": torch.zeros(4)}, per_rank={"evil": None}, rng=False,
+            training.read, uri, {"w": torch.zeros(4)}, training.ReadOptions(rng=False),
+            per_rank={"evil": None},
             storage_options=opts), CorruptCheckpointError)
     t.trials += 1
     direct = plant("loads-state")
