@@ -154,13 +154,13 @@ def test_copy_within_one_store_runs_on_the_server(name, request, monkeypatch) ->
     calls: list[str] = []
     if name == "s3-part-copies":
         dst.backend.copy_part_threshold = PART  # type: ignore[attr-defined]
-        original = S3Backend._s3
+        original = S3Backend.request
 
         def count(self: S3Backend, method: str, path: str, **kw: Any) -> Any:
             calls.append(method)
             return original(self, method, path, **kw)
 
-        monkeypatch.setattr(S3Backend, "_s3", count)
+        monkeypatch.setattr(S3Backend, "request", count)
     reads = record_reads(monkeypatch, type(src.store.backend))
     done: list[int] = []
     out = copy_checkpoint(src, dst, progress=done.append)

@@ -86,7 +86,9 @@ class S3Backend(StreamedRanges, FsspecBackend):
         bucket, _, key = path.partition("/")
         return bucket, key
 
-    def _s3(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
+    def request(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
+        """One call of the S3 API on the object at ``path`` (one try: the Store's policy
+        retries), through s3fs's client."""
         bucket, key = self._split(path)
         return sync(self.fs.loop, call_s3, self.fs, method, Bucket=bucket, Key=key, **kw)
 
@@ -95,7 +97,7 @@ class S3Backend(StreamedRanges, FsspecBackend):
         # a second request for every existence check of a manifest or claim.
         self.fs.invalidate_cache(path)
         try:
-            resp = self._s3("head_object", path)
+            resp = self.request("head_object", path)
         except FileNotFoundError:
             return None
         return {"name": path, "type": "file", "size": int(resp.get("ContentLength") or 0),
@@ -104,7 +106,7 @@ class S3Backend(StreamedRanges, FsspecBackend):
     def put(self, path: str, data: Buffer | Pieces, **cond: str) -> str:
         # botocore takes bytes, bytearray or a file; views go as a file (no copy).
         body = PartBody(data) if isinstance(data, (memoryview, Pieces)) else data
-        return self._s3("put_object", path, Body=body, **cond)["ETag"]
+        return self.request("put_object", path, Body=body, **cond)["ETag"]
 
     def put_checked(self, path: str, data: Buffer | Pieces, crc32c: str) -> str:
         # Send the CRC32C we already have: S3 verifies it against the bytes it
@@ -282,16 +284,16 @@ class _MultipartWriter(PartWriter):
         self._upload_id: str | None = None
 
     def _start(self) -> None:
-        self._upload_id = self._s3backend._s3("create_multipart_upload", self._path)["UploadId"]
+        self._upload_id = self._s3backend.request("create_multipart_upload", self._path)["UploadId"]
 
     def _upload(self, number: int, part: memoryview | Pieces) -> dict[str, Any]:
-        resp = self._s3backend._s3("upload_part", self._path, UploadId=self._upload_id,
+        resp = self._s3backend.request("upload_part", self._path, UploadId=self._upload_id,
                                  PartNumber=number, Body=PartBody(part))
         return {"PartNumber": number, "ETag": resp["ETag"]}
 
     def _finish(self, tokens: list[Any], size: int, crc32c: str) -> None:
         try:
-            self._s3backend._s3("complete_multipart_upload", self._path,
+            self._s3backend.request("complete_multipart_upload", self._path,
                               UploadId=self._upload_id, MultipartUpload={"Parts": tokens})
         except Exception as exc:
             # A completion the server applied but whose response was lost: the retry
@@ -304,8 +306,9 @@ class _MultipartWriter(PartWriter):
         """Whether the object is the one our parts make (its ETag is the MD5 of their
         MD5s; with SSE-KMS ETags are not MD5s, and this says no: the safe answer)."""
         try:
-            head = self._store.retry.call(lambda: self._s3backend._s3("head_object", self._path),
-                                          op="head", key=self._path, errors=self._s3backend)
+            backend = self._s3backend
+            head = self._store.retry.call(lambda: backend.request("head_object", self._path),
+                                          op="head", key=self._path, errors=backend)
             digest = hashlib.md5(b"".join(bytes.fromhex(t["ETag"].strip('"')) for t in tokens),
                                  usedforsecurity=False).hexdigest()
         except Exception:  # noqa: BLE001 - then the original error stands
@@ -318,5 +321,5 @@ class _MultipartWriter(PartWriter):
 
     def _abort_upload(self, store: Host) -> None:
         if self._upload_id is not None:
-            self._s3backend._s3("abort_multipart_upload", self._path, UploadId=self._upload_id)
+            self._s3backend.request("abort_multipart_upload", self._path, UploadId=self._upload_id)
             self._upload_id = None

@@ -44,7 +44,7 @@ class ServerCopy:
         return self.host.retry.call(fn, op=op, key=f"s3://{self.path}", errors=self.backend)
 
     def run(self) -> ObjectInfo:
-        s3 = self.backend._s3
+        s3 = self.backend.request
         parts: list[tuple[str | None, int]] | None = None
         if self.size <= min(self.backend.copy_part_threshold, MAX_COPY_OBJECT):
             self._retry("copy", lambda: s3("copy_object", self.path, CopySource=self.source,
@@ -57,7 +57,7 @@ class ServerCopy:
                           whole_crc32c(head, parts), head.get("ETag"))
 
     def _copy_parts(self) -> list[tuple[str | None, int]]:
-        store, s3 = self.host, self.backend._s3
+        store, s3 = self.host, self.backend.request
         # About one part per request in flight, within S3's limits: 5 MiB to 5 GiB
         # a part, 10,000 parts.
         part = max(store.part_size, MIN_PART_SIZE, -(-self.size // 10_000),
