@@ -49,7 +49,8 @@ def fail_one_step(rank: int, world: int, endpoint: str, root: str, deadline: flo
                 def attempt(target: Any = target, state: Any = state) -> Any:
                     return target.save(state, rng=False)
             elif name == "rlinf save":
-                target = rlinf.RLinfCheckpointer(base, "exp", storage_options=opts)
+                target = rlinf.RLinfCheckpointer(rlinf.RunnerConfig(base, "exp"),
+                                                 storage_options=opts)
                 target.save(1, {"fsdp_checkpoint": {"model": state}})
 
                 def attempt(target: Any = target, state: Any = state) -> Any:

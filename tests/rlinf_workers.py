@@ -28,7 +28,8 @@ def save_fsdp_actor(rank: int, world: int, output_dir: str, options_json: str,
         loss.backward()
         optim.step()
         sched.step()
-    ck = rlinf.RLinfCheckpointer(output_dir, "conv", save_interval=3, max_steps=3,
+    ck = rlinf.RLinfCheckpointer(rlinf.RunnerConfig(output_dir, "conv", save_interval=3,
+                                                    max_steps=3),
                                  storage_options=json.loads(options_json))
     assert ck.should_save(3)
     committed = ck.save(3, rlinf.fsdp_state_dict(model, optim, sched),

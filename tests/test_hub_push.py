@@ -39,7 +39,7 @@ from cloudckpt import (
 from cloudckpt import dcp as cloud_dcp
 from cloudckpt.cli import main as cli
 from cloudckpt.hf import exporting
-from cloudckpt.hf.hub import push, push_in_background, push_to_hub
+from cloudckpt.hf.hub import PushOptions, push, push_in_background, push_to_hub
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning",
                                         "ignore::FutureWarning", "ignore::UserWarning")
@@ -105,7 +105,7 @@ def test_sharded_push_over_a_single_file_repo_needs_replace(hub_server, s3, tmp_
     assert hub_server.commits(REPO) == before  # nothing committed, nothing uploaded
 
     with caplog.at_level(logging.INFO, logger="cloudckpt.hf.hub"):
-        done = push(s3.uri("new"), REPO, replace=True, **push_kw(hub_server, s3))
+        done = push(s3.uri("new"), REPO, PushOptions(replace=True), **push_kw(hub_server, s3))
     assert done.replaced == ("model.safetensors",)
     assert "replacing model.safetensors" in caplog.text
     commits = hub_server.commits(REPO)
@@ -133,7 +133,8 @@ def test_a_single_file_push_over_shards_names_every_stale_file(hub_server, s3):
         push_to_hub(s3.uri("single"), REPO, **push_kw(hub_server, s3))
     assert all(p in str(err.value) for p in stale)
     assert "model.safetensors.index.json" in stale
-    job = push_in_background(s3.uri("single"), REPO, replace=True, **push_kw(hub_server, s3))
+    job = push_in_background(s3.uri("single"), REPO, PushOptions(replace=True),
+                             **push_kw(hub_server, s3))
     assert REPO in job.result(timeout=120)
     assert hub_server.commits(REPO)[-1]["deleted"] == stale
     held = hub_server.files(REPO)
@@ -300,7 +301,8 @@ def test_a_file_above_the_hub_limit_is_refused_before_any_request(hub_server, s3
     biggest = max(sizes, key=sizes.get)
     hub_server.requests.clear()
     with pytest.raises(ConfigError) as err:
-        push(s3.uri("export"), REPO, max_file_size=sizes[biggest] - 1, **push_kw(hub_server, s3))
+        push(s3.uri("export"), REPO, PushOptions(max_file_size=sizes[biggest] - 1),
+             **push_kw(hub_server, s3))
     message = str(err.value)
     assert f"{biggest} is {sizes[biggest]} bytes" in message
     assert f"limit of {sizes[biggest] - 1} bytes" in message and "nothing was pushed" in message
@@ -308,7 +310,8 @@ def test_a_file_above_the_hub_limit_is_refused_before_any_request(hub_server, s3
     # A limit below the largest tensor (the tied embedding, 96 x 32 floats): no shard size helps.
     with pytest.raises(ConfigError, match="'model.embed_tokens.weight' alone is 12288 bytes.*"
                                           "cannot be split across shards"):
-        push(s3.uri("export"), REPO, max_file_size=12287, **push_kw(hub_server, s3))
+        push(s3.uri("export"), REPO, PushOptions(max_file_size=12287),
+             **push_kw(hub_server, s3))
     assert hub_server.requests == []  # no repo created, nothing sent
     with pytest.raises(KeyError):
         hub_server.files(REPO)
@@ -355,14 +358,15 @@ def test_a_hub_that_limits_operations_per_commit_gets_batches_index_last(
     index = "model.safetensors.index.json"
     with HubServer(token=HUB_TOKEN, max_commit_operations=2) as hub:
         kw = {"token": HUB_TOKEN, "storage_options": s3.options, "endpoint": hub.endpoint}
-        push(s3.uri("old"), REPO, files_per_commit=2, **kw)  # model.safetensors + config last
+        # model.safetensors + config last
+        push(s3.uri("old"), REPO, PushOptions(files_per_commit=2), **kw)
         before = hub.commits(REPO)
         assert [c["added"] for c in before[1:]] == [["generation_config.json"],
                                                     ["config.json", "model.safetensors"]]
 
         # Four shards' operations and a delete in one commit: refused, the repo unchanged.
         with pytest.raises(ConfigError, match="--files-per-commit N"):
-            push(s3.uri("new"), REPO, replace=True, **kw)
+            push(s3.uri("new"), REPO, PushOptions(replace=True), **kw)
         assert hub.commits(REPO) == before
         uploaded = hub.lfs_uploads()  # the shards went up before the refused commit
 
@@ -391,7 +395,7 @@ def test_a_hub_that_limits_operations_per_commit_gets_batches_index_last(
         # under the old index, so the first takes the index down and the last brings it back.
         hf.export(old, s3.uri("again"), max_shard_size="40KB", storage_options=s3.options)
         seen = len(hub.commits(REPO))
-        done = push(s3.uri("again"), REPO, files_per_commit=2, **kw)
+        done = push(s3.uri("again"), REPO, PushOptions(files_per_commit=2), **kw)
         made = hub.commits(REPO)[seen:]
         assert made[0]["deleted"] == [index] and made[-1]["added"] == [index]
         assert all(index not in hub.files(REPO, c["oid"]) for c in made[:-1])
@@ -402,10 +406,10 @@ def test_a_hub_that_limits_operations_per_commit_gets_batches_index_last(
         # The index and config.json of a fresh repo must land together: one operation per
         # commit cannot do it, and that is said before anything is uploaded.
         with pytest.raises(ConfigError, match="files_per_commit=1 is too few.*at least 2"):
-            push(s3.uri("new"), "org/other", files_per_commit=1, **kw)
+            push(s3.uri("new"), "org/other", PushOptions(files_per_commit=1), **kw)
         assert hub.lfs_objects("org/other") == {}
         assert set(hub.files("org/other")) == {".gitattributes"}
-        assert push(s3.uri("again"), REPO, files_per_commit=2, **kw).commits == ()
+        assert push(s3.uri("again"), REPO, PushOptions(files_per_commit=2), **kw).commits == ()
 
 
 def test_upload_progress_bars_show_on_a_terminal_only(hub_server, s3, capsys, monkeypatch):

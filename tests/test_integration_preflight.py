@@ -12,8 +12,9 @@ from cloudckpt.integrations.roll import S3Uploader
 
 def test_rlinf_checkpointer_refuses_a_missing_bucket_at_construction(s3):
     with pytest.raises(BucketNotFoundError, match="cloudckpt-tset"):
-        rlinf.RLinfCheckpointer("s3://cloudckpt-tset/out", "exp", save_interval=10,
-                                max_steps=100, storage_options=s3.options)
+        rlinf.RLinfCheckpointer(rlinf.RunnerConfig("s3://cloudckpt-tset/out", "exp",
+                                                   save_interval=10, max_steps=100),
+                                storage_options=s3.options)
 
 
 def test_roll_uploader_refuses_a_missing_bucket_at_construction(s3):

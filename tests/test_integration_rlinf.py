@@ -127,8 +127,9 @@ def test_config_rules_and_names():
 
 
 def test_time_limit_and_keep_last(memory):
-    ck = rlinf.RLinfCheckpointer(memory.uri("out"), "exp", save_interval=100, max_steps=1000,
-                                 time_limit_s=0.0, keep_last=2)
+    ck = rlinf.RLinfCheckpointer(rlinf.RunnerConfig(memory.uri("out"), "exp", save_interval=100,
+                                                    max_steps=1000),
+                                 rlinf.SaveOptions(time_limit_s=0.0, keep_last=2))
     assert ck.should_save(7)  # time limit hit: save although 7 % 100 != 0
     model = torch.nn.Linear(3, 2)
     optim = torch.optim.AdamW(model.parameters())
@@ -138,8 +139,9 @@ def test_time_limit_and_keep_last(memory):
     assert rlinf.resolve_resume_dir("auto", ck.root) == ck.step_uri(4)
     with pytest.raises(CommitConflictError, match="cloudckpt rm"):
         ck.save(4, rlinf.fsdp_state_dict(model, optim), data_state={"pos": 4})
-    disabled = rlinf.RLinfCheckpointer(memory.uri("out"), "exp", save_interval=0,
-                                       time_limit_s=0.0)
+    disabled = rlinf.RLinfCheckpointer(rlinf.RunnerConfig(memory.uri("out"), "exp",
+                                                          save_interval=0),
+                                       rlinf.SaveOptions(time_limit_s=0.0))
     assert not disabled.should_save(3)
 
 
@@ -149,7 +151,8 @@ def test_a_load_the_checkpoint_refuses_applies_nothing(memory):
     by ``resume_dir: auto``, which RLinf's workers load from."""
     from cloudckpt.movement.checkpoint_copy import copy_checkpoint
 
-    ck = rlinf.RLinfCheckpointer(memory.uri("out"), "exp", save_interval=1, max_steps=10)
+    ck = rlinf.RLinfCheckpointer(rlinf.RunnerConfig(memory.uri("out"), "exp", save_interval=1,
+                                                    max_steps=10))
     model = torch.nn.Linear(3, 2)
     optim = torch.optim.AdamW(model.parameters())
     ck.save(1, rlinf.fsdp_state_dict(model, optim), data_state={"pos": 1})
@@ -275,7 +278,7 @@ def _copy(store, src: str, dst: str, *, skip=(), mutate=None) -> None:
 
 
 def test_torn_checkpoints_old_rule_vs_manifest(s3, caplog):
-    ck = rlinf.RLinfCheckpointer(s3.uri("logs"), "torn", save_interval=2,
+    ck = rlinf.RLinfCheckpointer(rlinf.RunnerConfig(s3.uri("logs"), "torn", save_interval=2),
                                  storage_options=s3.options)
     model = torch.nn.Linear(64, 64)
     optim = torch.optim.AdamW(model.parameters())
@@ -372,7 +375,7 @@ def test_converter_on_two_rank_checkpoint(s3, tmp_path, caplog):
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=2)
-    ck = rlinf.RLinfCheckpointer(out_dir, "conv", storage_options=s3.options)
+    ck = rlinf.RLinfCheckpointer(rlinf.RunnerConfig(out_dir, "conv"), storage_options=s3.options)
     state = rlinf.fsdp_state_dict(model, optim, sched)  # as saved: one scheduler
     res = ck.load(step_uri + "/", state)  # one RNG copy, restored on any world size
     rlinf.load_fsdp_state_dict(model, optim, sched, state)

@@ -260,13 +260,14 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    from cloudckpt.hf.hub import push
+    from cloudckpt.hf.hub import PushOptions, push
 
-    done = push(args.uri, args.repo_id, revision=args.revision,
-                private=True if args.private else None, create_pr=args.create_pr,
-                replace=args.replace, commit_message=args.message,
-                storage_options=args.options, endpoint=args.endpoint, token=args.token,
-                files_per_commit=args.files_per_commit, progress=sys.stderr.isatty())
+    options = PushOptions(revision=args.revision, private=True if args.private else None,
+                          commit_message=args.message, create_pr=args.create_pr,
+                          replace=args.replace, files_per_commit=args.files_per_commit,
+                          progress=sys.stderr.isatty())
+    done = push(args.uri, args.repo_id, options, token=args.token, endpoint=args.endpoint,
+                storage_options=args.options)
     where = "same" if len(done.commits) < 2 else "last"
     for path in done.replaced:
         print(f"replaced {path} (deleted in the {where} commit: the export does not have it)")

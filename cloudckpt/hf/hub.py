@@ -26,7 +26,6 @@ saved login) and is never logged.
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import tempfile
@@ -58,7 +57,7 @@ from cloudckpt.runtime.pending import run_in_background
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HUB_FILE_LIMIT", "WEIGHT_PATTERNS", "PushJob", "PushResult", "push",
+__all__ = ["HUB_FILE_LIMIT", "WEIGHT_PATTERNS", "PushJob", "PushOptions", "PushResult", "push",
            "push_in_background", "push_to_hub"]
 
 #: The largest file the Hub stores (50 GB); :func:`cloudckpt.hf.export` shards below it.
@@ -78,55 +77,76 @@ class PushResult:
     commits: tuple[str, ...] = ()
 
 
-def push_to_hub(uri: str, repo_id: str, **options: Any) -> str:
+@dataclass(frozen=True)
+class PushOptions:
+    """How :func:`push` publishes an export.
+
+    ``revision``: the branch committed to (it must exist). ``private``: the
+    visibility of a repo the push creates (``None``: the Hub's default).
+    ``commit_message``: the last commit's (by default ``Upload NAME (step N)``).
+    ``create_pr``: open a pull request from ``revision`` instead of committing to it.
+    ``replace``: delete the repo's weight files the export does not have, in the last
+    commit; without it they are refused (``CommitConflictError``). ``max_file_size``:
+    a file above it is refused before any request. ``files_per_commit``: at most that
+    many operations per commit, for a Hub that limits them. ``progress``: show or hide
+    ``huggingface_hub``'s upload bars (``None``: as configured)."""
+
+    revision: str = "main"
+    private: bool | None = None
+    commit_message: str | None = None
+    create_pr: bool = False
+    replace: bool = False
+    max_file_size: int = HUB_FILE_LIMIT
+    files_per_commit: int | None = None
+    progress: bool | None = None
+
+
+def push_to_hub(uri: str, repo_id: str, *, token: str | None = None,
+                endpoint: str | None = None, storage_options: Mapping[str, Any] | None = None,
+                **options: Any) -> str:
     """:func:`push`, returning only the commit (or pull request) URL; ``options`` are
-    :func:`push`'s (``revision``, ``private``, ``token``, ``replace``, ...)."""
-    return push(uri, repo_id, **options).url
+    :class:`PushOptions`' fields (``revision``, ``private``, ``replace``, ...), as
+    ``transformers``' ``push_to_hub`` takes them."""
+    return push(uri, repo_id, PushOptions(**options), token=token, endpoint=endpoint,
+                storage_options=storage_options).url
 
 
 def push(
     uri: str,
     repo_id: str,
+    options: PushOptions = PushOptions(),
     *,
-    revision: str = "main",
-    private: bool | None = None,
     token: str | None = None,
-    commit_message: str | None = None,
-    create_pr: bool = False,
-    replace: bool = False,
-    storage_options: Mapping[str, Any] | None = None,
     endpoint: str | None = None,
-    max_file_size: int = HUB_FILE_LIMIT,
-    files_per_commit: int | None = None,
-    progress: bool | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> PushResult:
     """Verify the HF export at ``uri``, upload its LFS objects the Hub lacks, then commit
-    the files that changed to ``repo_id`` (created when missing); return the commit (or
-    pull request) URL, the files pushed and the files replaced.
+    the files that changed to ``repo_id`` (created when missing), as ``options`` say;
+    return the commit (or pull request) URL, the files pushed and the files replaced.
 
-    A file above ``max_file_size`` is refused before any request. Weight files already
-    in the repo that the export does not have are refused (``CommitConflictError``)
-    unless ``replace``, which deletes them in the last commit. ``files_per_commit``:
-    at most that many operations per commit, for a Hub that limits them. ``progress``
-    shows or hides ``huggingface_hub``'s upload bars (``None``: as configured)."""
+    ``token`` and ``endpoint`` are the Hub's (by default ``HF_TOKEN`` or a saved login,
+    and ``HF_ENDPOINT``); ``storage_options`` the bucket's."""
     from huggingface_hub import CommitOperationAdd, HfApi
 
     ckpt = open_checkpoint(uri, storage_options)
     files = _export_files(ckpt, storage_options)  # not an HF export: refused before any download
-    _check_sizes(ckpt, files, max_file_size)
+    _check_sizes(ckpt, files, options.max_file_size)
+    revision, create_pr, files_per_commit = (options.revision, options.create_pr,
+                                             options.files_per_commit)
     if files_per_commit is not None and files_per_commit < 1:
         raise ConfigError(f"files_per_commit must be at least 1, not {files_per_commit}")
-    with tempfile.TemporaryDirectory(prefix="cloudckpt-push-") as tmp, progress_bars(progress):
+    with (tempfile.TemporaryDirectory(prefix="cloudckpt-push-") as tmp,
+          progress_bars(options.progress)):
         local = download(ckpt, tmp)  # checks every byte: corrupt exports stop here
         shards = _check_indexes(local, files, ckpt.uri)
         api = HfApi(endpoint=endpoint, token=token)
         what = f"pushing {ckpt.uri} to {repo_id}"
         with hub_errors(what, api.endpoint, revision):
-            api.create_repo(repo_id, private=private, exist_ok=True)
+            api.create_repo(repo_id, private=options.private, exist_ok=True)
             head = api.model_info(repo_id, revision=revision, files_metadata=True)
         held = {s.rfilename: s for s in head.siblings or ()}
         stale = _stale_weights(held, files)
-        if stale and not replace:
+        if stale and not options.replace:
             raise _stale_refusal(repo_id, revision, stale)
         adds = {p: CommitOperationAdd(path_in_repo=p, path_or_fileobj=str(local / p))
                 for p in files}
@@ -145,7 +165,7 @@ def push(
         with hub_errors(what, api.endpoint, revision):
             upload_missing(api, repo_id, [adds[p] for p in changed], revision, create_pr, token)
             urls, url = make_commits(api, repo_id, plan, adds, local, revision, create_pr,
-                                     head.sha, commit_message or _message(ckpt))
+                                     head.sha, options.commit_message or _message(ckpt))
     log.info("pushed %s (%d files, %d commit(s)) to %s: %s", ckpt.uri, len(changed),
              len(urls), repo_id, url)
     return PushResult(url, tuple(changed), tuple(stale), tuple(urls))
@@ -304,18 +324,19 @@ class PushJob:
         return f"PushJob({self.description}, status={self.status})"
 
 
-def push_in_background(uri: str, repo_id: str, **kwargs: Any) -> PushJob:
-    """Start :func:`push_to_hub` on a background thread (e.g. right after an
-    export, so training goes on); failures are logged and kept on the job, and a
-    push still running when the process ends is waited for, or reported
-    (:mod:`cloudckpt.runtime.pending`). ``kwargs`` (``replace=True`` included) are checked
-    here, not in the thread."""
-    inspect.signature(push).bind(uri, repo_id, **kwargs)  # a typo fails now
+def push_in_background(uri: str, repo_id: str, options: PushOptions = PushOptions(), *,
+                       token: str | None = None, endpoint: str | None = None,
+                       storage_options: Mapping[str, Any] | None = None) -> PushJob:
+    """Start :func:`push` on a background thread (e.g. right after an export, so
+    training goes on); the job's result is the commit URL. Failures are logged and kept
+    on the job, and a push still running when the process ends is waited for, or
+    reported (:mod:`cloudckpt.runtime.pending`)."""
     description = f"{uri} -> {repo_id}"
 
     def run() -> str:
         try:
-            return push_to_hub(uri, repo_id, **kwargs)
+            return push(uri, repo_id, options, token=token, endpoint=endpoint,
+                        storage_options=storage_options).url
         except BaseException as exc:
             log.error("background push %s failed: %s", description, exc)
             raise

@@ -131,7 +131,8 @@ def cloudckpt_to_rlinf(rank: int, world: int, out_dir: str, options_json: str, l
     opts = json.loads(options_json)
     model, optim, sched = build(world, seed=0)
     train(model, optim, sched, STEPS_BEFORE)
-    ck = rlinf.RLinfCheckpointer(out_dir, "compat", save_interval=3, storage_options=opts)
+    ck = rlinf.RLinfCheckpointer(rlinf.RunnerConfig(out_dir, "compat", save_interval=3),
+                                 storage_options=opts)
     committed = ck.save(STEPS_BEFORE, rlinf.fsdp_state_dict(model, optim, sched),
                         data_state={"epoch": 0, "pos": 3})
     saved = outcome(model, optim, sched)  # draws after the save: RNG state as saved
@@ -178,7 +179,8 @@ def rlinf_to_cloudckpt(rank: int, world: int, local_step: str, out_dir: str,
     _barrier()
 
     model2, optim2, sched2 = build(world, seed=99)
-    ck = rlinf.RLinfCheckpointer(out_dir, "compat", save_interval=3, resume_dir="auto",
+    ck = rlinf.RLinfCheckpointer(rlinf.RunnerConfig(out_dir, "compat", save_interval=3,
+                                                    resume_dir="auto"),
                                  storage_options=opts)
     uri = ck.resume_uri()
     state = rlinf.fsdp_state_dict(model2, optim2, sched2)

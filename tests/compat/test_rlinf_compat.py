@@ -137,7 +137,7 @@ def test_stock_step_in_gcs_adopted_with_one_command_then_resumes(gcs, tmp_path, 
     assert cloudckpt_cli(["rlinf", "adopt", bucket_step.uri, "-o", f"endpoint_url={endpoint}",
                           "-o", "token=anon"]) == 0
     model2, optim2, sched2 = _single(99)
-    ck = rlinf.RLinfCheckpointer(gcs.uri("logs"), "exp", resume_dir="auto",
+    ck = rlinf.RLinfCheckpointer(rlinf.RunnerConfig(gcs.uri("logs"), "exp", resume_dir="auto"),
                                  storage_options=gcs.options)
     state = rlinf.fsdp_state_dict(model2, optim2, sched2)
     resumed = ck.load(ck.resume_uri(), state)
@@ -159,7 +159,7 @@ def test_local_cloudckpt_step_loads_in_place_with_rlinf(local):
     cloudckpt wrote where it lies (the manifests beside its files are ignored)."""
     model, optim, sched = _single(0)
     rr.train(model, optim, sched, rr.STEPS_BEFORE)
-    ck = rlinf.RLinfCheckpointer(local.uri("logs"), "exp", save_interval=3,
+    ck = rlinf.RLinfCheckpointer(rlinf.RunnerConfig(local.uri("logs"), "exp", save_interval=3),
                                  storage_options=local.options)
     ck.save(3, rlinf.fsdp_state_dict(model, optim, sched))
     saved = rr.outcome(model, optim, sched)

@@ -993,7 +993,8 @@ def test_pickled_code_never_runs_from_training_state(local, tmp_path, record,
              CorruptCheckpointError)
     # RLinf data/data.pt
     t.trials += 1
-    ck = rlinf.RLinfCheckpointer(local.uri("rlinf"), "exp", storage_options=opts)
+    ck = rlinf.RLinfCheckpointer(rlinf.RunnerConfig(local.uri("rlinf"), "exp"),
+                                 storage_options=opts)
     ck.save(1, {"fsdp_checkpoint": {"model": {"w": torch.ones(3)}}},
             data_state={"pos": plant("rlinf")})
     step_uri = ck.step_uri(1)

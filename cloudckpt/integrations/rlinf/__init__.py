@@ -37,7 +37,7 @@ from cloudckpt.util.lazy import lazy_exports
 
 __getattr__ = lazy_exports(__name__, {
     "adoption": ("adopt_step", "upload_step"),
-    "checkpointer": ("RLinfCheckpointer", "Resumed", "read_data_state"),
+    "checkpointer": ("RLinfCheckpointer", "Resumed", "SaveOptions", "read_data_state"),
     "cloudckpt.core.checkpoint": ("CheckpointWriter",),
     "config": ("RunnerConfig", "should_save", "total_steps"),
     "converter": ("convert",),
@@ -65,6 +65,7 @@ __all__ = [
     "RLinfCheckpointer",
     "Resumed",
     "RunnerConfig",
+    "SaveOptions",
     "adopt_step",
     "checkpoints_root",
     "convert",

@@ -50,52 +50,62 @@ class Resumed:
     data_state: Any
 
 
+@dataclass(frozen=True)
+class SaveOptions:
+    """How :class:`RLinfCheckpointer` saves, beyond RLinf's ``runner`` keys.
+
+    ``time_limit_s``: once the slowest rank has run that long, ``should_save`` says
+    save (RLinf's time limit). ``keep_last``: prune committed steps beyond the newest
+    N after each save (``None``: keep every one).
+    ``save_full_model_weights``: write each part's ``model_state_dict/full_weights.pt``
+    too, as RLinf does. ``incremental``: every object a blob of the checkpoints root's
+    area, sending only bytes not there yet (``None``: ``$CLOUDCKPT_INCREMENTAL``)."""
+
+    time_limit_s: float | None = None
+    keep_last: int | None = None
+    save_full_model_weights: bool = True
+    incremental: bool | None = None
+
+
 class RLinfCheckpointer:
     """Save and resume RLinf-layout checkpoints under ``{output_dir}/{experiment_name}/
-    checkpoints``; call :meth:`save` and :meth:`load` on every rank.
+    checkpoints``, as ``config`` (RLinf's ``runner`` keys) and ``options`` say; call
+    :meth:`save` and :meth:`load` on every rank.
+
+    ``steps_per_epoch`` is ``len(train_dataloader)``: with ``runner.max_steps: -1``
+    RLinf's last step is ``steps_per_epoch * runner.max_epochs``, and it is saved.
 
     >>> ck = RLinfCheckpointer.from_config(cfg, storage_options=opts)   # doctest: +SKIP
     >>> uri = ck.resume_uri()                  # runner.resume_dir resolved, or None
     """
 
-    def __init__(self, output_dir: str, experiment_name: str, *, save_interval: int = -1,
-                 max_steps: int | None = -1, max_epochs: int | None = None,
-                 steps_per_epoch: int | None = None, resume_dir: str | None = None,
-                 time_limit_s: float | None = None, keep_last: int | None = None,
-                 save_full_model_weights: bool = True,
+    def __init__(self, config: RunnerConfig, options: SaveOptions = SaveOptions(), *,
+                 steps_per_epoch: int | None = None,
                  storage_options: Mapping[str, Any] | None = None,
-                 process_group: Any = None, incremental: bool | None = None) -> None:
-        self.config = RunnerConfig(str(output_dir), str(experiment_name), int(save_interval),
-                                   resume_dir, -1 if max_steps is None else int(max_steps),
-                                   max_epochs)
+                 process_group: Any = None) -> None:
+        self.config = config
+        self.options = options
         #: The run's last step, resolved as RLinf's runner does (always saved).
-        self.max_steps = self.config.total_steps(steps_per_epoch)
+        self.max_steps = config.total_steps(steps_per_epoch)
         self.storage_options = dict(storage_options or {})
-        self.store = open_store(self.config.root, self.storage_options)
-        self.time_limit_s = time_limit_s
-        self.keep_last = keep_last
-        self.save_full_model_weights = save_full_model_weights
+        self.store = open_store(config.root, self.storage_options)
         #: Every object a blob of the checkpoints root's area (None: $CLOUDCKPT_INCREMENTAL).
-        self.incremental = blobs.requested(incremental)
+        self.incremental = blobs.requested(options.incremental)
         self.group = process_group
         self._started = time.monotonic()
-        if keep_last is not None and keep_last < 1:
+        if options.keep_last is not None and options.keep_last < 1:
             raise ConfigError("keep_last must be >= 1 (or None to keep every checkpoint)")
         # Before training starts, not at the first save: a misspelt bucket fails here.
         coord.on_coordinator(self.store.check_bucket, process_group)
 
     @classmethod
-    def from_config(cls, cfg: Any, *, steps_per_epoch: int | None = None,
-                    **kwargs: Any) -> RLinfCheckpointer:
-        """From a Hydra/OmegaConf config or a plain dict with RLinf's ``runner`` keys.
-
-        ``steps_per_epoch`` is ``len(train_dataloader)``: with ``runner.max_steps: -1``
-        RLinf's last step is ``steps_per_epoch * runner.max_epochs``, and it is saved.
-        """
-        rc = RunnerConfig.from_config(cfg)
-        return cls(rc.output_dir, rc.experiment_name, save_interval=rc.save_interval,
-                   max_steps=rc.max_steps, max_epochs=rc.max_epochs,
-                   steps_per_epoch=steps_per_epoch, resume_dir=rc.resume_dir, **kwargs)
+    def from_config(cls, cfg: Any, options: SaveOptions = SaveOptions(), *,
+                    steps_per_epoch: int | None = None,
+                    storage_options: Mapping[str, Any] | None = None,
+                    process_group: Any = None) -> RLinfCheckpointer:
+        """From a Hydra/OmegaConf config or a plain dict with RLinf's ``runner`` keys."""
+        return cls(RunnerConfig.from_config(cfg), options, steps_per_epoch=steps_per_epoch,
+                   storage_options=storage_options, process_group=process_group)
 
     @property
     def root(self) -> str:
@@ -107,11 +117,12 @@ class RLinfCheckpointer:
     # -- when ---------------------------------------------------------------
 
     def time_limit_hit(self) -> bool:
-        """Whether the slowest rank has passed ``time_limit_s`` (all ranks agree)."""
-        if self.time_limit_s is None:
+        """Whether the slowest rank has passed ``options.time_limit_s`` (all ranks agree)."""
+        limit = self.options.time_limit_s
+        if limit is None:
             return False
         elapsed = coord.all_reduce_max(time.monotonic() - self._started, self.group)
-        return elapsed >= self.time_limit_s
+        return elapsed >= limit
 
     def should_save(self, step: int) -> bool:
         """RLinf's ``save_interval`` rule for the step just finished (counted from 1)."""
@@ -132,7 +143,7 @@ class RLinfCheckpointer:
              critic: Mapping[str, Any] | None = None, data_state: Any = None,
              metadata: Mapping[str, Any] | None = None) -> Checkpoint | None:
         """Write ``global_step_{step}``: the DCP parts on every rank, each part's
-        ``model_state_dict/full_weights.pt`` (unless ``save_full_model_weights=False``),
+        ``model_state_dict/full_weights.pt`` (unless ``options.save_full_model_weights`` is false),
         then ``data/data.pt`` and the root manifest on rank 0. Returns the committed
         checkpoint on rank 0.
 
@@ -159,7 +170,7 @@ class RLinfCheckpointer:
         area = blobs.BlobArea(self.store) if self.incremental else None
         parts: list[multipart.Part] = [
             p for name, part_state in states.items()
-            for p in fsdp_parts(name, part_state, step, self.save_full_model_weights,
+            for p in fsdp_parts(name, part_state, step, self.options.save_full_model_weights,
                                 blobs=area)]
         if data_state is not None:  # the last data object, as RLinf
             parts.append(multipart.SharedBytes(DATA_PATH, lambda: torch_bytes(data_state)))
@@ -175,12 +186,12 @@ class RLinfCheckpointer:
                 f"{exc}. This run resumed from an earlier step than the newest one: delete "
                 f"the later steps first (cloudckpt rm {store.uri}) or resume with "
                 "resume_dir: auto") from None
-        if self.keep_last is not None:  # on rank 0; never fails the save just committed
+        if self.options.keep_last is not None:  # on rank 0; never fails the save committed
             coord.on_coordinator(self._prune, self.group)
         return committed
 
     def _prune(self) -> None:
-        apply_retention(self.store, self.keep_last, number=_OWN_STEPS)
+        apply_retention(self.store, self.options.keep_last, number=_OWN_STEPS)
 
     # -- resume -------------------------------------------------------------
 
