@@ -125,7 +125,7 @@ def can_open(uri: object) -> bool:
     a URL whose scheme has a backend (registered, built-in, declared by a package, or
     a filesystem fsspec knows and can import). What DCP asks a storage class of an id."""
     try:
-        scheme, _ = split_uri(uri if isinstance(uri, str) else os.fspath(uri))  # type: ignore[arg-type]
+        scheme, _ = split_uri(uri if isinstance(uri, str) else os.fspath(uri))  # type: ignore[call-overload]
         if scheme not in _BACKENDS and scheme not in _declared():
             _check_protocol(scheme, str(uri))
     except (ConfigError, TypeError):
