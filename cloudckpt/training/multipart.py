@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from cloudckpt import dcp
 from cloudckpt.core.blobs import BlobArea
@@ -239,6 +239,7 @@ class Stored:
 
     def commit(self, writer: CheckpointWriter, written: Any) -> None:
         for key, size, crc, *rest in self.entries:
-            blob = rest[0] if rest else None
-            moved = rest[1] if len(rest) > 1 else blob is None and writer.moving is not None
+            blob = cast("str | None", rest[0]) if rest else None
+            moved = cast(bool, rest[1]) if len(rest) > 1 else (
+                blob is None and writer.moving is not None)
             writer.add_existing(key, size, crc, blob, moved)

@@ -298,7 +298,7 @@ class Drained:
         checked against the local manifest."""
         paths = {key: self.local.store.path(key) for key in keys}
         if self.blobs is None:
-            sent = dict(zip(keys, store.map(
+            sent: Mapping[str, tuple[str | None, int, str]] = dict(zip(keys, store.map(
                 lambda key: (None, *_size_crc(store.put_file(key, paths[key]))), keys),
                 strict=True))
         else:
