@@ -18,7 +18,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any
+from typing import Any, TypeGuard
 
 from cloudckpt.errors import ConfigError
 from cloudckpt.storage import retry
@@ -133,7 +133,7 @@ def can_open(uri: object) -> bool:
     return True
 
 
-def is_remote(uri: object) -> bool:
+def is_remote(uri: object) -> TypeGuard[str]:
     """Whether ``uri`` is a string naming an object store rather than a local path
     (``s3://b/p`` yes; ``/data/run``, ``file:///data/run``, ``run``, a ``Path``, None
     no): what a framework's config value says about where it saves."""
