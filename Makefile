@@ -31,6 +31,7 @@ demo: setup
 lint: setup
 	$(PY) -m ruff check .
 	$(VENV)/bin/lint-imports  # the layers in pyproject.toml: no upward imports
+	$(PY) -m mypy  # the library's types, [tool.mypy] in pyproject.toml
 
 # Two workers, each with its own servers: most tests wait on subprocesses and loopback
 # servers, so two share the two cores well (about 19 minutes instead of 25).
@@ -120,4 +121,4 @@ install-check:
 	PYTHON="$(PYTHON)" TORCH_PIN="$(TORCH_PIN)" .ci/install_check
 
 clean:
-	rm -rf $(VENV) $(MATRIX_VENV) .azurite .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(MATRIX_VENV) .azurite .pytest_cache .ruff_cache .mypy_cache

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-Callback = Callable[[ModuleType], None]
+Callback = Callable[[ModuleType], object]  # what it returns is not used
 
 _lock = threading.Lock()
 _waiting: dict[str, list[Callback]] = {}

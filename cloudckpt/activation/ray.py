@@ -131,7 +131,7 @@ def carry_into(ray: ModuleType, integrations: str, *, allow_untested: bool) -> N
         return init(*args, **kwargs)
 
     init_carrying.__cloudckpt_carries__ = True  # type: ignore[attr-defined]
-    ray.init = init_carrying
+    ray.init = init_carrying  # type: ignore[attr-defined]  # a module's attribute, replaced
 
 
 def _say(env: Mapping[str, str], hook: object) -> None:

@@ -99,7 +99,7 @@ def _top() -> tuple[argparse.ArgumentParser, LazySubcommands]:
     p.add_argument("--version", action="version", version=f"cloudckpt {__version__}")
     sub = p.add_subparsers(action=LazySubcommands, dest="command", required=True,
                            metavar="COMMAND", help="what to do (COMMAND --help says more)")
-    return p, sub
+    return p, sub  # type: ignore[return-value]  # an instance of action=, which typeshed does not follow
 
 
 def _add(sub: LazySubcommands, name: str, fn: Any, help: str) -> argparse.ArgumentParser:

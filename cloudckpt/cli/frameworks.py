@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from cloudckpt.compat.argparse_private import SubParsersAction
@@ -53,7 +54,7 @@ def add_frameworks(sub: LazySubcommands) -> None:
         summary = fw.summary or f"the commands of {fw.name}"
         sp = sub.add_parser(fw.name, help=summary, description=summary,
                             parents=[common_options(COMMAND)])
-        sub.defer(fw.name, lambda fw=fw, sp=sp: _load(fw, sp))
+        sub.defer(fw.name, partial(_load, fw, sp))
 
 
 def _load(fw: Framework, parser: argparse.ArgumentParser) -> None:

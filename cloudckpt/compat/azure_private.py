@@ -66,7 +66,7 @@ async def put_blob(client: BlobClient, body: Any, length: int, conditions: dict[
     the response's headers."""
     return await client._client.block_blob.upload(
         content_length=length, body=body, **checksums,
-        modified_access_conditions=ModifiedAccessConditions(**conditions),
+        modified_access_conditions=ModifiedAccessConditions(**conditions),  # type: ignore[arg-type]  # the ETag ones, strings
         cls=lambda _response, _body, headers: headers)
 
 

@@ -156,7 +156,7 @@ class BlobArea:
         keys = sorted(files)
         sent = dict(zip(keys, store.map(lambda key: self.put_file(files[key]), keys),
                         strict=True))
-        by_digest = {entry.blob: files[key] for key, entry in sent.items()}
+        by_digest = {entry.blob: files[key] for key, entry in sent.items() if entry.blob}
         holding.settle(by_digest, lambda digest: self.put_file(by_digest[digest]))
         return sent
 
@@ -212,7 +212,7 @@ class Holding:
         self.top = top
         self.seen = area.record()[0]  # before any blob is looked at
 
-    def settle(self, digests: Collection[str], restore: Callable[[str], None]) -> None:
+    def settle(self, digests: Collection[str], restore: Callable[[str], object]) -> None:
         """Hold ``digests``, which this save found in the area or sent there; if a sweep
         may have missed the hold, wait for it to end and ``restore`` each blob it took.
         After this, no sweep deletes them while the hold lives."""
@@ -331,7 +331,7 @@ def _begin(area: BlobArea, lease: float) -> str:
         raise CommitConflictError(
             f"another sweep of {area.uri} is running (host {record.get('host')!r}, pid "
             f"{record.get('pid')}); try again once it ends")
-    count = record.get("count") if isinstance(record.get("count"), int) else 0
+    count = n if isinstance(n := record.get("count"), int) else 0
     data = json.dumps({"count": count + 1, "running": True, "since": time.time(),
                        "lease": lease, "host": socket.gethostname(),
                        "pid": os.getpid()}).encode()

@@ -29,9 +29,9 @@ from cloudckpt.errors import ManifestError
 from cloudckpt.names import (
     CLAIM_NAME,
     INTERNAL_MARKS,
-    MANIFEST_NAME,
     WRITER_AREAS,
 )
+from cloudckpt.names import MANIFEST_NAME as MANIFEST_NAME  # the manifest's name, exported
 
 if TYPE_CHECKING:
     from cloudckpt.storage import Store
@@ -352,6 +352,7 @@ def validate_path(path: Any, *, source: str = "manifest") -> str:
             f"{source} names object {_short(path)}, which {bad}; objects must be relative paths "
             "inside the checkpoint. The manifest is malformed or hostile; do not load it."
         )
+    assert isinstance(path, str)  # else bad, above
     return path
 
 

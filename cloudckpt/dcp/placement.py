@@ -79,6 +79,7 @@ class RowBuffer:
     def flush(self) -> None:
         if self.fill:
             rows = self.fill // self.row_bytes
+            assert self.item.target is not None  # rows of a saved tensor go to a tensor
             _place(_tensor_over(self.buffer, 0, self.fill, self.saved, rows), self.first_row,
                    self.item.req, self.item.target)
             self.first_row += rows
@@ -198,7 +199,7 @@ class ItemStream:
 
 def bytes_of(t: torch.Tensor) -> memoryview:
     """The memory of a contiguous CPU tensor, as writable bytes (any dtype)."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy's stubs: a buffer from 3.12
 
 
 def _tensor_over(buf: Any, offset: int, nbytes: int, saved: SavedTensor,

@@ -18,9 +18,14 @@ import functools
 import io
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
@@ -200,9 +205,9 @@ class CloudStorageReader(OnStore, StorageReader):
         item_crcs = ItemCrcs(self._ckpt().metadata.get("dcp"))
         items = [RequestedItem(raw_request(i), *self._entry(i, item_crcs), None) for i in shared]
         window = shared_window(self.read_window)
-        self.store.map(lambda group: self._fetch_group(*group, window),
+        self.store.map(lambda group: self._fetch_group(*group, window),  # type: ignore[call-arg]  # mypy: *Any fills every parameter
                        coalesce(items, self.store.part_size))
-        raw = {item.req.storage_index: item.raw for item in items}
+        raw = {item.req.storage_index: cast(bytes, item.raw) for item in items}  # all fetched
         return [dataclasses.replace(plan, storage_data=Prefetched(
             {req.storage_index: raw[req.storage_index] for req in plan.items
              if req.storage_index in raw})) for plan in plans]
@@ -213,7 +218,9 @@ class CloudStorageReader(OnStore, StorageReader):
             given = plan.storage_data.items if isinstance(plan.storage_data, Prefetched) else {}
             self._read(plan.items, planner, given)
         except Exception as exc:  # noqa: BLE001 - handed to DCP through the future
-            fut.set_exception(exc)  # (an interrupt propagates: a torch Future cannot hold it)
+            # (an interrupt propagates: a torch Future cannot hold it; torch types the
+            # argument as the result's)
+            fut.set_exception(exc)  # type: ignore[arg-type]
             return fut
         finally:
             self._forget()  # the last step of a load on every rank
@@ -393,7 +400,7 @@ class CloudStorageReader(OnStore, StorageReader):
         target, req = item.target, item.req
         md = self._metadata.state_dict_metadata.get(req.storage_index.fqn) \
             if self._metadata is not None else None
-        if target is None or md is None or not hasattr(md, "chunks") or \
+        if target is None or md is None or not isinstance(md, TensorStorageMetadata) or \
                 target.device.type != "cpu" or not target.is_contiguous() or \
                 md.properties.dtype != target.dtype or any(req.storage_offsets):
             return False

@@ -10,11 +10,12 @@ is computed (a pass over the bytes, nothing sent) and the file is referenced.
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from threading import Lock
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -104,6 +105,7 @@ class Sink:
             if own is None:
                 self._out.write(view, crc)
             else:
+                assert self._lend is not None  # own bytes only where the stream lends
                 self._lend(own, crc)
         return n
 
@@ -113,7 +115,7 @@ class Sink:
         if t is None or view.nbytes != t.numel() * t.element_size() or \
                 np.frombuffer(view, np.uint8).ctypes.data != t.data_ptr():
             return None
-        return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy's stubs: a buffer from 3.12
 
     def _pass_small(self) -> None:
         if self._small:
@@ -187,14 +189,15 @@ def serialize(items: Sequence[WriteItem], planner: SavePlanner, out: Any
         data = planner.resolve_data(item)
         if item.type == WriteItemType.BYTE_IO:
             start = sink.start_item()
-            sink.write(data.getbuffer())
+            sink.write(cast(io.BytesIO, data).getbuffer())
         else:
+            data = cast(torch.Tensor, data)
             tensor = cpu_compact(data)
             # Lent only when it is the state's own memory: a copy made here (from a
             # GPU, or compacted) would be held until its upload, outside the window.
             start = sink.start_item(tensor if tensor.data_ptr() == data.data_ptr() and
                                     data.device.type == "cpu" else None)
-            save_item(tensor, sink)
+            save_item(tensor, sink)  # type: ignore[arg-type]  # torch.save needs only write()
         placed.append((item, start, sink.pos - start, sink.item_crc()))
     return placed
 

@@ -14,8 +14,9 @@ import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
@@ -74,6 +75,7 @@ class _RankFiles:
     key_spread: int
     area: str | None = None
 
+_DCP_VERSION: str | None
 try:  # the version string stock FileSystemWriter writes
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION as _DCP_VERSION
 except ImportError:  # pragma: no cover - older torch
@@ -263,7 +265,9 @@ class CloudStorageWriter(OnStore, StorageWriter, BlockingAsyncStager):
             if blobs:
                 blobs.settle()
         except Exception as exc:  # noqa: BLE001 - handed to DCP through the future
-            fut.set_exception(exc)  # (an interrupt propagates: a torch Future cannot hold it)
+            # (an interrupt propagates: a torch Future cannot hold it; torch types the
+            # argument as the result's)
+            fut.set_exception(exc)  # type: ignore[arg-type]
             return fut
         finally:
             if self.staged is not None:
@@ -277,7 +281,7 @@ class CloudStorageWriter(OnStore, StorageWriter, BlockingAsyncStager):
         if self.staged is None or not self.staged.live_bytes:
             return [list(items)]
         live = {k for k, i in enumerate(items) if i.type != WriteItemType.BYTE_IO
-                and not self.staged.is_staged(planner.resolve_data(i))}
+                and not self.staged.is_staged(cast(torch.Tensor, planner.resolve_data(i)))}
         return [[i for k, i in enumerate(items) if k in live],
                 [i for k, i in enumerate(items) if k not in live]]
 

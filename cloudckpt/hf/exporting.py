@@ -269,7 +269,7 @@ def _write_safetensors(out: Any, tensors: Mapping[str, torch.Tensor]) -> list[tu
         if t.device.type != "cpu":
             t = t.to("cpu", non_blocking=False)
         t = t.contiguous().reshape(-1)
-        data = memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+        data = memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")  # type: ignore[arg-type]  # numpy's stubs: a buffer from 3.12
         placed.append((pos, crc32c_hex(data)))
         pos += data.nbytes
         if data.nbytes:  # the tensor's own memory: the upload copies only what it buffers

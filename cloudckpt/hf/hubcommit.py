@@ -141,7 +141,7 @@ def object_refusal(repo_id: str, path: str, error: Any) -> CloudCkptError:
 
 def make_commits(api: Any, repo_id: str, plan: list[list[tuple[bool, str]]],
                  adds: dict[str, Any], local: Path, revision: str, create_pr: bool,
-                 parent: str, message: str) -> tuple[list[str], str]:
+                 parent: str | None, message: str) -> tuple[list[str], str]:
     """Make the planned commits in order, each on the one before; return their URLs and
     the last one's (or the pull request's: with ``create_pr`` the first opens it, the
     others go to it)."""

@@ -246,7 +246,7 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory."""
     import torch
 
-    return memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(
+    return memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(  # type: ignore[arg-type]  # numpy's stubs: a buffer from 3.12
         bytearray())
 
 

@@ -34,7 +34,7 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 #: The environment variable ``cloudckpt run`` sets: when this attempt of the run began.
 STARTED_ENV = "CLOUDCKPT_ATTEMPT_STARTED"
@@ -92,7 +92,7 @@ class Attempt:
         return Relation.EARLIER if started < self.started else Relation.LATER
 
 
-def _count(value: Any) -> bool:
+def _count(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, cast, overload
 
 T = TypeVar("T")
 
@@ -160,7 +160,7 @@ def checked(fn: Callable[[], T], group: Any = None) -> T:
     :func:`each_rank`, only the failures are exchanged."""
     result, error = _outcome(fn)
     agree(error, group)
-    return result
+    return cast(T, result)  # agree raised unless fn() returned it
 
 
 def _outcome(fn: Callable[[], T]) -> tuple[T | None, Exception | None]:
@@ -169,6 +169,15 @@ def _outcome(fn: Callable[[], T]) -> tuple[T | None, Exception | None]:
         return fn(), None
     except Exception as exc:  # noqa: BLE001 - every rank raises it once they agree
         return None, exc
+
+
+@overload
+def on_coordinator(fn: Callable[[], T], group: Any = None, *,
+                   share: Literal[True] = True) -> T: ...
+
+
+@overload
+def on_coordinator(fn: Callable[[], T], group: Any = None, *, share: bool) -> T | None: ...
 
 
 def on_coordinator(fn: Callable[[], T], group: Any = None, *, share: bool = True) -> T | None:

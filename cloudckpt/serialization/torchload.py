@@ -24,7 +24,7 @@ _PLAIN_TYPES = (str, int, float, bool, type(None), torch.dtype, torch.device, to
 #: Classes a state may hold besides tensors and plain data, that loading only builds
 #: from bytes (no code of the checkpoint's runs): a ``BytesIO``, which DCP saves as
 #: itself and torch's own DCP tests keep in a training state.
-_BUILT_FROM_BYTES = [io.BytesIO]
+_BUILT_FROM_BYTES: list[Any] = [io.BytesIO]
 
 
 def _weights_only_load(f: Any) -> Any:

@@ -20,7 +20,7 @@ as ``Backend(root, *, protocol=None, storage_options=None, max_concurrency=16)``
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from cloudckpt.storage.objects import ObjectInfo
 from cloudckpt.storage.retry import Classified, Classifier, Failure, RetryPolicy
@@ -64,13 +64,19 @@ class Backend(Protocol):
     storage_options: dict[str, Any]
     #: Whether conditional writes are enforced by the server (else the backend
     #: emulates them in :meth:`put_if_absent` itself, and nothing is probed).
-    native_conditional_writes: bool
+    native_conditional_writes: ClassVar[bool]
     #: Whether :meth:`open_range_writer` works: ranges in any order, in parallel.
-    ranged_writes: bool
+    ranged_writes: ClassVar[bool]
     #: The version token the conditional-write probe's compare-and-swap goes
     #: against (one no object has); None: the writes cannot fail to be enforced
     #: (local disk, memory) and are never probed.
-    probe_stale_version: str | None
+    probe_stale_version: ClassVar[str | None]
+
+    def __init__(self, root: str, *, protocol: str | None = None,
+                 storage_options: Mapping[str, Any] | None = None,
+                 max_concurrency: int = ...) -> None:
+        """How the Store builds the backend it holds (``storage_options`` checked by
+        the backend; ``max_concurrency`` the requests kept in flight)."""
 
     # ------------------------------------------------------------------ naming
 

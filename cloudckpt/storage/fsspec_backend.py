@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import fsspec
 
@@ -28,6 +28,8 @@ from cloudckpt.storage.options import DEFAULT_CONCURRENCY, check_filesystem_opti
 from cloudckpt.storage.retry import Classified, RetryPolicy
 from cloudckpt.storage.writers import RangeWriter, RawWriter
 from cloudckpt.util.crc import Buffer
+
+B = TypeVar("B", bound="FsspecBackend")
 
 
 class FsspecBackend(ABC):
@@ -101,7 +103,7 @@ class FsspecBackend(ABC):
 
     # ------------------------------------------------------------------ naming
 
-    def rooted(self, root: str) -> FsspecBackend:
+    def rooted(self: B, root: str) -> B:
         new = copy.copy(self)
         new.root = root
         return new
@@ -132,7 +134,8 @@ class FsspecBackend(ABC):
         return self.put(path, data)
 
     def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
-        return self.fs.cat_file(path, start=start, end=end)
+        data: bytes = self.fs.cat_file(path, start=start, end=end)
+        return data
 
     @abstractmethod
     def put_if_absent(self, path: str, data: Buffer) -> str: ...
@@ -154,7 +157,8 @@ class FsspecBackend(ABC):
     def find(self, path: str) -> dict[str, dict[str, Any]]:
         self.fs.invalidate_cache(path)
         try:
-            return self.fs.find(path, detail=True)
+            found: dict[str, dict[str, Any]] = self.fs.find(path, detail=True)
+            return found
         except FileNotFoundError:
             return {}
 

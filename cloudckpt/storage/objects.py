@@ -30,7 +30,7 @@ def mtime_of(raw: Mapping[str, Any]) -> float | None:
         if isinstance(v, (int, float)):
             return float(v)
         if hasattr(v, "timestamp"):
-            return v.timestamp()
+            return float(v.timestamp())
         if isinstance(v, str):
             from datetime import datetime
 

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any
+from typing import Any, TypeGuard
 
 from cloudckpt.errors import ConfigError
 from cloudckpt.storage import retry
@@ -125,7 +125,7 @@ def can_open(uri: object) -> bool:
     a URL whose scheme has a backend (registered, built-in, declared by a package, or
     a filesystem fsspec knows and can import). What DCP asks a storage class of an id."""
     try:
-        scheme, _ = split_uri(uri if isinstance(uri, str) else os.fspath(uri))  # type: ignore[arg-type]
+        scheme, _ = split_uri(uri if isinstance(uri, str) else os.fspath(uri))  # type: ignore[call-overload]
         if scheme not in _BACKENDS and scheme not in _declared():
             _check_protocol(scheme, str(uri))
     except (ConfigError, TypeError):
@@ -133,7 +133,7 @@ def can_open(uri: object) -> bool:
     return True
 
 
-def is_remote(uri: object) -> bool:
+def is_remote(uri: object) -> TypeGuard[str]:
     """Whether ``uri`` is a string naming an object store rather than a local path
     (``s3://b/p`` yes; ``/data/run``, ``file:///data/run``, ``run``, a ``Path``, None
     no): what a framework's config value says about where it saves."""

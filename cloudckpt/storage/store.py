@@ -20,10 +20,12 @@ or from a URI by :func:`~cloudckpt.storage.open_store`. A store derived from one
 
 from __future__ import annotations
 
+import builtins
 import copy
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from cloudckpt.errors import (
@@ -326,7 +328,7 @@ class Store:
                                   self.backend.version_of(raw), mtime_of(raw)))
         return sorted(out, key=lambda o: o.key)
 
-    def list_prefixes(self, prefix: str = "") -> list[str]:
+    def list_prefixes(self, prefix: str = "") -> builtins.list[str]:
         """The immediate sub-prefixes ("directories") below ``prefix``, as keys."""
         base = self.keys.plain(self.root, prefix.strip("/")) if prefix.strip("/") else self.root
         names = self._call(lambda: self.backend.ls_dirs(base), "list", prefix)
@@ -340,8 +342,7 @@ class Store:
             self._writable(key)
         for chunk in chunks(keys, 1000):
             paths = [self.path(k) for k in chunk]
-            self._call(lambda paths=paths: self.backend.delete(paths, self.root), "delete",
-                       chunk[0])
+            self._call(partial(self.backend.delete, paths, self.root), "delete", chunk[0])
 
     def delete_prefix(self, prefix: str) -> int:
         """Delete every object below ``prefix``, hidden leftovers of crashed writers
@@ -503,7 +504,7 @@ class Store:
 
     # ------------------------------------------------------------- batches
 
-    def map(self, fn: Callable[[Any], T], items: Sequence[Any]) -> list[T]:
+    def map(self, fn: Callable[[Any], T], items: Sequence[Any]) -> builtins.list[T]:
         """Run ``fn`` over ``items`` with at most ``max_concurrency`` in flight, results
         in the order of ``items``; the first failure is raised once the calls in flight
         have finished (:meth:`.transfer.batch.Batches.map`)."""
@@ -519,7 +520,7 @@ class Store:
         keys = list(keys)
         return dict(zip(keys, self.map(self.get, keys), strict=True))
 
-    def get_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
+    def get_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> builtins.list[bytes]:
         """Read many ``(key, start, end)`` ranges in parallel, in the given order."""
         return self.map(lambda r: self.get_range(*r), list(ranges))
 

@@ -11,11 +11,13 @@ backend opened. A :class:`RangeWriter` takes ranges at any offset
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, TypeVar
 
 from cloudckpt.storage.objects import ObjectInfo
 from cloudckpt.storage.transfer.stopping import check_stop
 from cloudckpt.util.crc import Buffer, Crc32c, nbytes
+
+W = TypeVar("W", bound="CloseOnExit")
 
 
 class RangeWriter(ABC):
@@ -74,7 +76,7 @@ class CloseOnExit:
     def abort(self) -> None:
         raise NotImplementedError
 
-    def __enter__(self) -> Any:
+    def __enter__(self: W) -> W:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:

@@ -248,7 +248,7 @@ class CheckpointManager:
             raise
         ckpt = saved[0]
         drain_every = local.tier.drain_every
-        drain = bool(drain_every) and self._schedules.local_saves % drain_every == 0
+        drain = bool(drain_every and self._schedules.local_saves % drain_every == 0)
         if drain:
             self.wait()  # the previous drain or async save, before this drain starts
         self._local_steps.append(step)

@@ -166,7 +166,7 @@ def write(
                                    "blobs": blobs, "file_per_tensor": file_per_tensor}
     if as_rank is not None:
         dcp_options["files_of_rank"] = as_rank
-    parts = [
+    parts: list[multipart.Part] = [
         multipart.DcpPart(MODEL_PART, app_state, step, dcp_options),
         multipart.RankBytes(_rank_key if as_rank is None else lambda _: _rank_key(as_rank),
                             dumps_state(captured.per_rank), blobs),
@@ -270,7 +270,9 @@ def read(
     ckpt, saved_shared, saved, model = coord.checked(
         checked, group if options.checks_group is SAME_GROUP else options.checks_group)
     if model is not None:
-        cdcp.load(app_state, model, process_group=group, planner=options.planner)
+        # DCP sets entries of the caller's state: a dict, though read() is typed Mapping
+        cdcp.load(app_state, model, process_group=group,  # type: ignore[arg-type]
+                  planner=options.planner)
     _restore_into(shared or {}, saved_shared)
     _restore_into(per_rank or {}, saved)
     if rng and _RNG in saved:

@@ -305,7 +305,7 @@ class Drained:
         checked against the local manifest."""
         paths = {key: self.local.store.path(key) for key in keys}
         if self.blobs is None:
-            sent = dict(zip(keys, store.map(
+            sent: Mapping[str, FileEntry] = dict(zip(keys, store.map(
                 lambda key: FileEntry(*_size_crc(store.put_file(key, paths[key]))), keys),
                 strict=True))
         else:

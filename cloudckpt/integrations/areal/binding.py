@@ -61,7 +61,7 @@ def bind_trainers(package: ModuleType) -> tuple[str, ...]:
         own_cycle = getattr(module, "cycle_dataloader", None)  # the RL trainer has none
         if own_cycle is not None:
             if not hasattr(own_cycle, "__wrapped__"):
-                module.cycle_dataloader = cycle_from_resumed_epoch(own_cycle)
+                module.cycle_dataloader = cycle_from_resumed_epoch(own_cycle)  # type: ignore[attr-defined]  # AReaL's
             bound.append(f"{trainer}.cycle_dataloader")
     return tuple(bound)
 
@@ -98,5 +98,5 @@ def placing(parse: Any) -> Any:
 def bind_config(module: ModuleType) -> tuple[str, ...]:
     """Replace ``parse_cli_args`` in ``areal.api.cli_args`` (``load_expr_config`` calls
     it by its module-level name; the launchers import it after this binding)."""
-    module.parse_cli_args = placing(module.parse_cli_args)
+    module.parse_cli_args = placing(module.parse_cli_args)  # type: ignore[attr-defined]  # AReaL's
     return ("parse_cli_args",)

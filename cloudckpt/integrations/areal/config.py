@@ -115,7 +115,7 @@ def _validate_common(cfg: _Section) -> None:
     name = type(cfg).__name__
     for key in ("experiment_name", "trial_name", "fileroot"):
         _check_str(name, key, getattr(cfg, key))
-    _check_str(name, "user", cfg.user, required=False)
+    _check_str(name, "user", cfg.user, required=False)  # type: ignore[attr-defined]  # each section has one
     for key in ("experiment_name", "trial_name", "user"):
         value = getattr(cfg, key)
         if value is not None and ("/" in value or value in (".", "..")):

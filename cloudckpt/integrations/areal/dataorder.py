@@ -30,7 +30,7 @@ def cycle_from_resumed_epoch(own: Callable[..., Iterator[Any]]) -> Callable[...,
         if epoch is None:
             yield from own(dataloader, num_cycles)
             return
-        sampler = getattr(dataloader, "sampler", None)
+        sampler: Any = getattr(dataloader, "sampler", None)
         cycles = 0
         while True:
             if hasattr(sampler, "set_epoch"):

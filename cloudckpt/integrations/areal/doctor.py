@@ -15,7 +15,7 @@ from __future__ import annotations
 import getpass
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from cloudckpt.core.launchplan import LaunchPlan, PathUse, unlaunched
 from cloudckpt.errors import ConfigError
@@ -48,7 +48,7 @@ def recognise(command: Sequence[str]) -> tuple[str, list[str], str] | None:
     start = next((i for i, w in enumerate(words) if w.endswith(".py")), None)
     if start is None and module is None:
         return None
-    rest = words[(start if start is not None else words.index(module)) + 1:]
+    rest = words[(start if start is not None else words.index(cast(str, module))) + 1:]
     config, overrides = None, []
     i = 0
     while i < len(rest):
@@ -63,7 +63,7 @@ def recognise(command: Sequence[str]) -> tuple[str, list[str], str] | None:
         i += 1
     if config is None or not (module or _looks_areal(config)):
         return None
-    how = f"-m {module}" if module else f"{os.path.basename(words[start])} --config"
+    how = f"-m {module}" if module else f"{os.path.basename(words[cast(int, start)])} --config"
     return config, overrides, f"the command line: {how} {config} (AReaL's config form)"
 
 

@@ -56,7 +56,7 @@ def bind_launch(module: ModuleType) -> tuple[str, ...]:
 
         return wrapper
 
-    module.output_redirector = output_redirector
+    module.output_redirector = output_redirector  # type: ignore[attr-defined]  # RLinf's
     return ("output_redirector",)
 
 

@@ -85,8 +85,8 @@ def _hydra_args(args: Sequence[str]) -> tuple[dict[str, str], list[str]]:
         if word.startswith("-") and flag in _VALUED:
             value = inline if eq else (args[i + 1] if i + 1 < len(args) else "")
             i += 1 if eq else 2
-            if _VALUED[flag]:
-                options[_VALUED[flag]] = value
+            if name := _VALUED[flag]:
+                options[name] = value
             continue
         if not word.startswith("-"):
             overrides.append(word)

@@ -19,7 +19,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from cloudckpt.core.launchplan import LaunchPlan, PathUse, unlaunched
 from cloudckpt.errors import ConfigError
@@ -121,7 +121,7 @@ def _compose(config_dir: Path, config_name: str) -> dict[str, Any]:
     except Exception as exc:  # omegaconf's errors: an interpolation that does not resolve
         raise ConfigError(f"ROLL's config {config_name} in {config_dir} does not resolve "
                           f"({exc}): set the key it names") from exc
-    return data if isinstance(data, dict) else {}
+    return cast(dict[str, Any], data) if isinstance(data, dict) else {}  # a config's keys: str
 
 
 # ------------------------------------------------------------- the paths

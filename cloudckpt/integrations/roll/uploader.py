@@ -276,10 +276,10 @@ class RollUploader(OpenCheckpoints):
                                f"(not committed; later checkpoints were not affected): "
                                f"{first}{also}") from first
         if lost:
-            names = sorted(lost, key=checkpoint_order)
+            steps = sorted(lost, key=checkpoint_order)
             raise IncompleteCheckpointError(
-                f"{', '.join(names)} never committed to {self.output_dir}: not all their parts "
-                f"arrived. {lost[names[-1]]}")
+                f"{', '.join(steps)} never committed to {self.output_dir}: not all their parts "
+                f"arrived. {lost[steps[-1]]}")
 
     close = wait
 

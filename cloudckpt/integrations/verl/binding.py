@@ -64,7 +64,7 @@ def bind_megatron_manager(module: ModuleType) -> tuple[str, ...]:
     return _wrap_manager(module.MegatronCheckpointManager, save, load)
 
 
-def _wrap_manager(cls: type, save: Callable[..., None], load: Callable[..., None]
+def _wrap_manager(cls: type[Any], save: Callable[..., None], load: Callable[..., None]
                   ) -> tuple[str, ...]:
     """Route a verl checkpoint manager's ``save_checkpoint`` / ``load_checkpoint`` to
     ``save(own_save, manager, local_path, hdfs_path, global_step, max_ckpt_to_keep)`` /

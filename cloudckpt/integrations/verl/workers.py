@@ -88,7 +88,7 @@ def save_role(own_save: Callable[..., None], manager: Any, uri: str, global_step
     step = step_of_role(uri)
     meta = {"world_size": manager.world_size, "layout": layout,
             "contents": sorted(manager.checkpoint_save_contents)}
-    options = {"step": global_step if step is None else step, "kind": ROLE_KIND,
+    options: dict[str, Any] = {"step": global_step if step is None else step, "kind": ROLE_KIND,
                "metadata": meta}
     store = open_store(uri)
     # Saved incrementally, every file is a blob of the area beside the steps.

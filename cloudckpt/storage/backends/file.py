@@ -38,7 +38,8 @@ import stat
 import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, BinaryIO, ClassVar
+from io import BufferedReader
+from typing import Any, ClassVar
 
 from fsspec.implementations.local import LocalFileSystem
 
@@ -71,7 +72,7 @@ class FileBackend(FsspecBackend):
     def rooted(self, root: str) -> FileBackend:
         new = super().rooted(root)
         new._jail = root  # opened there on purpose: contained there
-        return new  # type: ignore[return-value]
+        return new
 
     def _root_of(self, root: str) -> str:
         return os.path.abspath(root)
@@ -126,7 +127,7 @@ class FileBackend(FsspecBackend):
             return None
         return st if stat.S_ISREG(st.st_mode) else None
 
-    def _open_read(self, path: str) -> BinaryIO:
+    def _open_read(self, path: str) -> BufferedReader:
         fd = os.open(self._resolve(path), os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
         return os.fdopen(fd, "rb")
 

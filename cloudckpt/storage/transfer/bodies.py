@@ -77,7 +77,7 @@ class PartBody(io.BytesIO):
         self._size = self._starts[-1]
         self._pos = 0
 
-    def getbuffer(self) -> Any:  # type: ignore[override]
+    def getbuffer(self) -> Any:
         return _Length(self._size)
 
     def tell(self) -> int:
@@ -92,7 +92,7 @@ class PartBody(io.BytesIO):
         """Segment ``i`` from ``pos`` (an offset in the whole body) on."""
         return self._views[i][pos - self._starts[i]:]
 
-    def read(self, size: int | None = -1) -> bytes | memoryview:
+    def read(self, size: int | None = -1) -> bytes | memoryview:  # type: ignore[override]
         """Up to ``size`` bytes (all by default): a view where they lie in one segment
         (the buffers stay as they are until the request is over)."""
         if self._pos >= self._size:
@@ -114,7 +114,7 @@ class PartBody(io.BytesIO):
         self._pos += len(out)
         return out
 
-    def readinto(self, buffer: Any) -> int:  # type: ignore[override]
+    def readinto(self, buffer: Any) -> int:
         out = memoryview(buffer).cast("B")
         n = 0
         while n < len(out) and self._pos < self._size:

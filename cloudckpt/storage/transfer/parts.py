@@ -331,7 +331,7 @@ class PartWriter(RawWriter):
 
     def commit(self, size: int, crc32c: str) -> None:
         if self._pieces is not None:
-            data = Pieces(self._pieces)
+            data: memoryview | Pieces = Pieces(self._pieces)
             try:
                 self._retry("put", lambda: self._single(data, size, crc32c))
             finally:

@@ -128,6 +128,7 @@ class RangedRead:
         space = getattr(sink, "space", None)
 
         def room(done: list[int], n: int) -> memoryview | None:
+            assert space is not None  # passed on only where the sink has one
             try:
                 offered = space(done[0], min(n, end - done[0]))
                 return None if offered is None else receivable(offered)

@@ -40,7 +40,7 @@ except ImportError as exc:
 try:
     from azure.storage.extensions.checksums import crc64 as _crc64
 except ImportError:
-    _crc64 = None
+    _crc64 = None  # type: ignore[assignment]  # absent: transfer_checksum="crc64" refused
 from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
 from fsspec.asyn import sync
 

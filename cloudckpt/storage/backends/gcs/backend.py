@@ -86,7 +86,7 @@ class GCSBackend(StreamedRanges, FsspecBackend):
         except Exception as exc:  # noqa: BLE001 - re-raised without the token it may quote
             # gcsfs checks a raw token at https://oauth2.googleapis.com/tokeninfo?
             # access_token=<token>: its errors quote that URL, token and all.
-            error = StorageError(
+            error: StorageError | None = StorageError(
                 f"cannot set up GCS access for gs://{root}: "
                 f"{mask_token(describe(exc), options.get('token'))}; check the token "
                 "storage option and that the token service is reachable"
@@ -247,7 +247,7 @@ class GCSBackend(StreamedRanges, FsspecBackend):
         while True:
             params = {"rewriteToken": token} if token else {}
             out = host.retry.call(
-                lambda params=params: self._api(
+                lambda params=params: self._api(  # type: ignore[misc]  # mypy: a lambda with a default
                     "POST", "b/{}/o/{}/rewriteTo/b/{}/o/{}",
                     src_bucket, src_key, bucket, key, json_out=True,
                     headers={"Content-Type": "application/json"}, **params),
