@@ -18,7 +18,7 @@ def _plain(cfg: Any) -> dict[str, Any]:
         from omegaconf import OmegaConf
 
         if OmegaConf.is_config(cfg):
-            return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+            return OmegaConf.to_container(cfg, resolve=True)
     except ImportError:
         pass
     if not isinstance(cfg, Mapping):
