@@ -20,7 +20,7 @@ REQUIRED = ["torch", "safetensors", "fsspec", "s3fs", "gcsfs", "aiobotocore", "b
 
 
 #: Modules that need an extra the plain install lacks, and the extra.
-EXTRAS = {"cloudckpt.storage.backends.azure": "cloudckpt[azure]",
+EXTRAS = {"cloudckpt.storage.backends.azure.backend": "cloudckpt[azure]",
           "cloudckpt.compat.azure_private": "cloudckpt[azure]"}
 
 
