@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from cloudckpt_testkit import FaultProxy, MotoServer
 
-from cloudckpt import CheckpointWriter
+from cloudckpt import CheckpointWriter, list_checkpoints
 
 
 def median_seconds(cmd: list[str], repeat: int, env: dict[str, str]) -> float:
@@ -78,6 +78,14 @@ def floor_seconds(root: str, options: dict, checkpoints: int) -> float:
     return time.perf_counter() - t0
 
 
+def in_process(root: str, options: dict, index: bool) -> float:
+    """One ``ls``'s listing alone, in this process (no interpreter start, no imports):
+    ``list_checkpoints(..., include_uncommitted=True)`` with or without the index."""
+    t0 = time.perf_counter()
+    list_checkpoints(root, options, include_uncommitted=True, index=index)
+    return time.perf_counter() - t0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeat", type=int, default=5)
@@ -107,6 +115,9 @@ def main() -> int:
             proxy.reset_counters()
             no_index = median_seconds([*cli, "ls", "--no-index", root], args.repeat, s3_env)
             per_no_index = {m: n // args.repeat for m, n in proxy.requests_by_method.items()}
+        listing = {index: statistics.median(in_process(root, options, index)
+                                            for _ in range(args.repeat))
+                   for index in (True, False)}
         floor = statistics.median(floor_seconds(root, options, args.checkpoints)
                                   for _ in range(args.repeat))
     print(f"python -c pass                         {base:6.2f} s")
@@ -119,6 +130,8 @@ def main() -> int:
     print(f"cloudckpt ls --no-index, the same root    {no_index:6.2f} s  (every manifest read; "
           f"ls with the index is {no_index / ls_s3:.1f}x faster); requests per ls: "
           f"{per_no_index}")
+    print(f"   the listing alone, in process: {listing[True]:.3f} s with the index, "
+          f"{listing[False]:.3f} s without")
     print(f"   the server's floor without an index: the same listing and {args.checkpoints} "
           f"manifest GETs with plain boto3, 16 threads: {floor:.2f} s")
     ok = version - base <= 1.0 and ls_local - base <= 1.0 and ls_s3 <= 1.5
