@@ -24,6 +24,9 @@ MODEL_PART = "model"
 #: A run root's record of which ranks (hosts) hold which local-tier steps
 #: (cloudckpt.training.tiers); an object of the root itself, beside the checkpoints.
 TIERS_RECORD = "cloudckpt-tiers.json"
+#: A run root's index of its committed checkpoints (cloudckpt.core.rootindex): an object
+#: of the root itself, a cache of the manifests below it that listings read first.
+INDEX_NAME = "cloudckpt-index.json"
 #: A run root's blob area (cloudckpt.core.blobs): the objects of incremental saves,
 #: each named by the SHA-256 of its bytes, beside the checkpoints that reference them.
 BLOB_AREA = "cloudckpt-blobs"

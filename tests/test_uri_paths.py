@@ -72,7 +72,8 @@ def test_a_double_slash_in_a_uri_names_the_same_keys(s3):
         store.child("nested//step-2")
     keys = {o.key for o in store.list(internal=True)}
     assert keys == {"step-1/a.bin", "step-1/cloudckpt-manifest.json",
-                    "nested/step-2/b.bin", "nested/step-2/cloudckpt-manifest.json"}
+                    "nested/step-2/b.bin", "nested/step-2/cloudckpt-manifest.json",
+                    "cloudckpt-index.json", "nested/cloudckpt-index.json"}  # listed: indexed
     delete_checkpoint(s3.root + "//step-1", s3.options)
     assert list_checkpoints(s3.root, s3.options) == []
 

@@ -111,6 +111,9 @@ def _add_inspection(sub: LazySubcommands) -> None:
     sp = _add(sub, "ls", cmd_ls, "list the checkpoints below ROOT, and what else lies there")
     sp.add_argument("root", help="the run directory, e.g. s3://bucket/run")
     sp.add_argument("--json", action="store_true", help="print the listing as JSON")
+    sp.add_argument("--no-index", action="store_true",
+                    help="read every manifest and survey every prefix, rather than what the "
+                    "root's index records (which is left as it is)")
     sp = _add(sub, "info", cmd_info, "show a checkpoint's manifest")
     sp.add_argument("uri", help="the checkpoint, e.g. s3://bucket/run/step-100")
     sp.add_argument("--json", action="store_true", help="print the manifest itself")

@@ -12,7 +12,7 @@ from typing import Any
 from cloudckpt.cli.output import plural, plural_prefix, progress, size, when
 from cloudckpt.core.checkpoint import Checkpoint, open_checkpoint
 from cloudckpt.core.deletion import delete_checkpoint, delete_tree, delete_unfinished
-from cloudckpt.core.listing import latest_checkpoint, list_checkpoints
+from cloudckpt.core.listing import latest_checkpoint, list_root
 from cloudckpt.core.ownership import (
     COMMITTED,
     EMPTY,
@@ -43,17 +43,14 @@ _STATUS_LABEL = {"committed": "committed", "uncommitted": "uncommitted (no manif
                  "foreign": "not cloudckpt's"}
 
 
-def _root(uri: str, options: dict[str, Any], command: str) -> Store:
+def _root(uri: str, options: dict[str, Any], command: str, *, checked: bool = True) -> Store:
     """The run directory a command was given; a checkpoint given instead, or a local
     path that does not exist (a bare name meant as a bucket URI), is refused saying
-    what to pass."""
+    what to pass. ``checked=False`` leaves the first check to the caller
+    (:func:`_not_a_checkpoint`)."""
     store = open_store(uri, options)
-    if store.exists(MANIFEST_NAME):
-        parent = store.uri.rpartition("/")[0] or store.uri
-        raise ConfigError(
-            f"{store.uri} is a checkpoint, not a run directory: `cloudckpt {command}` takes "
-            f"the directory holding checkpoints, e.g. {parent}; `cloudckpt info "
-            f"{store.uri}` shows this one")
+    if checked:
+        _not_a_checkpoint(store, command)
     if store.protocol in ("file", "") and not os.path.isdir(store.root):
         raise CheckpointNotFoundError(
             f"{uri!r} was taken as a local path, and {store.root} does not exist. For a "
@@ -61,8 +58,22 @@ def _root(uri: str, options: dict[str, Any], command: str) -> Store:
     return store
 
 
+def _not_a_checkpoint(store: Store, command: str) -> None:
+    """Refuse a checkpoint given where a run directory belongs."""
+    if store.exists(MANIFEST_NAME):
+        parent = store.uri.rpartition("/")[0] or store.uri
+        raise ConfigError(
+            f"{store.uri} is a checkpoint, not a run directory: `cloudckpt {command}` takes "
+            f"the directory holding checkpoints, e.g. {parent}; `cloudckpt info "
+            f"{store.uri}` shows this one")
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
-    infos = list_checkpoints(_root(args.root, args.options, "ls"), include_uncommitted=True)
+    store = _root(args.root, args.options, "ls", checked=False)
+    listing = list_root(store, include_uncommitted=True, index=not args.no_index)
+    if not listing.indexed:  # a root index is never in a checkpoint: no need to ask then
+        _not_a_checkpoint(store, "ls")
+    infos = listing.infos
     if args.json:
         print(json.dumps([i.to_dict() for i in infos], indent=1))
         return EXIT_OK

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from cloudckpt.core import kinds, replacing
+from cloudckpt.core import kinds, replacing, rootindex
 from cloudckpt.core.blobs import BlobArea
 from cloudckpt.core.claim import WriterClaim
 from cloudckpt.core.committed import (
@@ -80,6 +80,10 @@ class CheckpointWriter:
     ``replace`` lets the save replace a checkpoint of its kind committed at the URI
     (:mod:`cloudckpt.core.replacing`): its objects go under its writer area, its
     manifest swaps in by compare-and-swap, and only then do the old objects go.
+
+    The commit keeps the index of the root above the prefix up to date
+    (:mod:`cloudckpt.core.rootindex`) when the root has one; ``index`` (a saver of a run
+    root) also makes it when the root has none.
     """
 
     def __init__(
@@ -95,6 +99,7 @@ class CheckpointWriter:
         blobs: BlobArea | None = None,
         own_paths: bool = False,
         replace: bool = False,
+        index: bool = False,
     ) -> None:
         self.store = as_store(uri, storage_options)
         if replace and (own_paths or adopting):
@@ -118,6 +123,7 @@ class CheckpointWriter:
         self._lock = threading.Lock()
         self._committed: Checkpoint | None = None
         self._replace = replace
+        self._index = index
         self.replaced: replacing.Replaced | None = None  # what this save replaces, once claimed
         if not replace and self.store.exists(MANIFEST_NAME):
             raise CommitConflictError(
@@ -318,10 +324,17 @@ class CheckpointWriter:
             present = {o.key for o in found.objects} if found is not None else ()
             manifest = dataclasses.replace(manifest, superseded=replacing.superseded(
                 self.replaced.manifest, manifest, present))
+        recording = rootindex.Commit(self.store, self._index)
         with self._live():
             self._claim.check()
             interrupts.raise_if_swallowed()  # a Ctrl-C during the save stops it here
-            self._write_manifest(manifest)
+            recording.begin()
+            try:
+                self._write_manifest(manifest)
+            except BaseException:
+                recording.failed()
+                raise
+        recording.done(manifest)
         if self.replaced is not None:
             replacing.clear(self.store, self.replaced, manifest)
         self._claim.release(committed=True)

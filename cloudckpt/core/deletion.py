@@ -12,7 +12,7 @@ import logging
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
-from cloudckpt.core import claim, plugins
+from cloudckpt.core import claim, plugins, rootindex
 from cloudckpt.core.blobs import sweep
 from cloudckpt.core.committed import read_manifest
 from cloudckpt.core.ownership import (
@@ -34,7 +34,7 @@ from cloudckpt.errors import (
     ManifestError,
     NotACheckpointError,
 )
-from cloudckpt.names import BLOB_AREA, CLAIM_NAME, MANIFEST_NAME
+from cloudckpt.names import BLOB_AREA, CLAIM_NAME, INDEX_NAME, MANIFEST_NAME
 from cloudckpt.storage import Store, as_store, versioning
 
 log = logging.getLogger(__name__)
@@ -44,8 +44,9 @@ def delete_checkpoint(uri: str | Store, storage_options: Mapping[str, Any] | Non
                       *, force: bool = False) -> int:
     """Delete a checkpoint: manifest first (it vanishes at once), then the objects it
     lists (and those of the generation it replaced that are left, its ``superseded``
-    keys). Anything else under the prefix (another checkpoint or save further down,
-    objects cloudckpt did not write) stays, with a WARNING naming it.
+    keys); the root index above it (:mod:`cloudckpt.core.rootindex`) drops its entry.
+    Anything else under the prefix (another checkpoint or save further down, objects
+    cloudckpt did not write) stays, with a WARNING naming it.
 
     ``force`` also deletes a save that cloudckpt started and never committed, and a
     checkpoint whose manifest cannot be read (then everything under its prefix).
@@ -63,15 +64,19 @@ def delete_checkpoint(uri: str | Store, storage_options: Mapping[str, Any] | Non
         return delete_unfinished(store, survey(store))
     except ManifestError:
         if not force:
+            parent = rootindex.parent_of(store)
+            if parent is not None:  # listings show it unreadable, not as the index had it
+                rootindex.fix(parent, store.root.rsplit("/", 1)[-1], None)
             raise
         log.warning("deleting %s, whose manifest cannot be read, with all it holds", store.uri)
-        with claim.deleting(store):
+        with claim.deleting(store), rootindex.deleting(store):
             store.delete([MANIFEST_NAME])
         return _said(store, store.delete_prefix(""))
     # A claim marked "deleting" first: a delete cut short leaves objects that still
     # prove to be cloudckpt's, for gc and rm --force.
     with claim.deleting(store):
-        store.delete([MANIFEST_NAME])  # invisible from here on
+        with rootindex.deleting(store):  # its root's index: marked first, dropped after
+            store.delete([MANIFEST_NAME])  # invisible from here on
         listed = [o for o in store.list(internal=True) if o.key != CLAIM_NAME]
         found = classify(store.uri, listed)
         units = (*found.checkpoints, *found.saves)
@@ -182,4 +187,10 @@ def delete_tree(root: str | Store, storage_options: Mapping[str, Any] | None = N
             log.warning("left %s: %s", sub.uri, exc)
             continue
         deleted.append(sub.uri)
+    # The root indexes of what was emptied: caches of what is gone, rebuilt if needed.
+    indexes = [o.key for o in found.objects if o.key.rsplit("/", 1)[-1] == INDEX_NAME
+               and not inside(o.key, found.checkpoints)]
+    if indexes:
+        store.delete(indexes)
+        count += len(indexes)
     return deleted, count, found

@@ -9,11 +9,13 @@ top is a committed checkpoint. Any other prefix is, by one recursive listing:
   (kept after a failure, rewritten before a delete starts; a fresh claim is
   never put on a prefix holding anything else), or a framework's marker directory
   (:attr:`~cloudckpt.core.plugins.Framework.marker_dirs`); or every object under it
-  has a name cloudckpt reserves (upload parts, temporary files, writer areas). The committed
+  has a name cloudckpt reserves (upload parts, temporary files, writer areas, a
+  root index). The committed
   parts of an unfinished save in :func:`part_dirs` (a training checkpoint's
   ``model/``, a framework's declared parts) belong to it;
 - **root**: committed checkpoints, or other saves (their claims), lie below it (a
-  run directory, a slot);
+  run directory, a slot; its root index, :mod:`cloudckpt.core.rootindex`, is no mark of
+  a save: a root holding one stays a root, and a prefix holding nothing else is ours);
 - **foreign**: objects cloudckpt did not write (logs, datasets, a user's files).
 
 Only *ours* is ever deleted as a whole (``rm --force``, ``gc``, a retried save or
@@ -34,6 +36,7 @@ from cloudckpt.errors import (
 )
 from cloudckpt.names import (
     CLAIM_NAME,
+    INDEX_NAME,
     INTERNAL_MARKS,
     MANIFEST_NAME,
     MODEL_PART,
@@ -58,12 +61,12 @@ def _marker(key: str, dirs: Iterable[str]) -> bool:
 
 def is_reserved(key: str, markers: Sequence[str] | None = None) -> bool:
     """Whether ``key`` (relative to some prefix) names an object only cloudckpt writes:
-    a manifest, a writer claim, a slot pointer, a framework's marker, an upload part,
-    a temporary file, or an object in a writer area. ``markers``: the frameworks'
+    a manifest, a writer claim, a slot pointer, a root index, a framework's marker, an
+    upload part, a temporary file, or an object in a writer area. ``markers``: the frameworks'
     marker directories, when a caller judging many keys has asked
     :func:`plugins.marker_dirs` once."""
     name = key.rsplit("/", 1)[-1]
-    return (name in (MANIFEST_NAME, CLAIM_NAME, SLOT_POINTER_NAME)
+    return (name in (MANIFEST_NAME, CLAIM_NAME, SLOT_POINTER_NAME, INDEX_NAME)
             or any(m in name for m in INTERNAL_MARKS) or f"/{WRITER_AREAS}/" in f"/{key}"
             or _marker(key, plugins.marker_dirs() if markers is None else markers))
 

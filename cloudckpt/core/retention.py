@@ -62,7 +62,7 @@ class Managed:
         return int(m.group(1)) if m else None
 
     def __call__(self, info: CheckpointInfo) -> int | None:
-        if not info.committed or info.manifest is None or info.manifest.kind != self.kind:
+        if not info.committed or info.kind != self.kind:
             return None
         return self.number(info.name)
 
@@ -85,8 +85,17 @@ def apply_retention(store: Store, keep_last: int | None, keep_every: int | None 
         log.warning("retention could not list %s (%s); the next save tries again",
                     store.uri, exc)
         return []
-    drop = set(select_for_deletion([n for n, _ in governed], keep_last, keep_every))
     spared = {keep} if isinstance(keep, str) else set(keep)
+    # What is kept in their place must be there: the newest, when the listing took them
+    # from the root index, are checked by their manifests (a HEAD each) first.
+    while True:
+        drop = set(select_for_deletion([n for n, _ in governed], keep_last, keep_every))
+        newest = sorted(n for n, _ in governed)[-keep_last:] if keep_last else []
+        gone = [c for n, c in governed if n in newest and c.name not in spared
+                and not c.present(store)]
+        if not gone:
+            break
+        governed = [(n, c) for n, c in governed if c not in gone]
     deleted = []
     for n, c in governed:
         if n not in drop or c.name in spared:

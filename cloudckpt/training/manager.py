@@ -16,7 +16,7 @@ from typing import Any
 from torch.distributed.checkpoint.planner import LoadPlanner
 
 from cloudckpt.core.checkpoint import Checkpoint
-from cloudckpt.core.listing import list_checkpoints
+from cloudckpt.core.listing import list_checkpoints, newest
 from cloudckpt.core.retention import Managed, apply_retention
 from cloudckpt.dcp.budget import BudgetStager, StagedState
 from cloudckpt.errors import (
@@ -205,7 +205,7 @@ class CheckpointManager:
             ckpt = training.write(
                 self.store.child(name), state_dict, captured,
                 training.WriteOptions(step=step, deadline=deadline,
-                                      incremental=self.options.incremental),
+                                      incremental=self.options.incremental, index=True),
                 group=self._io_group, staged=staged,
                 figures=reports.Figures(timing.start, tally))
             durable = time.monotonic() - timing.start
@@ -270,7 +270,8 @@ class CheckpointManager:
         with counting() as tally:
             ckpt = tiers.drain(local, self.store.child(name), group=self._io_group,
                                figures=reports.Figures(start, tally),
-                               incremental=self.options.incremental, deadline=deadline)
+                               incremental=self.options.incremental, deadline=deadline,
+                               index=True)
             durable = time.monotonic() - start
             self._retain(name)
         self._in_bucket = max(self._in_bucket, local.step or 0)
@@ -328,8 +329,9 @@ class CheckpointManager:
 
     def latest(self) -> Checkpoint | None:
         """This manager's newest committed checkpoint below the root (not checked further)."""
-        own = [c for c in list_checkpoints(self.store) if self.managed(c) is not None]
-        return own[-1].open(self.store) if own else None
+        found = newest(self.store, [c for c in list_checkpoints(self.store)
+                                    if self.managed(c) is not None])
+        return found[1] if found else None
 
     def restore(self, state_dict: Mapping[str, Any], *, uri: str | None = None,
                 extra: Mapping[str, Any] | None = None,
@@ -427,7 +429,12 @@ class CheckpointManager:
                             c.error or "no manifest (a save that never committed)")
             else:
                 log.debug("not restoring from %s: not one of this manager's checkpoints "
-                          "(a %s %s)", c.uri, c.status,
-                          c.manifest.kind if c.manifest else "prefix")
-        listed.update({c.name: c.open(self.store) for c in own})
+                          "(a %s %s)", c.uri, c.status, c.kind or "prefix")
+        # The newest is opened here (its manifest read once, the root index checked
+        # against it); older ones, tried only if it fails, are opened when tried.
+        found = newest(self.store, own)
+        if found is None:
+            return []
+        own = own[:own.index(found[0]) + 1]  # those after it: gone or unreadable, skipped
+        listed[found[0].name] = found[1]
         return [c.name for c in reversed(own)]

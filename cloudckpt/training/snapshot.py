@@ -128,7 +128,9 @@ class WriteOptions:
     ``incremental`` stores every object in the run's blob area (the directory above
     the checkpoint), sending only those whose bytes are not there yet
     (:mod:`cloudckpt.core.blobs`); ``file_per_tensor`` only lays the DCP files out as
-    such a save does."""
+    such a save does. ``index`` records the commit in the root index of the directory
+    above the checkpoint, making it when there is none (:mod:`cloudckpt.core.rootindex`:
+    a saver of a run root)."""
 
     step: int | None = None
     metadata: Mapping[str, Any] | None = None
@@ -136,6 +138,7 @@ class WriteOptions:
     deadline: float | None = None
     incremental: bool = False
     file_per_tensor: bool = False
+    index: bool = False
 
 
 def write(
@@ -174,7 +177,7 @@ def write(
         *([figures] if figures is not None else []),
     ]
     return multipart.save(store, parts, group=group, step=step, kind=KIND,
-                          deadline=options.deadline, blobs=blobs,
+                          deadline=options.deadline, blobs=blobs, index=options.index,
                           metadata={**dict(options.metadata or {}), **root_metadata(
                               coord.world_size(group), captured.shared.get(_STEP_INFO))})
 

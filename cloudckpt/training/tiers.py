@@ -128,7 +128,7 @@ class LocalCopies:
         if not os.path.isdir(self.store.root):
             return {}
         found = {}
-        for c in list_checkpoints(self.store):
+        for c in list_checkpoints(self.store, index=False):  # each manifest's metadata
             n = self.managed(c)
             job = (c.manifest.metadata.get(TIER_KEY) if c.manifest else None) or {}
             if n is not None and isinstance(job, dict) and job.get("world_size") == self.world \
@@ -350,17 +350,18 @@ def _sent_by_rank(key: str, used: set[str]) -> bool:
 
 def drain(local: Checkpoint, dest: Store, *, group: Any = None,
           figures: multipart.Part | None = None, incremental: bool = False,
-          deadline: float | None = None) -> Checkpoint | None:
+          deadline: float | None = None, index: bool = False) -> Checkpoint | None:
     """Commit each rank's local checkpoint ``local`` as one training checkpoint at
     ``dest``; call on every rank. Returns it on rank 0, None elsewhere; if any rank
     fails, every rank raises and nothing is committed. ``incremental``: each file a
     blob of the area above ``dest``, sent only when its bytes are new; ``deadline``
-    (``time.monotonic()``) refuses a commit after it."""
+    (``time.monotonic()``) refuses a commit after it; ``index``: as
+    :class:`~cloudckpt.training.snapshot.WriteOptions` says."""
     area = BlobArea.above(dest, 1) if incremental else None
     parts: list[multipart.Part] = [Drained(local, local.step, area),
                                    *([figures] if figures else [])]
     return multipart.save(dest, parts, group=group, step=local.step, kind=training.KIND,
-                          blobs=area, deadline=deadline,
+                          blobs=area, deadline=deadline, index=index,
                           metadata={**training.root_metadata(coord.world_size(group),
                                                              local.metadata.get("step_info")),
                                     "drained": True})

@@ -55,13 +55,12 @@ def recorded_clusters(store: Store) -> set[str]:
     """The checkpoint clusters the newest committed ``checkpoint-N`` under ``store``
     was made of (its manifest records them): a later checkpoint of the run, in any
     attempt, is whole only with every one of them."""
-    done = [i for i in list_checkpoints(store) if i.committed and CKPT_RE.match(i.name)
-            and i.manifest is not None]
+    done = [i for i in list_checkpoints(store) if i.committed and CKPT_RE.match(i.name)]
     if not done:
         return set()
-    newest = max(done, key=lambda i: checkpoint_order(i.name))
-    assert newest.manifest is not None
-    return set((newest.manifest.metadata or {}).get("clusters") or {})
+    manifest = max(done, key=lambda i: checkpoint_order(i.name)).manifest
+    assert manifest is not None
+    return set((manifest.metadata or {}).get("clusters") or {})
 
 
 def _why_skipped(store: Store, info: CheckpointInfo, expected: int | None) -> str:

@@ -82,13 +82,13 @@ def latest_step(root: str, storage_options: Mapping[str, Any] | None = None, *,
     infos = [i for i in list_checkpoints(store, include_uncommitted=True)
              if STEP_RE.match(i.name)]
     for info in sorted(infos, key=lambda i: parse_step(i.name), reverse=True):
-        if info.committed and info.manifest is not None and info.manifest.kind in kinds:
+        if info.committed and info.kind in kinds:
             if info.whole(store):
                 return info.uri
             continue
         if info.committed:
             log.warning("skipping %s: a %r checkpoint, not a verl step", info.uri,
-                        info.manifest.kind if info.manifest else None)
+                        info.kind)
             continue
         if info.status == "foreign":
             raise IncompleteCheckpointError(
