@@ -361,8 +361,11 @@ class AbsentRanks(RankModel):
         self.world, self.layout, self.running = world, layout, running
         #: The checkpoint being saved (its DCP part is ``model/``), set before each save.
         self.checkpoint: Store | None = None
-        #: The .metadata of the checkpoint being resumed, set before the resume.
-        self.metadata: Metadata | None = None
+        #: The .metadata of the checkpoint being resumed, as bytes, set before the resume:
+        #: unpickled when first needed (after the coordinator has read its own), so that
+        #: a second copy's objects do not slow the unpickling measured on the coordinator.
+        self.metadata_bytes: bytes | None = None
+        self._metadata: Metadata | None = None
         #: Every absent rank's final load plan (the coordinator's scatter), by rank.
         self.load_plans: dict[int, list[ReadItem]] = {}
         self._final: list[Any] = []  # the last scatter: every rank's plan
@@ -376,6 +379,10 @@ class AbsentRanks(RankModel):
                 self.load_plans.update({r: list(p.items) for r, p in enumerate(self._final)
                                         if r not in call.sampled})
             return
+        if not _write_results(call.sampled.get(0)):
+            # Every rank's plan is needed until the write results are in; held longer,
+            # its objects would slow the collections measured on the coordinator.
+            self._final = []
         if call.kind not in ("gather_object", "all_gather_object") or \
                 not isinstance(call.sampled.get(0), (SavePlan, LoadPlan, list)):
             return
@@ -401,10 +408,10 @@ class AbsentRanks(RankModel):
             return planner.create_local_plan()
         if isinstance(ours, LoadPlan):
             loader = ShardLoadPlanner()
-            loader.set_up_planner(rank_state(rank, self.world, self.layout), self.metadata,
+            loader.set_up_planner(rank_state(rank, self.world, self.layout), self._md(),
                                   is_coordinator=False)
             return loader.create_local_plan()
-        if isinstance(ours, list) and ours and all(isinstance(v, WriteResult) for v in ours):
+        if _write_results(ours):
             return self._write_results(rank, stand_in)
         if isinstance(ours, tuple) and len(ours) == 2 and ours[0] == "ok":
             near = self._nearest(rank)
@@ -419,6 +426,13 @@ class AbsentRanks(RankModel):
                     phantom(self._checkpoint(), path, theirs.entry.size)
                 return ("ok", Written(path, theirs.entry))
         return super().contribution(call, rank)
+
+    def _md(self) -> Metadata:
+        if self._metadata is None:
+            if self.metadata_bytes is None:
+                raise RuntimeError("AbsentRanks.metadata_bytes is set before the resume")
+            self._metadata = load_metadata(self.metadata_bytes)
+        return self._metadata
 
     def _checkpoint(self) -> Store:
         if self.checkpoint is None:
@@ -465,6 +479,11 @@ class AbsentRanks(RankModel):
             serialize([item], self._resolver, out)
             self._bytes[fqn] = bytes(out)
         return self._bytes[fqn]
+
+
+def _write_results(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and \
+        all(isinstance(v, WriteResult) for v in value)
 
 
 def _file_name(prefix: str, key_spread: int, i: int) -> str:
@@ -731,8 +750,8 @@ def simulate(ranks: int, *, bandwidth: float = 1e9, layout: str = "flat",
             phases["save"] = _run(world, "save", save(100))
         phases["save + retention"] = _run(world, "save + retention", save(200))
         if absent is not None:
-            absent.metadata = load_metadata(_quietly_read(store.child("run/step-200/model"),
-                                                          METADATA_NAME))
+            absent.metadata_bytes = _quietly_read(store.child("run/step-200/model"),
+                                                  METADATA_NAME)
         with coordinator_cpu(cpu, RESUME_TIMED):
             phases["resume"] = _run(world, "resume", resume)
     if absent is not None:

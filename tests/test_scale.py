@@ -8,6 +8,7 @@ counts every request (benchmarks/scale_sim.py).
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 from collections import Counter
 from pathlib import Path
@@ -305,3 +306,18 @@ def test_phantoms_are_listed_sized_deleted_and_read_only_when_modelled():
     assert [q.kind for q in recorder("phantom-test").take()] == ["LIST", "LIST", "HEAD", "GET"]
     store.delete([o.key for o in store.list()])
     assert store.list() == [] and phantoms(store) == 0
+
+
+def test_the_modelled_restore_time_is_the_slowest_ranks_bytes_after_the_coordinator(sim,
+                                                                                     result):
+    """At 1 GB/s a rank, 16 ranks restoring the 828 GB state (parameters and Adam's
+    moments, float32) take a sixteenth of it each: about 52 s of data, after the
+    coordinator's serial reads and planning."""
+    model = sim.restore_model(result, 1e9)
+    total = 3 * 4 * sum(math.prod(s) for s in sim.param_shapes("flat", 16).values())
+    assert total / 16 / 1e9 == pytest.approx(model["data_s"], rel=0.01)
+    assert 0 < model["metadata_s"] < 1 and model["coordinator_cpu_s"] > 0
+    assert model["total_s"] == pytest.approx(
+        model["metadata_s"] + model["coordinator_cpu_s"] + model["data_s"], abs=0.02)
+    assert sim.restore_model(result, 0.5e9)["data_s"] == pytest.approx(2 * model["data_s"],
+                                                                        rel=0.01)
