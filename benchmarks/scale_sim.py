@@ -995,8 +995,8 @@ def table(rows: list[dict[str, Any]], bandwidth: float) -> str:
             s["peaks"]["read"]["per_s"],
             f"{s['coordinator_cpu_s'].get('plan', 0):.1f} / "
             f"{s['coordinator_cpu_s'].get('commit', 0):.1f}",
-            f"{rm['total_s']:.0f}: {rm['metadata_s']:.1f} + {rm['coordinator_cpu_s']:.1f} + "
-            f"{rm['data_s']:.0f}",
+            f"{rm['total_s']:.1f}: {rm['metadata_s']:.1f} + {rm['coordinator_cpu_s']:.1f} + "
+            f"{rm['data_s']:.1f}",
             s["wall_s"]]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
