@@ -1,4 +1,4 @@
-"""What a save and a resume at 8 to 1,024 ranks ask of the bucket, simulated and bounded.
+"""What a save and a resume at 8 to 16,384 ranks ask of the bucket, simulated and bounded.
 
 N ranks run as threads of this process over an in-process process group
 (:mod:`cloudckpt_testkit.threadranks`), against ``count://``, a store that
@@ -34,9 +34,20 @@ bytes/s, its files in parallel, all ranks starting together; a request counts
 in the second it is sent. S3's documented limits per prefix are 3,500
 PUT/COPY/POST/DELETE and 5,500 GET/HEAD requests per second.
 
+With ``--sample K`` only K ranks run (the coordinator, the last, K - 2 between:
+:class:`~cloudckpt_testkit.threadranks.SampledWorld`); every collective still
+carries all N ranks' contributions at full size, the absent ranks' computed as they
+would compute them (:class:`AbsentRanks`, checked against the ranks that ran), and
+their objects stand in the store unwritten (phantoms: listed, sized, deleted). The
+coordinator's work is the full job's; requests are counted for the ranks that ran.
+``tests/test_scale.py`` checks that a sampled run at 16 ranks counts what the full
+run counts. The modelled restore time (:func:`restore_model`) adds the
+coordinator's serial part of a resume to the slowest rank's data at the bandwidth.
+
 Usage::
 
-    python benchmarks/scale_sim.py [--ranks 8 64 256 1024] [--bandwidth 1e9] [--json]
+    python benchmarks/scale_sim.py [--ranks 8 64 256 1024] [--bandwidth 1e9]
+        [--layout flat|per-param] [--sample K] [--json]
 
 Prints a Markdown table (the one in docs/scale.md) and checks the bounds of
 docs/scale.md for every N (:func:`check_bounds`); exits 1 if any is broken.
@@ -53,6 +64,7 @@ import multiprocessing
 import sys
 import threading
 import time
+import zlib
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -60,8 +72,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from cloudckpt_testkit.counting import Request, recorder
-from cloudckpt_testkit.threadranks import ThreadWorld
+from cloudckpt_testkit.counting import Request, phantom, recorder
+from cloudckpt_testkit.threadranks import (
+    Collective,
+    RankModel,
+    SampledWorld,
+    ThreadWorld,
+    sample_ranks,
+)
 from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
     DefaultSavePlanner,
@@ -77,19 +95,24 @@ from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
     ReadItem,
+    SavePlan,
     TensorWriteData,
     WriteItem,
     WriteItemType,
 )
+from torch.distributed.checkpoint.storage import WriteResult
 
 from cloudckpt import CheckpointManager, ManagerOptions, StepInfo
-from cloudckpt.core.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
-from cloudckpt.dcp.metadata import METADATA_NAME, load_metadata
-from cloudckpt.dcp.reader import SHARED_ITEM_MAX, STREAM_MIN
-from cloudckpt.dcp.writer import CloudStorageWriter
+from cloudckpt.core.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Written
+from cloudckpt.dcp.metadata import METADATA_NAME, SUFFIX, load_metadata
+from cloudckpt.dcp.reader import SHARED_ITEM_MAX, STREAM_MIN, CloudStorageReader
+from cloudckpt.dcp.units import ItemInfo, serialize, split_by_size
+from cloudckpt.dcp.writer import DEFAULT_FILE_SIZE, DEFAULT_MAX_FILES, CloudStorageWriter
 from cloudckpt.serialization.records import HEAD_BYTES
 from cloudckpt.storage import Store, open_store
 from cloudckpt.storage.options import DEFAULT_PART_SIZE
+from cloudckpt.training.reports import RankFigures
+from cloudckpt.util.crc import Crc32c
 
 BUCKET = "scale-sim"
 #: S3's documented request rates per prefix (per second).
@@ -299,6 +322,192 @@ def _as_placeholder(item: ReadItem) -> ReadItem:
     return ReadItem(item.type, item.dest_index, zeros, item.storage_index, zeros, one)
 
 
+# ---------------------------------------------------- the ranks that do not run
+
+
+class ModelMismatch(AssertionError):
+    """The model of the absent ranks computed, for a rank that ran, something else
+    than what that rank contributed: the simulation's figures would be wrong."""
+
+
+class _Bytes(bytearray):
+    """A stream :func:`~cloudckpt.dcp.units.serialize` can write to, kept in memory."""
+
+    def write(self, data: Any, crc32c: int | None = None) -> int:
+        view = memoryview(data).cast("B")
+        self.extend(view)
+        return view.nbytes
+
+
+class AbsentRanks(RankModel):
+    """What the ranks a sampled simulation does not run contribute, at full size.
+
+    Each contribution is computed as that rank would compute it: its save plan and its
+    load plan by DCP's planners over its own :func:`rank_state`; its write results from
+    its share of the coordinator's global plan, split into files as the writer splits
+    them (``split_by_size``, files named as the writer names them), each item's bytes
+    made by ``serialize`` once per tensor (every shard of a tensor stands on the same
+    placeholder, so its bytes are the same on every rank); its state file and its
+    figures as the nearest running rank's, renamed. Its objects are phantoms of the
+    store: listed with their sizes, deleted by retention, a data file's bytes made if
+    it is read (the coordinator reads replicated items from whichever rank wrote them).
+
+    The model is checked on every run: for each running rank but the coordinator, the
+    plans and write results it computes must be the ones that rank made, or the
+    simulation stops (:class:`ModelMismatch`).
+    """
+
+    def __init__(self, world: int, layout: str, running: tuple[int, ...]) -> None:
+        self.world, self.layout, self.running = world, layout, running
+        #: The checkpoint being saved (its DCP part is ``model/``), set before each save.
+        self.checkpoint: Store | None = None
+        #: The .metadata of the checkpoint being resumed, as bytes, set before the resume:
+        #: unpickled when first needed (after the coordinator has read its own), so that
+        #: a second copy's objects do not slow the unpickling measured on the coordinator.
+        self.metadata_bytes: bytes | None = None
+        self._metadata: Metadata | None = None
+        #: Every absent rank's final load plan (the coordinator's scatter), by rank.
+        self.load_plans: dict[int, list[ReadItem]] = {}
+        self._final: list[Any] = []  # the last scatter: every rank's plan
+        self._bytes: dict[str, bytes] = {}  # an item's serialised bytes, by FQN
+        self._resolver: DefaultSavePlanner | None = None
+
+    def seen(self, call: Collective) -> None:
+        if call.kind == "scatter_object_list":
+            self._final = list(call.sampled[0])
+            if self._final and isinstance(self._final[0], LoadPlan):
+                self.load_plans.update({r: list(p.items) for r, p in enumerate(self._final)
+                                        if r not in call.sampled})
+            return
+        if not _write_results(call.sampled.get(0)):
+            # Every rank's plan is needed until the write results are in; held longer,
+            # its objects would slow the collections measured on the coordinator.
+            self._final = []
+        if call.kind not in ("gather_object", "all_gather_object") or \
+                not isinstance(call.sampled.get(0), (SavePlan, LoadPlan, list)):
+            return
+        for r, value in call.sampled.items():
+            if r == 0:
+                continue
+            ours = self._contribution(call, r, stand_in=False)
+            if ours != value:
+                raise ModelMismatch(
+                    f"{call.kind} #{call.index}: the model of rank {r}'s contribution "
+                    f"({type(value).__name__}) differs from what rank {r} put in: "
+                    f"{_first_difference(ours, value)}")
+
+    def contribution(self, call: Collective, rank: int) -> Any:
+        return self._contribution(call, rank, stand_in=True)
+
+    def _contribution(self, call: Collective, rank: int, *, stand_in: bool) -> Any:
+        ours = call.sampled[0]  # the coordinator's
+        if isinstance(ours, SavePlan):
+            planner = DefaultSavePlanner()
+            planner.set_up_planner(rank_state(rank, self.world, self.layout),
+                                   is_coordinator=False)
+            return planner.create_local_plan()
+        if isinstance(ours, LoadPlan):
+            loader = ShardLoadPlanner()
+            loader.set_up_planner(rank_state(rank, self.world, self.layout), self._md(),
+                                  is_coordinator=False)
+            return loader.create_local_plan()
+        if _write_results(ours):
+            return self._write_results(rank, stand_in)
+        if isinstance(ours, tuple) and len(ours) == 2 and ours[0] == "ok":
+            near = self._nearest(rank)
+            theirs = call.sampled[near][1]
+            if isinstance(theirs, RankFigures):
+                return ("ok", theirs)
+            if isinstance(theirs, Written):
+                path = theirs.path.replace(f"rank-{near:05d}", f"rank-{rank:05d}")
+                if path == theirs.path:
+                    raise ModelMismatch(f"rank {near}'s state file {path} is not named after it")
+                if stand_in:
+                    phantom(self._checkpoint(), path, theirs.entry.size)
+                return ("ok", Written(path, theirs.entry))
+        return super().contribution(call, rank)
+
+    def _md(self) -> Metadata:
+        if self._metadata is None:
+            if self.metadata_bytes is None:
+                raise RuntimeError("AbsentRanks.metadata_bytes is set before the resume")
+            self._metadata = load_metadata(self.metadata_bytes)
+        return self._metadata
+
+    def _checkpoint(self) -> Store:
+        if self.checkpoint is None:
+            raise RuntimeError("AbsentRanks.checkpoint is set before each save")
+        return self.checkpoint
+
+    def _nearest(self, rank: int) -> int:
+        others = [r for r in self.running if r != 0] or [0]
+        return min(others, key=lambda r: abs(r - rank))
+
+    def _write_results(self, rank: int, stand_in: bool) -> list[WriteResult]:
+        plan = self._final[rank]
+        files = plan.storage_data
+        if files.area is not None:
+            raise NotImplementedError("absent ranks writing under a writer area")
+        dcp = self._checkpoint().child("model")
+        results: list[WriteResult] = []
+        buckets = split_by_size(plan.items, DEFAULT_FILE_SIZE, DEFAULT_MAX_FILES)
+        for i, items in enumerate(b for b in buckets if b):
+            name = _file_name(files.prefix, files.key_spread, i)
+            blobs = [self._item_bytes(item) for item in items]
+            crc, offset, placed = Crc32c(), 0, []
+            for item, data in zip(items, blobs, strict=True):
+                item_crc = Crc32c()
+                item_crc.update(data)
+                placed.append((item, offset, len(data), item_crc.hexdigest()))
+                crc.append(int(item_crc.hexdigest(), 16), len(data))
+                offset += len(data)
+            results += [WriteResult(index=item.index, size_in_bytes=n, storage_data=ItemInfo(
+                name, start, n, None, item_crc, offset, crc.hexdigest()))
+                for item, start, n, item_crc in placed]
+            if stand_in:
+                phantom(dcp, name, offset, lambda blobs=blobs: b"".join(blobs))
+        return results
+
+    def _item_bytes(self, item: WriteItem) -> bytes:
+        fqn = item.index.fqn
+        if fqn not in self._bytes:
+            if self._resolver is None:  # rank 0 holds a shard of every tensor
+                self._resolver = DefaultSavePlanner()
+                self._resolver.set_up_planner(rank_state(0, self.world, self.layout),
+                                              is_coordinator=True)
+            out = _Bytes()
+            serialize([item], self._resolver, out)
+            self._bytes[fqn] = bytes(out)
+        return self._bytes[fqn]
+
+
+def _write_results(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and \
+        all(isinstance(v, WriteResult) for v in value)
+
+
+def _file_name(prefix: str, key_spread: int, i: int) -> str:
+    """The name the writer gives a rank's ``i``-th file (under its sub-prefix)."""
+    name = f"{prefix}{i}{SUFFIX}"
+    if not key_spread:
+        return name
+    width = max(2, len(f"{key_spread - 1:x}"))
+    return f"{zlib.crc32(name.encode()) % key_spread:0{width}x}/{name}"
+
+
+def _first_difference(ours: Any, theirs: Any) -> str:
+    """Where two contributions first differ, briefly."""
+    a = getattr(ours, "items", ours)
+    b = getattr(theirs, "items", theirs)
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return f"{len(a)} entries modelled, {len(b)} made"
+        for x, y in zip(a, b, strict=True):
+            if x != y:
+                return f"modelled {x!r}, made {y!r}"
+    return f"modelled {ours!r:.300}, made {theirs!r:.300}"
+
+
 # ------------------------------------------------------------- request model
 
 
@@ -394,15 +603,24 @@ class Phase:
         return out
 
 
+#: What the coordinator's CPU is measured in on a save: DCP's global plan and
+#: cloudckpt's (plan), and writing .metadata and the manifest (commit).
+SAVE_TIMED = ((DefaultSavePlanner, "create_global_plan", "plan"),
+              (CloudStorageWriter, "prepare_global_plan", "plan"),
+              (CloudStorageWriter, "finish", "commit"))
+#: ... and on a resume: reading and unpickling .metadata, the global load plan.
+RESUME_TIMED = ((CloudStorageReader, "read_metadata", "resume metadata"),
+                (DefaultLoadPlanner, "create_global_plan", "resume plan"),
+                (CloudStorageReader, "prepare_global_plan", "resume plan"))
+
+
 @contextlib.contextmanager
-def coordinator_cpu(into: dict[str, float]) -> Iterator[None]:
-    """Thread CPU seconds rank 0 spends planning (DCP's global plan and cloudckpt's)
-    and committing (``finish``: .metadata, manifest), summed into ``into``."""
+def coordinator_cpu(into: dict[str, float],
+                    targets: tuple[tuple[type, str, str], ...] = SAVE_TIMED) -> Iterator[None]:
+    """Thread CPU seconds rank 0 spends in ``targets`` (class, method, label), summed
+    by label into ``into``."""
     from cloudckpt_testkit.threadranks import current_rank
 
-    targets = [(DefaultSavePlanner, "create_global_plan", "plan"),
-               (CloudStorageWriter, "prepare_global_plan", "plan"),
-               (CloudStorageWriter, "finish", "commit")]
     saved = []
     for cls, name, label in targets:
         fn = getattr(cls, name)
@@ -475,21 +693,43 @@ class Result:
     items: int
     prefixes: dict[str, str]
     layout: str = "flat"
+    #: The ranks that ran (all of them, unless sampled); requests are theirs.
+    running: tuple[int, ...] = ()
+
+    def others(self) -> list[int]:
+        """The ranks that ran, but the coordinator."""
+        return [r for r in (self.running or range(self.ranks)) if r != 0]
 
 
-def simulate(ranks: int, *, bandwidth: float = 1e9, layout: str = "flat") -> Result:
+def simulate(ranks: int, *, bandwidth: float = 1e9, layout: str = "flat",
+             sample: int | None = None, name: str | None = None) -> Result:
     """A job of ``ranks`` ranks: two manager saves (the second's retention deletes the
-    first) and a resume; returns what each phase asked of the bucket."""
-    store = open_store(f"count://{BUCKET}/n{ranks}")
+    first) and a resume; returns what each phase asked of the bucket.
+
+    With ``sample``, only that many ranks run (:func:`sample_ranks`: the coordinator,
+    the last and some between); the others' contributions to every collective are
+    modelled (:class:`AbsentRanks`), their objects stand in the store unwritten, and
+    requests are those of the ranks that ran. ``name`` is the store prefix (by
+    default ``n<ranks>``)."""
+    store = open_store(f"count://{BUCKET}/{name or f'n{ranks}'}")
     store.delete([o.key for o in store.list()])
     recorder(BUCKET).take()
-    world = ThreadWorld(ranks)
+    absent: AbsentRanks | None = None
+    if sample is not None and sample < ranks:
+        running = sample_ranks(ranks, sample)
+        absent = AbsentRanks(ranks, layout, running)
+        world: ThreadWorld = SampledWorld(ranks, running, absent)
+    else:
+        world = ThreadWorld(ranks)
     states: dict[int, dict[str, Any]] = {}
     phases: dict[str, Phase] = {}
     cpu: dict[str, float] = {}
     opts = ManagerOptions(keep_last=1)
 
     def save(step: int) -> Callable[[int], None]:
+        if absent is not None:
+            absent.checkpoint = store.child(f"run/step-{step}")
+
         def run(r: int) -> None:
             state = states.setdefault(r, rank_state(r, ranks, layout))
             with CheckpointManager(store.child("run"), opts) as mgr:
@@ -506,10 +746,16 @@ def simulate(ranks: int, *, bandwidth: float = 1e9, layout: str = "flat") -> Res
         assert info is not None and info.global_step == 200, info
 
     with world.patched(), memoised_placeholder_saves():
-        with coordinator_cpu(cpu):
+        with coordinator_cpu(cpu, SAVE_TIMED):
             phases["save"] = _run(world, "save", save(100))
         phases["save + retention"] = _run(world, "save + retention", save(200))
-        phases["resume"] = _run(world, "resume", resume)
+        if absent is not None:
+            absent.metadata_bytes = _quietly_read(store.child("run/step-200/model"),
+                                                  METADATA_NAME)
+        with coordinator_cpu(cpu, RESUME_TIMED):
+            phases["resume"] = _run(world, "resume", resume)
+    if absent is not None:
+        full_plans.update(absent.load_plans)
 
     # The data objects at full scale, from the checkpoints' own .metadata (step 100's
     # files had the same names and sizes; it is deleted by now).
@@ -558,7 +804,7 @@ def simulate(ranks: int, *, bandwidth: float = 1e9, layout: str = "flat") -> Res
     prefixes = {"dcp": key_of(model, ""), "root": key_of(store.child("run"), "")}
     return Result(ranks, phases, sizes, objects, cpu, peaks,
                   int(manifest["metadata"]["dcp"].get("key_spread", 0)), len(md.storage_data),
-                  prefixes, layout)
+                  prefixes, layout, world.ranks)
 
 
 def key_of(store: Store, key: str) -> str:
@@ -579,7 +825,7 @@ def check_bounds(res: Result) -> list[str]:
     # Saving: besides its data objects, a rank writes its own state file, nothing else;
     # the coordinator's extra requests do not grow with the world size.
     for ph in (save, again):
-        for r in range(1, res.ranks):
+        for r in res.others():
             extra = [q for q in ph.requests if q.rank == r and q.key not in ph.data_keys]
             if [(q.kind, q.key.rsplit("/", 1)[-1]) for q in extra] != [
                     ("PUT", f"rank-{r:05d}.bin")]:
@@ -596,14 +842,14 @@ def check_bounds(res: Result) -> list[str]:
                    "and root) by the coordinator")
     # Resuming: only the coordinator lists and reads manifests, .metadata and shared
     # state, each once per job; every other rank reads its own state file and data.
-    for r in range(1, res.ranks):
+    for r in res.others():
         extra = [q for q in resume.requests if q.rank == r and q.key not in resume.data_keys]
         if [(q.kind, q.key.rsplit("/", 1)[-1]) for q in extra] != [
                 ("GET", f"rank-{r:05d}.bin")]:
             bad.append(f"resume: rank {r} sent {[(q.kind, q.key) for q in extra][:6]} besides "
                        "its data and its own state file")
             break
-    for r in range(1, res.ranks):
+    for r in res.others():
         theirs = [q.key for q in resume.requests if q.rank == r and q.key.endswith(".distcp")
                   and not q.key.rsplit("/", 1)[-1].startswith(f"__{r}_")]
         if theirs:
@@ -623,7 +869,7 @@ def check_bounds(res: Result) -> list[str]:
     # before anything loads) in pages of 1,000 objects.
     lists = [q for q in resume.requests if q.kind == "LIST"]
     step = root + "step-200/"
-    pages = -(-(len(res.phases["save"].data_keys) + 8) // 1000)
+    pages = -(-res.objects["checkpoint"] // 1000)  # its data, state files and manifests
     if (any(q.rank != 0 for q in lists) or [q.key for q in lists if q.key == root] != [root]
             or len([q for q in lists if q.key == step]) > pages
             or any(q.key not in (root, step) for q in lists)):
@@ -654,12 +900,33 @@ def _fmt(c: Counter[str]) -> str:
     return " ".join(f"{k} {v}" for k, v in sorted(c.items())) or "-"
 
 
-def summary(res: Result) -> dict[str, Any]:
+#: What one request costs before its first byte, in the modelled restore time.
+REQUEST_LATENCY = 0.03
+
+
+def restore_model(res: Result, bandwidth: float, latency: float = REQUEST_LATENCY
+                  ) -> dict[str, float]:
+    """The time the simulated job's resume would take at ``bandwidth`` bytes/s a rank:
+    the coordinator's serial part first (its requests for the listings, manifests,
+    ``.metadata`` and shared state one after another, each ``latency`` plus its bytes
+    at ``bandwidth``; its CPU reading ``.metadata`` and planning the load, measured),
+    then every rank's data at once (the slowest rank's bytes at ``bandwidth``)."""
+    resume = res.phases["resume"]
+    serial = [q for q in resume.requests if q.rank == 0 and q.key not in resume.data_keys]
+    metadata = sum(latency + q.size / bandwidth for q in serial)
+    cpu = res.cpu.get("resume metadata", 0.0) + res.cpu.get("resume plan", 0.0)
+    data = max((sum(n for _, n in gets) for gets in resume.data.values()), default=0)
+    out = {"metadata_s": metadata, "coordinator_cpu_s": cpu, "data_s": data / bandwidth}
+    out["total_s"] = sum(out.values())
+    return {k: round(v, 2) for k, v in out.items()}
+
+
+def summary(res: Result, bandwidth: float = 1e9) -> dict[str, Any]:
     """The figures of one job, as plain data."""
     part = DEFAULT_PART_SIZE
 
     def per_rank_max(ph: Phase, rank_from: int) -> dict[str, int]:
-        ranks = range(rank_from, res.ranks) if rank_from else [0]
+        ranks = res.others() if rank_from else [0]
         counts = ph.by_rank()
         return dict(max((counts.get(r, Counter()) for r in ranks),
                         key=lambda c: sum(c.values()), default=Counter()))
@@ -668,7 +935,9 @@ def summary(res: Result) -> dict[str, Any]:
                  for f in res.phases["save"].data.values()]
     read_data = [len(g) for g in res.phases["resume"].data.values()]
     return {
-        "ranks": res.ranks, "layout": res.layout, "items": res.items, "objects": res.objects,
+        "ranks": res.ranks, "layout": res.layout,
+        "sampled": len(res.running) if 0 < len(res.running) < res.ranks else None,
+        "items": res.items, "objects": res.objects,
         "key_spread": res.key_spread, "sizes": res.sizes,
         "coordinator_cpu_s": {k: round(v, 2) for k, v in res.cpu.items()},
         "peaks": {k: {"per_s": n, "prefix": p} for k, (n, p) in res.peaks.items()},
@@ -679,13 +948,15 @@ def summary(res: Result) -> dict[str, Any]:
             "coordinator": per_rank_max(ph, 0),
             "other_rank_max": per_rank_max(ph, 1),
         } for name, ph in res.phases.items()},
+        "restore_model": restore_model(res, bandwidth),
         "violations": check_bounds(res),
     }
 
 
-def _one(ranks: int, bandwidth: float, layout: str) -> dict[str, Any]:
+def _one(ranks: int, bandwidth: float, layout: str, sample: int | None) -> dict[str, Any]:
     start = time.monotonic()
-    out = summary(simulate(ranks, bandwidth=bandwidth, layout=layout))
+    out = summary(simulate(ranks, bandwidth=bandwidth, layout=layout, sample=sample),
+                  bandwidth)
     out["wall_s"] = round(time.monotonic() - start, 1)
     return out
 
@@ -702,12 +973,16 @@ def table(rows: list[dict[str, Any]], bandwidth: float) -> str:
             "save + retention, coordinator", "resume req/rank: data + other",
             "resume req by coordinator (other)",
             f"peak PUT/POST/s per prefix @{bandwidth / 1e9:g} GB/s (unspread)",
-            "peak GET/s per prefix", "coordinator CPU s: plan / commit", "simulated in s"]
+            "peak GET/s per prefix", "coordinator CPU s: plan / commit",
+            f"modelled restore s @{bandwidth / 1e9:g} GB/s: metadata + coordinator + data",
+            "simulated in s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in rows:
         ph = s["phases"]
+        rm = s["restore_model"]
         cells = [
-            s["ranks"], s["items"], f"{s['objects']['dcp']} / {s['objects']['checkpoint']}",
+            f"{s['ranks']}" + (f" ({s['sampled']} run)" if s.get("sampled") else ""),
+            s["items"], f"{s['objects']['dcp']} / {s['objects']['checkpoint']}",
             s["key_spread"] or "-", _mib(s["sizes"][".metadata"]),
             _mib(s["sizes"]["DCP manifest"]), f"{s['sizes']['root manifest'] / 1024:.0f}",
             f"{s['save_data_requests_per_rank']} + {sum(ph['save']['other_rank_max'].values())}",
@@ -720,6 +995,8 @@ def table(rows: list[dict[str, Any]], bandwidth: float) -> str:
             s["peaks"]["read"]["per_s"],
             f"{s['coordinator_cpu_s'].get('plan', 0):.1f} / "
             f"{s['coordinator_cpu_s'].get('commit', 0):.1f}",
+            f"{rm['total_s']:.1f}: {rm['metadata_s']:.1f} + {rm['coordinator_cpu_s']:.1f} + "
+            f"{rm['data_s']:.1f}",
             s["wall_s"]]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
@@ -731,13 +1008,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bandwidth", type=float, default=1e9, help="bytes/s per rank")
     ap.add_argument("--layout", choices=LAYOUTS, default="flat",
                     help="FSDP1 flat parameters (default) or FSDP2 per-parameter shards")
+    ap.add_argument("--sample", type=int, metavar="K",
+                    help="run only K ranks of each world (the coordinator, the last, K - 2 "
+                    "between) and model the others' collectives and objects at full size")
     ap.add_argument("--json", action="store_true", help="end with a JSON summary line")
     args = ap.parse_args(argv)
     start = time.monotonic()
     # One process per world size, two at a time (largest first): a simulation is one
     # process's threads, so the second core runs the other sizes meanwhile.
     with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {n: pool.submit(_one, n, args.bandwidth, args.layout)
+        futures = {n: pool.submit(_one, n, args.bandwidth, args.layout, args.sample)
                    for n in sorted(set(args.ranks), reverse=True)}
         rows = [futures[n].result() for n in sorted(futures)]
     print(table(rows, args.bandwidth))

@@ -8,6 +8,7 @@ counts every request (benchmarks/scale_sim.py).
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 from collections import Counter
 from pathlib import Path
@@ -192,3 +193,131 @@ def test_counting_store_counts_pages_and_batches():
         world.run(lambda r: store.put_many({f"r{r}-{i}": b"y" for i in range(4)}))
     by_rank = Counter(q.rank for q in recorder("pages-test").take())
     assert by_rank == {0: 4, 1: 4, 2: 4}  # pool threads carry the rank along
+
+
+# ------------------------------------------------------------- sampled ranks
+
+
+def _requests_by_rank(phase, ranks):
+    return {r: Counter(q.kind for q in phase.requests if q.rank == r) for r in ranks}
+
+
+def _manifest(sim, result, where):
+    import json
+
+    from cloudckpt.storage import open_store
+
+    store = open_store(f"count://{sim.BUCKET}/{result.prefixes['root'].split('/')[0]}/run")
+    return json.loads(store.get(f"step-200/{where}cloudckpt-manifest.json"))
+
+
+def test_a_sampled_run_counts_what_the_full_run_counts(sim, result):
+    """Three of 16 ranks run, the others' collectives modelled: every running rank
+    (the coordinator among them) sends the requests it sends in the full run, the
+    checkpoint's .metadata and manifests list the same objects at the same sizes, and
+    the data every rank would move at full size is the same."""
+    from cloudckpt.dcp.metadata import load_metadata
+
+    sampled = sim.simulate(16, sample=3, name="s16")
+    assert sampled.running == (0, 8, 15)
+    assert sim.check_bounds(sampled) == []
+    for name, phase in result.phases.items():
+        # every request of the ranks that ran, data and the rest, kind by kind
+        assert _requests_by_rank(sampled.phases[name], sampled.running) == \
+            _requests_by_rank(phase, sampled.running), name
+        assert not [q for q in sampled.phases[name].requests
+                    if q.rank not in sampled.running]
+        # the absent ranks' full-size data, modelled from their plans
+        rename = {r: [(k.replace("s16/", "n16/", 1), n) for k, n in objs]
+                  for r, objs in sampled.phases[name].data.items()}
+        assert rename == phase.data, name
+    assert sampled.sizes[".metadata"] == result.sizes[".metadata"]
+    assert (sampled.items, sampled.objects, sampled.key_spread) == \
+        (result.items, result.objects, result.key_spread)
+    assert sampled.peaks["write"][0] == result.peaks["write"][0]
+    assert sampled.peaks["read"][0] == result.peaks["read"][0]
+    full_md, sampled_md = (load_metadata(sim.open_store(
+        f"count://{sim.BUCKET}/{p}/run/step-200/model").get(".metadata")) for p in ("n16", "s16"))
+    assert sampled_md.state_dict_metadata == full_md.state_dict_metadata
+    assert sampled_md.storage_data == full_md.storage_data
+    # The DCP manifest: every data file with its size and CRC32C (.metadata's bytes name
+    # the checkpoint's URI). The root manifest: every object at its size (an absent
+    # rank's state file has a running rank's CRC32C).
+    full_dcp, sampled_dcp = _manifest(sim, result, "model/"), _manifest(sim, sampled, "model/")
+    assert full_dcp["files"].pop(".metadata")["size"] == \
+        sampled_dcp["files"].pop(".metadata")["size"]
+    assert sampled_dcp["files"] == full_dcp["files"]
+    timed = ("state/shared.bin", "model/cloudckpt-manifest.json")  # hold timestamps
+    full_root, sampled_root = _manifest(sim, result, ""), _manifest(sim, sampled, "")
+    assert sampled_root["files"].keys() == full_root["files"].keys()
+    assert {k: v["size"] for k, v in sampled_root["files"].items() if k not in timed} \
+        == {k: v["size"] for k, v in full_root["files"].items() if k not in timed}
+    # the manifests' sizes differ only by their timestamps' and timings' digits
+    for name in ("DCP manifest", "root manifest"):
+        assert abs(sampled.sizes[name] - result.sizes[name]) <= 8, name
+
+
+def test_the_sampled_run_checks_its_model_against_the_ranks_that_ran(sim, monkeypatch):
+    """A model that computes a running rank's contribution otherwise than that rank
+    did stops the simulation: the figures it would give are not the job's."""
+    real = sim.AbsentRanks
+    monkeypatch.setattr(sim, "AbsentRanks",
+                        lambda world, layout, running: real(world, "per-param", running))
+    with pytest.raises(sim.ModelMismatch, match="rank 8"):
+        sim.simulate(16, sample=3, name="m16")
+
+
+def test_a_payload_nobody_modelled_fails_loudly():
+    import torch.distributed as dist
+    from cloudckpt_testkit.threadranks import RankModel, SampledWorld, sample_ranks
+
+    world = SampledWorld(64, sample_ranks(64, 3), RankModel(), timeout=60)
+
+    def body(rank):
+        out: list = []
+        dist.all_gather_object(out, None)  # a check that passed everywhere: modelled
+        assert out == [None] * 64
+        dist.all_gather_object(out, {"rank": rank})
+        return out
+
+    with world.patched(), pytest.raises(NotImplementedError, match="no model of rank 1's"):
+        world.run(body)
+
+
+def test_phantoms_are_listed_sized_deleted_and_read_only_when_modelled():
+    from cloudckpt_testkit.counting import phantom, phantoms, recorder
+
+    from cloudckpt.errors import StorageError
+    from cloudckpt.storage import open_store
+
+    store = open_store("count://phantom-test/ck")
+    store.put("real.bin", b"abc")
+    phantom(store, "sub/absent.bin", 5, lambda: b"hello")
+    phantom(store, "state/rank-00009.bin", 7)
+    assert phantoms(store) == 2
+    recorder("phantom-test").take()
+    assert {o.key: o.size for o in store.list()} == {
+        "real.bin": 3, "sub/absent.bin": 5, "state/rank-00009.bin": 7}
+    assert store.list_prefixes() == ["state", "sub"]
+    assert store.info("sub/absent.bin").size == 5
+    assert store.get("sub/absent.bin") == b"hello"
+    with pytest.raises(StorageError, match="PhantomReadError.*nothing models its bytes"):
+        store.get("state/rank-00009.bin")
+    assert [q.kind for q in recorder("phantom-test").take()] == ["LIST", "LIST", "HEAD", "GET"]
+    store.delete([o.key for o in store.list()])
+    assert store.list() == [] and phantoms(store) == 0
+
+
+def test_the_modelled_restore_time_is_the_slowest_ranks_bytes_after_the_coordinator(sim,
+                                                                                     result):
+    """At 1 GB/s a rank, 16 ranks restoring the 828 GB state (parameters and Adam's
+    moments, float32) take a sixteenth of it each: about 52 s of data, after the
+    coordinator's serial reads and planning."""
+    model = sim.restore_model(result, 1e9)
+    total = 3 * 4 * sum(math.prod(s) for s in sim.param_shapes("flat", 16).values())
+    assert total / 16 / 1e9 == pytest.approx(model["data_s"], rel=0.01)
+    assert 0 < model["metadata_s"] < 1 and model["coordinator_cpu_s"] > 0
+    assert model["total_s"] == pytest.approx(
+        model["metadata_s"] + model["coordinator_cpu_s"] + model["data_s"], abs=0.02)
+    assert sim.restore_model(result, 0.5e9)["data_s"] == pytest.approx(2 * model["data_s"],
+                                                                        rel=0.01)
