@@ -16,6 +16,7 @@ from typing import Any
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from cloudckpt.core.checkpoint import Checkpoint
+from cloudckpt.dcp import rankload
 from cloudckpt.dcp.budget import BudgetStager
 from cloudckpt.dcp.reader import CloudStorageReader
 from cloudckpt.dcp.writer import CloudStorageWriter
@@ -176,22 +177,37 @@ def load(
 ) -> None:
     """``dcp.load`` in place from the committed DCP checkpoint at ``uri``.
 
-    Rank 0 reads the manifest and ``.metadata`` first and shares them, so a
-    missing, torn or unadopted checkpoint raises
+    Rank 0 reads the manifest and ``.metadata`` (or, in the indexed format, the index)
+    first and shares them, so a missing, torn or unadopted checkpoint raises
     :class:`CheckpointNotFoundError`/:class:`IncompleteCheckpointError` on every
     rank at once, and the bucket sees one read of each per job, not per rank. A
     :class:`Checkpoint` given (every rank the same) is not read again. An object that
     disagrees with the manifest (missing, short, another CRC32C) raises
     :class:`CorruptCheckpointError` naming it.
+
+    An indexed checkpoint is loaded by each rank alone (:mod:`.rankload`): it reads
+    the records of the chunks its state overlaps (its own, on the layout it was saved
+    with) and plans locally; a state that does not match the checkpoint raises
+    :class:`StateMismatchError` on every rank before any data is read.
     """
     import torch.distributed.checkpoint as dcp
 
     reader = CloudStorageReader(uri, storage_options=storage_options, share_metadata=True,
                                 process_group=process_group)
-    reader.read_metadata()  # manifest and metadata problems surface as our own errors
-    with _unwrapped(f"loading {reader.uri}", process_group):
-        dcp.load(state_dict, storage_reader=reader, planner=planner,
-                 **_dist_args(process_group))
+    # Manifest, metadata and index problems surface here as our own errors.
+    start = reader.open_for_load()
+    if start is None:
+        with _unwrapped(f"loading {reader.uri}", process_group):
+            dcp.load(state_dict, storage_reader=reader, planner=planner,
+                     **_dist_args(process_group))
+        return
+    rankload.prepare(state_dict, reader, start, planner=planner, group=process_group)
+
+    def alone() -> None:
+        with _unwrapped(f"loading {reader.uri}", coord.SOLO):
+            dcp.load(state_dict, storage_reader=reader, planner=planner, no_dist=True)
+
+    coord.checked(alone, process_group)
 
 
 # ----------------------------------------------------------------------- async
