@@ -16,7 +16,7 @@ from typing import Any
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from cloudckpt.core.checkpoint import Checkpoint
-from cloudckpt.dcp import rankload
+from cloudckpt.dcp import rankload, ranksave
 from cloudckpt.dcp.budget import BudgetStager
 from cloudckpt.dcp.reader import CloudStorageReader
 from cloudckpt.dcp.writer import CloudStorageWriter
@@ -118,6 +118,26 @@ def checked_state(state_dict: Mapping[str, Any], group: Any = None) -> dict[str,
     return plain
 
 
+#: Whether :func:`save` and :func:`async_save` write the indexed format (see
+#: :mod:`cloudckpt.dcp.ranksave`) when not told: off until every reader of these
+#: checkpoints (``load``, the manager's restore) reads it.
+INDEXED_BY_DEFAULT = False
+
+
+def _save(state_dict: dict[str, Any], writer: CloudStorageWriter, planner: SavePlanner | None,
+          group: Any, indexed: bool | None) -> Checkpoint | None:
+    """The save itself: indexed where asked and the state allows, else torch's."""
+    import torch.distributed.checkpoint as dcp
+
+    with _unwrapped(f"saving {writer.uri}", group):
+        if INDEXED_BY_DEFAULT if indexed is None else indexed:
+            prepared = ranksave.prepare(state_dict, writer, planner, group)
+            if prepared is not None:
+                return ranksave.write(prepared, writer, group)
+        dcp.save(state_dict, storage_writer=writer, planner=planner, **_dist_args(group))
+    return writer.committed
+
+
 def _dist_args(group: Any) -> dict[str, Any]:
     """DCP's ``process_group``/``no_dist`` for ``group`` (no collectives for
     :data:`~cloudckpt.runtime.coordination.SOLO`, this rank alone)."""
@@ -137,6 +157,7 @@ def save(
     metadata: Mapping[str, Any] | None = None,
     checked: bool = False,
     overwrite: bool = False,
+    indexed: bool | None = None,
     **writer_options: Any,
 ) -> Checkpoint | None:
     """``dcp.save`` to ``uri`` with a :class:`CloudStorageWriter`; cloudckpt errors
@@ -150,21 +171,20 @@ def save(
     :class:`ConfigError` naming the key on every rank, before anything is written;
     ``checked`` says the caller has refused such states on every rank already
     (:func:`cloudckpt.training.snapshot.capture` does), so they are not checked twice.
-    """
-    import torch.distributed.checkpoint as dcp
 
+    ``indexed`` writes the indexed format (:mod:`cloudckpt.dcp.ranksave`: no plan
+    gathered, metadata that grows with tensors, not ranks) where the state's chunks
+    allow it; None: :data:`INDEXED_BY_DEFAULT`.
+    """
     if not checked:
         state_dict = checked_state(state_dict, process_group)
     writer = CloudStorageWriter(uri, storage_options=storage_options, step=step,
                                 metadata=metadata, overwrite=overwrite, **writer_options)
     try:
-        with _unwrapped(f"saving {writer.uri}", process_group):
-            dcp.save(state_dict, storage_writer=writer, planner=planner,
-                     **_dist_args(process_group))
+        return _save(state_dict, writer, planner, process_group, indexed)
     except BaseException:
         writer.release_claim()
         raise
-    return writer.committed
 
 
 def load(
@@ -225,6 +245,7 @@ def async_save(
     staging_budget: int | None = None,
     stager: BudgetStager | None = None,
     overwrite: bool = False,
+    indexed: bool | None = None,
     **writer_options: Any,
 ) -> SaveFuture:
     """Save with only staging on the caller's thread; the upload runs in the background.
@@ -239,11 +260,9 @@ def async_save(
     returns the committed checkpoint on the coordinator (None elsewhere), or
     raises what went wrong; a save still running when the process ends is waited
     for, or reported (see :mod:`cloudckpt.runtime.pending`). Use a gloo process group (or
-    ``cpu:gloo,cuda:nccl``) for the background collectives. ``overwrite`` as for
-    :func:`save`.
+    ``cpu:gloo,cuda:nccl``) for the background collectives. ``overwrite`` and
+    ``indexed`` as for :func:`save`.
     """
-    import torch.distributed.checkpoint as dcp
-
     if stager is not None and staging_budget is not None:
         raise ConfigError("pass staging_budget or a stager (which has its own budget), not both")
     state_dict = checked_state(state_dict, process_group)
@@ -254,15 +273,12 @@ def async_save(
 
     def run() -> Checkpoint | None:
         try:
-            with _unwrapped(f"saving {writer.uri}", process_group):
-                dcp.save(staged.state_dict, storage_writer=writer, planner=planner,
-                         **_dist_args(process_group))
+            return _save(staged.state_dict, writer, planner, process_group, indexed)
         except BaseException:
             writer.release_claim()
             raise
         finally:
             staged.release()
-        return writer.committed
 
     future = run_in_background(run, f"async save to {writer.uri}",
                                name="cloudckpt-async-save")
