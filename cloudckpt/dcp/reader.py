@@ -212,6 +212,9 @@ class CloudStorageReader(OnStore, StorageReader):
         else:
             found = self._open_for_load()
         ckpt, md, start = found
+        if self.share_metadata and not self._given and coord.rank(self.process_group) != 0:
+            # The manifest read there, this rank's own store and options to read through.
+            ckpt = Checkpoint(self._base, ckpt.manifest)
         self.prime(md, ckpt)
         return start
 
