@@ -146,16 +146,16 @@ def metadata_for(index: Index, records: Mapping[int, RankRecords], fqns: Iterabl
                 box = t.rule.chunk(t.size, rank)
                 if box is None or not all(box[1]):
                     continue  # this rank holds nothing of it
-                loc = located.get((rank, i))
-                if loc is None:
+                found = located.get((rank, i))
+                if found is None:
                     raise CorruptCheckpointError(
                         f"the records of rank {rank} have no entry for {fqn}, which its rule "
                         "says that rank holds; the checkpoint cannot be trusted",
                         {records_name(rank, index.key_spread): f"lacks {fqn}"})
                 offsets = torch.Size(box[0])
-                storage[MetadataIndex(fqn, offsets, len(chunks))] = loc.storage_info()
+                storage[MetadataIndex(fqn, offsets, len(chunks))] = found.storage_info()
                 chunks.append(ChunkStorageMetadata(offsets, torch.Size(box[1])))
-                crcs.append((loc.file, loc.offset, loc.crc32c))
+                crcs.append((found.file, found.offset, found.crc32c))
         sd_md[fqn] = TensorStorageMetadata(t.properties, size, chunks)
     md = Metadata(state_dict_metadata=dict(sd_md),
                   planner_data=None if index.planner_data is None else dict(index.planner_data),

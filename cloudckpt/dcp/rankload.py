@@ -8,7 +8,9 @@ every rank before any data is read), reads the records of the saved ranks holdin
 those chunks (:func:`~cloudckpt.dcp.indexread.holders`; on the layout it was saved
 with, its own only) and primes its reader with the ``Metadata`` of just them. torch's
 ``dcp.load`` then plans and reads on each rank alone (``no_dist``): nothing is gathered,
-and each item is still checked against its CRC32C.
+and each item is still checked against its CRC32C. Once every rank's state has passed,
+the coordinator reads the small items held whole (replicated values every rank loads)
+and sends them to all, so a job reads them once, not once per rank.
 
 The names are those of DCP's default planners (nested state flattened to dotted
 names): a load planner naming items otherwise finds them missing.
@@ -102,4 +104,6 @@ def prepare(state_dict: Mapping[str, Any], reader: CloudStorageReader, start: In
         return metadata_for(start.index, records, [*needs.tensors, *needs.byte_items])
 
     md, crcs = coord.checked(plan, group)
-    reader.prime(md, ckpt, crcs, start.shared)
+    # Every rank's state matched: now the replicated small items, read once for the job.
+    shared = coord.on_coordinator(lambda: reader.read_whole_items(start.index), group)
+    reader.prime(md, ckpt, crcs, shared)

@@ -46,7 +46,7 @@ from cloudckpt.dcp.placement import (
     refuse_unsafe_pickle,
 )
 from cloudckpt.dcp.readplan import Prefetched, RequestedItem, coalesce, raw_request, split_range
-from cloudckpt.dcp.records import Index, Location
+from cloudckpt.dcp.records import Index
 from cloudckpt.errors import CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError
 from cloudckpt.names import MANIFEST_NAME
 from cloudckpt.runtime import coordination as coord
@@ -71,11 +71,9 @@ SHARED_BYTES_MAX = 16 * 1024 * 1024
 
 @dataclass(frozen=True)
 class IndexedStart:
-    """What the coordinator of a load of an indexed checkpoint shares: the index, and
-    the checked bytes of the small items held whole, which every rank reads."""
+    """What the coordinator of a load of an indexed checkpoint shares first: its index."""
 
     index: Index
-    shared: dict[MetadataIndex, bytes]
 
 
 def _open_dcp(store: Store) -> Checkpoint:
@@ -204,9 +202,9 @@ class CloudStorageReader(OnStore, StorageReader):
     def open_for_load(self) -> IndexedStart | None:
         """The first step of :func:`cloudckpt.dcp.load`, on every rank: the manifest
         and, for a classic checkpoint, ``.metadata`` (primed, None returned); for an
-        indexed one, the index and the small items held whole (returned, for the
-        rank to read the records it needs). With ``share_metadata``, rank 0 of
-        ``process_group`` reads them and every rank gets them (or its error)."""
+        indexed one, the index (returned, for the rank to read the records it needs).
+        With ``share_metadata``, rank 0 of ``process_group`` reads them and every rank
+        gets them (or its error)."""
         if self.share_metadata:
             found = coord.on_coordinator(self._open_for_load, self.process_group)
         else:
@@ -222,13 +220,13 @@ class CloudStorageReader(OnStore, StorageReader):
         ckpt, early = self._manifest_and_metadata()
         if not is_indexed(ckpt):
             return ckpt, self._classic(ckpt, early), None
-        index = read_index(ckpt)
-        return ckpt, None, IndexedStart(index, self._read_shared(whole_items(index)))
+        return ckpt, None, IndexedStart(read_index(ckpt))
 
-    def _read_shared(self, located: Mapping[MetadataIndex, Location]
-                     ) -> dict[MetadataIndex, bytes]:
-        """The smallest items of ``located`` (up to :data:`SHARED_BYTES_MAX` in all),
-        read and checked: the replicated state every rank of a load reads."""
+    def read_whole_items(self, index: Index) -> dict[MetadataIndex, bytes]:
+        """The smallest items ``index`` holds whole (up to :data:`SHARED_BYTES_MAX` in
+        all), read and checked: the replicated state every rank of a load reads, read
+        once by the coordinator and sent to the others (see :meth:`prime`)."""
+        located = whole_items(index)
         chosen, total = [], 0
         for idx, loc in sorted(located.items(), key=lambda kv: kv[1].length):
             if loc.length > SHARED_ITEM_MAX or total + loc.length > SHARED_BYTES_MAX:
