@@ -40,9 +40,12 @@ from cloudckpt.compat.torch_private import StorageInfo
 from cloudckpt.core.manifest import validate_path
 from cloudckpt.dcp.rules import CHUNKED, WHOLE, Rule
 from cloudckpt.errors import CorruptCheckpointError
+from cloudckpt.names import DCP_INDEX_NAME
 
+#: The manifest's ``dcp.format`` of a checkpoint in this format.
+INDEXED_FORMAT = "indexed"
 #: The coordinator's index of an indexed DCP checkpoint.
-INDEX_NAME = "cloudckpt-dcp-index.json"
+INDEX_NAME = DCP_INDEX_NAME
 INDEX_FORMAT = "cloudckpt.dcp.index"
 INDEX_VERSION = 1
 #: Largest index read (about 2 KB a tensor: a million tensors).
