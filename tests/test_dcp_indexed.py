@@ -150,3 +150,18 @@ def test_a_downloaded_large_job_loads_with_stock_reader_at_8_ranks(s3, tmp_path,
     assert ours.storage_data == downloaded.storage_data
     chunks = ours.state_dict_metadata["model.0.weight"].chunks
     assert len(chunks) == 8  # every rank's chunk, from every rank's records
+
+
+def test_async_indexed_save_commits_in_the_background(local):
+    state = {"w": torch.arange(6.0), "b": torch.ones(2, 2)}
+    uri = local.uri("async")
+    future = cloud_dcp.async_save(state, uri, storage_options=local.options, indexed=True)
+    committed = future.result()
+    assert committed is not None and INDEX_NAME in committed.files
+    index = _index(uri, local.options)
+    assert [t.fqn for t in index.tensors] == ["b", "w"]
+    target = {"w": torch.zeros(6), "b": torch.zeros(2, 2)}
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(target, storage_reader=FileSystemReader(uri), no_dist=True)
+    assert all(torch.equal(target[k], v) for k, v in state.items())

@@ -197,8 +197,9 @@ def _structure(local: SavePlan, rank: int, world: int, spread: int) -> Shape | s
         tensors[fqn] = (size, td.properties, rule)
     if len(set(byte_fqns)) != len(byte_fqns) or set(byte_fqns) & tensors.keys():
         return "an item is named twice"
+    mappings = local.planner_data if isinstance(local.planner_data, dict) else None
     digest = structure_digest(world, spread, ((f, s, p, r) for f, (s, p, r) in tensors.items()),
-                              byte_fqns)
+                              byte_fqns, mappings)
     return digest, tensors, byte_fqns
 
 
