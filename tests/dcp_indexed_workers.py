@@ -100,3 +100,17 @@ def save_with_failing_rank(rank: int, world: int, uri: str, options: str) -> str
     except Exception as exc:  # noqa: BLE001 - reported to the test
         return f"raised {type(exc).__name__}: {exc}"
     return "saved"
+
+
+def save_large_job(rank: int, world: int, uri: str, options: str, ref_path: str) -> bool:
+    """An indexed save treated as a large job: no ``.metadata`` from the save itself."""
+    ranksave.SMALL_JOB_CHUNKS = 0
+    model, optim = build(world)
+    train_steps(model, optim)
+    msd, osd = get_state_dict(model, optim)
+    cloud_dcp.save({"model": msd, "optim": osd, "step": 7}, uri,
+                   storage_options=json.loads(options), indexed=True)
+    full = full_state(model, optim)  # a collective: on every rank
+    if rank == 0:
+        torch.save(full, ref_path)
+    return ranksave.STATS.classic == 0

@@ -125,3 +125,43 @@ def test_incremental_saves_keep_the_classic_format(memory, caplog):
     assert ranksave.STATS.classic == classic + 1
     ckpt = open_checkpoint(memory.uri("run", "step-1"))
     assert "format" not in ckpt.manifest.metadata["dcp"]
+
+
+def test_a_downloaded_large_job_loads_with_stock_reader_at_8_ranks(s3, tmp_path, capsys):
+    from cloudckpt.cli import main
+
+    uri, ref, dest = s3.uri("big"), str(tmp_path / "ref.pt"), tmp_path / "dl"
+    assert run_ranks("dcp_indexed_workers.save_large_job", 8, uri, s3.options_json(), ref,
+                     timeout=600) == {r: True for r in range(8)}
+    ckpt = open_checkpoint(uri, s3.options)
+    assert ".metadata" not in ckpt.files  # a large job's save writes none
+    opts = ["-o", f"endpoint_url={s3.options['endpoint_url']}", "-o",
+            f"key={s3.options['key']}", "-o", f"secret={s3.options['secret']}"]
+    assert main([*opts, "download", uri, str(dest)]) == 0
+    assert "for torch's own readers" in capsys.readouterr().out
+    assert (dest / ".metadata").exists()
+    assert run_ranks("dcp_indexed_workers.load_stock_and_compare", 8, str(dest), ref,
+                     timeout=600) == {r: True for r in range(8)}
+    # `cloudckpt dcp stock` writes the same metadata from the bucket
+    out = tmp_path / "stock" / ".metadata"
+    assert main([*opts, "dcp", "stock", uri, "--output", str(out)]) == 0
+    ours, downloaded = (FileSystemReader(str(p)).read_metadata() for p in (out.parent, dest))
+    assert ours.state_dict_metadata == downloaded.state_dict_metadata
+    assert ours.storage_data == downloaded.storage_data
+    chunks = ours.state_dict_metadata["model.0.weight"].chunks
+    assert len(chunks) == 8  # every rank's chunk, from every rank's records
+
+
+def test_async_indexed_save_commits_in_the_background(local):
+    state = {"w": torch.arange(6.0), "b": torch.ones(2, 2)}
+    uri = local.uri("async")
+    future = cloud_dcp.async_save(state, uri, storage_options=local.options, indexed=True)
+    committed = future.result()
+    assert committed is not None and INDEX_NAME in committed.files
+    index = _index(uri, local.options)
+    assert [t.fqn for t in index.tensors] == ["b", "w"]
+    target = {"w": torch.zeros(6), "b": torch.zeros(2, 2)}
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(target, storage_reader=FileSystemReader(uri), no_dist=True)
+    assert all(torch.equal(target[k], v) for k, v in state.items())

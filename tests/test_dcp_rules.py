@@ -289,3 +289,16 @@ def test_structure_digest_sees_every_part_of_the_structure() -> None:
         structure_digest(2, 0, base, []),
     }
     assert d not in others and len(others) == 6
+
+
+def test_an_index_splitting_over_more_parts_than_ranks_is_corrupt() -> None:
+    doc = json.loads(_index(world=4).encode())
+    doc["world_size"] = 2
+    with pytest.raises(CorruptCheckpointError, match="4 parts by 2 ranks"):
+        Index.decode(json.dumps(doc).encode())
+
+
+def test_structure_digest_sees_where_flattened_names_came_from() -> None:
+    base = [("a.b", (2,), TensorProperties(), Rule.whole())]
+    assert structure_digest(1, 0, base, [], {"a.b": ("a", "b")}) != \
+        structure_digest(1, 0, base, [], {"a.b": ("a.b",)})

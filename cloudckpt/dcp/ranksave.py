@@ -36,6 +36,7 @@ from cloudckpt.core.checkpoint import Checkpoint
 from cloudckpt.dcp.metadata import METADATA_NAME
 from cloudckpt.dcp.records import (
     INDEX_NAME,
+    INDEXED_FORMAT,
     BytesEntry,
     Index,
     Location,
@@ -53,17 +54,15 @@ from cloudckpt.runtime import coordination as coord
 
 log = logging.getLogger(__name__)
 
-#: The manifest's ``dcp.format`` of an indexed checkpoint.
-FORMAT = "indexed"
-
 #: Chunks (a tensor's chunks over all ranks, plus one per whole tensor and
 #: non-tensor item) up to which the coordinator also writes a stock ``.metadata``,
-#: so stock readers load the checkpoint as it is. Building and pickling it costs
-#: the coordinator about 4 us a chunk (``benchmarks/dcp_index_bench.py``:
-#: 4.1 us at 2,100 tensors x 64 ranks, 4.3 us at x 512), so this bounds that work
-#: to about 1 s; a larger job's ``.metadata`` comes from ``cloudckpt download`` or
-#: ``cloudckpt dcp stock`` instead.
-SMALL_JOB_CHUNKS = 250_000
+#: so stock readers load the checkpoint as it is. Building it from the records and
+#: pickling it cost 36 us of CPU a chunk (``benchmarks/dcp_index_bench.py``: 2,100
+#: tensors at 8 and 64 ranks, on 2 cores shared at a load average of 19), so this
+#: bounds that work to under 2 s there (a Llama-70B-shaped state with Adam up to
+#: about 20 ranks); a larger job's ``.metadata`` comes from ``cloudckpt download``
+#: or ``cloudckpt dcp stock`` instead.
+SMALL_JOB_CHUNKS = 50_000
 
 #: Plans kept, by structure digest (a training job alternates between a few).
 _CACHED_PLANS = 4
@@ -198,8 +197,9 @@ def _structure(local: SavePlan, rank: int, world: int, spread: int) -> Shape | s
         tensors[fqn] = (size, td.properties, rule)
     if len(set(byte_fqns)) != len(byte_fqns) or set(byte_fqns) & tensors.keys():
         return "an item is named twice"
+    mappings = local.planner_data if isinstance(local.planner_data, dict) else None
     digest = structure_digest(world, spread, ((f, s, p, r) for f, (s, p, r) in tensors.items()),
-                              byte_fqns)
+                              byte_fqns, mappings)
     return digest, tensors, byte_fqns
 
 
@@ -297,8 +297,8 @@ def _commit(plan: Plan, writer: CloudStorageWriter, outcomes: list[RankOutcome]
         records = {r: o.records for r, o in enumerate(outcomes) if o.records is not None}
         md = stock_metadata(index, records, writer.storage_meta())
         objects[METADATA_NAME] = pickle.dumps(md)
-    committed = writer.commit_files(files, {"format": FORMAT, "key_spread": plan.key_spread},
-                                    objects)
+    committed = writer.commit_files(
+        files, {"format": INDEXED_FORMAT, "key_spread": plan.key_spread}, objects)
     log.info("DCP checkpoint committed at %s (indexed): %d files, %d tensors", writer.uri,
              len(files), len(tensors))
     return committed

@@ -40,9 +40,12 @@ from cloudckpt.compat.torch_private import StorageInfo
 from cloudckpt.core.manifest import validate_path
 from cloudckpt.dcp.rules import CHUNKED, WHOLE, Rule
 from cloudckpt.errors import CorruptCheckpointError
+from cloudckpt.names import DCP_INDEX_NAME
 
+#: The manifest's ``dcp.format`` of a checkpoint in this format.
+INDEXED_FORMAT = "indexed"
 #: The coordinator's index of an indexed DCP checkpoint.
-INDEX_NAME = "cloudckpt-dcp-index.json"
+INDEX_NAME = DCP_INDEX_NAME
 INDEX_FORMAT = "cloudckpt.dcp.index"
 INDEX_VERSION = 1
 #: Largest index read (about 2 KB a tensor: a million tensors).
@@ -203,6 +206,10 @@ class _IndexReader:
         tensors = [self.tensor(t) for t in self.seq(doc.get("tensors"), "tensors")]
         byte_items = [BytesEntry(self.fqn(b, "bytes"), self.location(self.get(b, "location")))
                       for b in self.seq(doc.get("bytes"), "bytes")]
+        for t in tensors:
+            if t.rule.kind == CHUNKED and t.rule.parts > world:
+                raise self.bad(f"{t.fqn} is split into {t.rule.parts} parts by "
+                               f"{world} ranks")
         names = [t.fqn for t in tensors]
         if names != sorted(names):
             raise self.bad("tensors are not sorted by name")
@@ -395,14 +402,18 @@ def _decode_records(data: memoryview, source: str, rank: int | None,
 
 def structure_digest(world_size: int, key_spread: int,
                      tensors: Iterable[tuple[str, Sequence[int], TensorProperties, Rule]],
-                     byte_fqns: Iterable[str]) -> int:
+                     byte_fqns: Iterable[str],
+                     planner_data: Mapping[str, Sequence[str | int]] | None = None) -> int:
     """A 63-bit digest of a save's structure: what every rank must agree on for the
     index to describe the save (world, spread, each tensor's name, size, properties
-    and rule, the non-tensor items' names). Equal digests on every rank, and equal
-    to the previous save's, mean the previous plan holds."""
+    and rule, the non-tensor items' names, where each flattened name came from).
+    Equal digests on every rank, and equal to the previous save's, mean the previous
+    plan holds."""
     doc = [world_size, key_spread,
            sorted([f, list(s), properties_json(p), r.to_json()] for f, s, p, r in tensors),
-           sorted(byte_fqns)]
+           sorted(byte_fqns),
+           None if planner_data is None else sorted([k, list(v)]
+                                                    for k, v in planner_data.items())]
     raw = hashlib.blake2b(json.dumps(doc, separators=(",", ":")).encode(),
                           digest_size=8).digest()
     return int.from_bytes(raw, "little") >> 1
