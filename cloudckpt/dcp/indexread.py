@@ -29,6 +29,8 @@ from cloudckpt.core.checkpoint import Checkpoint
 from cloudckpt.dcp.metadata import ItemCrcs
 from cloudckpt.dcp.records import (
     INDEX_NAME,
+    INDEXED_FORMAT,
+    MAX_INDEX_BYTES,
     Index,
     Location,
     RankRecords,
@@ -39,16 +41,13 @@ from cloudckpt.dcp.records import (
 from cloudckpt.dcp.rules import CHUNKED, WHOLE
 from cloudckpt.errors import CorruptCheckpointError
 
-#: The manifest's ``dcp.format`` of a checkpoint written in the indexed format.
-INDEXED = "indexed"
-
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 
 def is_indexed(ckpt: Checkpoint) -> bool:
     """Whether ``ckpt`` is in the indexed format (its manifest says so)."""
     doc = ckpt.metadata.get("dcp")
-    return isinstance(doc, Mapping) and doc.get("format") == INDEXED
+    return isinstance(doc, Mapping) and doc.get("format") == INDEXED_FORMAT
 
 
 def read_index(ckpt: Checkpoint) -> Index:
@@ -58,6 +57,9 @@ def read_index(ckpt: Checkpoint) -> Index:
             f"the manifest of {ckpt.uri} says its DCP checkpoint is indexed but lists no "
             f"{INDEX_NAME}; the checkpoint is not whole. Fall back to an earlier checkpoint.",
             {INDEX_NAME: "not in the manifest"})
+    if ckpt.entry(INDEX_NAME).size > MAX_INDEX_BYTES:
+        raise CorruptCheckpointError(f"{ckpt.store.key_uri(INDEX_NAME)} is larger than any "
+                                     "index cloudckpt writes", {INDEX_NAME: "too large"})
     index = Index.decode(ckpt.read(INDEX_NAME), source=ckpt.store.key_uri(INDEX_NAME))
     for t in index.tensors:
         if t.rule.kind == CHUNKED and t.rule.parts > index.world_size:
@@ -165,15 +167,20 @@ def metadata_for(index: Index, records: Mapping[int, RankRecords], fqns: Iterabl
     return md, ItemCrcs.of(crcs)
 
 
-def full_metadata(ckpt: Checkpoint) -> tuple[Metadata, ItemCrcs]:
-    """The whole ``Metadata`` of an indexed checkpoint, as a stock ``.metadata`` would hold
-    it, and every item's checksum: the index and the records of every rank that wrote
-    any (items x ranks entries; what a stock-style load of every rank's chunks costs)."""
+def all_records(ckpt: Checkpoint) -> tuple[Index, dict[int, RankRecords]]:
+    """The index and the records of every rank that wrote any (items x ranks entries:
+    what a stock ``.metadata`` holds)."""
     index = read_index(ckpt)
     ranks = [r for r in range(index.world_size)
              if records_name(r, index.key_spread) in ckpt.manifest.files]
-    records = read_records(ckpt, index, ranks)
-    md = stock_metadata(index, records, StorageMeta())
+    return index, read_records(ckpt, index, ranks)
+
+
+def full_metadata(ckpt: Checkpoint) -> tuple[Metadata, ItemCrcs]:
+    """The whole ``Metadata`` of an indexed checkpoint, as a stock ``.metadata`` would hold
+    it, and every item's checksum (:func:`all_records`)."""
+    index, records = all_records(ckpt)
+    md = stock_metadata(index, records, StorageMeta(checkpoint_id=ckpt.uri))
     return md, ItemCrcs.of(item_crcs(index, records.values()))
 
 

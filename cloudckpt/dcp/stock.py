@@ -15,22 +15,16 @@ import pickle
 from collections.abc import Mapping
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata
 
 from cloudckpt.core.checkpoint import Checkpoint, open_checkpoint
-from cloudckpt.dcp import records as fmt
+from cloudckpt.dcp.indexread import full_metadata, is_indexed
 from cloudckpt.dcp.metadata import METADATA_NAME, load_metadata
-from cloudckpt.dcp.records import INDEX_NAME, MAX_INDEX_BYTES, Index, RankRecords
-from cloudckpt.errors import CorruptCheckpointError, NotACheckpointError
+from cloudckpt.dcp.records import INDEX_NAME
+from cloudckpt.errors import NotACheckpointError
 from cloudckpt.storage import Store
 
 log = logging.getLogger(__name__)
-
-
-def is_indexed(ckpt: Checkpoint) -> bool:
-    """Whether ``ckpt`` is a DCP checkpoint in the indexed format."""
-    doc = ckpt.metadata.get("dcp")
-    return isinstance(doc, Mapping) and doc.get("format") == fmt.INDEXED_FORMAT
 
 
 def stock_metadata(checkpoint: str | Store | Checkpoint, *,
@@ -45,24 +39,7 @@ def stock_metadata(checkpoint: str | Store | Checkpoint, *,
     if not is_indexed(ckpt):
         raise NotACheckpointError(f"{ckpt.uri} is not a DCP checkpoint (it has neither "
                                   f"{METADATA_NAME} nor {INDEX_NAME})")
-    index = _index(ckpt)
-    names = {r: fmt.records_name(r, index.key_spread) for r in range(index.world_size)}
-    data = ckpt.read_many([n for n in names.values() if n in ckpt.files])
-    records = {r: RankRecords.decode(data[n], source=ckpt.store.key_uri(n), rank=r,
-                                     index=index)
-               for r, n in names.items() if n in data}
-    return fmt.stock_metadata(index, records, StorageMeta(checkpoint_id=ckpt.uri))
-
-
-def _index(ckpt: Checkpoint) -> Index:
-    if INDEX_NAME not in ckpt.files:
-        raise CorruptCheckpointError(
-            f"{ckpt.uri}'s manifest says it is an indexed DCP checkpoint but lists no "
-            f"{INDEX_NAME}; fall back to an earlier checkpoint", {INDEX_NAME: "missing"})
-    if ckpt.entry(INDEX_NAME).size > MAX_INDEX_BYTES:
-        raise CorruptCheckpointError(f"{ckpt.store.key_uri(INDEX_NAME)} is larger than any "
-                                     "index cloudckpt writes", {INDEX_NAME: "too large"})
-    return Index.decode(ckpt.read(INDEX_NAME), source=ckpt.store.key_uri(INDEX_NAME))
+    return full_metadata(ckpt)[0]
 
 
 def indexed_parts(ckpt: Checkpoint) -> list[str]:
