@@ -24,7 +24,7 @@ from cloudckpt.errors import CloudCkptError, ConfigError, StateMismatchError, St
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.runtime import interrupts
 from cloudckpt.runtime.pending import SaveFuture, run_in_background
-from cloudckpt.runtime.state import check_state_dict, resolve_stateful
+from cloudckpt.runtime.state import Stateful, check_state_dict, resolve_stateful
 from cloudckpt.serialization.torchload import refusal
 from cloudckpt.storage import Store
 
@@ -131,6 +131,9 @@ def _save(state_dict: dict[str, Any], writer: CloudStorageWriter, planner: SaveP
 
     with _unwrapped(f"saving {writer.uri}", group):
         if INDEXED_BY_DEFAULT if indexed is None else indexed:
+            # Stateful values as their state_dict() (a caller's checked state may hold
+            # them: the manager's), as torch's dcp.save takes them.
+            state_dict = resolve_stateful(state_dict)
             prepared = ranksave.prepare(state_dict, writer, planner, group)
             if prepared is not None:
                 return ranksave.write(prepared, writer, group)
@@ -221,13 +224,21 @@ def load(
             dcp.load(state_dict, storage_reader=reader, planner=planner,
                      **_dist_args(process_group))
         return
-    rankload.prepare(state_dict, reader, start, planner=planner, group=process_group)
+    # Stateful values as their state_dict(), taken once (in key order, as dcp.load does).
+    plain = resolve_stateful({k: state_dict[k] for k in sorted(state_dict)})
+    rankload.prepare(plain, reader, start, planner=planner, group=process_group)
 
     def alone() -> None:
         with _unwrapped(f"loading {reader.uri}", coord.SOLO):
-            dcp.load(state_dict, storage_reader=reader, planner=planner, no_dist=True)
+            dcp.load(plain, storage_reader=reader, planner=planner, no_dist=True)
 
     coord.checked(alone, process_group)
+    for key, value in plain.items():  # back into the caller's state, as dcp.load does
+        target = state_dict[key]
+        if isinstance(target, Stateful) and not isinstance(target, Mapping):
+            target.load_state_dict(value)
+        else:
+            state_dict[key] = value
 
 
 # ----------------------------------------------------------------------- async
