@@ -177,3 +177,23 @@ def test_the_manager_restores_an_indexed_checkpoint_of_stateful_objects(s3, monk
     assert torch.equal(model2.weight, model.weight) and torch.equal(model2.bias, model.bias)
     for k, v in optim.state_dict()["state"][0].items():
         assert torch.equal(optim2.state_dict()["state"][0][k], v), k
+
+
+def test_contents_of_an_indexed_checkpoint_are_those_of_the_classic_one(monkeypatch):
+    """`cloudckpt inspect`'s inventory reads an indexed checkpoint without .metadata from
+    its index and records: the same tensors, shapes and item checksums as the same state
+    saved classic, and no DCP file listed as another file."""
+    import cloudckpt.dcp as cdcp
+    from cloudckpt.contents.inventory import list_contents
+    from cloudckpt.dcp import ranksave
+
+    monkeypatch.setattr(ranksave, "SMALL_JOB_CHUNKS", 0)
+    state = {"w": torch.randn(8, 4), "b": torch.arange(5), "step": 3}
+    cdcp.save(state, "memory://contents-idx/run/a", indexed=True)
+    cdcp.save(state, "memory://contents-idx/run/b")
+    indexed, classic = (list_contents(f"memory://contents-idx/run/{n}") for n in "ab")
+    assert ".metadata" not in open_checkpoint("memory://contents-idx/run/a").files
+    assert [(e.name, e.shape, e.checksums) for e in indexed.entries] == \
+        [(e.name, e.shape, e.checksums) for e in classic.entries]
+    assert all(e.checksums for e in indexed.entries)
+    assert not indexed.others and not indexed.problems
