@@ -165,3 +165,35 @@ def test_async_indexed_save_commits_in_the_background(local):
 
     dcp.load(target, storage_reader=FileSystemReader(uri), no_dist=True)
     assert all(torch.equal(target[k], v) for k, v in state.items())
+
+
+def test_thread_ranks_exchange_no_plans_and_write_whole_items_once(memory):
+    """32 thread ranks: one all-reduce, one gather to the coordinator and two broadcasts
+    (the claim, the commit), no all-gather; each value every rank holds is written once,
+    by its owner rank, spread over the ranks."""
+    import torch.distributed as dist
+    from cloudckpt_testkit.threadranks import ThreadWorld
+
+    world = ThreadWorld(32)
+    calls: dict[str, int] = {}
+
+    def counted(name, fn):  # type: ignore[no-untyped-def]
+        def call(*a, **k):  # type: ignore[no-untyped-def]
+            if dist.get_rank() == 0:
+                calls[name] = calls.get(name, 0) + 1
+            return fn(*a, **k)
+        return call
+
+    for name in ("all_gather_object", "gather_object", "broadcast_object_list", "all_reduce"):
+        setattr(world, name, counted(name, getattr(world, name)))
+    state = {f"layer{i}.w": torch.full((3,), float(i)) for i in range(16)}
+    uri = memory.uri("threads")
+    with world.patched():
+        world.run(lambda r: cloud_dcp.save(state, uri, indexed=True, checked=True))
+    assert calls == {"all_reduce": 1, "gather_object": 1, "broadcast_object_list": 2}
+    index = _index(uri, {})
+    assert index.world_size == 32 and len(index.tensors) == 16
+    owners = {t.location.file.split("_")[2] for t in index.tensors if t.location}
+    assert len(owners) > 4  # spread over the ranks, not all on the coordinator
+    ckpt = open_checkpoint(uri)
+    assert sum(f.endswith("_records") for f in ckpt.files) == 32

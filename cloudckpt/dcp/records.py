@@ -447,9 +447,9 @@ def stock_metadata(index: Index, records_by_rank: Mapping[int, RankRecords],
             storage[MetadataIndex(t.fqn, zeros, 0)] = t.location.storage_info()
             continue
         held = {rank for rank, _ in chunks.get(i, [])}
-        for r in range(t.rule.parts):
+        for r in set(range(t.rule.parts)) - held if len(held) < t.rule.parts else ():
             box = t.rule.chunk(t.size, r)
-            if r not in held and box is not None and all(box[1]):
+            if box is not None and all(box[1]):
                 raise CorruptCheckpointError(
                     f"no records of rank {r} for {t.fqn}, which the rule says it holds; the "
                     "checkpoint is incomplete", {records_name(r, index.key_spread): "missing"})
