@@ -34,6 +34,8 @@ BLOB_AREA = "cloudckpt-blobs"
 #: that took a prefix over (or retries one) writes its objects there, under names no
 #: other writer uses, so a taken-over writer still running cannot overwrite them.
 WRITER_AREAS = ".cloudckpt-writers"
+#: An indexed DCP checkpoint's index (cloudckpt.dcp.records): each tensor once.
+DCP_INDEX_NAME = "cloudckpt-dcp-index.json"
 
 
 def is_hidden(name: str) -> bool:

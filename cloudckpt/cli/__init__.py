@@ -24,6 +24,7 @@ from cloudckpt.cli.commands import (
     cmd_adopt,
     cmd_convert,
     cmd_cp,
+    cmd_dcp_stock,
     cmd_download,
     cmd_gc,
     cmd_info,
@@ -209,6 +210,17 @@ def _add_convert(sub: LazySubcommands) -> None:
     c.add_argument("--key-prefix", default=None, help="model keys' prefix (default: auto)")
 
 
+def _add_dcp(sub: LazySubcommands) -> None:
+    sp = _add(sub, "dcp", cmd_dcp_stock, "DCP checkpoints' own operations")
+    dcp = sp.add_subparsers(dest="what", required=True, metavar="ACTION", help="stock")
+    c = add_command(dcp, "stock", cmd_dcp_stock, "write the stock .metadata of an indexed "
+                    "DCP checkpoint (for torch's own readers), built from its index and "
+                    "every rank's records")
+    c.add_argument("uri", help="the DCP checkpoint")
+    c.add_argument("--output", required=True, metavar="PATH",
+                   help="the local file to write (e.g. DIR/.metadata beside a copy)")
+
+
 def _add_run(sub: LazySubcommands) -> None:
     sp = _add(sub, "run", cmd_run, "run a launch command with the frameworks' integrations "
               "activated in it and every Python process it starts")
@@ -228,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_upkeep(sub)
     _add_push(sub)
     _add_convert(sub)
+    _add_dcp(sub)
     _add_run(sub)
     add_frameworks(sub)
     return p

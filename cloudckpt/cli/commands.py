@@ -34,7 +34,7 @@ from cloudckpt.errors import (
 )
 from cloudckpt.movement.checkpoint_copy import copy_checkpoint
 from cloudckpt.movement.trees import tree_units
-from cloudckpt.names import MANIFEST_NAME
+from cloudckpt.names import DCP_INDEX_NAME, MANIFEST_NAME
 from cloudckpt.storage import Store, open_store, parse_options, versioning
 
 _STATUS_LABEL = {"committed": "committed", "uncommitted": "uncommitted (no manifest)",
@@ -176,8 +176,38 @@ def cmd_download(args: argparse.Namespace) -> int:
         units = [("", open_checkpoint(store))]
     else:  # a root: every checkpoint below it, and each slot's current generation
         units = tree_units(store)
-    return _copy([(ckpt, str(Path(args.dir) / rel) if rel else args.dir)
+    code = _copy([(ckpt, str(Path(args.dir) / rel) if rel else args.dir)
                   for rel, ckpt in units], {}, "download")
+    for rel, _ in units:
+        _stock_metadata(str(Path(args.dir) / rel) if rel else args.dir)
+    return code
+
+
+def _stock_metadata(local: str) -> None:
+    """A downloaded checkpoint's indexed DCP checkpoints get the ``.metadata`` torch's
+    ``FileSystemReader`` reads."""
+    if not any(f.rsplit("/", 1)[-1] == DCP_INDEX_NAME for f in open_checkpoint(local).files):
+        return  # no DCP in the indexed format: nothing to import torch for
+    from cloudckpt.dcp.stock import add_stock_metadata
+
+    for uri in add_stock_metadata(open_checkpoint(local)):
+        print(f"download: wrote {uri} for torch's own readers")
+
+
+def cmd_dcp_stock(args: argparse.Namespace) -> int:
+    import pickle
+
+    from cloudckpt.dcp.stock import stock_metadata
+
+    md = stock_metadata(args.uri, storage_options=args.options)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_bytes(pickle.dumps(md))
+    tmp.replace(out)
+    print(f"wrote {out}: {plural(len(md.state_dict_metadata), 'item')}, "
+          f"{plural(len(md.storage_data or {}), 'chunk')}")
+    return EXIT_OK
 
 
 def cmd_rm(args: argparse.Namespace) -> int:

@@ -26,6 +26,8 @@ from cloudckpt.names import MANIFEST_NAME
 __all__ = ["Contents", "Entry", "OtherFile", "list_contents"]
 
 DCP_METADATA = ".metadata"
+DCP_INDEX = "cloudckpt-dcp-index.json"  # an indexed DCP checkpoint's (dcp.records)
+DCP_RECORDS = "_records"
 DCP_SUFFIX = ".distcp"
 SAFETENSORS = ".safetensors"
 
@@ -125,7 +127,7 @@ def list_contents(uri: str | Checkpoint, storage_options: Mapping[str, Any] | No
     ckpt = uri if isinstance(uri, Checkpoint) else open_checkpoint(uri, storage_options)
     files = ckpt.files
     dcp_dirs = sorted({posixpath.dirname(p) for p in files
-                       if posixpath.basename(p) == DCP_METADATA})
+                       if posixpath.basename(p) in (DCP_METADATA, DCP_INDEX)})
     tensor_files = [p for p in files if p.endswith(SAFETENSORS)]
     entries: list[Entry] = []
     for found in ckpt.store.map(lambda d: _dcp_entries(ckpt, d), dcp_dirs):
@@ -145,9 +147,13 @@ def list_contents(uri: str | Checkpoint, storage_options: Mapping[str, Any] | No
 
 
 def _in_dcp(path: str, dcp_dirs: Iterable[str]) -> bool:
-    """A DCP checkpoint's own file: its ``.metadata`` or one of its ``.distcp`` files."""
+    """A DCP checkpoint's own file: its ``.metadata``, one of its ``.distcp`` files, or
+    (indexed) its index or a rank's records."""
     d, base = posixpath.split(path)
-    return d in dcp_dirs and (base == DCP_METADATA or base.endswith(DCP_SUFFIX))
+    if base.endswith(DCP_RECORDS) and posixpath.dirname(d) in dcp_dirs:
+        d = posixpath.dirname(d)  # under a key_spread sub-prefix
+    return d in dcp_dirs and (base in (DCP_METADATA, DCP_INDEX) or base.endswith(DCP_SUFFIX)
+                              or base.endswith(DCP_RECORDS))
 
 
 def _join(part: str, path: str) -> str:
@@ -172,11 +178,17 @@ def _dcp_entries(ckpt: Checkpoint, part: str) -> list[Entry]:
     """The items of the DCP checkpoint at ``part``, from its ``.metadata``."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from cloudckpt.dcp.indexread import full_metadata, is_indexed
     from cloudckpt.dcp.metadata import ItemCrcs, load_metadata
 
-    key = _join(part, DCP_METADATA)
-    md = load_metadata(ckpt.read(key), source=f"{ckpt.uri}/{key}")
-    crcs = ItemCrcs(_part_metadata(ckpt, part).get("dcp"))
+    own = ckpt.part(part) if part and _join(part, MANIFEST_NAME) in ckpt.manifest.files \
+        else ckpt
+    if is_indexed(own):  # the index and every rank's records (the checksums are there)
+        md, crcs = full_metadata(own)
+    else:
+        key = _join(part, DCP_METADATA)
+        md = load_metadata(ckpt.read(key), source=f"{ckpt.uri}/{key}")
+        crcs = ItemCrcs(_part_metadata(ckpt, part).get("dcp"))
     where: dict[str, list[tuple[tuple[int, ...], str, int, str | None]]] = {}
     for index, info in (md.storage_data or {}).items():
         offset = tuple(index.offset) if index.offset is not None else ()

@@ -22,6 +22,11 @@ One module per job, each importing only those listed after it:
 
 - ``api``: ``save``/``load``/``async_save``, and DCP's ``CheckpointException``
   raised as cloudckpt's own errors;
+- ``ranksave``: the indexed save (``indexed=True``): planned on every rank alone,
+  checked in one all-reduce, each rank's records and the coordinator's index;
+- ``stock``: a stock ``.metadata`` built from an indexed checkpoint's index and records;
+- ``rankload``: the indexed load: each rank checks its state against the index, reads
+  the records of the saved chunks it overlaps and plans alone;
 - ``writer``: ``CloudStorageWriter``, items split into files, uploaded, committed;
 - ``budget``: ``BudgetStager``, async saves' host staging within a budget;
 - ``reader``: ``CloudStorageReader``, tensors read straight into their
@@ -30,6 +35,11 @@ One module per job, each importing only those listed after it:
   rows at a time converted, or through ``weights_only`` loading);
 - ``readplan``: the items a load reads, and their grouping into ranged reads;
 - ``adoption``: ``adopt``, committing a DCP checkpoint written without cloudckpt;
+- ``indexread``: an indexed checkpoint's index and the records a load needs, read, and
+  torch's ``Metadata`` of just those chunks;
+- ``records``: the indexed format's index and per-rank chunk records, read as hostile
+  input, and torch's ``Metadata`` built from them;
+- ``rules``: a tensor's sharding as a rule (whole, or torch.chunk of one dimension);
 - ``options``: torch's writer options (``thread_count``, ...), taken as cloudckpt's or
   refused saying why;
 - ``base``: what the writer and the reader share;
@@ -44,6 +54,7 @@ from cloudckpt.dcp.api import async_save, load, save
 from cloudckpt.dcp.budget import BudgetStager, default_budget
 from cloudckpt.dcp.metadata import METADATA_NAME, load_metadata
 from cloudckpt.dcp.reader import CloudStorageReader
+from cloudckpt.dcp.stock import stock_metadata
 from cloudckpt.dcp.writer import CloudStorageWriter
 
 __all__ = [
@@ -57,4 +68,5 @@ __all__ = [
     "load",
     "load_metadata",
     "save",
+    "stock_metadata",
 ]

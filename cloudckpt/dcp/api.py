@@ -16,6 +16,7 @@ from typing import Any
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from cloudckpt.core.checkpoint import Checkpoint
+from cloudckpt.dcp import rankload, ranksave
 from cloudckpt.dcp.budget import BudgetStager
 from cloudckpt.dcp.reader import CloudStorageReader
 from cloudckpt.dcp.writer import CloudStorageWriter
@@ -23,7 +24,7 @@ from cloudckpt.errors import CloudCkptError, ConfigError, StateMismatchError, St
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.runtime import interrupts
 from cloudckpt.runtime.pending import SaveFuture, run_in_background
-from cloudckpt.runtime.state import check_state_dict, resolve_stateful
+from cloudckpt.runtime.state import Stateful, check_state_dict, resolve_stateful
 from cloudckpt.serialization.torchload import refusal
 from cloudckpt.storage import Store
 
@@ -117,6 +118,29 @@ def checked_state(state_dict: Mapping[str, Any], group: Any = None) -> dict[str,
     return plain
 
 
+#: Whether :func:`save` and :func:`async_save` write the indexed format (see
+#: :mod:`cloudckpt.dcp.ranksave`) when not told: off until every reader of these
+#: checkpoints (``load``, the manager's restore) reads it.
+INDEXED_BY_DEFAULT = False
+
+
+def _save(state_dict: dict[str, Any], writer: CloudStorageWriter, planner: SavePlanner | None,
+          group: Any, indexed: bool | None) -> Checkpoint | None:
+    """The save itself: indexed where asked and the state allows, else torch's."""
+    import torch.distributed.checkpoint as dcp
+
+    with _unwrapped(f"saving {writer.uri}", group):
+        if INDEXED_BY_DEFAULT if indexed is None else indexed:
+            # Stateful values as their state_dict() (a caller's checked state may hold
+            # them: the manager's), as torch's dcp.save takes them.
+            state_dict = resolve_stateful(state_dict)
+            prepared = ranksave.prepare(state_dict, writer, planner, group)
+            if prepared is not None:
+                return ranksave.write(prepared, writer, group)
+        dcp.save(state_dict, storage_writer=writer, planner=planner, **_dist_args(group))
+    return writer.committed
+
+
 def _dist_args(group: Any) -> dict[str, Any]:
     """DCP's ``process_group``/``no_dist`` for ``group`` (no collectives for
     :data:`~cloudckpt.runtime.coordination.SOLO`, this rank alone)."""
@@ -136,6 +160,7 @@ def save(
     metadata: Mapping[str, Any] | None = None,
     checked: bool = False,
     overwrite: bool = False,
+    indexed: bool | None = None,
     **writer_options: Any,
 ) -> Checkpoint | None:
     """``dcp.save`` to ``uri`` with a :class:`CloudStorageWriter`; cloudckpt errors
@@ -149,21 +174,20 @@ def save(
     :class:`ConfigError` naming the key on every rank, before anything is written;
     ``checked`` says the caller has refused such states on every rank already
     (:func:`cloudckpt.training.snapshot.capture` does), so they are not checked twice.
-    """
-    import torch.distributed.checkpoint as dcp
 
+    ``indexed`` writes the indexed format (:mod:`cloudckpt.dcp.ranksave`: no plan
+    gathered, metadata that grows with tensors, not ranks) where the state's chunks
+    allow it; None: :data:`INDEXED_BY_DEFAULT`.
+    """
     if not checked:
         state_dict = checked_state(state_dict, process_group)
     writer = CloudStorageWriter(uri, storage_options=storage_options, step=step,
                                 metadata=metadata, overwrite=overwrite, **writer_options)
     try:
-        with _unwrapped(f"saving {writer.uri}", process_group):
-            dcp.save(state_dict, storage_writer=writer, planner=planner,
-                     **_dist_args(process_group))
+        return _save(state_dict, writer, planner, process_group, indexed)
     except BaseException:
         writer.release_claim()
         raise
-    return writer.committed
 
 
 def load(
@@ -176,22 +200,45 @@ def load(
 ) -> None:
     """``dcp.load`` in place from the committed DCP checkpoint at ``uri``.
 
-    Rank 0 reads the manifest and ``.metadata`` first and shares them, so a
-    missing, torn or unadopted checkpoint raises
+    Rank 0 reads the manifest and ``.metadata`` (or, in the indexed format, the index)
+    first and shares them, so a missing, torn or unadopted checkpoint raises
     :class:`CheckpointNotFoundError`/:class:`IncompleteCheckpointError` on every
     rank at once, and the bucket sees one read of each per job, not per rank. A
     :class:`Checkpoint` given (every rank the same) is not read again. An object that
     disagrees with the manifest (missing, short, another CRC32C) raises
     :class:`CorruptCheckpointError` naming it.
+
+    An indexed checkpoint is loaded by each rank alone (:mod:`.rankload`): it reads
+    the records of the chunks its state overlaps (its own, on the layout it was saved
+    with) and plans locally; a state that does not match the checkpoint raises
+    :class:`StateMismatchError` on every rank before any data is read.
     """
     import torch.distributed.checkpoint as dcp
 
     reader = CloudStorageReader(uri, storage_options=storage_options, share_metadata=True,
                                 process_group=process_group)
-    reader.read_metadata()  # manifest and metadata problems surface as our own errors
-    with _unwrapped(f"loading {reader.uri}", process_group):
-        dcp.load(state_dict, storage_reader=reader, planner=planner,
-                 **_dist_args(process_group))
+    # Manifest, metadata and index problems surface here as our own errors.
+    start = reader.open_for_load()
+    if start is None:
+        with _unwrapped(f"loading {reader.uri}", process_group):
+            dcp.load(state_dict, storage_reader=reader, planner=planner,
+                     **_dist_args(process_group))
+        return
+    # Stateful values as their state_dict(), taken once (in key order, as dcp.load does).
+    plain = resolve_stateful({k: state_dict[k] for k in sorted(state_dict)})
+    rankload.prepare(plain, reader, start, planner=planner, group=process_group)
+
+    def alone() -> None:
+        with _unwrapped(f"loading {reader.uri}", coord.SOLO):
+            dcp.load(plain, storage_reader=reader, planner=planner, no_dist=True)
+
+    coord.checked(alone, process_group)
+    for key, value in plain.items():  # back into the caller's state, as dcp.load does
+        target = state_dict[key]
+        if isinstance(target, Stateful) and not isinstance(target, Mapping):
+            target.load_state_dict(value)
+        else:
+            state_dict[key] = value
 
 
 # ----------------------------------------------------------------------- async
@@ -209,6 +256,7 @@ def async_save(
     staging_budget: int | None = None,
     stager: BudgetStager | None = None,
     overwrite: bool = False,
+    indexed: bool | None = None,
     **writer_options: Any,
 ) -> SaveFuture:
     """Save with only staging on the caller's thread; the upload runs in the background.
@@ -223,11 +271,9 @@ def async_save(
     returns the committed checkpoint on the coordinator (None elsewhere), or
     raises what went wrong; a save still running when the process ends is waited
     for, or reported (see :mod:`cloudckpt.runtime.pending`). Use a gloo process group (or
-    ``cpu:gloo,cuda:nccl``) for the background collectives. ``overwrite`` as for
-    :func:`save`.
+    ``cpu:gloo,cuda:nccl``) for the background collectives. ``overwrite`` and
+    ``indexed`` as for :func:`save`.
     """
-    import torch.distributed.checkpoint as dcp
-
     if stager is not None and staging_budget is not None:
         raise ConfigError("pass staging_budget or a stager (which has its own budget), not both")
     state_dict = checked_state(state_dict, process_group)
@@ -238,15 +284,12 @@ def async_save(
 
     def run() -> Checkpoint | None:
         try:
-            with _unwrapped(f"saving {writer.uri}", process_group):
-                dcp.save(staged.state_dict, storage_writer=writer, planner=planner,
-                         **_dist_args(process_group))
+            return _save(staged.state_dict, writer, planner, process_group, indexed)
         except BaseException:
             writer.release_claim()
             raise
         finally:
             staged.release()
-        return writer.committed
 
     future = run_in_background(run, f"async save to {writer.uri}",
                                name="cloudckpt-async-save")

@@ -94,6 +94,15 @@ class ItemCrcs:
         self._packed: Mapping[str, Any] = packed
         self._files: dict[str, dict[int, str]] = {}
 
+    @classmethod
+    def of(cls, items: Iterable[tuple[str, int, str]]) -> ItemCrcs:
+        """The checksums of ``(file, offset, crc32c hex)`` items known already (read from
+        the records of an indexed checkpoint rather than from its manifest)."""
+        out = cls(None)
+        for path, offset, crc in items:
+            out._files.setdefault(path, {})[offset] = crc
+        return out
+
     def get(self, path: str, offset: int) -> str | None:
         if path not in self._files:
             self._files[path] = self._unpack(path)

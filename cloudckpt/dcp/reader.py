@@ -18,6 +18,7 @@ import functools
 import io
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 from torch.distributed.checkpoint.metadata import (
@@ -33,6 +34,7 @@ from torch.futures import Future
 from cloudckpt.compat.torch_private import StorageInfo
 from cloudckpt.core.checkpoint import Checkpoint, open_checkpoint
 from cloudckpt.dcp.base import OnStore
+from cloudckpt.dcp.indexread import full_metadata, is_indexed, read_index, whole_items
 from cloudckpt.dcp.metadata import METADATA_NAME, ItemCrcs, load_metadata
 from cloudckpt.dcp.placement import (
     ItemStream,
@@ -44,6 +46,7 @@ from cloudckpt.dcp.placement import (
     refuse_unsafe_pickle,
 )
 from cloudckpt.dcp.readplan import Prefetched, RequestedItem, coalesce, raw_request, split_range
+from cloudckpt.dcp.records import Index
 from cloudckpt.errors import CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError
 from cloudckpt.names import MANIFEST_NAME
 from cloudckpt.runtime import coordination as coord
@@ -61,6 +64,16 @@ DEFAULT_READ_WINDOW = 128 * 1024 * 1024
 STREAM_MIN = 1024 * 1024
 #: Items at most this large that several ranks read are read once, by the coordinator.
 SHARED_ITEM_MAX = 64 * 1024
+#: Most bytes of such items the coordinator of an indexed load reads and sends to every
+#: rank with the index (the smallest first); larger ones each rank reads itself.
+SHARED_BYTES_MAX = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class IndexedStart:
+    """What the coordinator of a load of an indexed checkpoint shares first: its index."""
+
+    index: Index
 
 
 def _open_dcp(store: Store) -> Checkpoint:
@@ -109,6 +122,8 @@ class CloudStorageReader(OnStore, StorageReader):
         self.process_group = process_group
         self.checkpoint: Checkpoint | None = None
         self._metadata: Metadata | None = None
+        self._crcs: ItemCrcs | None = None  # None: the manifest's
+        self._prefetched: dict[MetadataIndex, bytes] = {}
         self.storage_data: dict[MetadataIndex, StorageInfo] = {}
         self._given = isinstance(uri, Checkpoint)
         if isinstance(uri, Checkpoint):  # its manifest read already (a part of a larger one)
@@ -134,6 +149,8 @@ class CloudStorageReader(OnStore, StorageReader):
             self.store = self._base
             self.checkpoint = None
             self._metadata = None
+            self._crcs = None
+            self._prefetched = {}
 
     def _ckpt(self) -> Checkpoint:
         if self.checkpoint is None:
@@ -155,20 +172,75 @@ class CloudStorageReader(OnStore, StorageReader):
         assert self._metadata is not None
         return self._metadata
 
-    def _read_metadata(self) -> tuple[Metadata, Checkpoint]:
+    def _read_metadata(self) -> tuple[Metadata, Checkpoint, ItemCrcs | None]:
+        ckpt, early = self._manifest_and_metadata()
+        if is_indexed(ckpt):
+            # Item checksums live in the records, so they are read even where a stock
+            # .metadata was written too: the index and every rank's records.
+            md, crcs = full_metadata(ckpt)
+        else:
+            md, crcs = self._classic(ckpt, early), None
+        self._metadata, self._crcs = md, crcs
+        return md, ckpt, crcs
+
+    def _manifest_and_metadata(self) -> tuple[Checkpoint, bytes | None]:
+        """The manifest, and ``.metadata``'s bytes where they were read with it and the
+        manifest vouches for them (one round trip); else None."""
         early = None
         if self.checkpoint is None:
-            # The manifest and .metadata in one round trip: .metadata's bytes count
-            # only once the manifest vouches for them; else it is read through it.
             _, early = self.store.map(lambda job: job(), [self._ckpt, self._metadata_bytes])
         ckpt = self._ckpt()
-        raw = (early if early is not None and ckpt.matches(METADATA_NAME, early)
-               else ckpt.read(METADATA_NAME))
+        return ckpt, early if early is not None and ckpt.matches(METADATA_NAME, early) else None
+
+    def _classic(self, ckpt: Checkpoint, early: bytes | None) -> Metadata:
+        raw = early if early is not None else ckpt.read(METADATA_NAME)
         md = load_metadata(raw, source=ckpt.store.key_uri(METADATA_NAME))
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
-        self._metadata = md
-        return md, ckpt
+        return md
+
+    def open_for_load(self) -> IndexedStart | None:
+        """The first step of :func:`cloudckpt.dcp.load`, on every rank: the manifest
+        and, for a classic checkpoint, ``.metadata`` (primed, None returned); for an
+        indexed one, the index (returned, for the rank to read the records it needs).
+        With ``share_metadata``, rank 0 of ``process_group`` reads them and every rank
+        gets them (or its error)."""
+        if self.share_metadata:
+            found = coord.on_coordinator(self._open_for_load, self.process_group)
+        else:
+            found = self._open_for_load()
+        ckpt, md, start = found
+        if self.share_metadata and not self._given and coord.rank(self.process_group) != 0:
+            # The manifest read there, this rank's own store and options to read through.
+            ckpt = Checkpoint(self._base, ckpt.manifest)
+        self.prime(md, ckpt)
+        return start
+
+    def _open_for_load(self) -> tuple[Checkpoint, Metadata | None, IndexedStart | None]:
+        ckpt, early = self._manifest_and_metadata()
+        if not is_indexed(ckpt):
+            return ckpt, self._classic(ckpt, early), None
+        return ckpt, None, IndexedStart(read_index(ckpt))
+
+    def read_whole_items(self, index: Index) -> dict[MetadataIndex, bytes]:
+        """The smallest items ``index`` holds whole (up to :data:`SHARED_BYTES_MAX` in
+        all), read and checked: the replicated state every rank of a load reads, read
+        once by the coordinator and sent to the others (see :meth:`prime`)."""
+        located = whole_items(index)
+        chosen, total = [], 0
+        for idx, loc in sorted(located.items(), key=lambda kv: kv[1].length):
+            if loc.length > SHARED_ITEM_MAX or total + loc.length > SHARED_BYTES_MAX:
+                break
+            chosen.append(idx)
+            total += loc.length
+        if not chosen:
+            return {}
+        self.storage_data = {idx: located[idx].storage_info() for idx in chosen}
+        try:
+            return self._fetch_raw(chosen, ItemCrcs.of(
+                (located[i].file, located[i].offset, located[i].crc32c) for i in chosen))
+        finally:
+            self.storage_data = {}
 
     def _metadata_bytes(self) -> bytes | None:
         try:
@@ -176,12 +248,24 @@ class CloudStorageReader(OnStore, StorageReader):
         except Exception:  # noqa: BLE001 - read through the manifest then, whose error says why
             return None
 
-    def prime(self, metadata: Metadata | None, checkpoint: Checkpoint) -> None:
+    def prime(self, metadata: Metadata | None, checkpoint: Checkpoint,
+              item_crcs: ItemCrcs | None = None,
+              prefetched: Mapping[MetadataIndex, bytes] | None = None) -> None:
         """Use the ``.metadata`` and manifest (checkpoint) another rank read instead of
-        reading them again: at a large world size, one read per job, not per rank."""
+        reading them again: at a large world size, one read per job, not per rank.
+        ``item_crcs`` are the items' checksums where the manifest does not hold them (an
+        indexed checkpoint's records); ``prefetched`` the checked bytes of items read
+        already (by the coordinator, once for the job)."""
         self._metadata = metadata
+        self._crcs = item_crcs
+        self._prefetched = dict(prefetched or {})
         self.checkpoint = checkpoint
         self.store = checkpoint.store  # reads its objects where its manifest says
+
+    def _item_crcs(self) -> ItemCrcs:
+        if self._crcs is not None:
+            return self._crcs
+        return ItemCrcs(self._ckpt().metadata.get("dcp"))
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
@@ -197,20 +281,29 @@ class CloudStorageReader(OnStore, StorageReader):
         Adam's step counts and hyper-parameters) are read here, once, checked, and
         sent to the ranks with their plans. Otherwise every rank would ask the bucket
         for the same few bytes at the same moment: 1,024 GETs on one key."""
+        if self._prefetched:  # read by the coordinator already (an indexed load)
+            return [dataclasses.replace(plan, storage_data=Prefetched(
+                {req.storage_index: self._prefetched[req.storage_index] for req in plan.items
+                 if req.storage_index in self._prefetched})) for plan in plans]
         readers = Counter(req.storage_index for plan in plans for req in plan.items)
         shared = [i for i, n in readers.items()
                   if n > 1 and self.storage_data[i].length <= SHARED_ITEM_MAX]
         if not shared:
             return plans
-        item_crcs = ItemCrcs(self._ckpt().metadata.get("dcp"))
-        items = [RequestedItem(raw_request(i), *self._entry(i, item_crcs), None) for i in shared]
-        window = shared_window(self.read_window)
-        self.store.map(lambda group: self._fetch_group(*group, window),  # type: ignore[call-arg]  # mypy: *Any fills every parameter
-                       coalesce(items, self.store.part_size))
-        raw = {item.req.storage_index: cast(bytes, item.raw) for item in items}  # all fetched
+        raw = self._fetch_raw(shared, self._item_crcs())
         return [dataclasses.replace(plan, storage_data=Prefetched(
             {req.storage_index: raw[req.storage_index] for req in plan.items
              if req.storage_index in raw})) for plan in plans]
+
+    def _fetch_raw(self, indices: Sequence[MetadataIndex], item_crcs: ItemCrcs
+                   ) -> dict[MetadataIndex, bytes]:
+        """The stored bytes of items ``indices`` (of :attr:`storage_data`), checked."""
+        items = [RequestedItem(raw_request(i), *self._entry(i, item_crcs), None)
+                 for i in indices]
+        window = shared_window(self.read_window)
+        self.store.map(lambda group: self._fetch_group(*group, window),  # type: ignore[call-arg]  # mypy: *Any fills every parameter
+                       coalesce(items, self.store.part_size))
+        return {item.req.storage_index: cast(bytes, item.raw) for item in items}  # all fetched
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         fut: Future[None] = Future()
@@ -229,8 +322,7 @@ class CloudStorageReader(OnStore, StorageReader):
 
     def _read(self, reqs: Sequence[ReadItem], planner: LoadPlanner,
               given: Mapping[MetadataIndex, bytes]) -> None:
-        ckpt = self._ckpt()
-        item_crcs = ItemCrcs(ckpt.metadata.get("dcp"))
+        item_crcs = self._item_crcs()
         items = [self._item(req, planner, item_crcs) for req in reqs]
         for item in items:  # read (and checked) by the coordinator
             if item.req.storage_index in given:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pickle
-import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -30,6 +29,7 @@ from cloudckpt.dcp import options as torch_options
 from cloudckpt.dcp.base import OnStore
 from cloudckpt.dcp.budget import StagedState
 from cloudckpt.dcp.metadata import DCP_KIND, METADATA_NAME, SUFFIX, pack_item_crcs
+from cloudckpt.dcp.records import spread_name
 from cloudckpt.dcp.units import (
     BlobFiles,
     ItemInfo,
@@ -66,7 +66,7 @@ def auto_spread(world_size: int) -> int:
 
 
 @dataclass(frozen=True)
-class _RankFiles:
+class RankFiles:
     """What the coordinator tells each rank about its files: their name prefix, how
     many sub-prefixes they are spread over, and the writer area they go to when the
     coordinator's claim was not fresh (see :class:`CheckpointWriter`)."""
@@ -75,11 +75,18 @@ class _RankFiles:
     key_spread: int
     area: str | None = None
 
-_DCP_VERSION: str | None
-try:  # the version string stock FileSystemWriter writes
-    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION as _DCP_VERSION
+    @staticmethod
+    def of_rank(rank: int, key_spread: int, area: str | None = None) -> RankFiles:
+        """Rank ``rank``'s files, named after its position as stock DCP does."""
+        return RankFiles(f"__{rank}_", key_spread, area)
+
+
+#: The version string stock ``FileSystemWriter`` writes into ``.metadata``.
+DCP_VERSION: str | None
+try:
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION as DCP_VERSION
 except ImportError:  # pragma: no cover - older torch
-    _DCP_VERSION = None
+    DCP_VERSION = None
 
 
 class CloudStorageWriter(OnStore, StorageWriter, BlockingAsyncStager):
@@ -199,19 +206,28 @@ class CloudStorageWriter(OnStore, StorageWriter, BlockingAsyncStager):
         # URI another one is writing stops here (CommitConflictError, on every rank), and
         # so does one onto a committed checkpoint unless it is to replace it (then every
         # rank writes under the save's own writer area: nothing committed is touched).
-        self._writer = self._checkpoint_writer()
-        self._writer.claim()
-        # Each rank's files are named after its position, as stock DCP does.
-        self._spread = auto_spread(len(plans)) if self.key_spread is None else self.key_spread
+        area = self.claim(len(plans))
         if self.files_of_rank is not None:
             if len(plans) != 1:
                 raise ConfigError("files_of_rank names the files of a one-rank save; this "
                                   f"save has {len(plans)} ranks")
-            return [dataclasses.replace(plans[0], storage_data=_RankFiles(
-                f"__{self.files_of_rank}_", self._spread, self._writer.moving))]
-        return [dataclasses.replace(p, storage_data=_RankFiles(f"__{i}_", self._spread,
-                                                               self._writer.moving))
+            return [dataclasses.replace(plans[0], storage_data=RankFiles.of_rank(
+                self.files_of_rank, self._spread, area))]
+        return [dataclasses.replace(p, storage_data=RankFiles.of_rank(i, self._spread, area))
                 for i, p in enumerate(plans)]
+
+    def claim(self, world_size: int) -> str | None:
+        """Coordinator only: claim the prefix for a save by ``world_size`` ranks and
+        choose its spread; returns the writer area every rank's files go under (None:
+        the objects' own paths)."""
+        self._writer = self._checkpoint_writer()
+        self._writer.claim()
+        self._spread = self.spread_for(world_size)
+        return self._writer.moving
+
+    def spread_for(self, world_size: int) -> int:
+        """The sub-prefixes of a save by ``world_size`` ranks (see ``key_spread``)."""
+        return auto_spread(world_size) if self.key_spread is None else self.key_spread
 
     def _checkpoint_writer(self) -> CheckpointWriter:
         try:
@@ -229,19 +245,19 @@ class CloudStorageWriter(OnStore, StorageWriter, BlockingAsyncStager):
             self._writer.abandon()
 
     @staticmethod
-    def _file_name(files: _RankFiles, i: int) -> str:
-        name = f"{files.prefix}{i}{SUFFIX}"
-        if files.key_spread:
-            bucket = zlib.crc32(name.encode()) % files.key_spread
-            return f"{bucket:0{max(2, len(f'{files.key_spread - 1:x}'))}x}/{name}"
-        return name
+    def _file_name(files: RankFiles, i: int) -> str:
+        return spread_name(f"{files.prefix}{i}{SUFFIX}", files.key_spread)
+
+    def rank_store(self, files: RankFiles) -> Store:
+        """Where a rank writes its files: the writer area its coordinator chose."""
+        return self.store if files.area is None or self.store.written_under else \
+            self.store.writing_under(files.area)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         files = plan.storage_data
-        if not isinstance(files, _RankFiles):  # planned elsewhere: name after this rank
-            files = _RankFiles(f"__{self.rank}_", self.key_spread or 0)
-        store = self.store if files.area is None or self.store.written_under else \
-            self.store.writing_under(files.area)
+        if not isinstance(files, RankFiles):  # planned elsewhere: name after this rank
+            files = RankFiles.of_rank(self.rank, self.key_spread or 0)
+        store = self.rank_store(files)
         fut: Future[list[WriteResult]] = Future()
         try:
             results: list[WriteResult] = []
@@ -309,18 +325,27 @@ class CloudStorageWriter(OnStore, StorageWriter, BlockingAsyncStager):
             files[sd.relative_path] = (sd.file_size, sd.file_crc32c, sd.blob, sd.sent)
             items.append((sd.relative_path, sd.offset, sd.crc32c))
         metadata.storage_data = storage
-        if _DCP_VERSION is not None:
-            metadata.version = _DCP_VERSION
+        if DCP_VERSION is not None:
+            metadata.version = DCP_VERSION
         metadata.storage_meta = self.storage_meta()
-        writer = self._writer or self._checkpoint_writer()
         dcp_doc: dict[str, Any] = {"item_crcs": pack_item_crcs(items),
                                    "key_spread": self._spread}
         if self.blobs is not None:
             dcp_doc["incremental"] = sent_figures(files.values())
-        writer.metadata = {**self.user_metadata, "dcp": dcp_doc}
-        for name, (size, crc, blob, _) in sorted(files.items()):
-            writer.add_existing(name, size, crc, blob, blob is None and writer.moving is not None)
-        writer.put(METADATA_NAME, pickle.dumps(metadata))
-        self.committed = writer.commit()
+        self.commit_files(files, dcp_doc, {METADATA_NAME: pickle.dumps(metadata)})
         log.info("DCP checkpoint committed at %s: %d files, %d items", self.uri, len(files),
                  len(items))
+
+    def commit_files(self, files: Mapping[str, tuple[int, str, str | None, bool]],
+                     dcp_doc: Mapping[str, Any], objects: Mapping[str, bytes]) -> Checkpoint:
+        """Coordinator only: commit the checkpoint of the ranks' ``files`` (name ->
+        size, CRC32C, blob, sent), with ``dcp_doc`` as the manifest's ``dcp`` metadata,
+        after writing ``objects`` (name -> bytes: the format's metadata)."""
+        writer = self._writer or self._checkpoint_writer()
+        writer.metadata = {**self.user_metadata, "dcp": dict(dcp_doc)}
+        for name, (size, crc, blob, _) in sorted(files.items()):
+            writer.add_existing(name, size, crc, blob, blob is None and writer.moving is not None)
+        for name, data in objects.items():
+            writer.put(name, data)
+        self.committed = writer.commit()
+        return self.committed

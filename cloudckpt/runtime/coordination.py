@@ -11,7 +11,11 @@ skipped (invariant 8 of docs/architecture.md):
   state); every rank gets all the results, or every rank raises the first
   failure;
 - :func:`agree`: every rank has checked something of its own; if any refused,
-  every rank raises.
+  every rank raises;
+- :func:`collect`: every rank does its part, the coordinator alone gathers the
+  results and finishes the step (a commit from each rank's file list);
+- :func:`all_reduce_max_ints`: a few integers every rank contributes, reduced in one
+  fixed-size collective (whether every rank's save has the same structure).
 
 In a single process (no process group), or with :data:`SOLO` as the group
 (this rank alone, inside a job: its own local-tier save), each is a plain
@@ -26,6 +30,7 @@ from collections.abc import Callable
 from typing import Any, Literal, TypeVar, cast, overload
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 def initialized() -> bool:
@@ -82,6 +87,20 @@ def all_reduce_max(value: float, group: Any = None) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t.item())
+
+
+def all_reduce_max_ints(values: list[int], group: Any = None) -> list[int]:
+    """Each of ``values`` (64-bit signed integers) maximised over the ranks, in one
+    fixed-size collective (a minimum is the maximum of the negated value): an O(1)
+    check every rank makes alike, however many ranks there are."""
+    if alone(group):
+        return list(values)
+    import torch
+
+    dist = _dist()
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [int(v) for v in t.tolist()]
 
 
 def _gather(obj: Any, group: Any) -> list[Any]:
@@ -152,6 +171,37 @@ def each_rank(fn: Callable[[], T], group: Any = None) -> list[T]:
                        group)
     _raise_first(error, [g[1] if g[0] == "error" else None for g in gathered])
     return [g[1] for g in gathered]
+
+
+def collect(fn: Callable[[], T], then: Callable[[list[T]], R], group: Any = None) -> R | None:
+    """Run ``fn()`` on every rank and gather the results on the coordinator only (not
+    on every rank: what each sends is not multiplied by the world size), which runs
+    ``then(results)``, by rank; return its result on the coordinator, None elsewhere.
+    If any rank's ``fn`` or the coordinator's ``then`` failed, every rank raises (a
+    failed rank its own error, the others the first failure's class)."""
+    result, error = _outcome(fn)
+    if alone(group):
+        if error is not None:
+            raise error
+        return then([cast(T, result)])
+    dist = _dist()
+    mine = ("error", _summary(error)) if error is not None else ("ok", result)
+    coordinator = rank(group) == 0
+    gathered: list[Any] | None = [None] * world_size(group) if coordinator else None
+    dst = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.gather_object(mine, gathered, dst=dst, group=group)
+
+    def finish() -> R:
+        assert gathered is not None  # the coordinator's
+        _raise_first(error, [g[1] if g[0] == "error" else None for g in gathered])
+        return then([g[1] for g in gathered])
+
+    try:
+        return on_coordinator(finish, group, share=False)
+    except Exception:
+        if error is not None:
+            raise error from None
+        raise
 
 
 def checked(fn: Callable[[], T], group: Any = None) -> T:
