@@ -119,8 +119,8 @@ def checked_state(state_dict: Mapping[str, Any], group: Any = None) -> dict[str,
 
 
 #: Whether :func:`save` and :func:`async_save` write the indexed format (see
-#: :mod:`cloudckpt.dcp.ranksave`) when not told: off until every reader of these
-#: checkpoints (``load``, the manager's restore) reads it.
+#: :mod:`cloudckpt.dcp.ranksave`) when not told: off while a load with a custom planner
+#: that maps keys the checkpoint lacks onto saved tensors is refused by the indexed load.
 INDEXED_BY_DEFAULT = False
 
 
