@@ -146,16 +146,13 @@ def test_a_state_that_does_not_match_is_refused_on_every_rank_before_reading(s3,
         assert data_gets == 0
 
 
-def test_the_manager_restores_an_indexed_checkpoint_of_stateful_objects(s3, monkeypatch):
+def test_the_manager_restores_an_indexed_checkpoint_of_stateful_objects(s3):
     """CheckpointManager saves a model and its optimizer (Stateful objects) in the indexed
     format and restores them bit-exact into fresh ones."""
-    from cloudckpt.dcp import api
     from cloudckpt.dcp.indexread import read_index
     from cloudckpt.runtime.state import StepInfo
     from cloudckpt.training.manager import CheckpointManager
     from cloudckpt.training.options import ManagerOptions
-
-    monkeypatch.setattr(api, "INDEXED_BY_DEFAULT", True)
 
     def trained(seed: int):
         torch.manual_seed(seed)

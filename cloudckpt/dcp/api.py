@@ -118,19 +118,13 @@ def checked_state(state_dict: Mapping[str, Any], group: Any = None) -> dict[str,
     return plain
 
 
-#: Whether :func:`save` and :func:`async_save` write the indexed format (see
-#: :mod:`cloudckpt.dcp.ranksave`) when not told: off while a load with a custom planner
-#: that maps keys the checkpoint lacks onto saved tensors is refused by the indexed load.
-INDEXED_BY_DEFAULT = False
-
-
 def _save(state_dict: dict[str, Any], writer: CloudStorageWriter, planner: SavePlanner | None,
           group: Any, indexed: bool | None) -> Checkpoint | None:
     """The save itself: indexed where asked and the state allows, else torch's."""
     import torch.distributed.checkpoint as dcp
 
     with _unwrapped(f"saving {writer.uri}", group):
-        if INDEXED_BY_DEFAULT if indexed is None else indexed:
+        if indexed is not False:
             # Stateful values as their state_dict() (a caller's checked state may hold
             # them: the manager's), as torch's dcp.save takes them.
             state_dict = resolve_stateful(state_dict)
@@ -177,7 +171,7 @@ def save(
 
     ``indexed`` writes the indexed format (:mod:`cloudckpt.dcp.ranksave`: no plan
     gathered, metadata that grows with tensors, not ranks) where the state's chunks
-    allow it; None: :data:`INDEXED_BY_DEFAULT`.
+    allow it; None (the default) does the same, False writes torch's own format.
     """
     if not checked:
         state_dict = checked_state(state_dict, process_group)

@@ -173,27 +173,20 @@ class CloudStorageReader(OnStore, StorageReader):
         return self._metadata
 
     def _read_metadata(self) -> tuple[Metadata, Checkpoint, ItemCrcs | None]:
-        ckpt, early = self._manifest_and_metadata()
+        ckpt = self._ckpt()
         if is_indexed(ckpt):
             # Item checksums live in the records, so they are read even where a stock
             # .metadata was written too: the index and every rank's records.
             md, crcs = full_metadata(ckpt)
         else:
-            md, crcs = self._classic(ckpt, early), None
+            md, crcs = self._classic(ckpt), None
         self._metadata, self._crcs = md, crcs
         return md, ckpt, crcs
 
-    def _manifest_and_metadata(self) -> tuple[Checkpoint, bytes | None]:
-        """The manifest, and ``.metadata``'s bytes where they were read with it and the
-        manifest vouches for them (one round trip); else None."""
-        early = None
-        if self.checkpoint is None:
-            _, early = self.store.map(lambda job: job(), [self._ckpt, self._metadata_bytes])
-        ckpt = self._ckpt()
-        return ckpt, early if early is not None and ckpt.matches(METADATA_NAME, early) else None
-
-    def _classic(self, ckpt: Checkpoint, early: bytes | None) -> Metadata:
-        raw = early if early is not None else ckpt.read(METADATA_NAME)
+    def _classic(self, ckpt: Checkpoint) -> Metadata:
+        """``.metadata``, read only once the manifest says the checkpoint is classic (an
+        indexed one may have none, or one far larger than what a load reads)."""
+        raw = ckpt.read(METADATA_NAME)
         md = load_metadata(raw, source=ckpt.store.key_uri(METADATA_NAME))
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
@@ -217,9 +210,9 @@ class CloudStorageReader(OnStore, StorageReader):
         return start
 
     def _open_for_load(self) -> tuple[Checkpoint, Metadata | None, IndexedStart | None]:
-        ckpt, early = self._manifest_and_metadata()
+        ckpt = self._ckpt()
         if not is_indexed(ckpt):
-            return ckpt, self._classic(ckpt, early), None
+            return ckpt, self._classic(ckpt), None
         return ckpt, None, IndexedStart(read_index(ckpt))
 
     def read_whole_items(self, index: Index) -> dict[MetadataIndex, bytes]:
@@ -241,12 +234,6 @@ class CloudStorageReader(OnStore, StorageReader):
                 (located[i].file, located[i].offset, located[i].crc32c) for i in chosen))
         finally:
             self.storage_data = {}
-
-    def _metadata_bytes(self) -> bytes | None:
-        try:
-            return self.store.get(METADATA_NAME)
-        except Exception:  # noqa: BLE001 - read through the manifest then, whose error says why
-            return None
 
     def prime(self, metadata: Metadata | None, checkpoint: Checkpoint,
               item_crcs: ItemCrcs | None = None,
