@@ -406,7 +406,10 @@ class AbsentRanks(RankModel):
         self._resolver: DefaultSavePlanner | None = None
         # The indexed save's plan, each class of rank's files, items' CRC32Cs, owners.
         self._plan: ranksave.Plan | None = None
-        self._templates: dict[frozenset[str], list[list[tuple[WriteItem, bytes]]]] = {}
+        self._templates: dict[tuple[frozenset[str], tuple[int, ...]],
+                              list[list[tuple[WriteItem, bytes]]]] = {}
+        self._lengths: list[int] | None = None
+        self._local: dict[tuple[int, ...], tuple[int, list[WriteItem]]] = {}
         self._crcs: dict[str, str] = {}
         self._owners: dict[int, set[str]] | None = None
 
@@ -541,22 +544,39 @@ class AbsentRanks(RankModel):
             self._plan = ranksave._plan(*shape, self.world, spread, local)
         return self._plan
 
-    def _template(self, owned: frozenset[str]) -> list[list[tuple[WriteItem, bytes]]]:
-        """The files (each its items and their bytes) of a rank that writes the whole
-        items ``owned``: every rank's chunks are alike but for their names, as every
-        shard of a tensor stands on the same placeholder."""
-        if owned not in self._templates:
+    def _template(self, rank: int) -> list[list[tuple[WriteItem, bytes]]]:
+        """The files (each its items and their bytes) of ``rank``, made once per class
+        of rank: those writing the same whole items and holding as many rows of each
+        tensor (the files are split by the chunks' sizes) write files alike but for
+        their names, as every shard of a tensor stands on the same placeholder."""
+        owned, rows = self._owned(rank), self._rows(rank)
+        key = (owned, rows)
+        if key not in self._templates:
             plan = self._indexed()
-            rank = next(r for r in range(self.world) if self._owned(r) == owned)
-            planner = DefaultSavePlanner()
-            planner.set_up_planner(rank_state(rank, self.world, self.layout),
-                                   is_coordinator=False)
-            items = [i for i in planner.create_local_plan().items
-                     if ranksave._writes(i, plan, rank)]
+            if rows not in self._local:  # a rank's items, as DCP plans them (once per rows)
+                planner = DefaultSavePlanner()
+                planner.set_up_planner(rank_state(rank, self.world, self.layout),
+                                       is_coordinator=False)
+                self._local[rows] = (rank, planner.create_local_plan().items)
+            # What ranksave._writes keeps: every chunk, and the whole items it owns.
+            items = [i for i in self._local[rows][1] if i.index.fqn in owned or (
+                i.type != WriteItemType.BYTE_IO
+                and plan.tensors[plan.position[i.index.fqn]].rule.kind != WHOLE)]
             buckets = split_by_size(items, DEFAULT_FILE_SIZE, DEFAULT_MAX_FILES)
-            self._templates[owned] = [[(i, self._item_bytes(i)) for i in b] for b in buckets
-                                      if b]
-        return self._templates[owned]
+            self._templates[key] = [[(i, self._item_bytes(i)) for i in b] for b in buckets
+                                    if b]
+        return self._templates[key]
+
+    def _rows(self, rank: int) -> tuple[int, ...]:
+        """The rows ``rank`` holds of a tensor of each length of dim 0 (torch.chunk's)."""
+        if self._lengths is None:
+            self._lengths = sorted({s[0] for s in param_shapes(self.layout, self.world)
+                                    .values()})
+        out = []
+        for n in self._lengths:
+            step = -(-n // self.world)
+            out.append(max(0, min(step, n - rank * step)))
+        return tuple(out)
 
     def _owned(self, rank: int) -> frozenset[str]:
         """The whole items (tensors held whole, other values) ``rank`` writes."""
@@ -575,7 +595,7 @@ class AbsentRanks(RankModel):
         files: dict[str, tuple[int, str, str | None, bool]] = {}
         located: list[tuple[str, Location]] = []
         records: list[Record] = []
-        for i, bucket in enumerate(self._template(self._owned(rank))):
+        for i, bucket in enumerate(self._template(rank)):
             name = _file_name(f"__{rank}_", plan.key_spread, i)
             crc, offset = Crc32c(), 0
             for item, data in bucket:
@@ -611,7 +631,7 @@ class AbsentRanks(RankModel):
         """Absent ``rank``'s records object, made again (for a read of its phantom)."""
         plan = self._indexed()
         records = []
-        for i, bucket in enumerate(self._template(self._owned(rank))):
+        for i, bucket in enumerate(self._template(rank)):
             name = _file_name(f"__{rank}_", plan.key_spread, i)
             offset = 0
             for item, data in bucket:
