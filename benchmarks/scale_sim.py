@@ -411,6 +411,7 @@ class AbsentRanks(RankModel):
         self._lengths: list[int] | None = None
         self._local: dict[tuple[int, ...], tuple[int, list[WriteItem]]] = {}
         self._crcs: dict[str, str] = {}
+        self._file_crcs: dict[int, str] = {}  # by id() of a template's file
         self._owners: dict[int, set[str]] | None = None
 
     def seen(self, call: Collective) -> None:
@@ -565,6 +566,15 @@ class AbsentRanks(RankModel):
             buckets = split_by_size(items, DEFAULT_FILE_SIZE, DEFAULT_MAX_FILES)
             self._templates[key] = [[(i, self._item_bytes(i)) for i in b] for b in buckets
                                     if b]
+            for bucket in self._templates[key]:  # a file's CRC32C, the same on every rank
+                crc = Crc32c()
+                for item, data in bucket:
+                    if item.index.fqn not in self._crcs:
+                        c = Crc32c()
+                        c.update(data)
+                        self._crcs[item.index.fqn] = c.hexdigest()
+                    crc.append(int(self._crcs[item.index.fqn], 16), len(data))
+                self._file_crcs[id(bucket)] = crc.hexdigest()
         return self._templates[key]
 
     def _rows(self, rank: int) -> tuple[int, ...]:
@@ -597,14 +607,9 @@ class AbsentRanks(RankModel):
         records: list[Record] = []
         for i, bucket in enumerate(self._template(rank)):
             name = _file_name(f"__{rank}_", plan.key_spread, i)
-            crc, offset = Crc32c(), 0
+            offset = 0
             for item, data in bucket:
-                item_crc = self._crcs.get(item.index.fqn)
-                if item_crc is None:
-                    c = Crc32c()
-                    c.update(data)
-                    item_crc = self._crcs[item.index.fqn] = c.hexdigest()
-                crc.append(int(item_crc, 16), len(data))
+                item_crc = self._crcs[item.index.fqn]
                 loc = Location(name, offset, len(data), item_crc)
                 pos = plan.position.get(item.index.fqn)
                 if pos is not None and plan.tensors[pos].rule.kind != WHOLE:
@@ -612,7 +617,7 @@ class AbsentRanks(RankModel):
                 else:
                     located.append((item.index.fqn, loc))
                 offset += len(data)
-            files[name] = (offset, crc.hexdigest(), None, True)
+            files[name] = (offset, self._file_crcs[id(bucket)], None, True)
             if stand_in:
                 phantom(dcp, name, offset,
                         lambda bucket=bucket: b"".join(data for _, data in bucket))
