@@ -992,8 +992,13 @@ def indexed_data(store: Store, ckpt: Any, world: int, full_plans: dict[int, list
     return per_rank, gets, items
 
 
+_ITEMSIZE: dict[torch.dtype, int] = {}
+
+
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    if dtype not in _ITEMSIZE:
+        _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()
+    return _ITEMSIZE[dtype]
 
 
 @dataclass
