@@ -47,7 +47,7 @@ coordinator's serial part of a resume to the slowest rank's data at the bandwidt
 Usage::
 
     python benchmarks/scale_sim.py [--ranks 8 64 256 1024] [--bandwidth 1e9]
-        [--layout flat|per-param] [--sample K] [--json]
+        [--layout flat|per-param] [--sample K] [--reshard] [--jobs J] [--json]
 
 Prints a Markdown table (the one in docs/scale.md) and checks the bounds of
 docs/scale.md for every N (:func:`check_bounds`); exits 1 if any is broken.
@@ -103,11 +103,33 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from cloudckpt import CheckpointManager, ManagerOptions, StepInfo
+from cloudckpt.core.checkpoint import open_checkpoint
 from cloudckpt.core.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Written
+from cloudckpt.dcp import rankload, ranksave
+from cloudckpt.dcp.indexread import is_indexed, read_index, whole_items
 from cloudckpt.dcp.metadata import METADATA_NAME, SUFFIX, load_metadata
-from cloudckpt.dcp.reader import SHARED_ITEM_MAX, STREAM_MIN, CloudStorageReader
+from cloudckpt.dcp.reader import (
+    SHARED_BYTES_MAX,
+    SHARED_ITEM_MAX,
+    STREAM_MIN,
+    CloudStorageReader,
+)
+from cloudckpt.dcp.records import (
+    INDEX_NAME,
+    INDEXED_FORMAT,
+    Location,
+    RankRecords,
+    Record,
+    records_name,
+)
+from cloudckpt.dcp.rules import WHOLE, owner
 from cloudckpt.dcp.units import ItemInfo, serialize, split_by_size
-from cloudckpt.dcp.writer import DEFAULT_FILE_SIZE, DEFAULT_MAX_FILES, CloudStorageWriter
+from cloudckpt.dcp.writer import (
+    DEFAULT_FILE_SIZE,
+    DEFAULT_MAX_FILES,
+    CloudStorageWriter,
+    auto_spread,
+)
 from cloudckpt.serialization.records import HEAD_BYTES
 from cloudckpt.storage import Store, open_store
 from cloudckpt.storage.options import DEFAULT_PART_SIZE
@@ -224,8 +246,8 @@ _STEP = torch.tensor(1000.0)  # Adam's step count: a replicated 0-d tensor per p
 def rank_state(rank: int, world: int, layout: str = "flat") -> dict[str, Any]:
     """Model and Adam state of one rank, as DCP gets them from FSDP (see :data:`LAYOUTS`)."""
     shapes = param_shapes(layout, world)
-    model = {fqn: SimShard(s, rank, world) for fqn, s in shapes.items()
-             if -(-s[0] // world) * rank < s[0]}
+    # Every rank holds a shard of every tensor, empty past its rows (as FSDP2's are).
+    model = {fqn: SimShard(s, rank, world) for fqn, s in shapes.items()}
     optim_state = {fqn: {"step": _STEP, "exp_avg": SimShard(shapes[fqn], rank, world),
                          "exp_avg_sq": SimShard(shapes[fqn], rank, world)} for fqn in model}
     groups = [{"lr": 1e-5, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1,
@@ -293,6 +315,8 @@ class ShardLoadPlanner(DefaultLoadPlanner):
         rest = {k: v for k, v in self.state_dict.items() if k not in sims}
         items: list[ReadItem] = []
         for fqn, shard in sims.items():
+            if 0 in shard.sizes:  # an empty shard reads nothing
+                continue
             k = index[(fqn, tuple(shard.offsets))]
             zeros = torch.Size((0,) * len(shard.sizes))
             items.append(ReadItem(
@@ -314,6 +338,15 @@ class ShardLoadPlanner(DefaultLoadPlanner):
 
     def _obj(self, item: ReadItem) -> Any:
         return self.state_dict.get(item.dest_index.fqn)
+
+
+class ReshardPlanner(ShardLoadPlanner):
+    """A load onto another sharding: DCP's own local plan (each local chunk against the
+    saved chunks it overlaps, which an indexed load's ``Metadata`` holds only of the
+    saved ranks whose records it read), read into placeholders."""
+
+    def create_local_plan(self) -> LoadPlan:
+        return DefaultLoadPlanner.create_local_plan(self)
 
 
 def _as_placeholder(item: ReadItem) -> ReadItem:
@@ -371,6 +404,15 @@ class AbsentRanks(RankModel):
         self._final: list[Any] = []  # the last scatter: every rank's plan
         self._bytes: dict[str, bytes] = {}  # an item's serialised bytes, by FQN
         self._resolver: DefaultSavePlanner | None = None
+        # The indexed save's plan, each class of rank's files, items' CRC32Cs, owners.
+        self._plan: ranksave.Plan | None = None
+        self._templates: dict[tuple[frozenset[str], tuple[int, ...]],
+                              list[list[tuple[WriteItem, bytes]]]] = {}
+        self._lengths: list[int] | None = None
+        self._local: dict[tuple[int, ...], tuple[int, list[WriteItem]]] = {}
+        self._crcs: dict[str, str] = {}
+        self._file_crcs: dict[int, str] = {}  # by id() of a template's file
+        self._owners: dict[int, set[str]] | None = None
 
     def seen(self, call: Collective) -> None:
         if call.kind == "scatter_object_list":
@@ -383,8 +425,20 @@ class AbsentRanks(RankModel):
             # Every rank's plan is needed until the write results are in; held longer,
             # its objects would slow the collections measured on the coordinator.
             self._final = []
-        if call.kind not in ("gather_object", "all_gather_object") or \
-                not isinstance(call.sampled.get(0), (SavePlan, LoadPlan, list)):
+        first = call.sampled.get(0)
+        checked = isinstance(first, (SavePlan, LoadPlan, list)) or (
+            isinstance(first, tuple) and len(first) == 2
+            and isinstance(first[1], ranksave.RankOutcome))
+        if call.kind == "all_reduce" and isinstance(first, torch.Tensor):
+            for r, value in call.sampled.items():
+                if r == 0:
+                    continue
+                ours = self._contribution(call, r, stand_in=False)
+                if not torch.equal(ours, value):
+                    raise ModelMismatch(f"all_reduce #{call.index}: rank {r} put in "
+                                        f"{value.tolist()}, the model {ours.tolist()}")
+            return
+        if call.kind not in ("gather_object", "all_gather_object") or not checked:
             return
         for r, value in call.sampled.items():
             if r == 0:
@@ -413,6 +467,14 @@ class AbsentRanks(RankModel):
             return loader.create_local_plan()
         if _write_results(ours):
             return self._write_results(rank, stand_in)
+        if call.kind == "all_reduce" and isinstance(ours, torch.Tensor) and \
+                ours.dtype == torch.int64 and ours.numel() == 4:
+            # ranksave.prepare's check: [-digest, digest, irregular, failed]
+            digest = self._indexed().digest
+            return torch.tensor([-digest, digest, 0, 0], dtype=torch.int64)
+        if isinstance(ours, tuple) and len(ours) == 2 and ours[0] == "ok" and \
+                isinstance(ours[1], ranksave.RankOutcome):
+            return ("ok", self._outcome(rank, stand_in))
         if isinstance(ours, tuple) and len(ours) == 2 and ours[0] == "ok":
             near = self._nearest(rank)
             theirs = call.sampled[near][1]
@@ -467,6 +529,123 @@ class AbsentRanks(RankModel):
             if stand_in:
                 phantom(dcp, name, offset, lambda blobs=blobs: b"".join(blobs))
         return results
+
+    def _indexed(self) -> ranksave.Plan:
+        """The indexed save's plan, as every rank derives it from its own structure
+        (the same on every rank, or the save goes classic: the all-reduce checks that
+        against the ranks that ran)."""
+        if self._plan is None:
+            planner = DefaultSavePlanner()
+            planner.set_up_planner(rank_state(0, self.world, self.layout), is_coordinator=True)
+            local = planner.create_local_plan()
+            spread = auto_spread(self.world)
+            shape = ranksave._structure(local, 0, self.world, spread)
+            if isinstance(shape, str):
+                raise ModelMismatch(f"the indexed format cannot describe rank 0's state: {shape}")
+            self._plan = ranksave._plan(*shape, self.world, spread, local)
+        return self._plan
+
+    def _template(self, rank: int) -> list[list[tuple[WriteItem, bytes]]]:
+        """The files (each its items and their bytes) of ``rank``, made once per class
+        of rank: those writing the same whole items and holding as many rows of each
+        tensor (the files are split by the chunks' sizes) write files alike but for
+        their names, as every shard of a tensor stands on the same placeholder."""
+        owned, rows = self._owned(rank), self._rows(rank)
+        key = (owned, rows)
+        if key not in self._templates:
+            plan = self._indexed()
+            if rows not in self._local:  # a rank's items, as DCP plans them (once per rows)
+                planner = DefaultSavePlanner()
+                planner.set_up_planner(rank_state(rank, self.world, self.layout),
+                                       is_coordinator=False)
+                self._local[rows] = (rank, planner.create_local_plan().items)
+            # What ranksave._writes keeps: every chunk, and the whole items it owns.
+            items = [i for i in self._local[rows][1] if i.index.fqn in owned or (
+                i.type != WriteItemType.BYTE_IO
+                and plan.tensors[plan.position[i.index.fqn]].rule.kind != WHOLE)]
+            buckets = split_by_size(items, DEFAULT_FILE_SIZE, DEFAULT_MAX_FILES)
+            self._templates[key] = [[(i, self._item_bytes(i)) for i in b] for b in buckets
+                                    if b]
+            for bucket in self._templates[key]:  # a file's CRC32C, the same on every rank
+                crc = Crc32c()
+                for item, data in bucket:
+                    if item.index.fqn not in self._crcs:
+                        c = Crc32c()
+                        c.update(data)
+                        self._crcs[item.index.fqn] = c.hexdigest()
+                    crc.append(int(self._crcs[item.index.fqn], 16), len(data))
+                self._file_crcs[id(bucket)] = crc.hexdigest()
+        return self._templates[key]
+
+    def _rows(self, rank: int) -> tuple[int, ...]:
+        """The rows ``rank`` holds of a tensor of each length of dim 0 (torch.chunk's)."""
+        if self._lengths is None:
+            self._lengths = sorted({s[0] for s in param_shapes(self.layout, self.world)
+                                    .values()})
+        out = []
+        for n in self._lengths:
+            step = -(-n // self.world)
+            out.append(max(0, min(step, n - rank * step)))
+        return tuple(out)
+
+    def _owned(self, rank: int) -> frozenset[str]:
+        """The whole items (tensors held whole, other values) ``rank`` writes."""
+        if self._owners is None:
+            plan = self._indexed()
+            whole = [t.fqn for t in plan.tensors if t.rule.kind == WHOLE] + plan.byte_fqns
+            self._owners = defaultdict(set)
+            for fqn in whole:
+                self._owners[owner(fqn, self.world)].add(fqn)
+        return frozenset(self._owners.get(rank, ()))
+
+    def _outcome(self, rank: int, stand_in: bool) -> ranksave.RankOutcome:
+        """Absent ``rank``'s RankOutcome: its files named after it, its records."""
+        plan = self._indexed()
+        dcp = self._checkpoint().child("model")
+        files: dict[str, tuple[int, str, str | None, bool]] = {}
+        located: list[tuple[str, Location]] = []
+        records: list[Record] = []
+        for i, bucket in enumerate(self._template(rank)):
+            name = _file_name(f"__{rank}_", plan.key_spread, i)
+            offset = 0
+            for item, data in bucket:
+                item_crc = self._crcs[item.index.fqn]
+                loc = Location(name, offset, len(data), item_crc)
+                pos = plan.position.get(item.index.fqn)
+                if pos is not None and plan.tensors[pos].rule.kind != WHOLE:
+                    records.append(Record(pos, loc))
+                else:
+                    located.append((item.index.fqn, loc))
+                offset += len(data)
+            files[name] = (offset, self._file_crcs[id(bucket)], None, True)
+            if stand_in:
+                phantom(dcp, name, offset,
+                        lambda bucket=bucket: b"".join(data for _, data in bucket))
+        mine = RankRecords(rank, plan.digest, records)
+        encoded = mine.encode()
+        rec_crc = Crc32c()
+        rec_crc.update(encoded)
+        rec_name = records_name(rank, plan.key_spread)
+        files[rec_name] = (len(encoded), rec_crc.hexdigest(), None, True)
+        if stand_in:  # made again if read: 16,384 ranks' records held would be GBs
+            phantom(dcp, rec_name, len(encoded),
+                    lambda rank=rank: self._records_bytes(rank))
+        return ranksave.RankOutcome(files, located, mine if plan.small else None)
+
+    def _records_bytes(self, rank: int) -> bytes:
+        """Absent ``rank``'s records object, made again (for a read of its phantom)."""
+        plan = self._indexed()
+        records = []
+        for i, bucket in enumerate(self._template(rank)):
+            name = _file_name(f"__{rank}_", plan.key_spread, i)
+            offset = 0
+            for item, data in bucket:
+                pos = plan.position.get(item.index.fqn)
+                if pos is not None and plan.tensors[pos].rule.kind != WHOLE:
+                    records.append(Record(pos, Location(name, offset, len(data),
+                                                        self._crcs[item.index.fqn])))
+                offset += len(data)
+        return RankRecords(rank, plan.digest, records).encode()
 
     def _item_bytes(self, item: WriteItem) -> bytes:
         fqn = item.index.fqn
@@ -604,14 +783,61 @@ class Phase:
 
 
 #: What the coordinator's CPU is measured in on a save: DCP's global plan and
-#: cloudckpt's (plan), and writing .metadata and the manifest (commit).
+#: cloudckpt's, or the indexed save's own planning (plan), and writing .metadata or
+#: the index and the manifest (commit).
 SAVE_TIMED = ((DefaultSavePlanner, "create_global_plan", "plan"),
               (CloudStorageWriter, "prepare_global_plan", "plan"),
-              (CloudStorageWriter, "finish", "commit"))
-#: ... and on a resume: reading and unpickling .metadata, the global load plan.
+              (ranksave, "prepare", "plan"),
+              (CloudStorageWriter, "finish", "commit"),
+              (ranksave, "_commit", "commit"))
+#: ... and on a resume: reading and unpickling .metadata (or reading the index), the
+#: global load plan (or the indexed load's, each rank alone: the coordinator's).
 RESUME_TIMED = ((CloudStorageReader, "read_metadata", "resume metadata"),
+                (CloudStorageReader, "_open_for_load", "resume metadata"),
                 (DefaultLoadPlanner, "create_global_plan", "resume plan"),
-                (CloudStorageReader, "prepare_global_plan", "resume plan"))
+                (CloudStorageReader, "prepare_global_plan", "resume plan"),
+                (rankload, "prepare", "resume plan"))
+
+
+class PerRankPlans(dict):  # type: ignore[type-arg]
+    """The indexed save's cache of plans, one per rank as in a real job (ranks are
+    processes there), where the threads of this process would share one: the
+    coordinator's first save builds its own plan, as it would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._of: dict[int, dict[int, Any]] = defaultdict(dict)
+
+    def _mine(self) -> dict[int, Any]:
+        from cloudckpt_testkit.threadranks import current_rank
+
+        rank = current_rank()
+        return self._of[-1 if rank is None else rank]  # -1: the model of absent ranks
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self._mine().get(key, default)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        return self._mine().pop(key, *default)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._mine()[key] = value
+
+    def __len__(self) -> int:
+        return len(self._mine())
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._mine())
+
+
+@contextlib.contextmanager
+def per_rank_plans() -> Iterator[None]:
+    saved = ranksave._plans
+    ranksave._plans = PerRankPlans()
+    try:
+        yield
+    finally:
+        ranksave._plans = saved
 
 
 @contextlib.contextmanager
@@ -679,6 +905,102 @@ def written_files(store: Store, md: Metadata) -> dict[int, list[tuple[str, int]]
     return per_rank
 
 
+def classic_reads(store: Store, md: Metadata, full_plans: dict[int, list[ReadItem]],
+                  part: int) -> dict[int, list[tuple[str, int]]]:
+    """Per rank, the GETs of its resume at full size, from its load plan: small items
+    several ranks read are read once, by the coordinator (the reader's
+    prepare_global_plan); each rank reads the rest of what it holds."""
+    readers = Counter(i.storage_index for items in full_plans.values() for i in items)
+    shared = {i for i, n in readers.items()
+              if n > 1 and md.storage_data[i].length <= SHARED_ITEM_MAX}
+
+    def read(i: ReadItem) -> tuple[str, int, bool]:
+        info = md.storage_data[i.storage_index]
+        tensor = i.type == LoadItemType.TENSOR and i.storage_index not in shared
+        return (key_of(store, info.relative_path),
+                math.prod(i.lengths) * 4 if tensor else info.length, tensor)
+
+    return {r: reader_gets([read(i) for i in items if i.storage_index not in shared]
+                           + ([read(i) for i in full_plans[0] if i.storage_index in shared]
+                              if r == 0 else []), part)
+            for r, items in full_plans.items()}
+
+
+def indexed_data(store: Store, ckpt: Any, world: int, full_plans: dict[int, list[ReadItem]],
+                 part: int) -> tuple[dict[int, list[tuple[str, int]]],
+                                     dict[int, list[tuple[str, int]]], int]:
+    """An indexed checkpoint's data at full size, from its index and every rank's
+    records: per rank, the files it wrote and the GETs of its resume on the same layout
+    (its own chunks; the whole items, but the small ones the coordinator reads once for
+    the job: :meth:`CloudStorageReader.read_whole_items`); and the number of items.
+    Each running rank's load plan (``full_plans``) is checked against it."""
+    index = read_index(ckpt)
+    prefix = key_of(store, "")
+    full: dict[str, int] = defaultdict(int)
+    whole = whole_items(index)
+    entries = {t.fqn: t for t in index.tensors}
+    shared, total = set(), 0
+    for idx, loc in sorted(whole.items(), key=lambda kv: kv[1].length):
+        if loc.length > SHARED_ITEM_MAX or total + loc.length > SHARED_BYTES_MAX:
+            break
+        shared.add(idx)
+        total += loc.length
+
+    def whole_size(idx: MetadataIndex, loc: Location) -> tuple[int, bool]:
+        t = entries.get(idx.fqn)
+        if t is None:
+            return loc.length, False
+        return math.prod(t.size) * _itemsize(t.properties.dtype), True
+
+    everyone = []  # the whole items every rank reads itself
+    for idx, loc in whole.items():
+        n, tensor = whole_size(idx, loc)
+        full[loc.file] += n
+        if idx not in shared:
+            everyone.append((prefix + loc.file, n, tensor))
+    gets: dict[int, list[tuple[str, int]]] = {}
+    items = len(whole)
+    for r in range(world):
+        raw = store.get(records_name(r, index.key_spread))
+        mine = RankRecords.decode(raw, source=records_name(r, index.key_spread), rank=r,
+                                  index=index)
+        reads, boxes = [], set()
+        for rec in mine.records:
+            t = index.tensors[rec.tensor]
+            box = t.rule.chunk(t.size, r)
+            assert box is not None
+            n = math.prod(box[1]) * _itemsize(t.properties.dtype)
+            full[rec.location.file] += n
+            items += 1
+            if n:
+                reads.append((prefix + rec.location.file, n, True))
+                boxes.add((t.fqn, box[0]))
+        if r in full_plans:
+            planned = {(i.storage_index.fqn, tuple(i.storage_index.offset or ()))
+                       for i in full_plans[r] if i.type == LoadItemType.TENSOR}
+            chunked = {b for b in planned if entries[b[0]].rule.kind != WHOLE}
+            if chunked != boxes:
+                raise ModelMismatch(f"rank {r}'s resume read {len(chunked)} chunks, the model "
+                                    f"{len(boxes)}: {sorted(chunked ^ boxes)[:3]}")
+        shared_reads = [(prefix + whole[i].file, whole[i].length, False) for i in shared]
+        gets[r] = reader_gets(reads + everyone + (shared_reads if r == 0 else []), part)
+    recorder(BUCKET).take()  # the simulation's own reads
+    per_rank: dict[int, list[tuple[str, int]]] = defaultdict(list)
+    for path, size in full.items():
+        rank = int(path.rsplit("/", 1)[-1].split("_")[2])
+        per_rank[rank].append((prefix + path, size))
+    return per_rank, gets, items
+
+
+_ITEMSIZE: dict[torch.dtype, int] = {}
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    if dtype not in _ITEMSIZE:
+        _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()
+    return _ITEMSIZE[dtype]
+
+
 @dataclass
 class Result:
     """What one simulated job asked of the bucket."""
@@ -695,6 +1017,10 @@ class Result:
     layout: str = "flat"
     #: The ranks that ran (all of them, unless sampled); requests are theirs.
     running: tuple[int, ...] = ()
+    #: Whether the DCP part is in the indexed format (an index and each rank's records).
+    indexed: bool = False
+    #: The size of each rank's records object, by its name (``__<rank>_records``).
+    records: dict[str, int] = field(default_factory=dict)
 
     def others(self) -> list[int]:
         """The ranks that ran, but the coordinator."""
@@ -702,7 +1028,8 @@ class Result:
 
 
 def simulate(ranks: int, *, bandwidth: float = 1e9, layout: str = "flat",
-             sample: int | None = None, name: str | None = None) -> Result:
+             sample: int | None = None, name: str | None = None,
+             reshard: int | None = None) -> Result:
     """A job of ``ranks`` ranks: two manager saves (the second's retention deletes the
     first) and a resume; returns what each phase asked of the bucket.
 
@@ -710,7 +1037,8 @@ def simulate(ranks: int, *, bandwidth: float = 1e9, layout: str = "flat",
     the last and some between); the others' contributions to every collective are
     modelled (:class:`AbsentRanks`), their objects stand in the store unwritten, and
     requests are those of the ranks that ran. ``name`` is the store prefix (by
-    default ``n<ranks>``)."""
+    default ``n<ranks>``). With ``reshard``, a fourth phase: a fresh world of that many
+    ranks (sampled alike) loads the DCP part onto its own sharding."""
     store = open_store(f"count://{BUCKET}/{name or f'n{ranks}'}")
     store.delete([o.key for o in store.list()])
     recorder(BUCKET).take()
@@ -745,46 +1073,45 @@ def simulate(ranks: int, *, bandwidth: float = 1e9, layout: str = "flat",
                            planner=ShardLoadPlanner(full_plans))
         assert info is not None and info.global_step == 200, info
 
-    with world.patched(), memoised_placeholder_saves():
+    later: dict[str, float] = {}
+    with world.patched(), memoised_placeholder_saves(), per_rank_plans():
         with coordinator_cpu(cpu, SAVE_TIMED):
             phases["save"] = _run(world, "save", save(100))
-        phases["save + retention"] = _run(world, "save + retention", save(200))
-        if absent is not None:
+        with coordinator_cpu(later, SAVE_TIMED):
+            phases["save + retention"] = _run(world, "save + retention", save(200))
+        cpu.update({f"{k}, later": v for k, v in later.items()})
+        if absent is not None and METADATA_NAME in open_checkpoint(
+                store.child("run/step-200/model")).files:
             absent.metadata_bytes = _quietly_read(store.child("run/step-200/model"),
                                                   METADATA_NAME)
         with coordinator_cpu(cpu, RESUME_TIMED):
             phases["resume"] = _run(world, "resume", resume)
+    if reshard is not None:
+        phases["reshard"] = _reshard(store.child("run/step-200/model"), reshard, layout,
+                                     sample, cpu)
     if absent is not None:
         full_plans.update(absent.load_plans)
 
-    # The data objects at full scale, from the checkpoints' own .metadata (step 100's
-    # files had the same names and sizes; it is deleted by now).
+    # The data objects at full scale, from the checkpoints' own .metadata or index and
+    # records (step 100's files had the same names and sizes; it is deleted by now).
     model = store.child("run/step-200/model")
-    md_raw = _quietly_read(model, METADATA_NAME)
-    md = load_metadata(md_raw)
-    files = written_files(model, md)
+    ckpt = open_checkpoint(model)
+    recorder(BUCKET).take()
+    md_raw = _quietly_read(model, METADATA_NAME) if METADATA_NAME in ckpt.files else b""
+    if is_indexed(ckpt):
+        files, resume_gets, n_items = indexed_data(model, ckpt, ranks, full_plans,
+                                                   store.part_size)
+    else:
+        md = load_metadata(md_raw)
+        files, n_items = written_files(model, md), len(md.storage_data)
+        resume_gets = classic_reads(model, md, full_plans, store.part_size)
     phases["save + retention"].data = files
     phases["save"].data = {r: [(k.replace("step-200", "step-100"), n) for k, n in f]
                            for r, f in files.items()}
-    # Small items several ranks read are read once, by the coordinator (the reader's
-    # prepare_global_plan); each rank reads the rest of what it holds.
-    readers = Counter(i.storage_index for items in full_plans.values() for i in items)
-    shared = {i for i, n in readers.items()
-              if n > 1 and md.storage_data[i].length <= SHARED_ITEM_MAX}
-
-    def read(i: ReadItem) -> tuple[str, int, bool]:
-        info = md.storage_data[i.storage_index]
-        tensor = i.type == LoadItemType.TENSOR and i.storage_index not in shared
-        return (key_of(model, info.relative_path),
-                math.prod(i.lengths) * 4 if tensor else info.length, tensor)
-
-    phases["resume"].data = {
-        r: reader_gets([read(i) for i in items if i.storage_index not in shared]
-                       + ([read(i) for i in full_plans[0] if i.storage_index in shared]
-                          if r == 0 else []), store.part_size)
-        for r, items in full_plans.items()}
+    phases["resume"].data = resume_gets
     for ph in phases.values():
-        ph.data_keys = {k for objs in ph.data.values() for k, _ in objs}
+        if ph.name != "reshard":  # its data keys are those it read
+            ph.data_keys = {k for objs in ph.data.values() for k, _ in objs}
     part = store.part_size
     peaks = {
         "write": peak_per_prefix(upload_sends(phases["save"].data, bandwidth, part),
@@ -800,11 +1127,38 @@ def simulate(ranks: int, *, bandwidth: float = 1e9, layout: str = "flat",
            ".metadata": md_raw}
     sizes = {k: len(v) for k, v in raw.items()}
     manifest, root = json.loads(raw["DCP manifest"]), json.loads(raw["root manifest"])
+    indexed = manifest["metadata"]["dcp"].get("format") == INDEXED_FORMAT
+    sizes["index"] = manifest["files"].get(INDEX_NAME, {}).get("size", 0)
     objects = {"dcp": len(manifest["files"]) + 1, "checkpoint": len(root["files"]) + 1}
     prefixes = {"dcp": key_of(model, ""), "root": key_of(store.child("run"), "")}
     return Result(ranks, phases, sizes, objects, cpu, peaks,
-                  int(manifest["metadata"]["dcp"].get("key_spread", 0)), len(md.storage_data),
-                  prefixes, layout, world.ranks)
+                  int(manifest["metadata"]["dcp"].get("key_spread", 0)), n_items,
+                  prefixes, layout, world.ranks, indexed,
+                  {n.rsplit("/", 1)[-1]: f["size"] for n, f in manifest["files"].items()
+                   if n.rsplit("/", 1)[-1].endswith("_records")})
+
+
+def _reshard(model: Store, ranks: int, layout: str, sample: int | None,
+             cpu: dict[str, float]) -> Phase:
+    """``ranks`` fresh ranks load the DCP checkpoint at ``model`` onto their sharding
+    (``cloudckpt.dcp.load``: no collective carries per-rank payloads, so the absent
+    ranks of a sampled world contribute nothing but None)."""
+    import cloudckpt.dcp as cdcp
+
+    if sample is not None and sample < ranks:
+        world: ThreadWorld = SampledWorld(ranks, sample_ranks(ranks, sample), RankModel())
+    else:
+        world = ThreadWorld(ranks)
+    targets = tuple((c, m, label.replace("resume", "reshard")) for c, m, label in RESUME_TIMED)
+
+    def load(r: int) -> None:
+        state = rank_state(r, ranks, layout)
+        cdcp.load(state, model, planner=ReshardPlanner())
+
+    with world.patched(), memoised_placeholder_saves(), coordinator_cpu(cpu, targets):
+        phase = _run(world, "reshard", load)
+    phase.data_keys = {q.key for q in phase.requests if q.key.endswith(".distcp")}
+    return phase
 
 
 def key_of(store: Store, key: str) -> str:
@@ -824,13 +1178,18 @@ def check_bounds(res: Result) -> list[str]:
     dcp, root = res.prefixes["dcp"], res.prefixes["root"]
     # Saving: besides its data objects, a rank writes its own state file, nothing else;
     # the coordinator's extra requests do not grow with the world size.
+    # In the indexed format a rank also writes its records (and, resuming, reads them).
+    def own(kind: str, r: int) -> list[tuple[str, str]]:
+        return sorted([(kind, f"rank-{r:05d}.bin")] +
+                      ([(kind, f"__{r}_records")] if res.indexed else []))
+
     for ph in (save, again):
         for r in res.others():
             extra = [q for q in ph.requests if q.rank == r and q.key not in ph.data_keys]
-            if [(q.kind, q.key.rsplit("/", 1)[-1]) for q in extra] != [
-                    ("PUT", f"rank-{r:05d}.bin")]:
+            if sorted((q.kind, q.key.rsplit("/", 1)[-1]) for q in extra) != own("PUT", r):
                 bad.append(f"{ph.name}: rank {r} sent {_fmt(Counter(q.kind for q in extra))} "
-                           "besides its data objects and its state file")
+                           "besides its data objects, its state file"
+                           + (" and its records" if res.indexed else ""))
                 break
     coordinator = save.by_rank().get(0, Counter())
     if sum(coordinator.values()) > COORDINATOR_SAVE_MAX:
@@ -844,10 +1203,16 @@ def check_bounds(res: Result) -> list[str]:
     # state, each once per job; every other rank reads its own state file and data.
     for r in res.others():
         extra = [q for q in resume.requests if q.rank == r and q.key not in resume.data_keys]
-        if [(q.kind, q.key.rsplit("/", 1)[-1]) for q in extra] != [
-                ("GET", f"rank-{r:05d}.bin")]:
+        if sorted((q.kind, q.key.rsplit("/", 1)[-1]) for q in extra) != own("GET", r):
             bad.append(f"resume: rank {r} sent {[(q.kind, q.key) for q in extra][:6]} besides "
-                       "its data and its own state file")
+                       "its data and its own state file"
+                       + (" and records" if res.indexed else ""))
+            break
+    # Records: each read by the rank that wrote it only (on the layout saved with).
+    for q in resume.requests:
+        name = q.key.rsplit("/", 1)[-1]
+        if name.endswith("_records") and name != f"__{q.rank}_records":
+            bad.append(f"resume: rank {q.rank} read {name}, another rank's records")
             break
     for r in res.others():
         theirs = [q.key for q in resume.requests if q.rank == r and q.key.endswith(".distcp")
@@ -856,9 +1221,16 @@ def check_bounds(res: Result) -> list[str]:
             bad.append(f"resume: rank {r} read {len(theirs)} data objects of other ranks "
                        f"(e.g. {theirs[0]}); it needs only its own")
             break
-    once = {dcp + MANIFEST_NAME: res.sizes["DCP manifest"], dcp + METADATA_NAME:
-            res.sizes[".metadata"], root + "step-200/" + MANIFEST_NAME: res.sizes["root manifest"],
+    metadata = {dcp + INDEX_NAME: res.sizes["index"]} if res.indexed else {
+        dcp + METADATA_NAME: res.sizes[".metadata"]}
+    once = {dcp + MANIFEST_NAME: res.sizes["DCP manifest"], **metadata,
+            root + "step-200/" + MANIFEST_NAME: res.sizes["root manifest"],
             root + "step-200/state/shared.bin": None}
+    if res.indexed:
+        stock = [q for q in resume.requests if q.key == dcp + METADATA_NAME]
+        if stock:
+            bad.append(f"resume: {dcp + METADATA_NAME} read {len(stock)} times by ranks "
+                       f"{sorted({q.rank for q in stock})}; an indexed load reads the index")
     for key, size in once.items():
         gets = [q for q in resume.requests if q.kind == "GET" and q.key == key]
         got = sum(q.size for q in gets)
@@ -883,6 +1255,21 @@ def check_bounds(res: Result) -> list[str]:
     if res.peaks["read"][0] > S3_READ_LIMIT:
         bad.append(f"resume: {res.peaks['read'][0]} GET a second on {res.peaks['read'][1]}, "
                    f"over S3's {S3_READ_LIMIT}")
+    if res.indexed:
+        first, later = save_cpu(res)
+        if first > FIRST_SAVE_CPU_MAX or later > LATER_SAVE_CPU_MAX:
+            bad.append(f"save: the coordinator's plan + commit took {first:.1f} s of CPU the "
+                       f"first time and {later:.1f} s the next; bounds {FIRST_SAVE_CPU_MAX:g} "
+                       f"and {LATER_SAVE_CPU_MAX:g} s")
+        for ph in (resume, *([res.phases["reshard"]] if "reshard" in res.phases else [])):
+            n, key = largest_read(ph)
+            if n > RESUME_OBJECT_MAX:
+                bad.append(f"{ph.name}: a rank read {n} bytes of {key}, over "
+                           f"{RESUME_OBJECT_MAX}")
+            ratio = metadata_read_ratio(res, ph)
+            if ratio > RECORDS_READ_MAX:
+                bad.append(f"{ph.name}: a rank read {ratio:.2f}x its own records' bytes of "
+                           f"metadata, over {RECORDS_READ_MAX:g}x")
     if res.sizes["DCP manifest"] > MAX_MANIFEST_BYTES:
         bad.append(f"the DCP manifest is {res.sizes['DCP manifest']} bytes, over the "
                    f"{MAX_MANIFEST_BYTES} a reader accepts")
@@ -891,6 +1278,48 @@ def check_bounds(res: Result) -> list[str]:
 
 #: The most requests the coordinator of a save sends besides data objects, at any N.
 COORDINATOR_SAVE_MAX = 40
+#: The coordinator's non-data CPU per save (plan + commit), the first save and later
+#: ones; the largest object a rank reads resuming; what a rank reads of metadata
+#: resuming on the same layout, against its own records (issue 50's acceptance).
+FIRST_SAVE_CPU_MAX, LATER_SAVE_CPU_MAX = 60.0, 5.0
+RESUME_OBJECT_MAX = 64 * 2**20
+RECORDS_READ_MAX = 2.0
+
+
+def save_cpu(res: Result) -> tuple[float, float]:
+    """The coordinator's CPU for planning and committing the first save and the next."""
+    cpu = res.cpu
+    return (cpu.get("plan", 0.0) + cpu.get("commit", 0.0),
+            cpu.get("plan, later", 0.0) + cpu.get("commit, later", 0.0))
+
+
+def largest_read(ph: Phase) -> tuple[int, str]:
+    """The largest object (besides data objects) one rank read in ``ph``, in bytes."""
+    got: Counter[tuple[int | None, str]] = Counter()
+    for q in ph.requests:
+        if q.kind == "GET" and q.key not in ph.data_keys:
+            got[(q.rank, q.key)] += q.size
+    if not got:
+        return 0, ""
+    (_, key), n = got.most_common(1)[0]
+    return n, key
+
+
+def metadata_read_ratio(res: Result, ph: Phase) -> float:
+    """The most metadata (records, index, manifests) a rank but the coordinator read in
+    ``ph``, over the size of its own records (its state file not counted)."""
+    worst = 0.0
+    # A resharding load's ranks saved nothing: against a saved rank's records (alike).
+    reshard = ph.name == "reshard"
+    ranks = sorted({q.rank for q in ph.requests if q.rank}) if reshard else res.others()
+    for r in ranks:
+        mine = max(res.records.values(), default=0) if reshard else \
+            res.records.get(f"__{r}_records", 0)
+        read = sum(q.size for q in ph.requests if q.rank == r and q.kind == "GET"
+                   and q.key not in ph.data_keys and not q.key.endswith(f"rank-{r:05d}.bin"))
+        if mine:
+            worst = max(worst, read / mine)
+    return worst
 
 
 # -------------------------------------------------------------------- report
@@ -918,7 +1347,7 @@ def restore_model(res: Result, bandwidth: float, latency: float = REQUEST_LATENC
     data = max((sum(n for _, n in gets) for gets in resume.data.values()), default=0)
     out = {"metadata_s": metadata, "coordinator_cpu_s": cpu, "data_s": data / bandwidth}
     out["total_s"] = sum(out.values())
-    return {k: round(v, 2) for k, v in out.items()}
+    return {k: round(v, 3) for k, v in out.items()}
 
 
 def summary(res: Result, bandwidth: float = 1e9) -> dict[str, Any]:
@@ -949,14 +1378,28 @@ def summary(res: Result, bandwidth: float = 1e9) -> dict[str, Any]:
             "other_rank_max": per_rank_max(ph, 1),
         } for name, ph in res.phases.items()},
         "restore_model": restore_model(res, bandwidth),
+        "indexed": res.indexed,
+        "save_cpu_s": dict(zip(("first", "later"), (round(v, 2) for v in save_cpu(res)),
+                               strict=True)),
+        "resume_largest_read": dict(zip(("bytes", "key"), largest_read(res.phases["resume"]),
+                                        strict=True)),
+        "metadata_read_x_own_records": round(metadata_read_ratio(res, res.phases["resume"]), 2),
+        **({"reshard": {
+            "metadata_read_x_records": round(metadata_read_ratio(res, res.phases["reshard"]), 2),
+            "largest_read": dict(zip(("bytes", "key"), largest_read(res.phases["reshard"]),
+                                     strict=True)),
+            "ranks": sorted({q.rank for q in res.phases["reshard"].requests
+                             if q.rank is not None})}} if "reshard" in res.phases else {}),
+        "records_bytes_max": max(res.records.values(), default=0),
         "violations": check_bounds(res),
     }
 
 
-def _one(ranks: int, bandwidth: float, layout: str, sample: int | None) -> dict[str, Any]:
+def _one(ranks: int, bandwidth: float, layout: str, sample: int | None,
+         reshard: bool = False) -> dict[str, Any]:
     start = time.monotonic()
-    out = summary(simulate(ranks, bandwidth=bandwidth, layout=layout, sample=sample),
-                  bandwidth)
+    out = summary(simulate(ranks, bandwidth=bandwidth, layout=layout, sample=sample,
+                           reshard=ranks // 2 if reshard else None), bandwidth)
     out["wall_s"] = round(time.monotonic() - start, 1)
     return out
 
@@ -975,6 +1418,8 @@ def table(rows: list[dict[str, Any]], bandwidth: float) -> str:
             f"peak PUT/POST/s per prefix @{bandwidth / 1e9:g} GB/s (unspread)",
             "peak GET/s per prefix", "coordinator CPU s: plan / commit",
             f"modelled restore s @{bandwidth / 1e9:g} GB/s: metadata + coordinator + data",
+            "index + .metadata MiB", "coordinator CPU s per save: first / later",
+            "resume: largest object read MiB", "resume: metadata read / own records",
             "simulated in s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in rows:
@@ -997,6 +1442,12 @@ def table(rows: list[dict[str, Any]], bandwidth: float) -> str:
             f"{s['coordinator_cpu_s'].get('commit', 0):.1f}",
             f"{rm['total_s']:.1f}: {rm['metadata_s']:.1f} + {rm['coordinator_cpu_s']:.1f} + "
             f"{rm['data_s']:.1f}",
+            f"{_mib(s['sizes'].get('index', 0))} + {_mib(s['sizes']['.metadata'])}",
+            f"{s['save_cpu_s']['first']:.1f} / {s['save_cpu_s']['later']:.1f}",
+            _mib(s["resume_largest_read"]["bytes"]),
+            f"{s['metadata_read_x_own_records']:.2f}x"
+            + (f" (reshard: {s['reshard']['metadata_read_x_records']:.2f}x)"
+               if "reshard" in s else ""),
             s["wall_s"]]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
@@ -1011,13 +1462,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample", type=int, metavar="K",
                     help="run only K ranks of each world (the coordinator, the last, K - 2 "
                     "between) and model the others' collectives and objects at full size")
+    ap.add_argument("--reshard", action="store_true",
+                    help="then load each checkpoint onto half as many ranks (a fresh world)")
+    ap.add_argument("--jobs", type=int, default=2,
+                    help="world sizes simulated at once (one process each)")
     ap.add_argument("--json", action="store_true", help="end with a JSON summary line")
     args = ap.parse_args(argv)
     start = time.monotonic()
     # One process per world size, two at a time (largest first): a simulation is one
     # process's threads, so the second core runs the other sizes meanwhile.
-    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {n: pool.submit(_one, n, args.bandwidth, args.layout, args.sample)
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {n: pool.submit(_one, n, args.bandwidth, args.layout, args.sample,
+                                  args.reshard)
                    for n in sorted(set(args.ranks), reverse=True)}
         rows = [futures[n].result() for n in sorted(futures)]
     print(table(rows, args.bandwidth))

@@ -43,21 +43,30 @@ def test_other_ranks_send_only_their_own_objects(result):
     save, resume = result.phases["save"], result.phases["resume"]
     for r in range(1, 16):
         mine = [q for q in save.requests if q.rank == r]
-        # data files, one per item group, plus the rank's own state file: PUTs only
+        # data files, one per item group, plus the rank's records and its own state
+        # file: PUTs only
         assert {q.kind for q in mine} == {"PUT"}
-        assert sum(q.key not in save.data_keys for q in mine) == 1
+        assert sorted(q.key.rsplit("/", 1)[-1] for q in mine if q.key not in save.data_keys) \
+            == [f"__{r}_records", f"rank-{r:05d}.bin"]
         reads = [q for q in resume.requests if q.rank == r]
         assert {q.kind for q in reads} == {"GET"}  # no LIST, no HEAD
-        assert not any(q.key.endswith(("cloudckpt-manifest.json", ".metadata", "shared.bin"))
-                       for q in reads)
+        assert not any(q.key.endswith(("cloudckpt-manifest.json", ".metadata", "shared.bin",
+                                       "cloudckpt-dcp-index.json")) for q in reads)
+        # its own records, once, and no other rank's
+        assert [q.key.rsplit("/", 1)[-1] for q in reads if q.key.endswith("_records")] == \
+            [f"__{r}_records"]
 
 
-def test_manifest_and_metadata_are_read_once_per_job(result):
+def test_manifest_and_index_are_read_once_per_job(result):
     resume = result.phases["resume"]
-    for name in ("model/cloudckpt-manifest.json", "model/.metadata",
+    assert result.indexed  # the format cloudckpt.dcp.save writes by default
+    for name in ("model/cloudckpt-manifest.json", "model/cloudckpt-dcp-index.json",
                  "step-200/cloudckpt-manifest.json"):
         gets = [q for q in resume.requests if q.kind == "GET" and q.key.endswith(name)]
         assert len(gets) == 1 and gets[0].rank == 0, (name, gets)
+    # the stock .metadata written beside the index (a small job) is not read at all
+    assert not [q for q in resume.requests if q.key.endswith("model/.metadata")]
+    assert result.sizes[".metadata"] > 0
     # the root, then the checkpoint's objects and their sizes (checked before any load)
     assert [(q.rank, q.key) for q in resume.requests if q.kind == "LIST"] == [
         (0, result.prefixes["root"]), (0, result.prefixes["root"] + "step-200/")]
@@ -321,3 +330,19 @@ def test_the_modelled_restore_time_is_the_slowest_ranks_bytes_after_the_coordina
         model["metadata_s"] + model["coordinator_cpu_s"] + model["data_s"], abs=0.02)
     assert sim.restore_model(result, 0.5e9)["data_s"] == pytest.approx(2 * model["data_s"],
                                                                         rel=0.01)
+
+
+def test_a_resharding_load_reads_the_records_of_the_saved_ranks_it_overlaps(sim):
+    """16 saved ranks, loaded by a fresh world of 8 (3 of them run): each rank reads the
+    records of the two saved ranks its rows came from, nothing of the others', and the
+    bounds hold for it as for a resume."""
+    res = sim.simulate(16, layout="per-param", sample=3, name="r16", reshard=8)
+    assert sim.check_bounds(res) == []
+    phase = res.phases["reshard"]
+    ran = sorted({q.rank for q in phase.requests})
+    assert ran == [0, 4, 7]
+    for r in ran:
+        read = sorted(q.key.rsplit("/", 1)[-1] for q in phase.requests
+                      if q.rank == r and q.key.endswith("_records"))
+        assert read == sorted([f"__{2 * r}_records", f"__{2 * r + 1}_records"]), (r, read)
+    assert 1.9 < sim.metadata_read_ratio(res, phase) <= 2.0
