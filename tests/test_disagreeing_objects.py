@@ -24,6 +24,7 @@ from cloudckpt import (
     open_checkpoint,
     open_store,
 )
+from cloudckpt.names import DCP_INDEX_NAME
 from cloudckpt.util.crc import crc32c_hex
 
 SHARD = "model/__0_0.distcp"
@@ -71,12 +72,12 @@ def test_restore_falls_back_from_an_object_that_disagrees_with_the_manifest(
 
 @pytest.mark.parametrize("name", ["local", "s3"])
 def test_restore_falls_back_from_another_steps_metadata(request, name, caplog):
-    """Step 2's ``.metadata`` replaced by step 1's: a valid DCP metadata of the same
-    size, but not the bytes step 2 committed."""
+    """Step 2's DCP index replaced by step 1's: a valid index of the same size, but not
+    the bytes step 2 committed."""
     backend = request.getfixturevalue(name)
     run(CheckpointManager(backend.root, ManagerOptions(every_steps=1),
                           storage_options=backend.options), range(0, 3))
-    key = "model/.metadata"
+    key = f"model/{DCP_INDEX_NAME}"
     older = open_store(backend.uri("step-1"), backend.options).get(key)
     newest = open_store(backend.uri("step-2"), backend.options)
     assert newest.get(key) != older and len(newest.get(key)) == len(older)
@@ -84,8 +85,8 @@ def test_restore_falls_back_from_another_steps_metadata(request, name, caplog):
     with caplog.at_level(logging.WARNING, logger="cloudckpt"):
         info, state, _ = restore(backend)
     assert info.global_step == 1 and torch.equal(state["w"], torch.full((8,), 1.0))
-    assert "step-2 is corrupt" in caplog.text and ".metadata" in caplog.text
-    with pytest.raises(CorruptCheckpointError, match=r"\.metadata.*crc32c"):
+    assert "step-2 is corrupt" in caplog.text and DCP_INDEX_NAME in caplog.text
+    with pytest.raises(CorruptCheckpointError, match=rf"{DCP_INDEX_NAME}.*crc32c"):
         restore(backend, uri=backend.uri("step-2"))
 
 
@@ -108,10 +109,10 @@ def test_a_refused_read_is_not_corruption(s3, moto_server, caplog):
     assert not torch.equal(state["w"], torch.full((8,), 1.0))
 
 
-def save_dcp(backend, name: str) -> str:
+def save_dcp(backend, name: str, indexed: bool | None = None) -> str:
     uri = backend.uri(name)
     cloud_dcp.save({"w": torch.arange(4096.0), "b": torch.ones(3)}, uri,
-                   storage_options=backend.options)
+                   storage_options=backend.options, indexed=indexed)
     return uri
 
 
@@ -139,13 +140,16 @@ def test_a_dcp_load_names_a_missing_or_truncated_shard(request, name, how):
 def recommit_metadata(uri: str, backend, change) -> None:
     """Commit ``.metadata`` changed by ``change`` (its manifest entry to match): a
     .metadata its manifest vouches for, saying something else."""
-    store = open_store(uri, backend.options)
     md = cloud_dcp.CloudStorageReader(uri, storage_options=backend.options).read_metadata()
     change(md)
-    raw = pickle.dumps(md)
-    store.put(".metadata", raw)
+    recommit(open_store(uri, backend.options), ".metadata", pickle.dumps(md))
+
+
+def recommit(store, key: str, raw: bytes) -> None:
+    """Put ``raw`` at ``key`` and rewrite the manifest to vouch for it."""
+    store.put(key, raw)
     doc = json.loads(store.get(MANIFEST_NAME))
-    doc["files"][".metadata"] = {"size": len(raw), "crc32c": crc32c_hex(raw)}
+    doc["files"][key] = {"size": len(raw), "crc32c": crc32c_hex(raw)}
     store.delete([MANIFEST_NAME])
     store.put(MANIFEST_NAME, json.dumps(doc).encode())
 
@@ -169,8 +173,32 @@ def _past_the_end(md) -> None:
                                            (_offsets_as_text, ".distcp"),
                                            (_past_the_end, ".distcp")])
 def test_a_metadata_that_is_not_the_checkpoints_is_corrupt(local, change, names):
-    uri = save_dcp(local, "dcp")
+    uri = save_dcp(local, "dcp", indexed=False)
     recommit_metadata(uri, local, change)
+    with pytest.raises(CorruptCheckpointError) as exc:
+        load_dcp(uri, local)
+    assert [p for p in exc.value.problems if p.endswith(names)], exc.value.problems
+
+
+def _locations(doc: dict, change) -> None:
+    for item in [*doc["tensors"], *doc["bytes"]]:
+        if item["location"] is not None:
+            change(item["location"])
+
+
+@pytest.mark.parametrize("change, names", [
+    (lambda loc: loc.__setitem__(0, "elsewhere.distcp"), DCP_INDEX_NAME),
+    (lambda loc: loc.__setitem__(1, str(loc[1])), DCP_INDEX_NAME),
+    (lambda loc: loc.__setitem__(2, loc[2] + 10**6), ".distcp")],
+    ids=["elsewhere", "offsets_as_text", "past_the_end"])
+def test_an_index_that_is_not_the_checkpoints_is_corrupt(local, change, names):
+    """The indexed format's index, recommitted saying something else: a location in a
+    file the checkpoint lacks, an offset that is not a number, a length past the end."""
+    uri = save_dcp(local, "dcp", indexed=True)
+    store = open_store(uri, local.options)
+    doc = json.loads(store.get(DCP_INDEX_NAME))
+    _locations(doc, change)
+    recommit(store, DCP_INDEX_NAME, json.dumps(doc).encode())
     with pytest.raises(CorruptCheckpointError) as exc:
         load_dcp(uri, local)
     assert [p for p in exc.value.problems if p.endswith(names)], exc.value.problems

@@ -8,11 +8,13 @@ translate DCP's own complaint (a state that does not match the checkpoint).
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from cloudckpt.core.checkpoint import Checkpoint
@@ -27,6 +29,8 @@ from cloudckpt.runtime.pending import SaveFuture, run_in_background
 from cloudckpt.runtime.state import Stateful, check_state_dict, resolve_stateful
 from cloudckpt.serialization.torchload import refusal
 from cloudckpt.storage import Store
+
+log = logging.getLogger(__name__)
 
 
 @contextmanager
@@ -213,6 +217,12 @@ def load(
                                 process_group=process_group)
     # Manifest, metadata and index problems surface here as our own errors.
     start = reader.open_for_load()
+    if start is not None and not _plans_by_name(planner):
+        # Its planner may read items under other names or in other windows than the
+        # state's own: it plans against the whole Metadata, every rank's records.
+        log.info("loading %s with %s: reading the whole index and every rank's records",
+                 reader.uri, type(planner).__name__)
+        start = None
     if start is None:
         with _unwrapped(f"loading {reader.uri}", process_group):
             dcp.load(state_dict, storage_reader=reader, planner=planner,
@@ -233,6 +243,12 @@ def load(
             target.load_state_dict(value)
         else:
             state_dict[key] = value
+
+
+def _plans_by_name(planner: LoadPlanner | None) -> bool:
+    """Whether ``planner`` loads each item of the state from the saved item of the same
+    name and shape (DCP's default planner), what a rank-by-rank load plans on."""
+    return planner is None or type(planner) is DefaultLoadPlanner
 
 
 # ----------------------------------------------------------------------- async

@@ -46,7 +46,7 @@ from cloudckpt.dcp.placement import (
     refuse_unsafe_pickle,
 )
 from cloudckpt.dcp.readplan import Prefetched, RequestedItem, coalesce, raw_request, split_range
-from cloudckpt.dcp.records import Index
+from cloudckpt.dcp.records import INDEX_NAME, Index
 from cloudckpt.errors import CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError
 from cloudckpt.names import MANIFEST_NAME
 from cloudckpt.runtime import coordination as coord
@@ -355,18 +355,21 @@ class CloudStorageReader(OnStore, StorageReader):
             raise CorruptCheckpointError(
                 f"{self.uri}: item {index.fqn} uses stream transforms "
                 f"{info.transform_descriptors}, which cloudckpt does not read")
-        entry = self._ckpt().manifest.files.get(path) if isinstance(path, str) else None
+        ckpt = self._ckpt()
+        # Where the item's location was read: the index (and ranks' records) or .metadata.
+        source = INDEX_NAME if is_indexed(ckpt) else METADATA_NAME
+        entry = ckpt.manifest.files.get(path) if isinstance(path, str) else None
         if entry is None:
             raise CorruptCheckpointError(
-                f"{self.uri}/.metadata puts item {index.fqn} in {path!r}, which the "
-                "manifest does not list: the .metadata is not this checkpoint's. Fall back "
-                "to an earlier checkpoint.", {METADATA_NAME: f"names {path!r}"})
+                f"{self.uri}/{source} puts item {index.fqn} in {path!r}, which the "
+                f"manifest does not list: the {source} is not this checkpoint's. Fall back "
+                "to an earlier checkpoint.", {source: f"names {path!r}"})
         offset, length = info.offset, info.length
         if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
                    for n in (offset, length)) or offset + length > entry.size:
             raise CorruptCheckpointError(
-                f"{self.uri}: .metadata puts item {index.fqn} at bytes [{offset!r}, +{length!r})"
-                f" of {path}, which the manifest lists with {entry.size} bytes",
+                f"{self.uri}: {source} puts item {index.fqn} at bytes [{offset!r}, "
+                f"+{length!r}) of {path}, which the manifest lists with {entry.size} bytes",
                 {path: "short"})
         expected = item_crcs.get(path, info.offset)
         if expected is None:
