@@ -22,8 +22,9 @@ One module per job, each importing only those listed after it:
 
 - ``api``: ``save``/``load``/``async_save``, and DCP's ``CheckpointException``
   raised as cloudckpt's own errors;
-- ``ranksave``: the indexed save (``indexed=True``): planned on every rank alone,
-  checked in one all-reduce, each rank's records and the coordinator's index;
+- ``ranksave``: the indexed save (the default where the state allows): planned on
+  every rank alone, checked in one all-reduce, each rank's records and the
+  coordinator's index;
 - ``stock``: a stock ``.metadata`` built from an indexed checkpoint's index and records;
 - ``rankload``: the indexed load: each rank checks its state against the index, reads
   the records of the saved chunks it overlaps and plans alone;
