@@ -291,6 +291,9 @@ class ShardLoadPlanner(DefaultLoadPlanner):
     (what DCP's planner finds when the sharding is unchanged, without comparing
     every chunk with every other), then reads them into placeholders."""
 
+    #: Each item is read from the saved item of its own name: the indexed load may
+    #: plan rank by rank (cloudckpt.dcp.load).
+    plans_by_name = True
     _index_cache: dict[int, dict[tuple[str, tuple[int, ...]], int]] = {}
     _lock = threading.Lock()
 

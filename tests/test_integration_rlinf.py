@@ -30,6 +30,7 @@ from cloudckpt.core.claim import CLAIM_NAME
 from cloudckpt.dcp import CloudStorageReader, adopt
 from cloudckpt.errors import CommitConflictError, ConfigError, CorruptCheckpointError
 from cloudckpt.integrations import rlinf
+from cloudckpt.names import DCP_INDEX_NAME
 
 REPO = Path(__file__).parent.parent
 EXAMPLE = REPO / "examples" / "rlinf" / "train.py"
@@ -215,7 +216,8 @@ def test_two_ranks_sigkill_resume_explicit_uri_bit_exact_and_layout(s3, tmp_path
     reference = losses(ref)
     assert sorted(reference) == list(range(1, MAX_STEPS + 1))
 
-    # Layout, as RLinf's FSDP backend writes it, plus the manifests.
+    # Layout, as RLinf's FSDP backend writes it, plus the manifests and the indexed
+    # format's index and records (a small job's .metadata is written too).
     root = open_store(rlinf.checkpoints_root(ref_dir, "tiny-grpo"), s3.options)
     assert [c.name for c in list_checkpoints(root)] == [
         f"global_step_{s}" for s in (3, 6, 9, 12)]
@@ -223,6 +225,8 @@ def test_two_ranks_sigkill_resume_explicit_uri_bit_exact_and_layout(s3, tmp_path
     names = {o.key for o in step.list()}
     assert names == {"actor/dcp_checkpoint/.metadata", "actor/dcp_checkpoint/__0_0.distcp",
                      "actor/dcp_checkpoint/__1_0.distcp",
+                     "actor/dcp_checkpoint/__0_records", "actor/dcp_checkpoint/__1_records",
+                     f"actor/dcp_checkpoint/{DCP_INDEX_NAME}",
                      "actor/dcp_checkpoint/cloudckpt-manifest.json",
                      "actor/model_state_dict/full_weights.pt", "data/data.pt",
                      "cloudckpt-manifest.json"}

@@ -247,8 +247,11 @@ def load(
 
 def _plans_by_name(planner: LoadPlanner | None) -> bool:
     """Whether ``planner`` loads each item of the state from the saved item of the same
-    name and shape (DCP's default planner), what a rank-by-rank load plans on."""
-    return planner is None or type(planner) is DefaultLoadPlanner
+    name and shape, what a rank-by-rank load plans on: DCP's default planner, a subclass
+    that keeps its local plan, or one that says so (``plans_by_name = True``)."""
+    return planner is None or getattr(planner, "plans_by_name", False) is True or (
+        isinstance(planner, DefaultLoadPlanner)
+        and type(planner).create_local_plan is DefaultLoadPlanner.create_local_plan)
 
 
 # ----------------------------------------------------------------------- async

@@ -864,7 +864,9 @@ def test_pickled_code_never_runs_from_dcp(local, tmp_path, record) -> None:
     for name, evil in metadata_attacks.items():
         t.trials += 1
         uri = local.uri(f"md-{name.replace(' ', '-')}")
-        cdcp.save({"w": torch.ones(4)}, uri, storage_options=opts, step=1)
+        # The classic format: an indexed checkpoint's loads read JSON and records, and
+        # never its .metadata.
+        cdcp.save({"w": torch.ones(4)}, uri, storage_options=opts, step=1, indexed=False)
         _plant(open_store(uri, opts), cdcp.METADATA_NAME, evil)
         t.expect(f"dcp.load ({name} .metadata)", partial(cdcp.load, state(), uri,
                                                          storage_options=opts),
