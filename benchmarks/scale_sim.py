@@ -61,6 +61,8 @@ import io
 import json
 import math
 import multiprocessing
+import os
+import resource
 import sys
 import threading
 import time
@@ -106,6 +108,7 @@ from cloudckpt import CheckpointManager, ManagerOptions, StepInfo
 from cloudckpt.core.checkpoint import open_checkpoint
 from cloudckpt.core.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Written
 from cloudckpt.dcp import rankload, ranksave
+from cloudckpt.dcp import records as records_format
 from cloudckpt.dcp.indexread import is_indexed, read_index, whole_items
 from cloudckpt.dcp.metadata import METADATA_NAME, SUFFIX, load_metadata
 from cloudckpt.dcp.reader import (
@@ -416,6 +419,11 @@ class AbsentRanks(RankModel):
         self._crcs: dict[str, str] = {}
         self._file_crcs: dict[int, str] = {}  # by id() of a template's file
         self._owners: dict[int, set[str]] | None = None
+        # Per class of rank, its first rank and that rank's records (head, body, order
+        # of its files in the head), for the others of the class (see _outcome).
+        self._records_of: dict[Any, tuple[int, tuple[bytes, bytes, list[int]]]] = {}
+        self._encoded: dict[int, tuple[bytes, bytes, list[int]]] = {}
+        self._derived_checked = 0
 
     def seen(self, call: Collective) -> None:
         if call.kind == "scatter_object_list":
@@ -548,13 +556,17 @@ class AbsentRanks(RankModel):
             self._plan = ranksave._plan(*shape, self.world, spread, local)
         return self._plan
 
+    def kind(self, rank: int) -> tuple[frozenset[str], tuple[int, ...]]:
+        """``rank``'s class: ranks of one class write the same files but for their names
+        (the whole items they own, the rows they hold of each tensor)."""
+        return self._owned(rank), self._rows(rank)
+
     def _template(self, rank: int) -> list[list[tuple[WriteItem, bytes]]]:
         """The files (each its items and their bytes) of ``rank``, made once per class
         of rank: those writing the same whole items and holding as many rows of each
         tensor (the files are split by the chunks' sizes) write files alike but for
         their names, as every shard of a tensor stands on the same placeholder."""
-        owned, rows = self._owned(rank), self._rows(rank)
-        key = (owned, rows)
+        owned, rows = key = self.kind(rank)
         if key not in self._templates:
             plan = self._indexed()
             if rows not in self._local:  # a rank's items, as DCP plans them (once per rows)
@@ -576,7 +588,7 @@ class AbsentRanks(RankModel):
                         c = Crc32c()
                         c.update(data)
                         self._crcs[item.index.fqn] = c.hexdigest()
-                    crc.append(int(self._crcs[item.index.fqn], 16), len(data))
+                    crc.update(data)  # the bytes are small: hashing beats combining CRCs
                 self._file_crcs[id(bucket)] = crc.hexdigest()
         return self._templates[key]
 
@@ -602,7 +614,53 @@ class AbsentRanks(RankModel):
         return frozenset(self._owners.get(rank, ()))
 
     def _outcome(self, rank: int, stand_in: bool) -> ranksave.RankOutcome:
-        """Absent ``rank``'s RankOutcome: its files named after it, its records."""
+        """Absent ``rank``'s RankOutcome: its files named after it, its records.
+
+        Made in full for the first rank of each class (:meth:`kind`); for the others of
+        a class that holds no whole items, its records' bytes are the first one's but
+        for the head (the rank, the files' names), and are made so: O(files) a rank,
+        where building and encoding the records is O(tensors), seconds a save at
+        16,384 ranks. The first :data:`DERIVED_CHECKED` ranks so made are also made in
+        full and compared (:class:`ModelMismatch`)."""
+        plan = self._indexed()
+        key = self.kind(rank)
+        known = self._records_of.get(key)
+        if known is None or plan.small:
+            out = self._full_outcome(rank, stand_in)
+            if not out.located and not plan.small:
+                self._records_of[key] = (rank, self._encoded[rank])
+            del self._encoded[rank]
+            return out
+        dcp = self._checkpoint().child("model")
+        files: dict[str, tuple[int, str, str | None, bool]] = {}
+        names = []
+        for i, bucket in enumerate(self._template(rank)):
+            name = _file_name(f"__{rank}_", plan.key_spread, i)
+            names.append(name)
+            size = sum(len(data) for _, data in bucket)
+            files[name] = (size, self._file_crcs[id(bucket)], None, True)
+            if stand_in:
+                phantom(dcp, name, size,
+                        lambda bucket=bucket: b"".join(data for _, data in bucket))
+        src, (src_head, body, order) = known
+        encoded = _records_head(rank, plan.digest, [names[i] for i in order],
+                                len(body) // _RECORD_SIZE) + body
+        if self._derived_checked < DERIVED_CHECKED:
+            self._derived_checked += 1
+            if encoded != self._records_bytes(rank):
+                raise ModelMismatch(f"rank {rank}'s records, made from rank {src}'s, are "
+                                    "not the ones it would write")
+        rec_crc = Crc32c()
+        rec_crc.update(encoded)
+        rec_name = records_name(rank, plan.key_spread)
+        files[rec_name] = (len(encoded), rec_crc.hexdigest(), None, True)
+        if stand_in:
+            phantom(dcp, rec_name, len(encoded), lambda rank=rank: self._records_bytes(rank))
+        return ranksave.RankOutcome(files, [], None)
+
+    def _full_outcome(self, rank: int, stand_in: bool) -> ranksave.RankOutcome:
+        """:meth:`_outcome` made in full; its records' head, body and file order kept
+        in :attr:`_encoded`, for the ranks of its class."""
         plan = self._indexed()
         dcp = self._checkpoint().child("model")
         files: dict[str, tuple[int, str, str | None, bool]] = {}
@@ -626,6 +684,15 @@ class AbsentRanks(RankModel):
                         lambda bucket=bucket: b"".join(data for _, data in bucket))
         mine = RankRecords(rank, plan.digest, records)
         encoded = mine.encode()
+        order = list(dict.fromkeys(_file_number(r.location.file, rank) for r in records))
+        head = _records_head(rank, plan.digest,
+                             [_file_name(f"__{rank}_", plan.key_spread, i) for i in order],
+                             len(records))
+        if not encoded.startswith(head) or len(encoded) - len(head) != \
+                len(records) * _RECORD_SIZE:
+            raise ModelMismatch(f"rank {rank}'s records are not laid out as the model "
+                                "makes them for the other ranks of its class")
+        self._encoded[rank] = (head, encoded[len(head):], order)
         rec_crc = Crc32c()
         rec_crc.update(encoded)
         rec_name = records_name(rank, plan.key_spread)
@@ -661,6 +728,23 @@ class AbsentRanks(RankModel):
             serialize([item], self._resolver, out)
             self._bytes[fqn] = bytes(out)
         return self._bytes[fqn]
+
+
+#: The bytes of one record in a rank's records object, after its head.
+_RECORD_SIZE = records_format._RECORD.size
+
+
+def _records_head(rank: int, digest: int, files: list[str], n_records: int) -> bytes:
+    """The head of a rank's records object (``RankRecords.encode``'s: the rank, the
+    counts, the files' names in the order its records first name them); what follows
+    it is the records themselves, alike for every rank of a class."""
+    out = [records_format._HEADER.pack(records_format._RECORDS_MAGIC,
+                                       records_format._RECORDS_VERSION, 0, rank, digest,
+                                       len(files), n_records)]
+    for name in files:
+        raw = name.encode()
+        out += [records_format._NAME_LEN.pack(len(raw)), raw]
+    return b"".join(out)
 
 
 def _write_results(value: Any) -> bool:
@@ -929,14 +1013,27 @@ def classic_reads(store: Store, md: Metadata, full_plans: dict[int, list[ReadIte
             for r, items in full_plans.items()}
 
 
+#: Absent ranks whose records the analysis reads and decodes as well as derives, to
+#: check the derivation (:func:`indexed_data`).
+DERIVED_CHECKED = 4
+
+
 def indexed_data(store: Store, ckpt: Any, world: int, full_plans: dict[int, list[ReadItem]],
-                 part: int) -> tuple[dict[int, list[tuple[str, int]]],
-                                     dict[int, list[tuple[str, int]]], int]:
+                 part: int, kind: Callable[[int], Any] | None = None
+                 ) -> tuple[dict[int, list[tuple[str, int]]],
+                            dict[int, list[tuple[str, int]]], int]:
     """An indexed checkpoint's data at full size, from its index and every rank's
     records: per rank, the files it wrote and the GETs of its resume on the same layout
     (its own chunks; the whole items, but the small ones the coordinator reads once for
     the job: :meth:`CloudStorageReader.read_whole_items`); and the number of items.
-    Each running rank's load plan (``full_plans``) is checked against it."""
+    Each running rank's load plan (``full_plans``) is checked against it.
+
+    With ``kind`` (a sampled run: :meth:`AbsentRanks.kind`), the records of one rank of
+    each class are read and decoded; every other rank's are derived from them by
+    renaming its files (ranks of a class hold chunks of the same sizes in files alike
+    but for their names), which is exact and O(files) a rank, where decoding is
+    O(tensors). The ranks that ran are read all the same, and :data:`DERIVED_CHECKED`
+    absent ranks both ways, compared (:class:`ModelMismatch`)."""
     index = read_index(ckpt)
     prefix = key_of(store, "")
     full: dict[str, int] = defaultdict(int)
@@ -961,20 +1058,28 @@ def indexed_data(store: Store, ckpt: Any, world: int, full_plans: dict[int, list
         full[loc.file] += n
         if idx not in shared:
             everyone.append((prefix + loc.file, n, tensor))
-    gets: dict[int, list[tuple[str, int]]] = {}
-    items = len(whole)
-    for r in range(world):
+    shared_reads = [(prefix + whole[i].file, whole[i].length, False) for i in shared]
+
+    @dataclass
+    class Part:
+        """A rank's chunks: the bytes of each of its files, its GETs, its chunk count."""
+
+        files: dict[str, int]
+        gets: list[tuple[str, int]]
+        chunks: int
+
+    def decoded(r: int) -> Part:
         raw = store.get(records_name(r, index.key_spread))
         mine = RankRecords.decode(raw, source=records_name(r, index.key_spread), rank=r,
                                   index=index)
         reads, boxes = [], set()
+        files: dict[str, int] = defaultdict(int)
         for rec in mine.records:
             t = index.tensors[rec.tensor]
             box = t.rule.chunk(t.size, r)
             assert box is not None
             n = math.prod(box[1]) * _itemsize(t.properties.dtype)
-            full[rec.location.file] += n
-            items += 1
+            files[rec.location.file] += n
             if n:
                 reads.append((prefix + rec.location.file, n, True))
                 boxes.add((t.fqn, box[0]))
@@ -985,14 +1090,59 @@ def indexed_data(store: Store, ckpt: Any, world: int, full_plans: dict[int, list
             if chunked != boxes:
                 raise ModelMismatch(f"rank {r}'s resume read {len(chunked)} chunks, the model "
                                     f"{len(boxes)}: {sorted(chunked ^ boxes)[:3]}")
-        shared_reads = [(prefix + whole[i].file, whole[i].length, False) for i in shared]
-        gets[r] = reader_gets(reads + everyone + (shared_reads if r == 0 else []), part)
+        gets = reader_gets(reads + everyone + (shared_reads if r == 0 else []), part)
+        return Part(dict(files), gets, len(mine.records))
+
+    def renamed(p: Part, src: int, r: int) -> Part:
+        """``src``'s part as rank ``r`` of its class has it: its files named after ``r``."""
+        names = {f: _file_name(f"__{r}_", index.key_spread, _file_number(f, src))
+                 for f in p.files}
+        paths = {prefix + a: prefix + b for a, b in names.items()}
+        return Part({names[f]: n for f, n in p.files.items()},
+                    [(paths.get(k, k), n) for k, n in p.gets], p.chunks)
+
+    reps: dict[Any, tuple[int, Part]] = {}  # a class's first rank, and its part
+    checked = derived = next_check = 0
+    gets: dict[int, list[tuple[str, int]]] = {}
+    items = len(whole)
+    for r in range(world):
+        if kind is None or r in full_plans:
+            mine = decoded(r)
+        else:
+            k = kind(r)
+            if k not in reps:
+                mine = decoded(r)
+                reps[k] = (r, mine)
+            else:
+                mine = renamed(reps[k][1], reps[k][0], r)
+                derived += 1
+                if checked < DERIVED_CHECKED and r >= next_check:  # spread over the world
+                    checked += 1
+                    next_check = r + world // (DERIVED_CHECKED + 1)
+                    if decoded(r) != mine:
+                        raise ModelMismatch(f"rank {r}'s records, derived from rank "
+                                            f"{reps[k][0]}'s, are not the ones it wrote")
+        for f, n in mine.files.items():
+            full[f] += n
+        items += mine.chunks
+        gets[r] = mine.gets
+    if derived and not checked:
+        raise ModelMismatch(f"none of the {derived} derived ranks' records was checked")
     recorder(BUCKET).take()  # the simulation's own reads
     per_rank: dict[int, list[tuple[str, int]]] = defaultdict(list)
     for path, size in full.items():
         rank = int(path.rsplit("/", 1)[-1].split("_")[2])
         per_rank[rank].append((prefix + path, size))
     return per_rank, gets, items
+
+
+def _file_number(name: str, rank: int) -> int:
+    """``i`` of ``__<rank>_<i>.distcp``, rank ``rank``'s ``i``-th data file."""
+    base = name.rsplit("/", 1)[-1]
+    head = f"__{rank}_"
+    if not base.startswith(head) or not base.endswith(SUFFIX):
+        raise ModelMismatch(f"{name} is not a data file of rank {rank}")
+    return int(base[len(head):-len(SUFFIX)])
 
 
 _ITEMSIZE: dict[torch.dtype, int] = {}
@@ -1080,8 +1230,10 @@ def simulate(ranks: int, *, bandwidth: float = 1e9, layout: str = "flat",
     with world.patched(), memoised_placeholder_saves(), per_rank_plans():
         with coordinator_cpu(cpu, SAVE_TIMED):
             phases["save"] = _run(world, "save", save(100))
+            progress(ranks, "save")
         with coordinator_cpu(later, SAVE_TIMED):
             phases["save + retention"] = _run(world, "save + retention", save(200))
+            progress(ranks, "save + retention")
         cpu.update({f"{k}, later": v for k, v in later.items()})
         if absent is not None and METADATA_NAME in open_checkpoint(
                 store.child("run/step-200/model")).files:
@@ -1089,9 +1241,11 @@ def simulate(ranks: int, *, bandwidth: float = 1e9, layout: str = "flat",
                                                   METADATA_NAME)
         with coordinator_cpu(cpu, RESUME_TIMED):
             phases["resume"] = _run(world, "resume", resume)
+            progress(ranks, "resume")
     if reshard is not None:
         phases["reshard"] = _reshard(store.child("run/step-200/model"), reshard, layout,
                                      sample, cpu)
+        progress(ranks, "reshard")
     if absent is not None:
         full_plans.update(absent.load_plans)
 
@@ -1102,8 +1256,9 @@ def simulate(ranks: int, *, bandwidth: float = 1e9, layout: str = "flat",
     recorder(BUCKET).take()
     md_raw = _quietly_read(model, METADATA_NAME) if METADATA_NAME in ckpt.files else b""
     if is_indexed(ckpt):
-        files, resume_gets, n_items = indexed_data(model, ckpt, ranks, full_plans,
-                                                   store.part_size)
+        files, resume_gets, n_items = indexed_data(
+            model, ckpt, ranks, full_plans, store.part_size,
+            absent.kind if absent is not None else None)
     else:
         md = load_metadata(md_raw)
         files, n_items = written_files(model, md), len(md.storage_data)
@@ -1115,6 +1270,7 @@ def simulate(ranks: int, *, bandwidth: float = 1e9, layout: str = "flat",
     for ph in phases.values():
         if ph.name != "reshard":  # its data keys are those it read
             ph.data_keys = {k for objs in ph.data.values() for k, _ in objs}
+    progress(ranks, "the data at full size")
     part = store.part_size
     peaks = {
         "write": peak_per_prefix(upload_sends(phases["save"].data, bandwidth, part),
@@ -1125,6 +1281,7 @@ def simulate(ranks: int, *, bandwidth: float = 1e9, layout: str = "flat",
     peaks["write, unspread"] = peak_per_prefix(upload_sends(
         {r: [(key_of(model, k.rsplit("/", 1)[-1]), n) for k, n in f]
          for r, f in files.items()}, bandwidth, part), WRITE_KINDS)
+    progress(ranks, "the rates per prefix")
     raw = {"DCP manifest": _quietly_read(model, MANIFEST_NAME),
            "root manifest": _quietly_read(store.child("run/step-200"), MANIFEST_NAME),
            ".metadata": md_raw}
@@ -1139,6 +1296,17 @@ def simulate(ranks: int, *, bandwidth: float = 1e9, layout: str = "flat",
                   prefixes, layout, world.ranks, indexed,
                   {n.rsplit("/", 1)[-1]: f["size"] for n, f in manifest["files"].items()
                    if n.rsplit("/", 1)[-1].endswith("_records")})
+
+
+_STARTED = time.monotonic()
+
+
+def progress(ranks: int, done: str) -> None:
+    """Say on stderr what a simulation has done, when, and the process's peak memory so
+    far (a run at 16,384 ranks takes many minutes: where they go)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    print(f"[N={ranks}] {done}: {time.monotonic() - _STARTED:.0f} s, peak RSS {peak:.1f} GiB, "
+          f"load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
 
 
 def _reshard(model: Store, ranks: int, layout: str, sample: int | None,
@@ -1206,7 +1374,11 @@ def check_bounds(res: Result) -> list[str]:
     # state, each once per job; every other rank reads its own state file and data.
     for r in res.others():
         extra = [q for q in resume.requests if q.rank == r and q.key not in resume.data_keys]
-        if sorted((q.kind, q.key.rsplit("/", 1)[-1]) for q in extra) != own("GET", r):
+        # A rank holding no rows of any tensor (past the last chunk of each: the last of
+        # 16,384 ranks) needs no saved rank's records, its own included.
+        expected = own("GET", r) if holds_rows(r, res.ranks, res.layout) else \
+            [("GET", f"rank-{r:05d}.bin")]
+        if sorted((q.kind, q.key.rsplit("/", 1)[-1]) for q in extra) != expected:
             bad.append(f"resume: rank {r} sent {[(q.kind, q.key) for q in extra][:6]} besides "
                        "its data and its own state file"
                        + (" and records" if res.indexed else ""))
@@ -1277,6 +1449,15 @@ def check_bounds(res: Result) -> list[str]:
         bad.append(f"the DCP manifest is {res.sizes['DCP manifest']} bytes, over the "
                    f"{MAX_MANIFEST_BYTES} a reader accepts")
     return bad
+
+
+def holds_rows(rank: int, world: int, layout: str) -> bool:
+    """Whether ``rank`` holds a row of any tensor (torch.chunk's: ceil rows a rank)."""
+    for shape in param_shapes(layout, world).values():
+        step = -(-shape[0] // world)
+        if rank * step < shape[0]:
+            return True
+    return False
 
 
 #: The most requests the coordinator of a save sends besides data objects, at any N.

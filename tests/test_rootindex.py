@@ -207,7 +207,7 @@ def test_two_savers_committing_at_once_lose_no_entry(s3):
 def test_a_crash_between_the_manifest_and_the_index_still_shows_the_checkpoint(s3, monkeypatch):
     commit(s3, "step-1", 1, index=True)
 
-    def crash(self, manifest):
+    def crash(self, manifest, *size):
         raise RuntimeError("killed after the manifest PUT")
 
     monkeypatch.setattr(rootindex.Commit, "done", crash)
@@ -260,3 +260,43 @@ def test_the_index_is_cloudckpts_own_mark(memory):
     assert survey(root).kind == ROOT  # a root holding it stays a root
     root.child("step-1").delete([MANIFEST_NAME])
     assert survey(root).kind == OURS  # holding only it: a leftover of cloudckpt's
+
+
+def test_a_big_manifest_is_read_in_one_get_of_the_size_the_index_records(s3, moto_server):
+    """A 3 MiB manifest (over the 1 MiB a manifest of unknown size is first read in)
+    opened from the root's listing: the index's record gives its size, so it is one GET
+    of exactly its bytes, no HEAD, no second read."""
+    with CheckpointWriter(s3.uri("step-1"), step=1, storage_options=s3.options, index=True,
+                          metadata={"notes": "n" * (3 * 2**20)}) as w:
+        w.put("model.bin", b"w" * 101)
+    size = open_store(s3.uri("step-1"), s3.options).size(MANIFEST_NAME)
+    assert size > 3 * 2**20
+    assert recorded(s3).checkpoints["step-1"].manifest_bytes == size
+    with FaultProxy(moto_server.endpoint) as proxy:
+        found = latest_checkpoint(s3.root, {**s3.options, "endpoint_url": proxy.endpoint})
+        manifest_reqs = [r for r in proxy.request_log if r.target.split("?")[0].endswith(
+            f"step-1/{MANIFEST_NAME}")]
+        body = proxy.bytes_out
+    assert found is not None and found.step == 1
+    assert [r.method for r in manifest_reqs] == ["GET"], manifest_reqs
+    assert size <= body < size + 64 * 1024  # the manifest once, and the small index
+
+
+def test_a_stale_manifest_size_in_the_index_still_reads_the_whole_manifest(s3):
+    """The index's size is a hint: a manifest bigger than it records (the checkpoint
+    replaced behind its back) is read whole, and the record is fixed."""
+    commit(s3, "step-1", 1, index=True)
+    root = open_store(s3.root, s3.options)
+    size = open_store(s3.uri("step-1"), s3.options).size(MANIFEST_NAME)
+
+    def shrink(index: rootindex.Index) -> bool:
+        e = index.checkpoints["step-1"]
+        index.checkpoints["step-1"] = rootindex.Entry(e.step, e.created, e.size, e.files,
+                                                      e.kind, size // 2)
+        return True
+
+    rootindex.update(root, shrink)
+    assert recorded(s3).checkpoints["step-1"].manifest_bytes == size // 2
+    found = latest_checkpoint(s3.root, s3.options)
+    assert found is not None and found.step == 1 and "model.bin" in found.manifest.files
+    assert recorded(s3).checkpoints["step-1"].manifest_bytes == size

@@ -346,3 +346,31 @@ def test_a_resharding_load_reads_the_records_of_the_saved_ranks_it_overlaps(sim)
                       if q.rank == r and q.key.endswith("_records"))
         assert read == sorted([f"__{2 * r}_records", f"__{2 * r + 1}_records"]), (r, read)
     assert 1.9 < sim.metadata_read_ratio(res, phase) <= 2.0
+
+
+def test_absent_ranks_of_a_class_are_made_from_its_first_and_checked(sim, monkeypatch):
+    """At 64 ranks eleven absent ranks own no whole item and hold alike rows: one class.
+    Their records are made from the first one's and their data derived from its records
+    after the run, each checked against the slow way for a few ranks; a derivation
+    that got a rank's records wrong stops the run. (The job is made to count as a
+    large one: a small one's records travel whole in the outcomes, made in full.)"""
+    from cloudckpt.dcp import ranksave
+
+    monkeypatch.setattr(ranksave, "SMALL_JOB_CHUNKS", 0)
+    made = []
+    real_full = sim.AbsentRanks._full_outcome
+
+    def full(self, rank, stand_in):
+        made.append(rank)
+        return real_full(self, rank, stand_in)
+
+    monkeypatch.setattr(sim.AbsentRanks, "_full_outcome", full)
+    res = sim.simulate(64, sample=3, name="c64")
+    assert sim.check_bounds(res) == []
+    absent = [r for r in range(64) if r not in res.running]
+    assert len(set(made)) < len(absent)  # some were derived
+    real_head = sim._records_head
+    monkeypatch.setattr(sim, "_records_head",  # a derived rank given another's head
+                        lambda rank, *a: real_head(rank if rank in made else rank + 1, *a))
+    with pytest.raises(sim.ModelMismatch, match="made from rank"):
+        sim.simulate(64, sample=3, name="w64")

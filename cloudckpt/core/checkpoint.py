@@ -330,11 +330,11 @@ class CheckpointWriter:
             interrupts.raise_if_swallowed()  # a Ctrl-C during the save stops it here
             recording.begin()
             try:
-                self._write_manifest(manifest)
+                written = self._write_manifest(manifest)
             except BaseException:
                 recording.failed()
                 raise
-        recording.done(manifest)
+        recording.done(manifest, written)
         if self.replaced is not None:
             replacing.clear(self.store, self.replaced, manifest)
         self._claim.release(committed=True)
@@ -345,12 +345,15 @@ class CheckpointWriter:
         self._committed = Checkpoint(self.store, manifest)
         return self._committed
 
-    def _write_manifest(self, manifest: Manifest) -> None:
+    def _write_manifest(self, manifest: Manifest) -> int | None:
+        """Write the manifest; its size in bytes where known (the root index records it)."""
         if self.replaced is None:
-            self.store.put_if_absent(MANIFEST_NAME, manifest.to_json())
-            return
+            raw = manifest.to_json()
+            self.store.put_if_absent(MANIFEST_NAME, raw)
+            return len(raw)
         try:
             replacing.swap(self.store, manifest, self.replaced)
+            return None
         except CommitConflictError:  # lost: what this save wrote goes
             if manifest.writer_area is not None and manifest.writer_depth == 0:
                 try:

@@ -85,7 +85,8 @@ class CheckpointInfo:
     def _confirm(self, entry: rootindex.Entry, root: Store) -> Manifest:
         sub = root.child(self.name)
         try:
-            m = Manifest.from_json(read_manifest_bytes(sub), source=sub.key_uri(MANIFEST_NAME))
+            raw = read_manifest_bytes(sub, size=entry.manifest_bytes)  # one GET, if recorded
+            m = Manifest.from_json(raw, source=sub.key_uri(MANIFEST_NAME))
         except FileNotFoundError:
             log.warning("the index of %s lists %s as committed, but its manifest is gone "
                         "(deleted behind cloudckpt's back); dropping its entry", root.uri,
@@ -97,10 +98,10 @@ class CheckpointInfo:
         except CorruptCheckpointError:
             rootindex.fix(root, self.name, None)  # a listing shows it unreadable from now
             raise
-        if rootindex.Entry.of(m) != entry:
+        if rootindex.Entry.of(m) != entry or entry.manifest_bytes not in (None, len(raw)):
             log.info("the index of %s disagreed with the manifest of %s; fixed its entry",
                      root.uri, self.name)
-            rootindex.fix(root, self.name, rootindex.Entry.of(m))
+            rootindex.fix(root, self.name, rootindex.Entry.of(m, len(raw)))
         return m
 
     def open(self, root: Store) -> Checkpoint:
@@ -210,12 +211,14 @@ def list_root(store: Store, *, include_uncommitted: bool = False,
     whole = unfinished_whole(store.child(parts[0])) if parts else None
     now = time.time()
     seen: dict[str, Manifest] = {}  # what probing found committed
+    seen_bytes: dict[str, int] = {}  # and the size of each one's manifest
     surveyed: dict[str, rootindex.Other | None] = {}  # surveyed: no checkpoint (None: ours)
 
     def probe(name: str, again: bool = True) -> CheckpointInfo | None:
         sub = store.child(name)
         try:
-            m = Manifest.from_json(read_manifest_bytes(sub), source=sub.key_uri(MANIFEST_NAME))
+            raw = read_manifest_bytes(sub)
+            m = Manifest.from_json(raw, source=sub.key_uri(MANIFEST_NAME))
         except FileNotFoundError:
             if not include_uncommitted:
                 return None
@@ -242,6 +245,7 @@ def list_root(store: Store, *, include_uncommitted: bool = False,
                                   error=f"a part of the save at {whole.uri}, which never "
                                   "committed: no checkpoint of its own")
         seen[name] = m
+        seen_bytes[name] = len(raw)
         return CheckpointInfo(name, sub.uri, True, m.step, m.created, m.total_size,
                               len(m.files), kind=m.kind, _manifest=m)
 
@@ -250,7 +254,7 @@ def list_root(store: Store, *, include_uncommitted: bool = False,
     infos += [i for i in store.map(probe, [n for n in names if n not in recorded])
               if i is not None]
     if loaded is not None and whole is None:
-        _write_back(store, loaded, set(names), seen, surveyed, now)
+        _write_back(store, loaded, set(names), seen, surveyed, now, seen_bytes)
     if not include_uncommitted:
         for i in infos:
             if i.status == "unreadable":  # never a silent gap in a run
@@ -268,7 +272,7 @@ def _from_entry(root: Store, name: str, e: rootindex.Entry) -> CheckpointInfo:
 
 def _write_back(root: Store, loaded: rootindex.Loaded, present: set[str],
                 seen: Mapping[str, Manifest], surveyed: Mapping[str, rootindex.Other | None],
-                now: float) -> None:
+                now: float, seen_bytes: Mapping[str, int] | None = None) -> None:
     """Bring the root index in line with what the listing found (``present``: the
     names listed; ``seen``: manifests probed; ``surveyed``: prefixes found to be no
     checkpoint) by one conditional write; a lost race leaves it to the next listing."""
@@ -290,7 +294,7 @@ def _write_back(root: Store, loaded: rootindex.Loaded, present: set[str],
             continue  # a commit or delete under way records it itself
         added += name not in index.checkpoints
         index.forget(name)
-        index.checkpoints[name] = rootindex.Entry.of(m)
+        index.checkpoints[name] = rootindex.Entry.of(m, (seen_bytes or {}).get(name))
     for name, other in surveyed.items():
         if name not in index.pending:
             index.forget(name)

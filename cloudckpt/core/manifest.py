@@ -406,10 +406,15 @@ def _parse(data: bytes, source: str) -> Any:
 
 
 def read_manifest_bytes(store: Store, key: str = MANIFEST_NAME, *,
-                        limit: int = MAX_MANIFEST_BYTES) -> bytes:
+                        limit: int = MAX_MANIFEST_BYTES, size: int | None = None) -> bytes:
     """The bytes of the manifest ``key`` of ``store``, never reading more than ``limit``.
 
-    One request for a manifest under :data:`FIRST_READ` (nearly all of them): a
+    ``size``, where the caller already knows it (the run root's index records each
+    manifest's), makes it one request of any size: over ``limit`` it is refused unread,
+    else that many bytes and one more are asked for, and an object that turns out
+    bigger (replaced since the size was taken) is read as one of unknown size.
+
+    Otherwise one request for a manifest under :data:`FIRST_READ` (nearly all of them): a
     bounded read that returns the whole object. A bigger one is sized first: when
     the store reports the object's size, a manifest over ``limit`` is refused
     unread and exactly that size is read (an object replaced meanwhile by a bigger one
@@ -419,6 +424,14 @@ def read_manifest_bytes(store: Store, key: str = MANIFEST_NAME, *,
     there is no such object.
     """
     uri = store.key_uri(key)
+    if size is not None:
+        if size > limit:
+            raise ManifestError(f"{uri} is {size} bytes, over the {limit} limit; refusing "
+                                "to read it: it is not a cloudckpt manifest")
+        whole = store.get_upto(key, 0, size + 1)
+        if len(whole) <= size:
+            return whole
+        del whole
     first = store.get_upto(key, 0, min(FIRST_READ, limit + 1))
     if len(first) < FIRST_READ:
         if len(first) > limit:

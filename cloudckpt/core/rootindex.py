@@ -60,11 +60,14 @@ class Entry:
     size: int
     files: int
     kind: str
+    #: The manifest's own size in bytes, so that a reader takes it in one GET however
+    #: big (None where unknown); a hint checked by the read, not part of the record.
+    manifest_bytes: int | None = field(default=None, compare=False)
 
     @classmethod
-    def of(cls, manifest: Manifest) -> Entry:
+    def of(cls, manifest: Manifest, manifest_bytes: int | None = None) -> Entry:
         return cls(manifest.step, manifest.created, manifest.total_size, len(manifest.files),
-                   manifest.kind)
+                   manifest.kind, manifest_bytes)
 
 
 @dataclass(frozen=True)
@@ -151,7 +154,8 @@ def _entry(e: Mapping[str, Any]) -> Entry:
     if not isinstance(e.get("kind"), str):
         raise TypeError(f"kind {e.get('kind')!r}")
     return Entry(_num(e["step"], (int,), True), _num(e["created"], (int, float), True),
-                 _num(e["size"], (int,)), _num(e["files"], (int,)), e["kind"])
+                 _num(e["size"], (int,)), _num(e["files"], (int,)), e["kind"],
+                 _num(e.get("manifest_bytes"), (int,), True))
 
 
 def _pending(p: Mapping[str, Any]) -> Pending:
@@ -274,14 +278,14 @@ class Commit:
         self._known = _quietly(f"mark {self.name} pending", root,
                                lambda: update(root, mark, create=self.create))
 
-    def done(self, manifest: Manifest) -> None:
+    def done(self, manifest: Manifest, manifest_bytes: int | None = None) -> None:
         root, known = self.root, self._known
         if root is None or known is None:
             return
 
         def record(index: Index) -> bool:
             index.forget(self.name)
-            index.checkpoints[self.name] = Entry.of(manifest)
+            index.checkpoints[self.name] = Entry.of(manifest, manifest_bytes)
             return True
 
         _quietly(f"record {self.name}", root, lambda: update(root, record, known=known))
@@ -336,7 +340,9 @@ def fix(root: Store, name: str, entry: Entry | None) -> None:
     """Set (``entry``) or drop (None) the record of ``name``, committed, after its
     manifest was read: a checkpoint opened disagreed with its entry."""
     def change(index: Index) -> bool:
-        if name not in index.checkpoints or index.checkpoints[name] == entry:
+        current = index.checkpoints.get(name)
+        if current is None or (current == entry and entry is not None
+                               and current.manifest_bytes == entry.manifest_bytes):
             return False  # a commit or delete under way, or fixed meanwhile
         if entry is None:
             del index.checkpoints[name]

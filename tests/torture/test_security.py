@@ -623,6 +623,11 @@ def test_manifest_read_is_bounded_when_the_store_reports_no_size(tmp_path, recor
         _bounded(t, f"read_manifest_bytes ({cls.__name__})",
                  partial(read_manifest_bytes, huge), size)
         _bounded(t, f"open ({cls.__name__})", partial(open_checkpoint, huge), size)
+        # a size from elsewhere (the root index) that understates it is only a hint
+        _bounded(t, f"read_manifest_bytes, a size of 100 given ({cls.__name__})",
+                 partial(read_manifest_bytes, huge, size=100), size)
+        t.expect(f"read_manifest_bytes, its true size given ({cls.__name__})",
+                 partial(read_manifest_bytes, huge, size=size), ManifestError)
         with CheckpointWriter(store.child("good"), step=3) as w:
             w.put("a.bin", b"data")
         t.check(f"a good manifest still opens ({cls.__name__})",
