@@ -145,7 +145,6 @@ class RecordsRead:
 
     rank: int
     name: str
-    tensors: tuple[int, ...]
     head: int
     slots: dict[int, int]
     ranges: tuple[tuple[int, int], ...]
@@ -165,19 +164,18 @@ def plan_records_read(index: Index, rank: int, name: str, size: int,
             f"{name} is {size} bytes, too few for a header and the {len(held)} records the "
             "index gives its rank; the checkpoint cannot be trusted: load an earlier one",
             {name: "too short for its records"})
-    wanted = sorted(held if tensors is None else tensors)
     if (tensors is None or size < WHOLE_RECORDS_BELOW
-            or len(wanted) >= WHOLE_RECORDS_SHARE * len(held)):
-        return RecordsRead(rank, name, tuple(wanted), head, {}, ())
+            or len(tensors) >= WHOLE_RECORDS_SHARE * len(held)):
+        return RecordsRead(rank, name, head, {}, ())
     slots = {}
-    for t in wanted:
+    for t in sorted(tensors):
         k = bisect.bisect_left(held, t)
         if k == len(held) or held[k] != t:
             raise ValueError(f"rank {rank} holds no part of tensor {t}: its records have "
                              "none to read")
         slots[t] = head + k * RECORD_SIZE
     spans = [(0, head), *((s, s + RECORD_SIZE) for s in slots.values())]
-    return RecordsRead(rank, name, tuple(wanted), head, slots, tuple(coalesce(spans)))
+    return RecordsRead(rank, name, head, slots, tuple(coalesce(spans)))
 
 
 def read_records(ckpt: Checkpoint, index: Index,
