@@ -109,7 +109,7 @@ from cloudckpt.core.checkpoint import open_checkpoint
 from cloudckpt.core.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Written
 from cloudckpt.dcp import rankload, ranksave
 from cloudckpt.dcp import records as records_format
-from cloudckpt.dcp.indexread import is_indexed, read_index, whole_items
+from cloudckpt.dcp.indexread import holders, is_indexed, read_index, whole_items
 from cloudckpt.dcp.metadata import METADATA_NAME, SUFFIX, load_metadata
 from cloudckpt.dcp.reader import (
     SHARED_BYTES_MAX,
@@ -120,6 +120,7 @@ from cloudckpt.dcp.reader import (
 from cloudckpt.dcp.records import (
     INDEX_NAME,
     INDEXED_FORMAT,
+    RECORD_SIZE,
     Location,
     RankRecords,
     Record,
@@ -859,6 +860,10 @@ class Phase:
     data_keys: set[str] = field(default_factory=set)
     data: dict[int, list[tuple[str, int]]] = field(default_factory=dict)
     seconds: float = 0.0
+    #: Per rank, the bytes of the records it needs (resharding: the header and file
+    #: names of each saved rank whose chunks it needs, and their records: what the
+    #: metadata bound is measured against; :func:`metadata_read_ratio`).
+    records_needed: dict[int, int] = field(default_factory=dict)
 
     def by_rank(self) -> dict[int | None, Counter[str]]:
         """Per rank, its requests by kind, besides its data objects'."""
@@ -1329,7 +1334,25 @@ def _reshard(model: Store, ranks: int, layout: str, sample: int | None,
     with world.patched(), memoised_placeholder_saves(), coordinator_cpu(cpu, targets):
         phase = _run(world, "reshard", load)
     phase.data_keys = {q.key for q in phase.requests if q.key.endswith(".distcp")}
+    phase.records_needed = {r: records_needed(model, r, ranks, layout)
+                            for r in {q.rank for q in phase.requests if q.rank is not None}}
+    recorder(BUCKET).take()  # the simulation's own reads
     return phase
+
+
+def records_needed(model: Store, rank: int, ranks: int, layout: str) -> int:
+    """The bytes of records rank ``rank`` of ``ranks`` needs to load the DCP checkpoint
+    at ``model`` onto its sharding: for each saved rank holding a chunk its state
+    overlaps, that rank's header and file names and the records of the tensors
+    overlapped (a reader cannot know less; on the layout saved with, its own records)."""
+    ckpt = open_checkpoint(model)
+    index = read_index(ckpt)
+    needs = holders(index, rankload.local_needs(rank_state(rank, ranks, layout)))
+    total = 0
+    for saved, tensors in needs.items():
+        size = ckpt.entry(records_name(saved, index.key_spread)).size
+        total += size - RECORD_SIZE * (len(index.held(saved)) - len(tensors))
+    return total
 
 
 def key_of(store: Store, key: str) -> str:
@@ -1491,19 +1514,37 @@ def largest_read(ph: Phase) -> tuple[int, str]:
 
 def metadata_read_ratio(res: Result, ph: Phase) -> float:
     """The most metadata (records, index, manifests) a rank but the coordinator read in
-    ``ph``, over the size of its own records (its state file not counted)."""
+    ``ph`` (its state file not counted), over the records of the saved chunks it needs:
+    resuming on the layout saved with, its own records file; resharding, the header
+    and file names of each saved rank whose chunks it needs and the records of those
+    chunks (:func:`records_needed`), so a rank reading whole the records of a saved rank
+    it needs one chunk of counts the rest against the bound."""
     worst = 0.0
-    # A resharding load's ranks saved nothing: against a saved rank's records (alike).
     reshard = ph.name == "reshard"
     ranks = sorted({q.rank for q in ph.requests if q.rank}) if reshard else res.others()
     for r in ranks:
-        mine = max(res.records.values(), default=0) if reshard else \
+        mine = ph.records_needed.get(r, 0) if reshard else \
             res.records.get(f"__{r}_records", 0)
         read = sum(q.size for q in ph.requests if q.rank == r and q.kind == "GET"
                    and q.key not in ph.data_keys and not q.key.endswith(f"rank-{r:05d}.bin"))
         if mine:
             worst = max(worst, read / mine)
     return worst
+
+
+def reshard_records_gets(ph: Phase) -> dict[int, dict[str, int]]:
+    """Per resharding rank, its GETs of records (ranged or whole, one a range) and their
+    bytes, and the saved ranks whose records it read."""
+    out: dict[int, dict[str, int]] = {}
+    for q in ph.requests:
+        if q.kind == "GET" and q.rank is not None and q.key.endswith("_records"):
+            mine = out.setdefault(q.rank, {"gets": 0, "bytes": 0})
+            mine["gets"] += 1
+            mine["bytes"] += q.size
+    for r, mine in out.items():
+        mine["files"] = len({q.key for q in ph.requests
+                             if q.rank == r and q.key.endswith("_records")})
+    return dict(sorted(out.items()))
 
 
 # -------------------------------------------------------------------- report
@@ -1573,7 +1614,9 @@ def summary(res: Result, bandwidth: float = 1e9) -> dict[str, Any]:
             "largest_read": dict(zip(("bytes", "key"), largest_read(res.phases["reshard"]),
                                      strict=True)),
             "ranks": sorted({q.rank for q in res.phases["reshard"].requests
-                             if q.rank is not None})}} if "reshard" in res.phases else {}),
+                             if q.rank is not None}),
+            "records_gets": reshard_records_gets(res.phases["reshard"])}}
+           if "reshard" in res.phases else {}),
         "records_bytes_max": max(res.records.values(), default=0),
         "violations": check_bounds(res),
     }
@@ -1603,7 +1646,8 @@ def table(rows: list[dict[str, Any]], bandwidth: float) -> str:
             "peak GET/s per prefix", "coordinator CPU s: plan / commit",
             f"modelled restore s @{bandwidth / 1e9:g} GB/s: metadata + coordinator + data",
             "index + .metadata MiB", "coordinator CPU s per save: first / later",
-            "resume: largest object read MiB", "resume: metadata read / own records",
+            "resume: largest object read MiB",
+            "resume: metadata read / own records (reshard: / records of the chunks needed)",
             "simulated in s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in rows:

@@ -194,3 +194,96 @@ def test_contents_of_an_indexed_checkpoint_are_those_of_the_classic_one(monkeypa
         [(e.name, e.shape, e.checksums) for e in classic.entries]
     assert all(e.checksums for e in indexed.entries)
     assert not indexed.others and not indexed.problems
+
+
+def _ranged(gets: list[tuple[str, str | None]], uri: str) -> dict[int, list[tuple[int, int]]]:
+    """Per records file a rank GET, by saved rank: the byte ranges it asked for
+    (``[start, end)``; one ``(0, -1)`` for a whole read)."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for key, header in zip(_keys([k for k, _ in gets], uri), (h for _, h in gets),
+                           strict=True):
+        if not key.endswith("_records"):
+            continue
+        saved = int(key.rsplit("/", 1)[-1].split("_")[2])
+        if header is None:
+            out.setdefault(saved, []).append((0, -1))
+        else:
+            first, last = header.removeprefix("bytes=").split("-")
+            out.setdefault(saved, []).append((int(first), int(last) + 1))
+    return out
+
+
+def _uneven(s3, name: str) -> tuple[str, str, dict[str, int]]:
+    opts, uri = s3.options_json(), s3.uri(name)
+    run_ranks("rankload_workers.save_uneven", 4, uri, opts)
+    ckpt = open_checkpoint(uri, s3.options)
+    assert is_indexed(ckpt) and ".metadata" not in ckpt.files
+    return opts, uri, {n: ckpt.entry(n).size for n in ckpt.files if n.endswith("_records")}
+
+
+def test_a_resharding_rank_reads_by_range_the_records_it_needs_few_of(s3):
+    """Saved at 4 ranks, loaded at 3: rank 0 needs every record of saved ranks 0 and 1
+    and reads both whole; rank 1 needs every record of saved ranks 2 and 3 (the 4-row
+    tensors) but only ``mid``'s and ``tail``'s of saved rank 1; rank 2 needs only
+    ``mid``'s of saved ranks 2 and 3. Those fringe files are read by ranged GETs (the
+    header and name table, then each needed record), a small part of their bytes, and
+    every rank's state is the saved one bit for bit."""
+    from cloudckpt.dcp.indexread import RECORDS_RANGES, WHOLE_RECORDS_BELOW
+
+    opts, uri, sizes = _uneven(s3, "uneven")
+    assert all(n > WHOLE_RECORDS_BELOW for n in sizes.values()), sizes  # not read whole
+
+    results = run_ranks("rankload_workers.load_uneven", 3, uri, opts)
+    expect_whole = {0: {0, 1}, 1: {2, 3}, 2: set()}
+    expect_ranged = {0: set(), 1: {1}, 2: {2, 3}}
+    for rank, (outcome, gets) in results.items():
+        assert outcome == "same", (rank, outcome)
+        read = _ranged(gets, uri)
+        whole = {s for s, spans in read.items() if spans == [(0, -1)]}
+        ranged = {s for s, spans in read.items() if (0, -1) not in spans}
+        assert whole == expect_whole[rank] and ranged == expect_ranged[rank], (rank, read)
+        for saved in ranged:
+            spans = read[saved]
+            size = sizes[records_name(saved, 0)]
+            assert len(spans) <= RECORDS_RANGES, spans
+            assert min(a for a, _ in spans) == 0, spans  # the header and name table
+            assert all(0 <= a < b <= size for a, b in spans), (spans, size)
+            got = sum(b - a for a, b in spans)
+            assert got < size / 20, (rank, saved, got, size)
+        # The fringe file of rank 1 (mid in its middle, tail at its end): three ranges.
+        if rank == 1:
+            assert len(read[1]) == 3, read[1]
+
+
+@pytest.mark.parametrize("damage", ["position", "truncated"])
+def test_a_bad_record_read_by_range_is_corrupt_on_every_rank(s3, damage):
+    """Saved rank 2's records damaged where rank 2 of 3 reads them by range (``mid``'s
+    record naming another tensor, the file's size kept; or the file cut before that
+    record): every rank raises CorruptCheckpointError naming the file, rank 2 for what
+    its ranged read found, and no rank reads data."""
+    from cloudckpt.dcp.indexread import read_index
+    from cloudckpt.dcp.records import RECORD_SIZE, RankRecords
+
+    opts, uri, _ = _uneven(s3, f"uneven-{damage}")
+    index = read_index(open_checkpoint(uri, s3.options))
+    store = open_store(uri, s3.options)
+    name = records_name(2, 0)
+    raw = bytearray(store.get(name))
+    recs = RankRecords.decode(bytes(raw), source=name, rank=2, index=index).records
+    mid = next(k for k, r in enumerate(recs) if index.tensors[r.tensor].fqn.endswith("_mid"))
+    place = len(raw) - (len(recs) - mid) * RECORD_SIZE
+    if damage == "position":
+        raw[place:place + 4] = (recs[mid].tensor + 1).to_bytes(4, "little")
+        store.put(name, bytes(raw))
+    else:
+        store.put(name, bytes(raw[:place]))
+    results = run_ranks("rankload_workers.load_uneven", 3, uri, opts)
+    for rank, (outcome, gets) in results.items():
+        assert outcome.startswith("CorruptCheckpointError"), (rank, outcome)
+        assert name in outcome, (rank, outcome)
+        assert not [k for k, _ in gets if k.endswith(".distcp")], (rank, gets)
+    mine = results[2][0]
+    assert ("names tensor" in mine) if damage == "position" else \
+        ("shorter than the manifest says" in mine), mine
+    assert _ranged(results[2][1], uri)[2] != [(0, -1)]
+

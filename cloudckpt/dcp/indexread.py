@@ -4,14 +4,20 @@
 A load of an indexed checkpoint (:mod:`.records`) reads the index (one object,
 O(tensors)) and, for each tensor split by a rule, the records of the saved ranks
 whose chunks overlap what this rank loads (:meth:`Rule.holders`): on the layout it
-was saved with, this rank's own records only. From them it builds a ``Metadata``
-holding only those chunks, which torch's planner plans against as it would the
-whole one. A stock-style load (:func:`full_metadata`) reads every rank's records.
+was saved with, this rank's own records only. A resharding rank needs most records
+of a few saved ranks and one or two of others (where ``torch.chunk``'s rounding
+differs between the two world sizes); records are sorted by tensor, so it reads
+those few by range (:func:`plan_records_read`) rather than the whole file. From
+them it builds a ``Metadata`` holding only those chunks, which torch's planner plans
+against as it would the whole one. A stock-style load (:func:`full_metadata`) reads
+every rank's records.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +37,8 @@ from cloudckpt.dcp.records import (
     INDEX_NAME,
     INDEXED_FORMAT,
     MAX_INDEX_BYTES,
+    RECORD_SIZE,
+    RECORDS_HEADER_SIZE,
     Index,
     Location,
     RankRecords,
@@ -80,44 +88,151 @@ class Needs:
     byte_items: frozenset[str]
 
 
-def holders(index: Index, needs: Needs) -> set[int]:
-    """The saved ranks whose records hold a chunk this rank's state overlaps (its
-    names and sizes checked against the index first: :func:`mismatch`)."""
-    entries = {t.fqn: t for t in index.tensors}
-    out: set[int] = set()
+def holders(index: Index, needs: Needs) -> dict[int, set[int]]:
+    """Per saved rank whose records hold a chunk this rank's state overlaps, the
+    positions (in the index) of the tensors it needs from that rank (names and sizes
+    checked against the index first: :func:`mismatch`)."""
+    entries = {t.fqn: (i, t) for i, t in enumerate(index.tensors)}
+    out: dict[int, set[int]] = {}
     for fqn, (_, boxes) in needs.tensors.items():
-        entry = entries.get(fqn)
-        if entry is None or entry.rule.kind != CHUNKED:
+        found = entries.get(fqn)
+        if found is None or found[1].rule.kind != CHUNKED:
             continue
+        i, entry = found
         for offsets, sizes in boxes:
-            out.update(entry.rule.holders(entry.size, offsets, sizes))
+            for rank in entry.rule.holders(entry.size, offsets, sizes):
+                out.setdefault(rank, set()).add(i)
     return out
 
 
-def read_records(ckpt: Checkpoint, index: Index, ranks: Iterable[int]
+#: A records file this small is read whole, whatever a load needs of it: one GET,
+#: where ranged reads take two at least, for a few kilobytes saved.
+WHOLE_RECORDS_BELOW = 16 * 1024
+#: ... and so is one whose needed records are at least this share of its records.
+WHOLE_RECORDS_SHARE = 0.5
+#: Needed records closer than this are read in one range (the bytes between cost less
+#: than another request).
+RECORDS_GAP = 4096
+#: The most ranged GETs of one records file (its header and name table included): the
+#: smallest gaps are read through beyond that.
+RECORDS_RANGES = 4
+
+
+def coalesce(spans: Iterable[tuple[int, int]], *, gap: int = RECORDS_GAP,
+             most: int = RECORDS_RANGES) -> list[tuple[int, int]]:
+    """Byte ranges ``[start, end)`` covering ``spans``: overlapping ones and those at
+    most ``gap`` apart merged, then, past ``most`` ranges, the ranges either side of
+    the smallest gaps merged until ``most`` remain."""
+    merged: list[list[int]] = []
+    for start, end in sorted(spans):
+        if merged and start - merged[-1][1] <= gap:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    if len(merged) > most >= 1:
+        gaps = sorted(range(1, len(merged)), key=lambda k: merged[k][0] - merged[k - 1][1])
+        keep = sorted(gaps[len(gaps) - (most - 1):]) if most > 1 else []
+        starts = [0, *keep]
+        merged = [[merged[a][0], merged[b - 1][1]]
+                  for a, b in zip(starts, [*keep, len(merged)], strict=True)]
+    return [(a, b) for a, b in merged]
+
+
+@dataclass(frozen=True)
+class RecordsRead:
+    """How one saved rank's records are read: whole (``ranges`` empty), or the bytes
+    before its records (``head`` of them) and the needed records, by ranges."""
+
+    rank: int
+    name: str
+    head: int
+    slots: dict[int, int]
+    ranges: tuple[tuple[int, int], ...]
+
+
+def plan_records_read(index: Index, rank: int, name: str, size: int,
+                      tensors: AbstractSet[int] | None) -> RecordsRead:
+    """How to read saved rank ``rank``'s records object ``name`` of ``size`` bytes (its
+    manifest's), needing the records of the tensors at positions ``tensors`` (None:
+    all). Its records are its last :data:`RECORD_SIZE` x n bytes, n the number of
+    tensors the index gives it a part of (:meth:`Index.held`), sorted by position; a
+    size too small for them raises :class:`CorruptCheckpointError`."""
+    held = index.held(rank)
+    head = size - len(held) * RECORD_SIZE
+    if head < RECORDS_HEADER_SIZE:
+        raise CorruptCheckpointError(
+            f"{name} is {size} bytes, too few for a header and the {len(held)} records the "
+            "index gives its rank; the checkpoint cannot be trusted: load an earlier one",
+            {name: "too short for its records"})
+    if (tensors is None or size < WHOLE_RECORDS_BELOW
+            or len(tensors) >= WHOLE_RECORDS_SHARE * len(held)):
+        return RecordsRead(rank, name, head, {}, ())
+    slots = {}
+    for t in sorted(tensors):
+        k = bisect.bisect_left(held, t)
+        if k == len(held) or held[k] != t:
+            raise ValueError(f"rank {rank} holds no part of tensor {t}: its records have "
+                             "none to read")
+        slots[t] = head + k * RECORD_SIZE
+    spans = [(0, head), *((s, s + RECORD_SIZE) for s in slots.values())]
+    return RecordsRead(rank, name, head, slots, tuple(coalesce(spans)))
+
+
+def read_records(ckpt: Checkpoint, index: Index,
+                 wanted: Mapping[int, AbstractSet[int]] | Iterable[int]
                  ) -> dict[int, RankRecords]:
-    """The records of saved ``ranks``, read in parallel and validated against the index;
-    one missing from the manifest or the store, short, or malformed raises
+    """The records of the saved ranks ``wanted`` names, validated against the index:
+    given a mapping, only the records of the tensors (positions) each rank's set
+    names, by ranged reads where they are a small part of a large file
+    (:func:`plan_records_read`); given ranks, all of theirs. Every GET is sent at once.
+    A file missing from the manifest or the store, short, or malformed raises
     :class:`CorruptCheckpointError` naming it."""
-    wanted = sorted(set(ranks))
-    names = [records_name(r, index.key_spread) for r in wanted]
-    for rank, name in zip(wanted, names, strict=True):
+    needs: dict[int, AbstractSet[int] | None] = (
+        {r: wanted[r] for r in wanted} if isinstance(wanted, Mapping)
+        else dict.fromkeys(wanted))
+    plans = []
+    for rank in sorted(needs):
+        name = records_name(rank, index.key_spread)
         if name not in ckpt.manifest.files:
             raise CorruptCheckpointError(
                 f"{ckpt.uri} lacks {name}, the records of rank {rank}, which holds chunks this "
                 "load needs (the manifest does not list it); the checkpoint is not whole. "
                 "Fall back to an earlier checkpoint.", {name: "not in the manifest"})
-    raw = ckpt.store.map(ckpt.read, names)
-    return {rank: RankRecords.decode(data, source=ckpt.store.key_uri(name), rank=rank,
-                                     index=index)
-            for rank, name, data in zip(wanted, names, raw, strict=True)}
+        plans.append(plan_records_read(index, rank, name,
+                                       ckpt.entry(name).size, needs[rank]))
+    gets: list[tuple[str, int, int] | str] = []
+    for p in plans:
+        gets += [(p.name, a, b) for a, b in p.ranges] if p.ranges else [p.name]
+    raw = ckpt.store.map(lambda g: ckpt.read(g) if isinstance(g, str)
+                         else ckpt.read_range(*g), gets)
+    got = iter(raw)
+    out = {}
+    for p in plans:
+        source = ckpt.store.key_uri(p.name)
+        if not p.ranges:
+            out[p.rank] = RankRecords.decode(next(got), source=source, rank=p.rank,
+                                             index=index)
+            continue
+        pieces = [(a, next(got)) for a, _ in p.ranges]
+
+        def at(start: int, end: int, pieces: list[tuple[int, bytes]] = pieces) -> bytes:
+            for a, data in pieces:
+                if a <= start and end <= a + len(data):
+                    return data[start - a:end - a]
+            raise AssertionError(f"bytes [{start}, {end}) were not read")
+
+        out[p.rank] = RankRecords.decode_part(
+            at(0, p.head), {t: at(s, s + RECORD_SIZE) for t, s in p.slots.items()},
+            source=source, rank=p.rank, index=index)
+    return out
 
 
 def metadata_for(index: Index, records: Mapping[int, RankRecords], fqns: Iterable[str]
                  ) -> tuple[Metadata, ItemCrcs]:
-    """torch's ``Metadata`` of the items ``fqns`` with the chunks of the saved ranks in
-    ``records`` only, and the checksums of their items. A rank whose records lack a
-    chunk its rule says it holds raises :class:`CorruptCheckpointError`."""
+    """torch's ``Metadata`` of the items ``fqns`` with the chunks in ``records`` only
+    (of each saved rank, the tensors its records cover: :meth:`RankRecords.covering`),
+    and the checksums of their items. Records covering a tensor but lacking a chunk
+    the rule says that rank holds raise :class:`CorruptCheckpointError`."""
     entries = {t.fqn: (i, t) for i, t in enumerate(index.tensors)}
     byte_items = {b.fqn: b.location for b in index.byte_items}
     located: dict[tuple[int, int], Location] = {
@@ -145,6 +260,8 @@ def metadata_for(index: Index, records: Mapping[int, RankRecords], fqns: Iterabl
             crcs.append((t.location.file, t.location.offset, t.location.crc32c))
         else:
             for rank in sorted(records):
+                if not records[rank].covering(i):
+                    continue  # not read: this rank's state needs nothing of it from there
                 box = t.rule.chunk(t.size, rank)
                 if box is None or not all(box[1]):
                     continue  # this rank holds nothing of it

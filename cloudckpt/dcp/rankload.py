@@ -4,9 +4,11 @@ The coordinator reads the manifest and the index (:meth:`CloudStorageReader.open
 and shares them. Each rank then works out from its own state which chunks it loads
 (DCP's local save plan of the state: each tensor's boxes, each other value's name),
 checks them against the index (a name or shape the checkpoint lacks is refused on
-every rank before any data is read), reads the records of the saved ranks holding
-those chunks (:func:`~cloudckpt.dcp.indexread.holders`; on the layout it was saved
-with, its own only) and primes its reader with the ``Metadata`` of just them. torch's
+every rank before any data is read), reads the records of those chunks (the saved
+ranks holding them and the tensors needed of each:
+:func:`~cloudckpt.dcp.indexread.holders`; on the layout it was saved with, its own
+records only; a file it needs a few records of, by range) and primes its reader with
+the ``Metadata`` of just them. torch's
 ``dcp.load`` then plans and reads on each rank alone (``no_dist``): nothing is gathered,
 and each item is still checked against its CRC32C. Once every rank's state has passed,
 the coordinator reads the small items held whole (replicated values every rank loads)

@@ -17,11 +17,12 @@ torch's own ``Metadata`` from them, for stock readers.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import struct
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,9 +127,32 @@ class Index:
     planner_data: dict[str, tuple[str | int, ...]] | None = None
     dcp_version: str | None = None
 
+    #: :meth:`held`'s answers, by how many distinct part counts a rank is past
+    #: (the index is not changed once built).
+    _held: dict[int, tuple[int, ...]] = field(default_factory=dict, init=False,
+                                              repr=False, compare=False)
+    _parts: list[int] | None = field(default=None, init=False, repr=False, compare=False)
+
     def position(self) -> dict[str, int]:
         """Tensor name -> its position in :attr:`tensors`."""
         return {t.fqn: i for i, t in enumerate(self.tensors)}
+
+    def held(self, rank: int) -> tuple[int, ...]:
+        """The positions, ascending, of the tensors split by rule of which saved rank
+        ``rank`` holds a part (``rule.parts > rank``, :meth:`Rule.chunk`): exactly the
+        tensors its records file has a record of, in that order, so the record of the
+        k-th of them is the k-th of the file (every rank that holds a part writes one,
+        empty parts included: DCP plans an item for every local shard)."""
+        if self._parts is None:
+            self._parts = sorted({t.rule.parts for t in self.tensors
+                                  if t.rule.kind == CHUNKED})
+        past = bisect.bisect_right(self._parts, rank)
+        found = self._held.get(past)
+        if found is None:
+            found = tuple(i for i, t in enumerate(self.tensors)
+                          if t.rule.kind == CHUNKED and t.rule.parts > rank)
+            self._held[past] = found
+        return found
 
     def encode(self) -> bytes:
         doc = {
@@ -311,44 +335,107 @@ class Record:
     location: Location
 
 
+#: Bytes of one record; a rank's records are its file's last ``RECORD_SIZE`` x n bytes.
+RECORD_SIZE = _RECORD.size
+#: Bytes of a records file's header (its file-name table follows).
+RECORDS_HEADER_SIZE = _HEADER.size
+
+
 @dataclass
 class RankRecords:
-    """Every chunk one rank wrote of the tensors its index splits by rule."""
+    """Chunks one rank wrote of the tensors its index splits by rule: all of them, or
+    (``covers``) those of the tensors at the positions a partial read asked for."""
 
     rank: int
     digest: int
     records: list[Record]
+    #: The tensor positions read, where only some records were (None: every record).
+    covers: frozenset[int] | None = None
+
+    def covering(self, tensor: int) -> bool:
+        """Whether these records say what the rank holds of ``tensor`` (its record, or
+        that it has none), rather than not having been read."""
+        return self.covers is None or tensor in self.covers
 
     def encode(self) -> bytes:
+        """The records file: header, file-name table, then the records sorted by tensor
+        position, so that a reader finds the record of any tensor at a place it
+        computes from the index (:meth:`Index.held`) and reads it by range."""
+        ordered = sorted(self.records, key=lambda r: r.tensor)
         files: dict[str, int] = {}
-        for r in self.records:
+        for r in ordered:
             files.setdefault(r.location.file, len(files))
         out = [_HEADER.pack(_RECORDS_MAGIC, _RECORDS_VERSION, 0, self.rank, self.digest,
-                            len(files), len(self.records))]
+                            len(files), len(ordered))]
         for name in files:
             raw = name.encode()
             out += [_NAME_LEN.pack(len(raw)), raw]
         out += [_RECORD.pack(r.tensor, files[r.location.file], r.location.offset,
                              r.location.length, int(r.location.crc32c, 16))
-                for r in self.records]
+                for r in ordered]
         return b"".join(out)
 
     @staticmethod
     def decode(data: bytes, *, source: str, rank: int | None = None,
                index: Index | None = None) -> RankRecords:
         """The records in ``data``, validated (and against ``rank`` and ``index``
-        when given: the same save, tensors it splits by rule and this rank holds a
-        part of, each once); anything else raises :class:`CorruptCheckpointError`."""
+        when given: the same save, and exactly one record, in order, of each tensor the
+        index splits by rule and gives this rank a part of: :meth:`Index.held`);
+        anything else raises :class:`CorruptCheckpointError`."""
         return _decode_records(memoryview(data).cast("B"), source, rank, index)
 
+    @staticmethod
+    def decode_part(head: bytes, records: Mapping[int, bytes], *, source: str, rank: int,
+                    index: Index) -> RankRecords:
+        """The records of the tensors at the positions ``records`` keys, from ranged
+        reads of a records file: ``head``, its bytes before the records (header and
+        file-name table), and each record's :data:`RECORD_SIZE` bytes read at its place
+        (:meth:`Index.held`). Validated as :meth:`decode` does, and each record must
+        name the tensor expected at its place; else :class:`CorruptCheckpointError`."""
+        bad = _bad_records(source)
+        view = memoryview(head).cast("B")
+        saved_rank, digest, names, end, n_records = _decode_head(view, source, rank, index)
+        if end != len(view):
+            raise bad(f"its file names take {end - _HEADER.size} bytes, not the "
+                      f"{len(view) - _HEADER.size} before its records")
+        held = index.held(saved_rank)
+        if n_records != len(held):
+            raise bad(f"{n_records} records, where the index gives rank {saved_rank} a part "
+                      f"of {len(held)} tensors")
+        out = []
+        for tensor in sorted(records):
+            raw = records[tensor]
+            if len(raw) != RECORD_SIZE:
+                raise bad(f"the record of tensor {tensor} is {len(raw)} bytes")
+            got, file, offset, length, crc = _RECORD.unpack(raw)
+            if got != tensor:
+                raise bad(f"the record where {_fqn(index, tensor)} belongs names tensor "
+                          f"{got}")
+            if file >= len(names):
+                raise bad(f"a record names file {file} of {len(names)}")
+            if offset > _MAX_INT or length > _MAX_INT:
+                raise bad("a record's offset or length is out of range")
+            out.append(Record(tensor, Location(names[file], offset, length, f"{crc:08x}")))
+        return RankRecords(saved_rank, digest, out, frozenset(records))
 
-def _decode_records(data: memoryview, source: str, rank: int | None,
-                    index: Index | None) -> RankRecords:
+
+def _fqn(index: Index, tensor: int) -> str:
+    return index.tensors[tensor].fqn if 0 <= tensor < len(index.tensors) else f"#{tensor}"
+
+
+def _bad_records(source: str) -> Callable[[str], CorruptCheckpointError]:
     def bad(what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
             f"{source} is malformed ({what}); the checkpoint cannot be trusted: load an "
             "earlier one", {source: what})
+    return bad
 
+
+def _decode_head(data: memoryview, source: str, rank: int | None, index: Index | None
+                 ) -> tuple[int, int, list[str], int, int]:
+    """A records file's header and file-name table, validated: (rank, digest, file
+    names, where the names end, number of records)."""
+    bad = _bad_records(source)
     if len(data) < _HEADER.size:
         raise bad(f"{len(data)} bytes, shorter than its header")
     magic, version, _, saved_rank, digest, n_files, n_records = _HEADER.unpack_from(data)
@@ -375,11 +462,20 @@ def _decode_records(data: memoryview, source: str, rank: int | None,
             raise bad("a file name is not UTF-8") from None
         names.append(validate_path(name, source=source))
         pos += n
+    return saved_rank, digest, names, pos, n_records
+
+
+def _decode_records(data: memoryview, source: str, rank: int | None,
+                    index: Index | None) -> RankRecords:
+    bad = _bad_records(source)
+    saved_rank, digest, names, pos, n_records = _decode_head(data, source, rank, index)
+    n_files = len(names)
     if len(data) - pos != n_records * _RECORD.size:
         raise bad(f"{len(data) - pos} bytes of records, not {n_records} of {_RECORD.size}")
+    held = index.held(saved_rank) if index is not None else ()
     records = []
     seen: set[int] = set()
-    for tensor, file, offset, length, crc in _RECORD.iter_unpack(data[pos:]):
+    for k, (tensor, file, offset, length, crc) in enumerate(_RECORD.iter_unpack(data[pos:])):
         if file >= n_files:
             raise bad(f"a record names file {file} of {n_files}")
         if offset > _MAX_INT or length > _MAX_INT:
@@ -393,7 +489,13 @@ def _decode_records(data: memoryview, source: str, rank: int | None,
             if tensor in seen:
                 raise bad(f"{index.tensors[tensor].fqn} is recorded twice")
             seen.add(tensor)
+            if k >= len(held) or held[k] != tensor:
+                raise bad(f"record {k} names {index.tensors[tensor].fqn}, out of order or "
+                          "with another missing before it")
         records.append(Record(tensor, Location(names[file], offset, length, f"{crc:08x}")))
+    if index is not None and len(records) != len(held):
+        raise bad(f"{len(records)} records, where the index gives rank {saved_rank} a part "
+                  f"of {len(held)} tensors")
     return RankRecords(saved_rank, digest, records)
 
 
