@@ -685,7 +685,8 @@ class AbsentRanks(RankModel):
                         lambda bucket=bucket: b"".join(data for _, data in bucket))
         mine = RankRecords(rank, plan.digest, records)
         encoded = mine.encode()
-        order = list(dict.fromkeys(_file_number(r.location.file, rank) for r in records))
+        order = list(dict.fromkeys(_file_number(r.location.file, rank)
+                                   for r in sorted(records, key=lambda r: r.tensor)))
         head = _records_head(rank, plan.digest,
                              [_file_name(f"__{rank}_", plan.key_spread, i) for i in order],
                              len(records))
@@ -737,8 +738,8 @@ _RECORD_SIZE = records_format._RECORD.size
 
 def _records_head(rank: int, digest: int, files: list[str], n_records: int) -> bytes:
     """The head of a rank's records object (``RankRecords.encode``'s: the rank, the
-    counts, the files' names in the order its records first name them); what follows
-    it is the records themselves, alike for every rank of a class."""
+    counts, the files' names in the order its records, sorted by tensor, first name
+    them); what follows it is the records themselves, alike for every rank of a class."""
     out = [records_format._HEADER.pack(records_format._RECORDS_MAGIC,
                                        records_format._RECORDS_VERSION, 0, rank, digest,
                                        len(files), n_records)]
