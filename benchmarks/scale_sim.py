@@ -675,7 +675,8 @@ class AbsentRanks(RankModel):
                 loc = Location(name, offset, len(data), item_crc)
                 pos = plan.position.get(item.index.fqn)
                 if pos is not None and plan.tensors[pos].rule.kind != WHOLE:
-                    records.append(Record(pos, loc))
+                    if _holds_part(plan.tensors[pos], rank):
+                        records.append(Record(pos, loc))
                 else:
                     located.append((item.index.fqn, loc))
                 offset += len(data)
@@ -713,7 +714,8 @@ class AbsentRanks(RankModel):
             offset = 0
             for item, data in bucket:
                 pos = plan.position.get(item.index.fqn)
-                if pos is not None and plan.tensors[pos].rule.kind != WHOLE:
+                if pos is not None and plan.tensors[pos].rule.kind != WHOLE \
+                        and _holds_part(plan.tensors[pos], rank):
                     records.append(Record(pos, Location(name, offset, len(data),
                                                         self._crcs[item.index.fqn])))
                 offset += len(data)
@@ -734,6 +736,11 @@ class AbsentRanks(RankModel):
 
 #: The bytes of one record in a rank's records object, after its head.
 _RECORD_SIZE = records_format._RECORD.size
+
+
+def _holds_part(t: records_format.TensorEntry, rank: int) -> bool:
+    """Whether ``rank`` writes a record of ``t`` (a non-empty part: ranksave's rule)."""
+    return rank < t.rule.filled(t.size)
 
 
 def _records_head(rank: int, digest: int, files: list[str], n_records: int) -> bytes:

@@ -28,6 +28,7 @@ from cloudckpt.dcp.records import (
     Record,
     TensorEntry,
     structure_digest,
+    tensor_order,
 )
 from cloudckpt.dcp.rules import Rule
 from cloudckpt.errors import CorruptCheckpointError
@@ -193,3 +194,38 @@ def test_metadata_lists_only_the_chunks_of_the_records_read() -> None:
     with pytest.raises(CorruptCheckpointError, match="no entry for t0000"):
         metadata_for(index, {3: lacking}, ["t0000"])
     assert torch.Size(md.state_dict_metadata["t0000"].size) == (12, 2)
+
+
+def test_tensors_split_alike_lie_side_by_side_in_the_index() -> None:
+    """Layers interleave tensors of different row counts by name; the index orders them
+    by how they are split, so the records a resharding rank needs of one row count lie
+    in one range of a saved rank's records file."""
+    shapes = {"wk": (1024, 8), "wq": (8192, 8), "w1": (28672, 8), "norm": (8192,)}
+    entries = [TensorEntry(f"layers.{n}.{k}", size, TensorProperties(), Rule.chunked(0, 16))
+               for n in range(3) for k, size in shapes.items()]
+    entries.append(TensorEntry("bias", (7,), TensorProperties(), Rule.whole(),
+                               Location("__0_0.distcp", 0, 8, "00000000")))
+    ordered = sorted(entries, key=lambda t: tensor_order(t.fqn, t.size, t.rule))
+    rows = [t.size[0] for t in ordered if t.rule.kind != "whole"]
+    assert ordered[0].fqn == "bias"
+    assert rows == sorted(rows)  # one run per row count
+    assert [t.fqn for t in ordered if t.size[0] == 8192] == sorted(
+        f"layers.{n}.{k}" for n in range(3) for k in ("norm", "wq"))
+
+
+def test_a_rank_past_a_tensors_rows_holds_no_record_of_it() -> None:
+    """torch.chunk's rounding leaves the last ranks no rows of a small tensor: their
+    part is empty, so they write no record of it and a load finds none to read."""
+    rule = Rule.chunked(0, 4)
+    assert [rule.filled((n, 3)) for n in (0, 1, 2, 3, 4, 5, 9)] == [0, 1, 2, 3, 4, 3, 3]
+    assert Rule.chunked(1, 4).filled((5, 0)) == 0
+    tensors = [TensorEntry("a", (12, 2), TensorProperties(), rule),
+               TensorEntry("b", (2, 2), TensorProperties(), rule)]
+    digest = structure_digest(4, 0, [(t.fqn, t.size, t.properties, t.rule) for t in tensors],
+                              [])
+    index = Index(4, 0, digest, tensors)
+    assert index.held(1) == (0, 1) and index.held(2) == index.held(3) == (0,)
+    stray = RankRecords(2, digest, [Record(0, Location("__2_0.distcp", 0, 8, "00000000")),
+                                    Record(1, Location("__2_0.distcp", 8, 8, "00000000"))])
+    with pytest.raises(CorruptCheckpointError, match="holds no part of b"):
+        RankRecords.decode(stray.encode(), source="__2_records", rank=2, index=index)

@@ -238,7 +238,7 @@ def test_malformed_index_is_corrupt(key: str, value: object) -> None:
     lambda t: t.update(properties=["float32", "strided", 0, "contiguous_format", False]),
     lambda t: t.update(location=["../x", 0, 1, "00000000"]),
     lambda t: t.update(location=["x", 0, 1, "XYZ"]), lambda t: t.update(fqn=""),
-    lambda t: t.update(fqn="zzz"),  # out of order
+    lambda t: t.update(fqn="a.weight"),  # another tensor's name
     lambda t: t.pop("rule"),
 ])
 def test_malformed_tensor_entry_is_corrupt(change) -> None:  # type: ignore[no-untyped-def]

@@ -46,6 +46,7 @@ from cloudckpt.dcp.records import (
     records_name,
     stock_metadata,
     structure_digest,
+    tensor_order,
 )
 from cloudckpt.dcp.rules import WHOLE, Rule, infer_rule, owner
 from cloudckpt.dcp.units import ItemInfo
@@ -210,7 +211,8 @@ def _plan(digest: int, tensors: dict[str, tuple[tuple[int, ...], TensorPropertie
         STATS.plans_reused += 1
         return cached
     STATS.plans_built += 1
-    entries = [TensorEntry(f, s, p, r) for f, (s, p, r) in sorted(tensors.items())]
+    entries = sorted((TensorEntry(f, s, p, r) for f, (s, p, r) in tensors.items()),
+                     key=lambda t: tensor_order(t.fqn, t.size, t.rule))
     chunks = sum(1 if t.rule.kind == WHOLE else t.rule.parts for t in entries) + len(byte_fqns)
     mappings = local.planner_data if isinstance(local.planner_data, dict) else None
     plan = Plan(digest, world, spread, entries, sorted(byte_fqns),
@@ -269,7 +271,9 @@ def _write_rank(prepared: Prepared, writer: CloudStorageWriter, files: RankFiles
         fqn = result.index.fqn
         pos = plan.position.get(fqn)
         if pos is not None and plan.tensors[pos].rule.kind != WHOLE:
-            records.append(Record(pos, loc))
+            entry = plan.tensors[pos]
+            if rank < entry.rule.filled(entry.size):  # an empty part has nothing to find
+                records.append(Record(pos, loc))
         else:
             located.append((fqn, loc))
     mine = RankRecords(rank, plan.digest, records)

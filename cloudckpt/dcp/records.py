@@ -114,10 +114,26 @@ class BytesEntry:
     location: Location
 
 
+def _filled(t: TensorEntry) -> int:
+    return t.rule.filled(t.size)
+
+
+def tensor_order(fqn: str, size: Sequence[int], rule: Rule) -> tuple[int, int, int, str]:
+    """Where a tensor goes in the index, and so its record in a rank's records file:
+    tensors split alike (the same rows in the split dimension, the same parts) side by
+    side. A resharding rank needs of a saved rank mostly the tensors of one such
+    group (where the two layouts' splits of those rows do not line up), which then
+    lie in one range of the file rather than spread through it."""
+    if rule.kind != CHUNKED:
+        return (0, 0, 0, fqn)
+    return (1, size[rule.dim], rule.parts, fqn)
+
+
 @dataclass
 class Index:
-    """The index of an indexed DCP checkpoint (see the module's docstring). ``tensors``
-    are sorted by name: a record names its tensor by position in this list."""
+    """The index of an indexed DCP checkpoint (see the module's docstring). A record
+    names its tensor by position in ``tensors``, which the saver orders by
+    :func:`tensor_order`."""
 
     world_size: int
     key_spread: int
@@ -139,18 +155,18 @@ class Index:
 
     def held(self, rank: int) -> tuple[int, ...]:
         """The positions, ascending, of the tensors split by rule of which saved rank
-        ``rank`` holds a part (``rule.parts > rank``, :meth:`Rule.chunk`): exactly the
+        ``rank`` holds a non-empty part (``rank < rule.filled(size)``): exactly the
         tensors its records file has a record of, in that order, so the record of the
-        k-th of them is the k-th of the file (every rank that holds a part writes one,
-        empty parts included: DCP plans an item for every local shard)."""
+        k-th of them is the k-th of the file. An empty part has no bytes to find, so no
+        record: a rank past a small tensor's rows reads nothing of it."""
         if self._parts is None:
-            self._parts = sorted({t.rule.parts for t in self.tensors
+            self._parts = sorted({_filled(t) for t in self.tensors
                                   if t.rule.kind == CHUNKED})
         past = bisect.bisect_right(self._parts, rank)
         found = self._held.get(past)
         if found is None:
             found = tuple(i for i, t in enumerate(self.tensors)
-                          if t.rule.kind == CHUNKED and t.rule.parts > rank)
+                          if t.rule.kind == CHUNKED and _filled(t) > rank)
             self._held[past] = found
         return found
 
@@ -234,10 +250,7 @@ class _IndexReader:
             if t.rule.kind == CHUNKED and t.rule.parts > world:
                 raise self.bad(f"{t.fqn} is split into {t.rule.parts} parts by "
                                f"{world} ranks")
-        names = [t.fqn for t in tensors]
-        if names != sorted(names):
-            raise self.bad("tensors are not sorted by name")
-        every = names + [b.fqn for b in byte_items]
+        every = [t.fqn for t in tensors] + [b.fqn for b in byte_items]
         if len(set(every)) != len(every):
             raise self.bad("an item is named twice")
         return Index(world, spread, digest_value, tensors, byte_items,
@@ -484,7 +497,7 @@ def _decode_records(data: memoryview, source: str, rank: int | None,
             if tensor >= len(index.tensors):
                 raise bad(f"a record names tensor {tensor} of {len(index.tensors)}")
             rule = index.tensors[tensor].rule
-            if rule.kind != CHUNKED or saved_rank >= rule.parts:
+            if rule.kind != CHUNKED or saved_rank >= _filled(index.tensors[tensor]):
                 raise bad(f"rank {saved_rank} holds no part of {index.tensors[tensor].fqn}")
             if tensor in seen:
                 raise bad(f"{index.tensors[tensor].fqn} is recorded twice")
@@ -549,7 +562,7 @@ def stock_metadata(index: Index, records_by_rank: Mapping[int, RankRecords],
             storage[MetadataIndex(t.fqn, zeros, 0)] = t.location.storage_info()
             continue
         held = {rank for rank, _ in chunks.get(i, [])}
-        for r in set(range(t.rule.parts)) - held if len(held) < t.rule.parts else ():
+        for r in set(range(_filled(t))) - held if len(held) < _filled(t) else ():
             box = t.rule.chunk(t.size, r)
             if box is not None and all(box[1]):
                 raise CorruptCheckpointError(

@@ -55,6 +55,16 @@ class Rule:
         """Rows of ``dim`` a part holds (the last ones fewer)."""
         return -(-size[self.dim] // self.parts)
 
+    def filled(self, size: Sequence[int]) -> int:
+        """How many parts of a tensor of ``size`` hold any of it: ranks ``0 ..
+        filled - 1``; the parts past them are empty (torch.chunk's rounding leaves the
+        last ranks none of a tensor of few rows). ``whole``: 1."""
+        if self.kind == WHOLE:
+            return 1
+        if any(s <= 0 for s in size):
+            return 0
+        return min(self.parts, -(-size[self.dim] // self._step(size)))
+
     def chunk(self, size: Sequence[int], rank: int) -> Box | None:
         """``(offsets, sizes)`` of the chunk ``rank`` holds of a tensor of ``size``;
         None when it holds none (a rank past ``parts``). A part past the tensor's end

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from cloudckpt import open_checkpoint
+from cloudckpt.names import DCP_INDEX_NAME
 
 HERE = Path(__file__).resolve().parent
 RLINF_LOAD_BUG = ("RLinf load_checkpoint raised RuntimeError: Error(s) in loading state_dict "
@@ -67,8 +68,11 @@ def test_rlinf_strategy_commits_and_resumes_a_step_in_the_bucket(s3, tmp_path):
     dcp = open_checkpoint(f"{s3.root}/dcp/global_step_2/actor", s3.options)
     dcp.verify(deep=True)
     assert dcp.manifest.kind == "rlinf-part" and dcp.step == 2
+    # RLinf's files, and the indexed format's index and records beside its .metadata
     assert set(dcp.files) == {"dcp_checkpoint/.metadata", "dcp_checkpoint/__0_0.distcp",
                               "dcp_checkpoint/__1_0.distcp",
+                              "dcp_checkpoint/__0_records", "dcp_checkpoint/__1_records",
+                              f"dcp_checkpoint/{DCP_INDEX_NAME}",
                               "dcp_checkpoint/cloudckpt-manifest.json",
                               "model_state_dict/full_weights.pt"}
     shard = open_checkpoint(f"{s3.root}/local_shard/global_step_2/actor", s3.options)
