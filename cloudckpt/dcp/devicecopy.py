@@ -263,6 +263,12 @@ def shared_pool(chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         return pool
 
 
+def shared_pinned_bytes() -> int:
+    """Bytes of buffers the process's shared pools hold now."""
+    with _pools_lock:
+        return sum(pool.held_bytes for pool in _pools.values())
+
+
 def close_shared_pools() -> None:
     """Free the buffers of the process's shared pools (made again if used again)."""
     with _pools_lock:
@@ -457,3 +463,35 @@ class ToDevice:
             self._wait_all()
         except DeviceCopyError:
             log.debug("a device copy failed while another error was raised", exc_info=True)
+
+
+class Copier:
+    """Which tensors a save streams through host buffers, and with what: device
+    tensors (not CPU ones: those are lent to the upload as they are), through ``pool``
+    (None: the process's :func:`shared_pool`). ``ops`` and ``every_tensor`` are for
+    tests: other device steps, and CPU tensors taken through the pool as well."""
+
+    def __init__(self, pool: PinnedPool | None = None, *, ops: DeviceOps | None = None,
+                 every_tensor: bool = False) -> None:
+        self.pool = pool
+        self.ops = ops
+        self.every_tensor = every_tensor
+
+    def wants(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s bytes go through :meth:`chunks`."""
+        return self.every_tensor or tensor.device.type not in ("cpu", "meta")
+
+    def chunks(self, tensor: torch.Tensor) -> Iterator[memoryview]:
+        """The tensor's bytes in order (see :func:`to_host`)."""
+        pool = self.pool or shared_pool()
+        ops = self.ops or (HostOps() if self.every_tensor and tensor.device.type == "cpu"
+                           else None)
+        return to_host(tensor, pool, ops=ops)
+
+    def to_device(self) -> ToDevice:
+        """A :class:`ToDevice` for one load's destinations that :meth:`wants`."""
+        return ToDevice(self.pool, ops=self.ops)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Another process uses its own shared pool: pinned memory stays where it is.
+        return {**self.__dict__, "pool": None}
