@@ -224,3 +224,154 @@ def test_to_device_a_failing_event_raises_at_finish_and_gives_buffers_back():
     with pytest.raises(DeviceCopyError, match="event 0"):
         up.finish()
     assert pool.out == 0
+
+
+# ------------------------------------------------ the DCP writer streaming through it
+
+def gpu_like_state(seed: int = 0) -> dict:
+    """Tensors of odd sizes, some below the streaming threshold, one a strided view."""
+    g = torch.Generator().manual_seed(seed)
+    big = torch.randn(300, 701, generator=g)
+    return {"w": torch.randn(1_000_003, generator=g).to(torch.bfloat16),
+            "strided": big.t()[::2],
+            "small": torch.randn(33, generator=g),
+            "flag": torch.ones(70_001, dtype=torch.bool),
+            "step": 7}
+
+
+def save_through(state: dict, uri: str, options: dict, copier=None):
+    import torch.distributed.checkpoint as dcp
+
+    from cloudckpt.dcp import CloudStorageWriter
+    writer = CloudStorageWriter(uri, storage_options=options, overwrite=False)
+    if copier is not None:
+        writer.copier = copier
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    return writer.committed
+
+
+def objects(uri: str, options: dict) -> dict[str, bytes]:
+    from cloudckpt.storage import open_store
+    store = open_store(uri, options)
+    return {o.key: store.get(o.key) for o in store.list() if o.key.endswith(".distcp")}
+
+
+def test_streamed_save_writes_the_same_bytes_and_loads_bit_exact(s3):
+    from cloudckpt.dcp import load
+    from cloudckpt.dcp.devicecopy import Copier
+    ops = CountingOps()
+    pool = PinnedPool(64 * KiB, 256 * KiB, ops=ops)  # several chunks per large tensor
+    state = gpu_like_state()
+    save_through(state, s3.uri("plain"), s3.options)
+    save_through(state, s3.uri("streamed"), s3.options, Copier(pool, ops=ops, every_tensor=True))
+    assert ops.copies > 20  # the large tensors went through the pool, in chunks
+    plain, streamed = objects(s3.uri("plain"), s3.options), objects(s3.uri("streamed"),
+                                                                     s3.options)
+    assert plain == streamed  # the very bytes a host copy gives
+    out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0
+           for k, v in state.items()}
+    load(out, s3.uri("streamed"), storage_options=s3.options)
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(out[k], v), k
+    assert pool.out == 0 and pool.peak_out <= pool.limit
+
+
+def test_later_saves_reuse_the_pool_without_allocating(s3):
+    from cloudckpt.dcp.devicecopy import Copier
+    ops = CountingOps()
+    pool = PinnedPool(64 * KiB, 256 * KiB, ops=ops)
+    copier = Copier(pool, ops=ops, every_tensor=True)
+    save_through(gpu_like_state(0), s3.uri("first"), s3.options, copier)
+    made = pool.allocations
+    assert 0 < made <= pool.limit
+    save_through(gpu_like_state(1), s3.uri("second"), s3.options, copier)
+    assert pool.allocations == made  # no buffer allocated by the second save
+
+
+def test_a_copy_failing_during_a_save_fails_it_and_commits_nothing(s3):
+    from cloudckpt.dcp.devicecopy import Copier
+    from cloudckpt.storage import open_store
+    from cloudckpt.dcp import save
+    ops = CountingOps(fail_wait=5)
+    pool = PinnedPool(64 * KiB, 256 * KiB, ops=ops)
+    uri = s3.uri("failed")
+    with pytest.raises(DeviceCopyError, match=r"\(1000003,\) torch.bfloat16 tensor.*"
+                       "failed on the device: injected: event 5"):
+        run_with_timeout(lambda: save(gpu_like_state(), uri, storage_options=s3.options,
+                                      copier=Copier(pool, ops=ops, every_tensor=True)))
+    assert pool.out == 0
+    assert not open_store(uri, s3.options).exists("cloudckpt-manifest.json")
+
+
+# ------------------------------------------------ the DCP reader filling through it
+
+def load_through(dest: dict, uri: str, options: dict, copier) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from cloudckpt.dcp import CloudStorageReader
+    dcp.load(dest, storage_reader=CloudStorageReader(uri, storage_options=options,
+                                                     copier=copier), no_dist=True)
+
+
+def test_load_through_bounce_buffers_is_bit_exact_and_converts(s3):
+    from cloudckpt.dcp.devicecopy import Copier
+    state = gpu_like_state(3)
+    uri = s3.uri("to-load")
+    save_through(state, uri, s3.options)
+    ops = CountingOps()
+    pool = PinnedPool(64 * KiB, 256 * KiB, ops=ops)
+    holder = torch.zeros(300, 701)
+    dest = {"w": torch.zeros(1_000_003, dtype=torch.float32),  # converted from bf16
+            "strided": holder.t()[::2],  # a strided destination
+            "small": torch.zeros(33), "flag": torch.zeros(70_001, dtype=torch.bool), "step": 0}
+    load_through(dest, uri, s3.options, Copier(pool, ops=ops, every_tensor=True))
+    assert torch.equal(dest["w"], state["w"].float())
+    assert torch.equal(dest["strided"], state["strided"])
+    assert torch.equal(holder.t()[1::2], torch.zeros(350, 300))  # nothing else touched
+    assert torch.equal(dest["small"], state["small"]) and torch.equal(dest["flag"], state["flag"])
+    assert ops.copies > 20  # in pieces through the pool
+    assert pool.out == 0 and pool.peak_out <= pool.limit
+    made = pool.allocations
+    load_through(dest, uri, s3.options, Copier(pool, ops=ops, every_tensor=True))
+    assert pool.allocations == made  # the buffers of the first load, reused
+
+
+def test_a_corrupt_item_fails_the_load_through_bounce_buffers(s3):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from cloudckpt import open_checkpoint
+    from cloudckpt.dcp.devicecopy import Copier
+    from cloudckpt.storage import open_store
+    uri = s3.uri("corrupt")
+    state = gpu_like_state(4)
+    save_through(state, uri, s3.options)
+    store = open_store(uri, s3.options)
+    shard = next(f for f in open_checkpoint(uri, s3.options).files if f.endswith(".distcp"))
+    data = bytearray(store.get(shard))
+    data[len(data) // 2] ^= 0x10
+    store.put(shard, bytes(data))
+    ops = CountingOps()
+    pool = PinnedPool(64 * KiB, 256 * KiB, ops=ops)
+    dest = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0
+            for k, v in state.items()}
+    with pytest.raises(CheckpointException, match="is corrupt"):
+        load_through(dest, uri, s3.options, Copier(pool, ops=ops, every_tensor=True))
+    assert pool.out == 0
+
+
+def test_a_failing_event_fails_the_load_and_gives_buffers_back(s3):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from cloudckpt.dcp.devicecopy import Copier
+    uri = s3.uri("event-fails")
+    state = gpu_like_state(5)
+    save_through(state, uri, s3.options)
+    ops = CountingOps(fail_wait=2)
+    pool = PinnedPool(64 * KiB, 256 * KiB, ops=ops)
+    dest = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0
+            for k, v in state.items()}
+    with pytest.raises(CheckpointException, match="DeviceCopyError.*event 2"):
+        run_with_timeout(lambda: load_through(dest, uri, s3.options,
+                                              Copier(pool, ops=ops, every_tensor=True)))
+    assert pool.out == 0
