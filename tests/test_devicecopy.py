@@ -9,13 +9,12 @@ import pytest
 import torch
 
 from cloudckpt.dcp.devicecopy import (
-    DeviceCopyError,
     HostOps,
     PinnedPool,
     ToDevice,
     to_host,
 )
-from cloudckpt.errors import ConfigError
+from cloudckpt.errors import ConfigError, DeviceCopyError
 
 KiB = 1024
 
@@ -290,9 +289,9 @@ def test_later_saves_reuse_the_pool_without_allocating(s3):
 
 
 def test_a_copy_failing_during_a_save_fails_it_and_commits_nothing(s3):
+    from cloudckpt.dcp import save
     from cloudckpt.dcp.devicecopy import Copier
     from cloudckpt.storage import open_store
-    from cloudckpt.dcp import save
     ops = CountingOps(fail_wait=5)
     pool = PinnedPool(64 * KiB, 256 * KiB, ops=ops)
     uri = s3.uri("failed")

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import torch
 
-from cloudckpt.errors import CloudCkptError, ConfigError
+from cloudckpt.errors import ConfigError, DeviceCopyError
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +41,6 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 DEFAULT_CAPACITY = 256 << 20
 #: Copies one consumer has issued ahead of the chunk it is using, at most.
 DEPTH = 2
-
-
-class DeviceCopyError(CloudCkptError):
-    """A copy between a device and host memory failed (the copy, or its event)."""
 
 
 class DeviceOps(Protocol):
