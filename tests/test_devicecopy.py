@@ -374,3 +374,4 @@ def test_a_failing_event_fails_the_load_and_gives_buffers_back(s3):
         run_with_timeout(lambda: load_through(dest, uri, s3.options,
                                               Copier(pool, ops=ops, every_tensor=True)))
     assert pool.out == 0
+

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import Any, Protocol
 
 import torch
@@ -293,7 +293,7 @@ def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def to_host(tensor: torch.Tensor, pool: PinnedPool | None = None, *,
-            ops: DeviceOps | None = None) -> Iterator[memoryview]:
+            ops: DeviceOps | None = None) -> Generator[memoryview, None, None]:
     """The tensor's bytes in order, in chunks of at most the pool's chunk size, each a
     memoryview valid until the next is asked for (or the generator is closed).
 
@@ -301,8 +301,10 @@ def to_host(tensor: torch.Tensor, pool: PinnedPool | None = None, *,
     not contiguous), the pool untouched. Otherwise every chunk is copied into a pool
     buffer on the device's side stream, up to :data:`DEPTH` copies issued ahead of
     the one being used: chunk k+1 is on its way while the consumer uses chunk k.
-    Every buffer is back in the pool when the generator ends, fails or is closed; a
-    failed copy or event raises :class:`DeviceCopyError`."""
+    Every buffer is back in the pool when the generator ends, fails or is closed
+    (close it, ``contextlib.closing``, when the consumer may stop early: else the
+    buffers wait for it to be collected); a failed copy or event raises
+    :class:`DeviceCopyError`."""
     flat = flat_bytes(tensor)
     total = flat.numel()
     if flat.device.type == "cpu" and ops is None:
@@ -477,7 +479,7 @@ class Copier:
         """Whether ``tensor``'s bytes go through :meth:`chunks`."""
         return self.every_tensor or tensor.device.type not in ("cpu", "meta")
 
-    def chunks(self, tensor: torch.Tensor) -> Iterator[memoryview]:
+    def chunks(self, tensor: torch.Tensor) -> Generator[memoryview, None, None]:
         """The tensor's bytes in order (see :func:`to_host`)."""
         pool = self.pool or shared_pool()
         ops = self.ops or (HostOps() if self.every_tensor and tensor.device.type == "cpu"

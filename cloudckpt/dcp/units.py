@@ -14,6 +14,7 @@ import io
 import logging
 import mmap
 from collections.abc import Iterable, Sequence
+from contextlib import closing
 from dataclasses import dataclass
 from threading import Lock
 from typing import Any, cast
@@ -151,10 +152,13 @@ class Sink:
         assert self._stand_in is not None
         tensor, copier = self._stand_in[2:]
         self._stand_in = None
-        for chunk in copier.chunks(tensor):
-            crc = crc32c_value(chunk)
-            self._crc.append(crc, chunk.nbytes)
-            self._out.write(chunk, crc)  # copied into the upload's parts
+        # Closed here when a write fails: the buffers go back now, not when the
+        # traceback that holds this frame is freed.
+        with closing(copier.chunks(tensor)) as chunks:
+            for chunk in chunks:
+                crc = crc32c_value(chunk)
+                self._crc.append(crc, chunk.nbytes)
+                self._out.write(chunk, crc)  # copied into the upload's parts
 
     def _tensor_bytes(self, view: memoryview) -> memoryview | None:
         """The item's tensor's own bytes if ``view`` is exactly them, else None."""
