@@ -375,3 +375,14 @@ def test_a_failing_event_fails_the_load_and_gives_buffers_back(s3):
                                               Copier(pool, ops=ops, every_tensor=True)))
     assert pool.out == 0
 
+
+
+def test_a_writer_given_a_pool_still_pickles_for_process_based_async_saves(memory):
+    import pickle
+
+    from cloudckpt.dcp import CloudStorageWriter
+    pool = PinnedPool(KiB, 4 * KiB)
+    writer = CloudStorageWriter(memory.uri("p"), pinned_pool=pool)
+    assert writer.copier.pool is pool
+    copy = pickle.loads(pickle.dumps(writer))
+    assert copy.copier.pool is None  # the other process uses its own shared pool
