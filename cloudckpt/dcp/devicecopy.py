@@ -62,10 +62,6 @@ class DeviceOps(Protocol):
         """Block until the copy of ``event`` is done; raise if it failed."""
         ...
 
-    def done(self, event: Any) -> bool:
-        """Whether the copy of ``event`` is done (not blocking)."""
-        ...
-
 
 class HostOps:
     """Copies within host memory: synchronous memcpy, no events."""
@@ -83,9 +79,6 @@ class HostOps:
 
     def wait(self, event: Any) -> None:
         pass
-
-    def done(self, event: Any) -> bool:
-        return True
 
 
 class CudaOps:
@@ -126,9 +119,6 @@ class CudaOps:
 
     def wait(self, event: Any) -> None:
         event.synchronize()
-
-    def done(self, event: Any) -> bool:
-        return bool(event.query())
 
 
 _cuda_ops: CudaOps | None = None
