@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup demo test lint compat matrix bench torture install-check clean
+.PHONY: setup demo test lint compat matrix bench torture install-check gpu-check clean
 
 $(VENV)/.installed: pyproject.toml testkit/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,7 +36,7 @@ lint: setup
 # Two workers, each with its own servers: most tests wait on subprocesses and loopback
 # servers, so two share the two cores well (about 19 minutes instead of 25).
 test: lint
-	$(PY) -m pytest -q -n 2 --dist worksteal --ignore=tests/compat
+	$(PY) -m pytest -q -n 2 --dist worksteal --ignore=tests/compat --ignore=tests/gpu
 
 # The frameworks' own code driving cloudckpt: AReaL, RLinf and verl from PyPI (--no-deps: they
 # declare GPU stacks and older torch; tests/compat/requirements.txt has what their
@@ -114,6 +114,14 @@ bench: setup
 	$(PY) -m pip install -q "$(TORCH_PIN)" s3torchconnector multi-storage-client obstore  # peers only
 	$(PY) benchmarks/memory_bench.py
 	$(PY) benchmarks/peers_bench.py
+
+# The GPU staging checks, at most 8 minutes (benchmarks/gpu_check.py): its CPU tests
+# always; on a CUDA machine tests/gpu and benchmarks/gpu_bench.py too, otherwise it
+# says the GPU part was not run. A GPU machine has no network, so it uses the python
+# given (GPU_PY, default .venv's where there is one), with torch for CUDA, as it is.
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+gpu-check:
+	$(GPU_PY) benchmarks/gpu_check.py
 
 # A user's `pip install .` (no extras) and `pip install ".[hf]"`, each into a fresh
 # virtualenv with torch: fails when either uses over 180 s of CPU to resolve and install,

@@ -39,6 +39,11 @@ class StorageError(CloudCkptError):
     """A storage operation failed permanently (or ran out of retries); ``__cause__`` has why."""
 
 
+class DeviceCopyError(CloudCkptError):
+    """A copy of tensor bytes between a device (GPU) and host memory failed: the copy
+    itself, or the device reporting it (its event); ``__cause__`` has the device's error."""
+
+
 class ConfigError(CloudCkptError, ValueError):
     """A URI, option or configuration value is invalid."""
 

@@ -12,6 +12,8 @@ HOW says how the save starts and how the script ends:
   SIGTERM from the parent).
 
 It prints "saving" once the save has started, and never calls close() or wait().
+With THROUGH_POOL=1 the ``dcp-*`` saves take every tensor through a pinned pool's
+buffers (tests/copy_ops.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import sys
 import time
 
 import torch
+from copy_ops import writer_options
 
 import cloudckpt.dcp as cdcp
 from cloudckpt import CheckpointManager, ManagerOptions, StepInfo
@@ -33,7 +36,8 @@ def main() -> None:
     torch.manual_seed(0)
     state = {"w": torch.randn(256, 1024), "b": torch.arange(100.0)}
     if how in ("dcp-future", "dcp-seen"):
-        fut = cdcp.async_save(state, uri, storage_options=options, step=7)
+        fut = cdcp.async_save(state, uri, storage_options=options, step=7,
+                              **writer_options())
         if how == "dcp-seen":
             print(f"outcome {type(fut.exception()).__name__}", flush=True)
     else:

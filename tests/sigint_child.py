@@ -9,7 +9,8 @@ when the save raised KeyboardInterrupt (the seconds since the save began),
 With CATCH=0 in the environment the KeyboardInterrupt is not caught. With
 SWALLOW=1 the save interrupts itself where Python drops the KeyboardInterrupt (in
 a finalizer, as a Cython module's first import also does), instead of waiting
-for the parent's signal.
+for the parent's signal. With THROUGH_POOL=1 (``dcp`` only) every tensor's bytes go
+through a pinned pool's buffers (tests/copy_ops.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 import time
 
 import torch
+from copy_ops import writer_options
 
 import cloudckpt.dcp as cdcp
 from cloudckpt import CheckpointManager, CheckpointWriter, StepInfo
@@ -64,7 +66,7 @@ def main() -> None:
                 if swallow:
                     state["swallows"].state_dict()
         else:
-            cdcp.save(state, uri, storage_options=options)
+            cdcp.save(state, uri, storage_options=options, **writer_options())
 
     start = time.monotonic()
     if os.environ.get("CATCH") == "0":

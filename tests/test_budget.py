@@ -119,3 +119,17 @@ def test_manager_async_save_with_a_budget_is_a_snapshot(s3):
     assert open_checkpoint(s3.uri("step-0"), s3.options).step == 0
     with pytest.raises(ConfigError, match="staging_budget"):
         ManagerOptions(staging_budget=-5)
+
+
+def test_only_the_first_save_of_a_layout_allocates_staging_buffers(s3):
+    stager = BudgetStager(64 * MiB)
+    for step in range(3):
+        fut = cdcp.async_save(state(seed=step), s3.uri(f"alloc-{step}"),
+                              storage_options=s3.options, stager=stager)
+        fut.result()
+        assert stager.allocations == 1, f"save {step} allocated host buffers again"
+    assert stager.pinned_bytes == 0  # CPU tensors: plain host memory, nothing pinned
+    got = loaded(s3.uri("alloc-2"), s3.options, state(seed=2))
+    assert torch.equal(got["t3"], state(seed=2)["t3"])
+    stager.stage({"other": torch.ones(5)})  # another layout: made anew, once
+    assert stager.allocations == 2

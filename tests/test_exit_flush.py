@@ -126,3 +126,10 @@ def test_sigterm_lets_a_running_save_commit_then_ends_the_process_by_sigterm(s3,
     assert proc.returncode == -signal.SIGTERM, err
     assert "SIGTERM received" in err, err
     _assert_saved(s3.uri("step-7", "model"), _options(s3))
+
+
+def test_an_unawaited_save_through_the_pinned_pool_is_committed_at_exit(s3):
+    options = _options(s3)
+    code, err = _run("dcp-future", s3.uri("dcp"), options, THROUGH_POOL="1")
+    assert code == 0, err
+    _assert_saved(s3.uri("dcp"), options)

@@ -111,3 +111,25 @@ def test_an_uncaught_ctrl_c_ends_the_process_as_sigint(s3, slow):
     assert proc.returncode == -signal.SIGINT, err
     assert "KeyboardInterrupt" in err and "StorageError" not in err, err
     assert "saved" not in out
+
+
+def test_ctrl_c_while_copying_through_the_pinned_pool_is_a_prompt_keyboard_interrupt(
+        s3, slow, tmp_path):
+    _, options = slow
+    marker = tmp_path / "copying"
+    copying = threading.Event()
+
+    def watch() -> None:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if marker.exists():
+            copying.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    proc = _start("dcp", s3.uri("ckpt"), options, THROUGH_POOL="1", COPY_MARKER=str(marker))
+    line, took = _interrupt(proc, copying)
+    assert line.startswith("interrupted"), line
+    assert took < PROMPT, f"KeyboardInterrupt came {took:.1f} s after the signal"
+    assert proc.returncode == 0
+    assert _nothing_committed(s3)

@@ -74,7 +74,13 @@ class StagedState:
 
 class BudgetStager:
     """Stages up to ``budget`` bytes of a state's tensors in host memory; the buffers
-    are kept for the next save of the same shapes (pass one stager to every save)."""
+    are kept for the next save of the same shapes (pass one stager to every save).
+
+    From a GPU the buffers are pinned and the copies non-blocking, so a save blocks
+    its caller for the device-to-host copies at the link's speed; pinning is slow (a
+    few hundred ms per GiB), so it is done once: ``allocations`` counts the times
+    buffers were made (the first save, and a save whose layout changed), and
+    ``pinned_bytes`` is what they hold pinned."""
 
     def __init__(self, budget: int | None = None) -> None:
         if budget is not None and budget < 0:
@@ -82,6 +88,8 @@ class BudgetStager:
         self.budget = default_budget() if budget is None else budget
         self._layout: dict[str, tuple[Any, ...]] = {}
         self._buffers: dict[str, Any] = {}
+        self.allocations = 0
+        self.pinned_bytes = 0
 
     def stage(self, state_dict: Mapping[str, Any]) -> StagedState:
         """Copy what fits in the budget (tensors in order, each that still fits) and
@@ -117,8 +125,12 @@ class BudgetStager:
         layout = {fqn: _layout_of(t) for fqn, t in chosen.items()}
         gpu = any(local_tensor(t).is_cuda for t in chosen.values())
         if layout != self._layout:
+            self._buffers = {}  # the old ones go before the new ones are made
             self._buffers = create_cpu_state_dict(chosen, pin_memory=gpu)
             self._layout = layout
+            self.allocations += 1
+            self.pinned_bytes = sum(local_tensor(t).numel() * t.element_size()
+                                    for t in chosen.values()) if gpu else 0
         copy_state_dict(chosen, self._buffers, non_blocking=gpu)
         if gpu:
             torch.cuda.synchronize()
@@ -127,6 +139,7 @@ class BudgetStager:
     def close(self) -> None:
         """Free the kept buffers."""
         self._buffers, self._layout = {}, {}
+        self.pinned_bytes = 0
 
 
 def _layout_of(t: torch.Tensor) -> tuple[Any, ...]:

@@ -12,7 +12,6 @@ import io
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.planner import ReadItem
 
 from cloudckpt.dcp.readplan import RequestedItem
 from cloudckpt.errors import CorruptCheckpointError
@@ -37,13 +36,14 @@ def deliver(item: RequestedItem, buf: Any, at: int, uri: str) -> None:
     else:
         src = _tensor_over(buf, at + saved.data_start, saved.nbytes, saved, saved.rows)
     data.release()
-    _place(src, 0, item.req, item.target)
+    _place(src, 0, item)
 
 
 def goes_straight(item: RequestedItem, saved: SavedTensor) -> bool:
     """Whether the item's bytes can go straight into its destination's memory."""
     target, req = item.target, item.req
-    return (target is not None and target.device.type == "cpu" and target.dtype == saved.dtype
+    return (target is not None and target.device.type == "cpu" and item.to_device is None
+            and target.dtype == saved.dtype
             and target.is_contiguous() and tuple(req.lengths) == saved.shape
             and saved.nbytes > 0)
 
@@ -81,7 +81,7 @@ class RowBuffer:
             rows = self.fill // self.row_bytes
             assert self.item.target is not None  # rows of a saved tensor go to a tensor
             _place(_tensor_over(self.buffer, 0, self.fill, self.saved, rows), self.first_row,
-                   self.item.req, self.item.target)
+                   self.item)
             self.first_row += rows
             self.fill = 0
 
@@ -212,11 +212,15 @@ def _tensor_over(buf: Any, offset: int, nbytes: int, saved: SavedTensor,
     return flat.view(saved.dtype).view(shape)
 
 
-def _place(src: torch.Tensor, first_row: int, req: ReadItem, target: torch.Tensor) -> None:
-    """Copy the part of ``req``'s region that lies in ``src`` (rows ``first_row``... of
-    the saved tensor) into ``target`` (the region's destination), converting dtype."""
+def _place(src: torch.Tensor, first_row: int, item: RequestedItem) -> None:
+    """Copy the part of the item's region that lies in ``src`` (rows ``first_row``... of
+    the saved tensor) into its destination, converting dtype; to a GPU through the
+    item's pinned bounce buffers (``to_device``), without waiting for the copy."""
+    req, target = item.req, item.target
+    assert target is not None
+    put = item.to_device.put if item.to_device is not None else _copy
     if src.dim() == 0 or not req.lengths:
-        target.copy_(src.reshape(target.shape))
+        put(target, src.reshape(target.shape))
         return
     o0, l0 = req.storage_offsets[0], req.lengths[0]
     a, b = max(first_row, o0), min(first_row + src.shape[0], o0 + l0)
@@ -225,7 +229,11 @@ def _place(src: torch.Tensor, first_row: int, req: ReadItem, target: torch.Tenso
     piece = src[a - first_row:b - first_row]
     for dim in range(1, src.dim()):
         piece = piece.narrow(dim, req.storage_offsets[dim], req.lengths[dim])
-    target[a - o0:b - o0].copy_(piece)
+    put(target[a - o0:b - o0], piece)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)
 
 
 class _BufferReader(io.RawIOBase):

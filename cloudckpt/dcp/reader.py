@@ -8,7 +8,10 @@ fill the destination, checksummed as they arrive. Items that need a conversion
 (another dtype, a non-contiguous or GPU destination, part of a saved tensor) pass
 through a buffer a few rows at a time (:mod:`.placement`); small items are fetched
 with their neighbours in one request (:mod:`.readplan`). Buffers come from a read
-window, so a load's extra host memory is bounded whatever the state size.
+window, so a load's extra host memory is bounded whatever the state size. Rows for
+a GPU destination go on through pinned buffers (:class:`~.devicecopy.ToDevice`),
+copied to the device without blocking while the next reads arrive; every copy is
+waited for, and every item's CRC32C checked, before DCP is told the tensors are in.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from torch.futures import Future
 from cloudckpt.compat.torch_private import StorageInfo
 from cloudckpt.core.checkpoint import Checkpoint, open_checkpoint
 from cloudckpt.dcp.base import OnStore
+from cloudckpt.dcp.devicecopy import Copier, PinnedPool, ToDevice
 from cloudckpt.dcp.indexread import full_metadata, is_indexed, read_index, whole_items
 from cloudckpt.dcp.metadata import METADATA_NAME, ItemCrcs, load_metadata
 from cloudckpt.dcp.placement import (
@@ -104,6 +108,10 @@ class CloudStorageReader(OnStore, StorageReader):
     time, and nothing is unpickled beyond DCP's own metadata types and
     ``weights_only`` tensors. ``uri`` may be a :class:`Checkpoint` opened already
     (a part of a larger checkpoint, its manifest read through that one's).
+
+    GPU destinations are filled through ``pinned_pool`` (None: the process's shared
+    :class:`~cloudckpt.dcp.devicecopy.PinnedPool`); ``copier`` replaces that choice
+    whole (as for :class:`~cloudckpt.dcp.writer.CloudStorageWriter`).
     """
 
     def __init__(
@@ -114,8 +122,11 @@ class CloudStorageReader(OnStore, StorageReader):
         read_window: int = DEFAULT_READ_WINDOW,
         share_metadata: bool = False,
         process_group: Any = None,
+        pinned_pool: PinnedPool | None = None,
+        copier: Copier | None = None,
     ) -> None:
         super().__init__()
+        self.copier = copier or Copier(pinned_pool)
         self.storage_options = dict(storage_options or {})
         self.read_window = read_window
         self.share_metadata = share_metadata
@@ -311,6 +322,19 @@ class CloudStorageReader(OnStore, StorageReader):
               given: Mapping[MetadataIndex, bytes]) -> None:
         item_crcs = self._item_crcs()
         items = [self._item(req, planner, item_crcs) for req in reqs]
+        to_device = None
+        for item in items:
+            if item.target is not None and self.copier.wants(item.target):
+                to_device = to_device or self.copier.to_device()
+                item.to_device = to_device
+        try:
+            self._read_items(items, planner, given, to_device)
+        finally:
+            if to_device is not None:
+                to_device.close()  # after a failure: the copies in flight, then the buffers
+
+    def _read_items(self, items: list[RequestedItem], planner: LoadPlanner,
+                    given: Mapping[MetadataIndex, bytes], to_device: ToDevice | None) -> None:
         for item in items:  # read (and checked) by the coordinator
             if item.req.storage_index in given:
                 item.raw = given[item.req.storage_index]
@@ -339,6 +363,8 @@ class CloudStorageReader(OnStore, StorageReader):
         self.store.map(lambda task: task(), tasks)
         for item in streamed:
             item.verify(self.uri)
+        if to_device is not None:
+            to_device.finish()  # every copy to a device done (or its failure raised)
         for item in items:  # in DCP's order, on DCP's thread
             if item.target is not None:
                 planner.commit_tensor(item.req, item.target)

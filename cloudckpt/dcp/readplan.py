@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from cloudckpt.compat.torch_private import StorageInfo
+from cloudckpt.dcp.devicecopy import ToDevice
 from cloudckpt.errors import CorruptCheckpointError
 from cloudckpt.serialization.records import SavedTensor
 from cloudckpt.util.crc import Crc32c
@@ -36,6 +37,8 @@ class RequestedItem:
     tail: bytearray | None = None  # the item's bytes after its tensor's
     crcs: list[tuple[int, int] | None] = field(default_factory=list)  # per span
     raw: bytes | None = None  # a bytes item's bytes
+    #: How the item's checked bytes reach a GPU destination (None: copied in place).
+    to_device: ToDevice | None = None
 
     @property
     def path(self) -> str:

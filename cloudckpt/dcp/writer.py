@@ -28,6 +28,7 @@ from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter
 from cloudckpt.dcp import options as torch_options
 from cloudckpt.dcp.base import OnStore
 from cloudckpt.dcp.budget import StagedState
+from cloudckpt.dcp.devicecopy import Copier, PinnedPool
 from cloudckpt.dcp.metadata import DCP_KIND, METADATA_NAME, SUFFIX, pack_item_crcs
 from cloudckpt.dcp.records import spread_name
 from cloudckpt.dcp.units import (
@@ -127,6 +128,13 @@ class CloudStorageWriter(OnStore, StorageWriter, BlockingAsyncStager):
     its own: a file whose bytes are already there is referenced, not sent again.
     ``file_per_tensor`` lays the files out so without blobs (a local save whose
     drain will send them incrementally).
+
+    A GPU tensor's bytes are copied to host memory in chunks through ``pinned_pool``
+    (a :class:`~cloudckpt.dcp.devicecopy.PinnedPool`; None: the process's shared one,
+    64 MiB buffers, 256 MiB at most), each chunk checksummed and uploaded while the
+    next is copied; the buffers stay for the next save. CPU tensors are sent from
+    their own memory, as they are. ``copier`` (a :class:`~cloudckpt.dcp.devicecopy.Copier`)
+    replaces that choice whole: other device steps, or CPU tensors through the pool too.
     """
 
     def __init__(
@@ -152,6 +160,8 @@ class CloudStorageWriter(OnStore, StorageWriter, BlockingAsyncStager):
         cache_staged_state_dict: bool = False,
         _extensions: Sequence[Any] | None = None,
         serialization_format: Any = None,
+        pinned_pool: PinnedPool | None = None,
+        copier: Copier | None = None,
     ) -> None:
         BlockingAsyncStager.__init__(
             self, cache_staged_state_dict=torch_options.flag("cache_staged_state_dict",
@@ -183,6 +193,8 @@ class CloudStorageWriter(OnStore, StorageWriter, BlockingAsyncStager):
         self._spread = key_spread or 0  # the coordinator's choice, once it has planned
         self.committed: Checkpoint | None = None
         self._writer: CheckpointWriter | None = None
+        #: How GPU tensors' bytes reach the upload (see ``pinned_pool``).
+        self.copier = copier or Copier(pinned_pool)
 
     def reset(self, checkpoint_id: Any = None) -> None:
         if checkpoint_id:
@@ -262,7 +274,8 @@ class CloudStorageWriter(OnStore, StorageWriter, BlockingAsyncStager):
         try:
             results: list[WriteResult] = []
             written = 0  # files are numbered on across waves
-            blobs = None if self.blobs is None else BlobFiles(self.blobs, self.store, planner)
+            blobs = None if self.blobs is None else BlobFiles(self.blobs, self.store, planner,
+                                                              self.copier)
             write = blobs.write if blobs else partial(self._write_file, store=store,
                                                       planner=planner)
             for k, items in enumerate(self._waves(plan.items, planner)):
@@ -304,7 +317,7 @@ class CloudStorageWriter(OnStore, StorageWriter, BlockingAsyncStager):
     def _write_file(self, name: str, items: Sequence[WriteItem], *, store: Store,
                     planner: SavePlanner) -> list[WriteResult]:
         with store.open_write(name) as out:
-            placed = serialize(items, planner, out)
+            placed = serialize(items, planner, out, self.copier)
         info = out.info
         assert info is not None and info.crc32c is not None
         return [

@@ -24,5 +24,13 @@ from cloudckpt.compat import torch_private
 
 def save_item(obj: Any, out: IO[bytes]) -> None:
     """Write ``obj`` to ``out`` as ``torch.save`` does, less the records' CRC32."""
-    if not torch_private.save_without_crc(obj, out):
+    if not save_item_unread(obj, out):
         torch.save(obj, out)
+
+
+def save_item_unread(obj: Any, out: IO[bytes]) -> bool:
+    """Write ``obj`` to ``out`` as :func:`save_item` does, passing each storage's bytes
+    to ``out.write`` in one call without reading them (no CRC32 computed over them), so
+    that ``out`` may send other bytes in their place; return False, having written
+    nothing, where torch's writer would read them (``torch.save`` is the way then)."""
+    return torch_private.save_without_crc(obj, out)

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner
 from cloudckpt.core.checkpoint import Checkpoint
 from cloudckpt.core.listing import list_checkpoints, newest
 from cloudckpt.core.retention import Managed, apply_retention
+from cloudckpt.dcp import devicecopy
 from cloudckpt.dcp.budget import BudgetStager, StagedState
 from cloudckpt.errors import (
     CloudCkptError,
@@ -289,7 +290,7 @@ class CheckpointManager:
     def close(self) -> None:
         """Flush the pending save (raising its error), drain the newest local step to
         the bucket (``LocalTier.drain_at_close``; every rank must call ``close``), and
-        free the staging buffers."""
+        free the staging buffers and the process's pinned pools."""
         self._close(drain=True)
 
     def _close(self, drain: bool) -> None:
@@ -311,6 +312,7 @@ class CheckpointManager:
                     self._notice.proceed()  # no safe point is coming: the signal goes on
             if self._stager is not None:
                 self._stager.close()
+            devicecopy.close_shared_pools()  # the pinned buffers GPU tensors went through
 
     def _drain_at_close(self, step: int) -> None:
         name, start = self.options.name_format.format(step=step), time.monotonic()
