@@ -575,10 +575,11 @@ class AbsentRanks(RankModel):
                 planner.set_up_planner(rank_state(rank, self.world, self.layout),
                                        is_coordinator=False)
                 self._local[rows] = (rank, planner.create_local_plan().items)
-            # What ranksave._writes keeps: every chunk, and the whole items it owns.
+            # What ranksave._writes keeps: every non-empty chunk, the whole items it owns.
             items = [i for i in self._local[rows][1] if i.index.fqn in owned or (
                 i.type != WriteItemType.BYTE_IO
-                and plan.tensors[plan.position[i.index.fqn]].rule.kind != WHOLE)]
+                and plan.tensors[plan.position[i.index.fqn]].rule.kind != WHOLE
+                and _holds_part(plan.tensors[plan.position[i.index.fqn]], rank))]
             buckets = split_by_size(items, DEFAULT_FILE_SIZE, DEFAULT_MAX_FILES)
             self._templates[key] = [[(i, self._item_bytes(i)) for i in b] for b in buckets
                                     if b]
@@ -675,8 +676,7 @@ class AbsentRanks(RankModel):
                 loc = Location(name, offset, len(data), item_crc)
                 pos = plan.position.get(item.index.fqn)
                 if pos is not None and plan.tensors[pos].rule.kind != WHOLE:
-                    if _holds_part(plan.tensors[pos], rank):
-                        records.append(Record(pos, loc))
+                    records.append(Record(pos, loc))
                 else:
                     located.append((item.index.fqn, loc))
                 offset += len(data)
@@ -714,8 +714,7 @@ class AbsentRanks(RankModel):
             offset = 0
             for item, data in bucket:
                 pos = plan.position.get(item.index.fqn)
-                if pos is not None and plan.tensors[pos].rule.kind != WHOLE \
-                        and _holds_part(plan.tensors[pos], rank):
+                if pos is not None and plan.tensors[pos].rule.kind != WHOLE:
                     records.append(Record(pos, Location(name, offset, len(data),
                                                         self._crcs[item.index.fqn])))
                 offset += len(data)
@@ -739,7 +738,8 @@ _RECORD_SIZE = records_format._RECORD.size
 
 
 def _holds_part(t: records_format.TensorEntry, rank: int) -> bool:
-    """Whether ``rank`` writes a record of ``t`` (a non-empty part: ranksave's rule)."""
+    """Whether ``rank`` writes its part of ``t`` and a record of it (a non-empty part:
+    ranksave's rule)."""
     return rank < t.rule.filled(t.size)
 
 

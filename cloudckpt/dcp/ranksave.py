@@ -243,12 +243,14 @@ def write(prepared: Prepared, writer: CloudStorageWriter, group: Any) -> Checkpo
 
 
 def _writes(item: WriteItem, plan: Plan, rank: int) -> bool:
-    """Whether this rank writes ``item``: its chunks, and what it holds whole (as
-    every rank does) only where it is the item's owner."""
+    """Whether this rank writes ``item``: its non-empty chunks (an empty part has no
+    bytes, and no record says where it went), and what it holds whole (as every rank
+    does) only where it is the item's owner."""
     fqn = item.index.fqn
-    if item.type != WriteItemType.BYTE_IO and \
-            plan.tensors[plan.position[fqn]].rule.kind != WHOLE:
-        return True
+    if item.type != WriteItemType.BYTE_IO:
+        entry = plan.tensors[plan.position[fqn]]
+        if entry.rule.kind != WHOLE:
+            return rank < entry.rule.filled(entry.size)
     return owner(fqn, plan.world_size) == rank
 
 
@@ -271,9 +273,7 @@ def _write_rank(prepared: Prepared, writer: CloudStorageWriter, files: RankFiles
         fqn = result.index.fqn
         pos = plan.position.get(fqn)
         if pos is not None and plan.tensors[pos].rule.kind != WHOLE:
-            entry = plan.tensors[pos]
-            if rank < entry.rule.filled(entry.size):  # an empty part has nothing to find
-                records.append(Record(pos, loc))
+            records.append(Record(pos, loc))
         else:
             located.append((fqn, loc))
     mine = RankRecords(rank, plan.digest, records)
