@@ -70,7 +70,8 @@ MATRIX_TESTS ?= tests/test_private_api.py tests/test_dcp.py tests/test_dcp_dropi
 	tests/test_tensor_kinds.py tests/test_budget.py tests/test_state.py \
 	tests/test_checkpoint.py tests/test_manager.py tests/test_incremental.py tests/test_hf.py \
 	tests/test_activation.py tests/test_readme.py tests/test_dcp_indexed.py \
-	tests/test_dcp_rankload.py tests/test_dcp_rules.py
+	tests/test_dcp_rankload.py tests/test_dcp_rules.py tests/test_dcp_records_read.py \
+	tests/test_devicecopy.py
 $(MATRIX_VENV)/.installed: pyproject.toml testkit/pyproject.toml
 	$(PYTHON) -m venv $(MATRIX_VENV)
 	$(MATRIX_PY) -m pip install -q --upgrade pip
