@@ -250,9 +250,10 @@ def test_a_resharding_rank_reads_by_range_the_records_it_needs_few_of(s3):
             assert all(0 <= a < b <= size for a, b in spans), (spans, size)
             got = sum(b - a for a, b in spans)
             assert got < size / 20, (rank, saved, got, size)
-        # The fringe file of rank 1 (mid in its middle, tail at its end): three ranges.
+        # The fringe file of rank 1: the index orders tensors by their rows, so tail's
+        # record (2 rows) follows the header and mid's (37) ends the file: two ranges.
         if rank == 1:
-            assert len(read[1]) == 3, read[1]
+            assert len(read[1]) == 2, read[1]
 
 
 @pytest.mark.parametrize("damage", ["position", "truncated"])
