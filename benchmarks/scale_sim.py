@@ -567,7 +567,7 @@ class AbsentRanks(RankModel):
         of rank: those writing the same whole items and holding as many rows of each
         tensor (the files are split by the chunks' sizes) write files alike but for
         their names, as every shard of a tensor stands on the same placeholder."""
-        owned, rows = key = self.kind(rank)
+        _, rows = key = self.kind(rank)
         if key not in self._templates:
             plan = self._indexed()
             if rows not in self._local:  # a rank's items, as DCP plans them (once per rows)
@@ -575,11 +575,8 @@ class AbsentRanks(RankModel):
                 planner.set_up_planner(rank_state(rank, self.world, self.layout),
                                        is_coordinator=False)
                 self._local[rows] = (rank, planner.create_local_plan().items)
-            # What ranksave._writes keeps: every non-empty chunk, the whole items it owns.
-            items = [i for i in self._local[rows][1] if i.index.fqn in owned or (
-                i.type != WriteItemType.BYTE_IO
-                and plan.tensors[plan.position[i.index.fqn]].rule.kind != WHOLE
-                and _holds_part(plan.tensors[plan.position[i.index.fqn]], rank))]
+            # What the rank writes: every non-empty chunk, the whole items it owns.
+            items = [i for i in self._local[rows][1] if ranksave._writes(i, plan, rank)]
             buckets = split_by_size(items, DEFAULT_FILE_SIZE, DEFAULT_MAX_FILES)
             self._templates[key] = [[(i, self._item_bytes(i)) for i in b] for b in buckets
                                     if b]
@@ -735,12 +732,6 @@ class AbsentRanks(RankModel):
 
 #: The bytes of one record in a rank's records object, after its head.
 _RECORD_SIZE = records_format._RECORD.size
-
-
-def _holds_part(t: records_format.TensorEntry, rank: int) -> bool:
-    """Whether ``rank`` writes its part of ``t`` and a record of it (a non-empty part:
-    ranksave's rule)."""
-    return rank < t.rule.filled(t.size)
 
 
 def _records_head(rank: int, digest: int, files: list[str], n_records: int) -> bytes:

@@ -250,7 +250,7 @@ def _writes(item: WriteItem, plan: Plan, rank: int) -> bool:
     if item.type != WriteItemType.BYTE_IO:
         entry = plan.tensors[plan.position[fqn]]
         if entry.rule.kind != WHOLE:
-            return rank < entry.rule.filled(entry.size)
+            return rank < entry.filled
     return owner(fqn, plan.world_size) == rank
 
 

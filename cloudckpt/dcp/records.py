@@ -105,6 +105,12 @@ class TensorEntry:
     rule: Rule
     location: Location | None = None
 
+    @property
+    def filled(self) -> int:
+        """How many saved ranks hold a non-empty part, and so write it and a record of
+        it: ranks ``0 .. filled - 1`` (:meth:`Rule.filled`)."""
+        return self.rule.filled(self.size)
+
 
 @dataclass(frozen=True)
 class BytesEntry:
@@ -112,10 +118,6 @@ class BytesEntry:
 
     fqn: str
     location: Location
-
-
-def _filled(t: TensorEntry) -> int:
-    return t.rule.filled(t.size)
 
 
 def tensor_order(fqn: str, size: Sequence[int], rule: Rule) -> tuple[int, int, int, str]:
@@ -160,13 +162,13 @@ class Index:
         k-th of them is the k-th of the file. An empty part has no bytes to find, so no
         record: a rank past a small tensor's rows reads nothing of it."""
         if self._parts is None:
-            self._parts = sorted({_filled(t) for t in self.tensors
+            self._parts = sorted({t.filled for t in self.tensors
                                   if t.rule.kind == CHUNKED})
         past = bisect.bisect_right(self._parts, rank)
         found = self._held.get(past)
         if found is None:
             found = tuple(i for i, t in enumerate(self.tensors)
-                          if t.rule.kind == CHUNKED and _filled(t) > rank)
+                          if t.rule.kind == CHUNKED and t.filled > rank)
             self._held[past] = found
         return found
 
@@ -497,7 +499,7 @@ def _decode_records(data: memoryview, source: str, rank: int | None,
             if tensor >= len(index.tensors):
                 raise bad(f"a record names tensor {tensor} of {len(index.tensors)}")
             rule = index.tensors[tensor].rule
-            if rule.kind != CHUNKED or saved_rank >= _filled(index.tensors[tensor]):
+            if rule.kind != CHUNKED or saved_rank >= index.tensors[tensor].filled:
                 raise bad(f"rank {saved_rank} holds no part of {index.tensors[tensor].fqn}")
             if tensor in seen:
                 raise bad(f"{index.tensors[tensor].fqn} is recorded twice")
@@ -562,7 +564,7 @@ def stock_metadata(index: Index, records_by_rank: Mapping[int, RankRecords],
             storage[MetadataIndex(t.fqn, zeros, 0)] = t.location.storage_info()
             continue
         held = {rank for rank, _ in chunks.get(i, [])}
-        for r in set(range(_filled(t))) - held if len(held) < _filled(t) else ():
+        for r in set(range(t.filled)) - held if len(held) < t.filled else ():
             box = t.rule.chunk(t.size, r)
             if box is not None and all(box[1]):
                 raise CorruptCheckpointError(
