@@ -82,6 +82,12 @@ class WorldSizeError(StateMismatchError):
     """Per-rank state was saved by a different number of ranks than are loading it."""
 
 
+class PartialCheckpointError(StateMismatchError):
+    """The checkpoint was saved with a profile that lacks state the resume asks for
+    (a ``weights`` or ``adapters`` save holds no optimizer state); allow a partial
+    resume to load what it holds and start the rest fresh."""
+
+
 class OutsideRootError(StorageError, CorruptCheckpointError, PermissionError):
     """A path below a local store's root leads outside it through a symbolic link.
 
