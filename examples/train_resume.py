@@ -108,6 +108,14 @@ def main() -> int:
                    help="drain every Nth local save to the bucket")
     p.add_argument("--crash-mid-drain", type=int, default=None,
                    help="SIGKILL during the drain of this step, before it commits")
+    p.add_argument("--replicas", type=int, default=0,
+                   help="copy each local save to this many partner ranks on other nodes")
+    p.add_argument("--crash-mid-replication", type=int, default=None,
+                   help="SIGKILL a rank while it receives a partner's copy of this step")
+    p.add_argument("--crash-replication-point", choices=("write", "commit"), default="write",
+                   help="where: after the first bytes of the copy, or just before its commit")
+    p.add_argument("--crash-replication-rank", type=int, default=None,
+                   help="only this rank crashes (default: every rank receiving one)")
     p.add_argument("--preemption-budget", type=float, default=None,
                    help="on SIGTERM, save once within this many seconds, then end")
     p.add_argument("--step-seconds", type=float, default=0.0,
@@ -143,6 +151,8 @@ def run(args: argparse.Namespace, world: int) -> int:
         _arm_mid_save_crash(args.crash_mid_save)
     if args.crash_mid_drain is not None:
         _arm_mid_drain_crash(args.crash_mid_drain)
+    if args.crash_mid_replication is not None and args.crash_replication_rank in (None, rank):
+        _arm_mid_replication_crash(args.crash_mid_replication, args.crash_replication_point)
 
     model = build_model(world)
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
@@ -150,8 +160,8 @@ def run(args: argparse.Namespace, world: int) -> int:
     loader = SyntheticLoader(n=256, batch=8, rank=rank, world=world)
     preemption = (Preemption(budget=args.preemption_budget)
                   if args.preemption_budget is not None else None)
-    local = (LocalTier(args.local_dir, every_steps=args.local_every, drain_every=args.drain_every)
-             if args.local_dir else None)
+    local = (LocalTier(args.local_dir, every_steps=args.local_every, drain_every=args.drain_every,
+                       replicas=args.replicas) if args.local_dir else None)
     mgr = CheckpointManager(args.root, ManagerOptions(every_steps=args.every or None,
                                                       keep_last=args.keep_last,
                                                       async_save=args.async_save, local=local,
@@ -230,6 +240,23 @@ def _arm_mid_drain_crash(at_step: int) -> None:
         return real(self, writer, written)
 
     tiers.Drained.commit = commit_then_die
+
+
+def _arm_mid_replication_crash(at_step: int, point: str) -> None:
+    """Kill the process while it receives a partner's copy of a local step: after
+    its first bytes are written, or once all are, before the copy commits."""
+    from cloudckpt.training import replicas
+
+    cls = replicas.CopySink
+    real = getattr(cls, point if point == "write" else "close")
+
+    def die_then(self, *args):
+        if self.manifest.step == at_step:
+            print(f"crashing mid-replication of step {at_step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(self, *args)
+
+    setattr(cls, point if point == "write" else "close", die_then)
 
 
 if __name__ == "__main__":

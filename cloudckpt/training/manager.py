@@ -77,7 +77,8 @@ class CheckpointManager:
         self._schedules = Schedules(self.schedule, SaveSchedule(tier.every_steps)
                                      if tier else None)
         # Background saves and drains run collectives on a group of their own.
-        background = self.options.async_save or bool(tier and tier.drain_every)
+        background = self.options.async_save or bool(tier and (tier.drain_every or
+                                                                  tier.replicas))
         self._io_group = coord.new_cpu_group() if background else process_group
         self._draining: str | None = None
         self._local_steps: list[int] = []  # this process's local saves, and the newest
@@ -250,8 +251,9 @@ class CheckpointManager:
         ckpt = saved[0]
         drain_every = local.tier.drain_every
         drain = bool(drain_every and self._schedules.local_saves % drain_every == 0)
-        if drain:
-            self.wait()  # the previous drain or async save, before this drain starts
+        plan = local.plan(self.group) if local.replicas is not None else None
+        if drain or (plan is not None and self._pending is not None):
+            self.wait()  # the previous drain, copy or async save, before this one starts
         self._local_steps.append(step)
         local.retain({name} | ({self._draining} if self._draining else set()))
         held = coord.each_rank(lambda: (local.host, sorted(local.steps())), self.group)
@@ -261,9 +263,27 @@ class CheckpointManager:
         self._report("save", "local", step, ckpt.uri, timing, tally, ckpt, durable, self.group)
         if drain:
             self._draining = name
+        if drain or plan is not None:
+            what = " and ".join(([f"copy to partners of the local checkpoint {name}"]
+                                 if plan is not None else []) +
+                                ([f"drain of the local checkpoint {name} to "
+                                  f"{self.store.child(name).uri}"] if drain else []))
             self._pending = run_in_background(
-                lambda: self._drain(ckpt, name, timing.start),
-                f"drain of the local checkpoint {name} to {self.store.child(name).uri}")
+                lambda: self._after_local(ckpt, name, timing.start, plan, drain), what)
+
+    def _after_local(self, ckpt: Checkpoint, name: str, start: float,
+                     plan: list[list[int]] | None, drain: bool) -> None:
+        """In the background: copy the local step to the partners, then drain it."""
+        local = self._local
+        assert local is not None
+        if plan is not None:
+            began = time.monotonic()
+            local.replicate(ckpt, name, plan, self._io_group)
+            if coord.rank(self._io_group) == 0:
+                log.info("local tier: step %s copied to %d partner(s) a rank in %.2f s",
+                         ckpt.step, len(plan[0]), time.monotonic() - began)
+        if drain:
+            self._drain(ckpt, name, start)
 
     def _drain(self, local: Checkpoint, name: str, start: float,
                deadline: float | None = None) -> Checkpoint | None:
@@ -383,14 +403,20 @@ class CheckpointManager:
         if uri is not None:
             candidates = [uri]
         else:  # one listing, on rank 0; its result or its error on every rank
-            candidates = coord.on_coordinator(lambda: self._candidates(listed), self.group)
+            local = self._local
+            # With a local tier, the listing only tells whether the bucket holds a newer
+            # step: nothing of the bucket's is read unless the local tier cannot serve.
+            candidates = coord.on_coordinator(lambda: self._candidates(
+                listed, open_newest=local is None), self.group)
             newest = self.managed.number(candidates[0]) if candidates else None
-            if self._local is not None:
-                found = tiers.restore_newest(self._local, state_dict, newest, self.group,
+            if local is not None:
+                found = tiers.restore_newest(local, state_dict, newest, self.group,
                                              training.ReadOptions(rng=rng, planner=planner),
                                              shared=shared, per_rank=per_rank)
                 if found is not None:
                     return found, "local"
+                candidates = coord.on_coordinator(lambda: self._candidates(listed),
+                                                  self.group)
         for i, cand in enumerate(candidates or []):
             restored, err = None, None
             try:
@@ -417,9 +443,12 @@ class CheckpointManager:
             return restored, "bucket"
         return None, "bucket"
 
-    def _candidates(self, listed: dict[str, Checkpoint]) -> list[str]:
+    def _candidates(self, listed: dict[str, Checkpoint], open_newest: bool = True
+                    ) -> list[str]:
         """This manager's committed checkpoints, newest first. Saves of its own that never
-        committed are WARNINGs; other kinds and names in the root are not its business."""
+        committed are WARNINGs; other kinds and names in the root are not its business.
+        ``open_newest``: the newest is opened (and ``listed``), so that one whose manifest
+        is gone or unreadable is not taken for the newest; otherwise the listing says."""
         listing = list_checkpoints(self.store, include_uncommitted=True)
         own = []
         for c in listing:
@@ -432,6 +461,8 @@ class CheckpointManager:
             else:
                 log.debug("not restoring from %s: not one of this manager's checkpoints "
                           "(a %s %s)", c.uri, c.status, c.kind or "prefix")
+        if not open_newest:
+            return [c.name for c in reversed(own)]
         # The newest is opened here (its manifest read once, the root index checked
         # against it); older ones, tried only if it fails, are opened when tried.
         found = newest(self.store, own)

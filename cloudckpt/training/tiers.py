@@ -11,9 +11,12 @@ DCP metadata (one copy of each replicated tensor; only the files that copy lives
 in are sent) and commits a standard training checkpoint, which any world size
 can load.
 
-Resuming takes the newest step that is committed in the bucket or in the local
-tier of *every* rank (:func:`common_steps`): one rank without it (a replaced
-node) sends the whole job to the bucket, never to a mix of steps.
+With ``replicas=k``, every local step is also copied to ``k`` partner ranks on
+other nodes (:mod:`cloudckpt.training.replicas`). Resuming takes the newest step
+that is committed in the bucket, or that *every* rank can get locally: from its own
+tier, or from a partner's copy sent back over the group (:func:`common_steps`). A
+rank that can get it from neither (a replaced node without copies) sends the whole
+job to an older step or the bucket, never to a mix of steps.
 """
 
 from __future__ import annotations
@@ -53,8 +56,9 @@ from cloudckpt.names import MANIFEST_NAME, MODEL_PART, TIERS_RECORD
 from cloudckpt.runtime import coordination as coord
 from cloudckpt.runtime.pending import run_in_background
 from cloudckpt.storage import ObjectInfo, Store, as_store
-from cloudckpt.training import multipart
+from cloudckpt.training import multipart, replicas
 from cloudckpt.training import snapshot as training
+from cloudckpt.training.replicas import Held, Replicas
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +82,11 @@ class LocalTier:
     the bucket holds it (or a newer step this process saved) already, and raises if
     that drain fails or has not committed within ``drain_timeout`` seconds; off,
     ``close()`` only warns that the steps stay on the nodes' disks.
+
+    ``replicas``: each local step is also copied, in the background, to that many
+    partner ranks on other nodes (the same local index on the next nodes), so that a
+    lost node's ranks resume from their partners' copies instead of the bucket. It
+    needs more nodes than ``replicas`` and as many ranks on each.
     """
 
     path: str
@@ -87,10 +96,14 @@ class LocalTier:
     fsync: bool = False
     drain_at_close: bool = True
     drain_timeout: float = 600.0
+    replicas: int = 0
 
     def __post_init__(self) -> None:
         if not self.path or "://" in self.path:
             raise ConfigError(f"LocalTier.path must be a local directory, got {self.path!r}")
+        if not isinstance(self.replicas, int) or self.replicas < 0:
+            raise ConfigError(f"LocalTier.replicas must be a whole number >= 0, "
+                              f"got {self.replicas!r}")
         for name in ("every_steps", "keep_last", "drain_every", "drain_timeout"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -110,6 +123,9 @@ class LocalCopies:
         self.host = socket.gethostname()
         self.store = as_store(os.path.join(os.path.abspath(tier.path), f"rank-{self.rank:05d}"),
                               {"fsync": tier.fsync})
+        self.replicas = Replicas(tier.path, managed, self.world, fsync=tier.fsync,
+                                 keep_last=tier.keep_last) if tier.replicas else None
+        self._plan: list[list[int]] | None = None
 
     def save(self, name: str, state: Mapping[str, Any], captured: training.Captured,
              step: int) -> Checkpoint:
@@ -136,6 +152,30 @@ class LocalCopies:
                 found[n] = c.name
         return found
 
+    def held(self) -> Held:
+        """This rank's committed local steps, and the copies it keeps of other ranks'."""
+        return Held(self.steps(), self.replicas.held(TIER_KEY) if self.replicas else {})
+
+    def plan(self, group: Any) -> list[list[int]]:
+        """Each rank's partners (:func:`~cloudckpt.training.replicas.partners`), from
+        every rank's host; a collective the first time, on every rank."""
+        if self._plan is None:
+            hosts = coord.each_rank(lambda: self.host, group)
+            self._plan = coord.checked(lambda: replicas.partners(hosts, self.tier.replicas),
+                                       group)
+            if self.rank == 0:
+                log.info("local tier: each step is copied to %d partner(s): %s",
+                         self.tier.replicas, ", ".join(
+                             f"{r}->{'+'.join(map(str, ps))}" for r, ps in enumerate(self._plan)))
+        return self._plan
+
+    def replicate(self, ckpt: Checkpoint, name: str, plan: list[list[int]], group: Any
+                  ) -> list[str]:
+        """Copy ``ckpt`` (this rank's local step ``name``) to its partners and keep the
+        copies other ranks send this one; every rank of ``group``."""
+        assert self.replicas is not None
+        return replicas.replicate(ckpt, name, self.rank, plan, self.replicas, group)
+
     def open(self, name: str) -> Checkpoint:
         return open_checkpoint(self.store.child(name))
 
@@ -158,6 +198,10 @@ class LocalCopies:
                 log.info("local tier: deleted %s (step %d, newer than the resumed step %s)",
                          self.store.child(name).uri, n, step)
                 pruned.append(name)
+        if self.replicas is not None:
+            for copy in self.replicas.prune_after(step, TIER_KEY):
+                log.info("local tier: deleted the copy %s (newer than the resumed step %s)",
+                         copy, step)
         return pruned
 
     def retain(self, keep: set[str]) -> list[str]:
@@ -166,46 +210,61 @@ class LocalCopies:
         return apply_retention(self.store, self.tier.keep_last, number=self.managed, keep=keep)
 
 
-def common_steps(mine: dict[int, str], group: Any = None) -> list[int]:
-    """The steps every rank of ``group`` holds locally, newest first (agreed)."""
-    held = coord.each_rank(lambda: sorted(mine), group)
-    common = set(held[0]).intersection(*held[1:])
-    newest = max((s for steps in held for s in steps), default=None)
+def common_steps(held: list[Held]) -> list[int]:
+    """The steps every rank can resume from locally (its own copy, or a partner's),
+    newest first; ``held``: every rank's."""
+    can = replicas.available(held)
+    common = set(can[0]).intersection(*can[1:])
+    newest = max((s for steps in can for s in steps), default=None)
     if newest is not None and newest not in common:
-        lacking = [r for r, steps in enumerate(held) if newest not in steps]
-        log.warning("local step %d is missing from the local tier of rank(s) %s (a replaced "
-                    "node, or a save that died): the job resumes from an older step every "
-                    "rank holds, or from the bucket", newest, lacking)
+        lacking = [r for r, steps in enumerate(can) if newest not in steps]
+        log.warning("local step %d is missing from the local tier of rank(s) %s, and no "
+                    "partner holds a copy (a replaced node, or a save that died): the job "
+                    "resumes from an older step every rank holds, or from the bucket",
+                    newest, lacking)
     return sorted(common, reverse=True)
 
 
 def restore_newest(local: LocalCopies, state: Mapping[str, Any], newest: int | None,
                    group: Any, options: training.ReadOptions, **objects: Any
                    ) -> training.Restored | None:
-    """Resume from the local tier when every rank holds a step at least as new as
-    the bucket's ``newest`` and can read it; None (on every rank) to go on to the
-    bucket. A step some rank cannot read sends every rank to an older one; one that
-    some rank refuses (its checks) is loaded by none."""
-    mine = local.steps()
-    for step in common_steps(mine, group):
+    """Resume from the local tier when every rank can get a step at least as new as
+    the bucket's ``newest`` (its own copy, or a partner's, fetched first) and can
+    read it; None (on every rank) to go on to the bucket. A step some rank cannot
+    fetch or read sends every rank to an older one; one that some rank refuses (its
+    checks) is loaded by none."""
+    held = coord.each_rank(local.held, group)
+    for step in common_steps(held):
         if newest is not None and step < newest:
             break
         restored, err = None, None
         try:
-            restored = local.restore(mine[step], state,
+            if any(step not in h.own for h in held):
+                _fetch(local, step, held, group)
+            restored = local.restore(local.steps()[step], state,
                                      replace(options, step=step, checks_group=group), **objects)
         except CloudCkptError as exc:
             err = exc
         try:
             coord.agree(err, group)
         except CloudCkptError as exc:
-            log.warning("local checkpoint %s cannot be resumed from (%s); trying an "
-                        "older one, then the bucket", mine[step], exc)
+            log.warning("local step %s cannot be resumed from (%s); trying an older one, "
+                        "then the bucket", step, exc)
             continue
         assert restored is not None
         log.info("resumed from the local tier: %s (step %s)", restored.checkpoint.uri, step)
         return restored
     return None
+
+
+def _fetch(local: LocalCopies, step: int, held: list[Held], group: Any) -> None:
+    """The ranks lacking ``step`` get it from a partner's copy (agreed on every rank)."""
+    if local.replicas is None:  # no copies held: every rank has its own
+        return
+    got = replicas.fetch_missing(step, held, local.rank, local.store, local.replicas, group)
+    if got:
+        log.info("local tier: rank %d fetched its step %d from a partner's copy", local.rank,
+                 step)
 
 
 def write_record(root: Store, held: list[tuple[str, list[int]]]) -> None:
