@@ -25,6 +25,9 @@ FULL, WEIGHTS, ADAPTERS = "full", "weights", "adapters"
 PROFILES = (FULL, WEIGHTS, ADAPTERS)
 #: The manifest metadata key of the record.
 PROFILE_KEY = "profile"
+#: The names of two parts a record's ``lacks`` may list besides the names of states:
+#: the random generators' state, and the model's weights an ``adapters`` save leaves out.
+RNG, FROZEN = "rng", "frozen weights"
 
 
 def check_name(name: str) -> str:
