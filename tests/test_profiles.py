@@ -317,13 +317,15 @@ def test_only_partial_saves_is_a_warning_and_no_resume(memory, caplog):
 
 def test_retention_keeps_each_profile_apart(memory):
     """keep_last=1 keeps the newest full save and the newest weights save: neither
-    kind's saves count toward, or are deleted for, the other's."""
+    kind's saves count toward, or are deleted for, the other's (async saves, as the
+    weights saves' staging takes the selected state only)."""
     model = torch.nn.Linear(4, 4)
     opt = trained(model)
     mgr = CheckpointManager(memory.root, ManagerOptions(every_steps=3, weights_every_steps=1,
-                                                        keep_last=1))
+                                                        keep_last=1, async_save=True))
     for step in range(7):
         mgr.save(info(step), {"model": model, "optim": opt})
+    mgr.close()
     # full at steps 2 and 5; weights at 0, 1, 3, 4, 6
     assert [c.name for c in list_checkpoints(memory.root)] == ["step-5", "weights-step-6"]
     assert mgr.latest().step == 5 and mgr.latest("weights").step == 6
