@@ -159,7 +159,8 @@ class CheckpointManager:
         return True
 
     def _save_bucket(self, kind: str, step_info: StepInfo, state_dict: Mapping[str, Any],
-                     timing: Timing, **what: Any) -> None:
+                     timing: Timing, *, extra: Mapping[str, Any] | None,
+                     per_rank: Mapping[str, Any] | None, rng: bool) -> None:
         """One bucket save of this step with profile ``kind``: a partial one holds what
         ``ManagerOptions.selection`` keeps of ``state_dict``, the step and the schedules,
         and records what it lacks."""
@@ -168,12 +169,12 @@ class CheckpointManager:
         if kind == FULL:
             saved: Mapping[str, Any] = state_dict
             captured = training.capture_together(
-                app_state=state_dict, step_info=step_info, shared=self._shared(what["extra"]),
-                per_rank=what["per_rank"], rng=what["rng"], group=self.group)
+                app_state=state_dict, step_info=step_info, shared=self._shared(extra),
+                per_rank=per_rank, rng=rng, group=self.group)
         else:
             saved = coord.checked(lambda: selection.select(state_dict, kind), self.group)
             record = Profile(kind, selection.lacks(
-                kind, state_dict, [*(what["extra"] or {}), *(what["per_rank"] or {})]))
+                kind, state_dict, [*(extra or {}), *(per_rank or {})]))
             captured = training.capture_together(
                 app_state=saved, step_info=step_info, shared=self._shared(None), rng=False,
                 group=self.group)

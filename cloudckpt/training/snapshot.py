@@ -358,7 +358,9 @@ def read(
     per-rank state and its shards.
 
     Everything refusable is checked before anything is applied: the kind, ``step``
-    (the one its name says, when given), the world size of per-rank state, the
+    (the one its name says, when given), what a partial save lacks of what the load
+    asks for (:class:`PartialCheckpointError`, unless ``options.allow_partial``: see
+    :class:`ReadOptions`), the world size of per-rank state, the
     names of the states to restore, and that every object the manifest lists is there
     with its size (one listing: a missing, truncated or oversized object raises
     :class:`CorruptCheckpointError` naming it, as one whose bytes fail their CRC32C
