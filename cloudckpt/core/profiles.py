@@ -25,6 +25,9 @@ FULL, WEIGHTS, ADAPTERS = "full", "weights", "adapters"
 PROFILES = (FULL, WEIGHTS, ADAPTERS)
 #: The manifest metadata key of the record.
 PROFILE_KEY = "profile"
+#: The names of two parts a record's ``lacks`` may list besides the names of states:
+#: the random generators' state, and the model's weights an ``adapters`` save leaves out.
+RNG, FROZEN = "rng", "frozen weights"
 
 
 def check_name(name: str) -> str:
@@ -39,7 +42,10 @@ def check_name(name: str) -> str:
 class Profile:
     """What one save holds: the profile's ``name`` and the parts of the training state
     left out (``lacks``: ``"optimizer"``, ``"rng"``, ``"dataloader"``, the names of
-    other state; for ``adapters`` also ``"frozen weights"``)."""
+    other state; for ``adapters`` also ``"frozen weights"``). The names are those the
+    saver's resume asks for: the manager's are the state's own names (its entries
+    beside the model, ``optim``; its ``per_rank`` and ``extra`` states), :data:`RNG`
+    and :data:`FROZEN`, so that a resume compares them with what it loads."""
 
     name: str = FULL
     lacks: tuple[str, ...] = field(default=())

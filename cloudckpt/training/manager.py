@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from torch.distributed.checkpoint.planner import LoadPlanner
 
 from cloudckpt.core.checkpoint import Checkpoint
-from cloudckpt.core.listing import list_checkpoints, newest
+from cloudckpt.core.listing import CheckpointInfo, list_checkpoints, newest
+from cloudckpt.core.profiles import FULL, PROFILES, WEIGHTS, Profile, check_name
 from cloudckpt.core.retention import Managed, apply_retention
 from cloudckpt.dcp import devicecopy
 from cloudckpt.dcp.budget import BudgetStager, StagedState
@@ -66,16 +68,22 @@ class CheckpointManager:
         self._storage_options = dict(storage_options or {})
         self.store = as_store(root, storage_options)
         self.group = process_group
-        #: This manager's checkpoints: training checkpoints named by ``name_format``. Only
-        #: these are restored from or deleted by retention; others in the root are left be.
-        self.managed = Managed.from_format(training.KIND, self.options.name_format)
+        #: This manager's checkpoints of each save profile: training checkpoints named by
+        #: ``ManagerOptions.name_format_of(profile)``. Only these are restored from or
+        #: deleted by retention (each profile's apart); others in the root are left be.
+        self.managed_by_profile = {p: Managed.from_format(
+            training.KIND, self.options.name_format_of(p)) for p in PROFILES}
+        #: Its ``full`` checkpoints (``name_format``).
+        self.managed = self.managed_by_profile[FULL]
         self.schedule = SaveSchedule(self.options.every_steps, self.options.every_epochs,
                                      self.options.every_seconds, group=process_group)
         tier = self.options.local
         self._local = tiers.LocalCopies(tier, self.managed, process_group,
                                         incremental=self.options.incremental) if tier else None
+        weights = self.options.weights_every_steps
         self._schedules = Schedules(self.schedule, SaveSchedule(tier.every_steps)
-                                     if tier else None)
+                                    if tier else None,
+                                    SaveSchedule(weights) if weights else None)
         # Background saves and drains run collectives on a group of their own.
         background = self.options.async_save or bool(tier and (tier.drain_every or
                                                                   tier.replicas))
@@ -106,13 +114,18 @@ class CheckpointManager:
     @interrupts.watching()
     def save(self, step_info: StepInfo, state_dict: Mapping[str, Any], *,
              extra: Mapping[str, Any] | None = None, per_rank: Mapping[str, Any] | None = None,
-             rng: bool = True, force: bool = False) -> bool:
+             rng: bool = True, force: bool = False, profile: str | None = None) -> bool:
         """Save if a schedule says so (or ``force``); return whether a save started.
 
-        With a local tier, a step the bucket's schedule does not take but the tier's
-        does is saved locally (see :class:`LocalTier`)."""
+        The bucket schedule's save (or ``force``'s) is of ``profile`` (None:
+        ``ManagerOptions.profile``); a step only ``weights_every_steps`` takes is a
+        ``weights`` save (see :mod:`cloudckpt.core.profiles`). With a local tier, a step
+        the bucket's schedule does not take but the tier's does is saved locally (see
+        :class:`LocalTier`), always ``full``."""
         if self._closed:
             raise ConfigError("this CheckpointManager is closed")
+        if profile is not None:
+            check_name(profile)
         timing = Timing()
         notice = coord.all_reduce_max(self._notice.code, self.group) if self._notice else 0.0
         if notice:
@@ -122,32 +135,64 @@ class CheckpointManager:
         due = self.should_save(step_info) or force
         local_due = self._schedules.local is not None and self._schedules.local.check(
             steps=1, epochs=0)
-        if not (due or local_due):
+        weights_due = self._schedules.weights is not None and self._schedules.weights.check(
+            steps=1, epochs=0)
+        if not (due or local_due or weights_due):
             return False
+        # The bucket's save of this step, if any: a full save holds the weights too.
+        kind = (profile or self.options.profile) if due else WEIGHTS if weights_due else None
         if due or (self._pending is not None and self._pending.done()):
             self.wait()  # one bucket write at a time; surfaces the previous one's error
-        if not due:  # counted before the capture, so that a resume counts on from it
-            self._schedules.local_saves += 1
-        captured = training.capture_together(
-            app_state=state_dict, step_info=step_info, shared=self._shared(extra),
-            per_rank=per_rank, rng=rng, group=self.group)
-        name = self.options.name_format.format(step=step_info.global_step)
-        if not due:
-            self._save_local(name, state_dict, captured, step_info.global_step, timing)
-            return True
+        if local_due and not due:
+            self._schedules.local_saves += 1  # before the capture: a resume counts on from it
+            captured = training.capture_together(
+                app_state=state_dict, step_info=step_info, shared=self._shared(extra),
+                per_rank=per_rank, rng=rng, group=self.group)
+            self._save_local(self.options.name_of(FULL, step_info.global_step), state_dict,
+                             captured, step_info.global_step, timing)
+            if kind is None:
+                return True
+            timing = Timing()
+        assert kind is not None
+        self.wait()
+        self._save_bucket(kind, step_info, state_dict, timing, extra=extra, per_rank=per_rank,
+                          rng=rng)
+        return True
+
+    def _save_bucket(self, kind: str, step_info: StepInfo, state_dict: Mapping[str, Any],
+                     timing: Timing, *, extra: Mapping[str, Any] | None,
+                     per_rank: Mapping[str, Any] | None, rng: bool) -> None:
+        """One bucket save of this step with profile ``kind``: a partial one holds what
+        ``ManagerOptions.selection`` keeps of ``state_dict``, the step and the schedules,
+        and records what it lacks."""
+        selection = self.options.selection
+        record = Profile()
+        if kind == FULL:
+            saved: Mapping[str, Any] = state_dict
+            captured = training.capture_together(
+                app_state=state_dict, step_info=step_info, shared=self._shared(extra),
+                per_rank=per_rank, rng=rng, group=self.group)
+        else:
+            saved = coord.checked(lambda: selection.select(state_dict, kind), self.group)
+            record = Profile(kind, selection.lacks(
+                kind, state_dict, [*(extra or {}), *(per_rank or {})]))
+            captured = training.capture_together(
+                app_state=saved, step_info=step_info, shared=self._shared(None), rng=False,
+                group=self.group)
+        step = step_info.global_step
+        name = self.options.name_of(kind, step)
         if not self.options.async_save:
-            self._write(name, state_dict, captured, step_info.global_step, timing=timing)
-            return True
+            self._write(name, saved, captured, step, timing=timing, profile=record)
+            return
         if self._stager is None:
             self._stager = BudgetStager(self.options.staging_budget)
-        staged = self._stager.stage(dict(state_dict))
+        staged = self._stager.stage(dict(saved))
         self._pending = run_in_background(
-            lambda: self._write(name, staged.state_dict, captured, step_info.global_step,
-                                staged, timing), f"async save to {self.store.child(name).uri}")
+            lambda: self._write(name, staged.state_dict, captured, step, staged, timing,
+                                profile=record), f"async save to {self.store.child(name).uri}")
         self._pending.add_done_callback(lambda _: staged.release())
         staged.wait()  # the tensors that did not fit in the budget are written
         timing.blocked = time.monotonic() - timing.start
-        return True
 
     def request_preemption_save(self) -> None:
         """Save at the next :meth:`save` call, within the preemption budget, and return
@@ -201,17 +246,18 @@ class CheckpointManager:
 
     def _write(self, name: str, state_dict: Mapping[str, Any], captured: training.Captured,
                step: int, staged: StagedState | None = None, timing: Timing | None = None,
-               op: str = "save", deadline: float | None = None) -> Checkpoint | None:
-        timing = timing or Timing()
+               op: str = "save", deadline: float | None = None,
+               profile: Profile | None = None) -> Checkpoint | None:
+        timing, profile = timing or Timing(), profile or Profile()
         with counting() as tally:
             ckpt = training.write(
                 self.store.child(name), state_dict, captured,
-                training.WriteOptions(step=step, deadline=deadline,
+                training.WriteOptions(step=step, deadline=deadline, profile=profile,
                                       incremental=self.options.incremental, index=True),
                 group=self._io_group, staged=staged,
                 figures=reports.Figures(timing.start, tally))
             durable = time.monotonic() - timing.start
-            self._retain(name)
+            self._retain(name, profile.name)
         self._in_bucket = max(self._in_bucket, step)
         self._report(op, "bucket", step, self.store.child(name).uri, timing, tally, ckpt,
                      durable, self._io_group)
@@ -226,12 +272,13 @@ class CheckpointManager:
         reports.deliver(reports.report(op, tier, step, uri, ranks, blocked_s=blocked,
                                        durable_s=durable, group=group), self.options.on_report)
 
-    def _retain(self, name: str) -> None:
-        """Retention in the bucket after ``name`` committed there; it never fails the
-        save: it warns and the next save retries."""
+    def _retain(self, name: str, kind: str = FULL) -> None:
+        """Retention in the bucket after ``name``, a save of profile ``kind``, committed
+        there, among that profile's saves alone; it never fails the save: it warns and
+        the next save retries."""
         coord.on_coordinator(lambda: apply_retention(
-            self.store, self.options.keep_last, self.options.keep_every, number=self.managed,
-            keep=name),
+            self.store, self.options.keep_last, self.options.keep_every,
+            number=self.managed_by_profile[kind], keep=name),
             self._io_group)
 
     def _save_local(self, name: str, state_dict: Mapping[str, Any],
@@ -349,16 +396,19 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------- resuming
 
-    def latest(self) -> Checkpoint | None:
-        """This manager's newest committed checkpoint below the root (not checked further)."""
+    def latest(self, profile: str = FULL) -> Checkpoint | None:
+        """This manager's newest committed checkpoint of ``profile`` below the root (not
+        checked further)."""
+        managed = self.managed_by_profile[check_name(profile)]
         found = newest(self.store, [c for c in list_checkpoints(self.store)
-                                    if self.managed(c) is not None])
+                                    if managed(c) is not None])
         return found[1] if found else None
 
     def restore(self, state_dict: Mapping[str, Any], *, uri: str | None = None,
                 extra: Mapping[str, Any] | None = None,
                 per_rank: Mapping[str, Any] | None = None, rng: bool = True,
-                planner: LoadPlanner | None = None) -> StepInfo | None:
+                planner: LoadPlanner | None = None, allow_partial: bool = False
+                ) -> StepInfo | None:
         """Load the newest good checkpoint (or ``uri``) in place; return its StepInfo.
 
         ``uri`` relative (``"step-100"``: no scheme, not absolute) names a checkpoint
@@ -375,11 +425,19 @@ class CheckpointManager:
         tier of every rank wins (the local copy, on a tie); any rank lacking a step,
         or unable to read it, sends every rank on to an older one, then to the
         bucket. Local checkpoints newer than the step resumed from are deleted.
+
+        Save profiles: the newest checkpoint that holds all this restore loads is taken
+        (a newer ``weights`` save does not hide the last ``full`` one: an INFO names
+        it). A ``uri`` naming a save that lacks some of it (:mod:`cloudckpt.core.profiles`)
+        is refused with :class:`PartialCheckpointError` on every rank, nothing loaded.
+        ``allow_partial`` takes the newest checkpoint of any profile and loads what it
+        holds; the rest (the optimizer, the RNG, ...; an adapter's frozen weights) keeps
+        its values, named in a WARNING.
         """
         timing = Timing()
         with counting() as tally:
             restored, tier = self._restore(state_dict, uri=uri, extra=extra, per_rank=per_rank,
-                                           rng=rng, planner=planner)
+                                           rng=rng, planner=planner, allow_partial=allow_partial)
         info = restored.step_info if restored is not None else None
         if restored is not None:
             ckpt = restored.checkpoint
@@ -395,38 +453,46 @@ class CheckpointManager:
     def _restore(self, state_dict: Mapping[str, Any], *, uri: str | None = None,
                  extra: Mapping[str, Any] | None = None,
                  per_rank: Mapping[str, Any] | None = None, rng: bool = True,
-                 planner: LoadPlanner | None = None) -> tuple[training.Restored | None, str]:
+                 planner: LoadPlanner | None = None, allow_partial: bool = False
+                 ) -> tuple[training.Restored | None, str]:
         """The restore itself, and the tier it read; :meth:`restore` then reports it
         and aligns the local tier."""
         listed: dict[str, Checkpoint] = {}  # rank 0: the manifests its listing read
         shared = self._shared(extra)
+        selection = self.options.selection
+        options = training.ReadOptions(rng=rng, planner=planner, allow_partial=allow_partial,
+                                       how_to_allow="restore(..., allow_partial=True)",
+                                       selection=selection)
         if uri is not None:
             candidates = [uri]
         else:  # one listing, on rank 0; its result or its error on every rank
             local = self._local
+            asked = training.wanted(state_dict, shared, per_rank, rng, selection)
+
+            def holds(kind: str) -> bool:
+                return allow_partial or selection.may_hold(kind, asked)
+
             # With a local tier, the listing only tells whether the bucket holds a newer
             # step: nothing of the bucket's is read unless the local tier cannot serve.
             candidates = coord.on_coordinator(lambda: self._candidates(
-                listed, open_newest=local is None), self.group)
-            newest = self.managed.number(candidates[0]) if candidates else None
+                listed, holds, asked, open_newest=local is None), self.group)
+            newest = self._number(candidates[0]) if candidates else None
             if local is not None:
                 found = tiers.restore_newest(local, state_dict, newest, self.group,
-                                             training.ReadOptions(rng=rng, planner=planner),
-                                             shared=shared, per_rank=per_rank)
+                                             options, shared=shared, per_rank=per_rank)
                 if found is not None:
                     return found, "local"
-                candidates = coord.on_coordinator(lambda: self._candidates(listed),
-                                                  self.group)
+                candidates = coord.on_coordinator(
+                    lambda: self._candidates(listed, holds, asked), self.group)
         for i, cand in enumerate(candidates or []):
             restored, err = None, None
             try:
                 where: Store | Checkpoint = (
                     open_below(self.store, cand, self._storage_options) if uri
                     else listed.get(cand) or self.store.child(cand))
-                step = self.managed.number(cand.rstrip("/").rpartition("/")[2])
-                restored = training.read(
-                    where, state_dict, training.ReadOptions(rng=rng, planner=planner, step=step),
-                    shared=shared, per_rank=per_rank, group=self.group)
+                step = self._number(cand.rstrip("/").rpartition("/")[2])
+                restored = training.read(where, state_dict, replace(options, step=step),
+                                         shared=shared, per_rank=per_rank, group=self.group)
             except CorruptCheckpointError as exc:
                 err = exc
             try:
@@ -443,31 +509,65 @@ class CheckpointManager:
             return restored, "bucket"
         return None, "bucket"
 
-    def _candidates(self, listed: dict[str, Checkpoint], open_newest: bool = True
-                    ) -> list[str]:
-        """This manager's committed checkpoints, newest first. Saves of its own that never
-        committed are WARNINGs; other kinds and names in the root are not its business.
-        ``open_newest``: the newest is opened (and ``listed``), so that one whose manifest
-        is gone or unreadable is not taken for the newest; otherwise the listing says."""
+    def _profile(self, name: str) -> str | None:
+        """The profile whose names ``name`` is one of (None: none of this manager's)."""
+        return next((p for p, m in self.managed_by_profile.items()
+                     if m.number(name) is not None), None)
+
+    def _number(self, name: str) -> int | None:
+        """The step in ``name``, one of this manager's names of any profile."""
+        kind = self._profile(name)
+        return self.managed_by_profile[kind].number(name) if kind is not None else None
+
+    def _candidates(self, listed: dict[str, Checkpoint], holds: Callable[[str], bool],
+                    asked: set[str], open_newest: bool = True) -> list[str]:
+        """This manager's committed checkpoints of the profiles that ``holds`` what this
+        restore loads (``asked``), newest first (a full one before a partial one of the
+        same step). Saves of its own that never committed are WARNINGs; other kinds and
+        names in the root are not its business. ``open_newest``: the newest is opened
+        (and ``listed``), so that one whose manifest is gone or unreadable is not taken
+        for the newest; otherwise the listing says."""
         listing = list_checkpoints(self.store, include_uncommitted=True)
-        own = []
+        own: list[CheckpointInfo] = []
+        passed: list[CheckpointInfo] = []
         for c in listing:
-            named = self.managed.number(c.name) is not None
-            if self.managed(c) is not None:
-                own.append(c)
-            elif named and c.status in ("uncommitted", "unreadable"):
+            kind = self._profile(c.name)
+            if kind is not None and self.managed_by_profile[kind](c) is not None:
+                (own if holds(kind) else passed).append(c)
+            elif kind is not None and c.status in ("uncommitted", "unreadable"):
                 log.warning("skipping %s: %s", c.uri,
                             c.error or "no manifest (a save that never committed)")
             else:
                 log.debug("not restoring from %s: not one of this manager's checkpoints "
                           "(a %s %s)", c.uri, c.status, c.kind or "prefix")
+        own.sort(key=lambda c: (self._number(c.name), self._profile(c.name) == FULL))
         if not open_newest:
             return [c.name for c in reversed(own)]
         # The newest is opened here (its manifest read once, the root index checked
         # against it); older ones, tried only if it fails, are opened when tried.
         found = newest(self.store, own)
+        self._say_passed(passed, self._number(found[0].name) if found else None, asked)
         if found is None:
             return []
         own = own[:own.index(found[0]) + 1]  # those after it: gone or unreadable, skipped
         listed[found[0].name] = found[1]
         return [c.name for c in reversed(own)]
+
+    def _say_passed(self, passed: list[CheckpointInfo], taken: int | None,
+                    asked: set[str]) -> None:
+        """Say which partial saves newer than the checkpoint a resume takes it passed
+        over: an INFO, or a WARNING when there is none to take (the run starts afresh)."""
+        newer = [c.name for c in passed if taken is None or (self._number(c.name) or 0) > taken]
+        if not newer:
+            return
+        loads = ", ".join(sorted(asked))
+        if taken is None:
+            log.warning("no checkpoint below %s holds all that this resume loads (%s): "
+                        "only partial saves (%s), passed over. restore(..., "
+                        "allow_partial=True) resumes from the newest of them", self.uri,
+                        loads, ", ".join(newer))
+        else:
+            log.info("resuming from step %d, passing over newer partial save(s) %s: they "
+                     "lack some of what this resume loads (%s); restore(..., "
+                     "allow_partial=True) takes the newest of any profile", taken,
+                     ", ".join(newer), loads)

@@ -6,9 +6,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from cloudckpt.core.profiles import FULL, check_name
 from cloudckpt.errors import ConfigError
 from cloudckpt.runtime.preemption import Preemption
 from cloudckpt.training.reports import Report
+from cloudckpt.training.snapshot import Selection, is_lora
 from cloudckpt.training.tiers import LocalTier
 
 
@@ -29,6 +31,18 @@ class ManagerOptions:
     0), and handed to ``on_report`` there. ``incremental`` stores each save's objects
     in the root's blob area by their content: what did not change since an earlier
     save (a frozen base model) is referenced, not sent again (:mod:`cloudckpt.core.blobs`).
+
+    Save profiles (:mod:`cloudckpt.core.profiles`): the saves of the schedule above are
+    of ``profile`` (``"full"``: everything a resume needs; ``"weights"``: the model
+    only; ``"adapters"``: its trainable parameters only), a ``save(..., profile=)``
+    overriding it; ``weights_every_steps`` adds ``weights`` saves on a schedule of
+    their own. The entries of the state that hold the model are ``model_keys``
+    (every other entry is optimizer or other state); an ``adapters`` save of a
+    mapping of tensors keeps the names ``adapter_filter`` takes (see
+    :class:`~cloudckpt.training.snapshot.Selection`). A partial save is named by
+    :meth:`name_of` (``weights-step-100``), so retention keeps ``keep_last`` of each
+    profile, and a resume tells them apart from the full ones by name. Preemption saves
+    and the local tier's are always ``full``.
     """
 
     every_steps: int | None = None
@@ -44,14 +58,38 @@ class ManagerOptions:
     preemption: Preemption | None = None
     on_report: Callable[[Report], Any] | None = None
     incremental: bool = False
+    profile: str = FULL
+    weights_every_steps: int | None = None
+    model_keys: tuple[str, ...] = ("model",)
+    adapter_filter: Callable[[str], bool] = is_lora
 
     def __post_init__(self) -> None:
+        check_name(self.profile)
+        if isinstance(self.model_keys, str) or not self.model_keys or not all(
+                isinstance(k, str) for k in self.model_keys):
+            raise ConfigError(f"ManagerOptions.model_keys must be a non-empty tuple of the "
+                              f"state's entry names, e.g. ('model',); got {self.model_keys!r}")
         if self.staging_budget is not None and self.staging_budget < 0:
             raise ConfigError(f"ManagerOptions.staging_budget must be >= 0 bytes or None, "
                               f"got {self.staging_budget}")
-        for name in ("every_steps", "every_epochs", "every_seconds", "keep_last", "keep_every"):
+        for name in ("every_steps", "every_epochs", "every_seconds", "keep_last", "keep_every",
+                     "weights_every_steps"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"ManagerOptions.{name} must be positive or None, got {value}")
         if "{step}" not in self.name_format:
             raise ConfigError("ManagerOptions.name_format must contain '{step}'")
+
+    @property
+    def selection(self) -> Selection:
+        """Which entries of the state a partial save keeps."""
+        return Selection(tuple(self.model_keys), self.adapter_filter)
+
+    def name_format_of(self, profile: str) -> str:
+        """The names of ``profile``'s saves: ``name_format`` for ``full``; for the
+        others, the profile's name before it (``weights-step-{step}``)."""
+        return self.name_format if check_name(profile) == FULL else f"{profile}-{self.name_format}"
+
+    def name_of(self, profile: str, step: int) -> str:
+        """The name of the save of ``step`` with ``profile``."""
+        return self.name_format_of(profile).format(step=step)

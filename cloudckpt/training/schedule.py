@@ -50,16 +50,21 @@ class SaveSchedule:
 
 
 class Schedules:
-    """The manager's schedules, saved as one state: the bucket's, and the local
-    tier's with its count of local saves (which decides the drains)."""
+    """The manager's schedules, saved as one state: the bucket's, the local
+    tier's with its count of local saves (which decides the drains), and the
+    ``weights`` saves'."""
 
-    def __init__(self, bucket: SaveSchedule, local: SaveSchedule | None) -> None:
+    def __init__(self, bucket: SaveSchedule, local: SaveSchedule | None,
+                 weights: SaveSchedule | None = None) -> None:
         self.bucket, self.local, self.local_saves = bucket, local, 0
+        self.weights = weights
 
     def state_dict(self) -> dict[str, Any]:
         out = self.bucket.state_dict()
         if self.local is not None:
             out["local"] = {**self.local.state_dict(), "saves": self.local_saves}
+        if self.weights is not None:
+            out["weights"] = self.weights.state_dict()
         return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -67,3 +72,5 @@ class Schedules:
         if self.local is not None and "local" in state:
             self.local.load_state_dict(state["local"])
             self.local_saves = int(state["local"]["saves"])
+        if self.weights is not None and "weights" in state:
+            self.weights.load_state_dict(state["weights"])
