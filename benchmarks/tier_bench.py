@@ -171,7 +171,18 @@ def partner(size_mib: int, tensors: int, repeat: int, local_dir: str, opts: dict
                                                      local_dir, opts, out)) for r in (0, 1)]
     for p in procs:
         p.start()
-    partner_s, bucket_s = out.get(timeout=1800)
+    import queue
+
+    while True:  # a rank that fails ends the benchmark, instead of a wait for its answer
+        try:
+            partner_s, bucket_s = out.get(timeout=5)
+            break
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                for p in procs:
+                    p.kill()
+                raise RuntimeError("a partner benchmark rank failed (its traceback is above)"
+                                   ) from None
     for p in procs:
         p.join(timeout=120)
         if p.exitcode != 0:
