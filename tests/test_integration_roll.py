@@ -215,6 +215,9 @@ def test_save_only_model_records_weights_and_its_resume_is_refused_unless_allowe
     assert "strategy_config.save_only_model" in str(err.value)
     assert not s3.download_dir.exists() or not any(s3.download_dir.iterdir())
 
+    monkeypatch.setenv("CLOUDCKPT_ALLOW_PARTIAL_RESUME", "maybe")
+    with pytest.raises(ConfigError, match="CLOUDCKPT_ALLOW_PARTIAL_RESUME='maybe': set it to 1"):
+        up.get_latest_ckpt()
     monkeypatch.setenv("CLOUDCKPT_ALLOW_PARTIAL_RESUME", "1")
     with caplog.at_level(logging.WARNING, logger="cloudckpt"):
         latest = up.get_latest_ckpt()
