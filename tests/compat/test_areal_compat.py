@@ -264,7 +264,7 @@ def test_no_save_optim_writes_the_model_only(s3, tmp_path):
     assert not any(k.startswith("dcp.optim.") for k in names)  # AReaL's own keys
 
 
-def _params(engine) -> list[torch.Tensor]:
+def _weights(engine) -> list[torch.Tensor]:
     return [t.detach().clone() for t in engine.model.state_dict().values()]
 
 
@@ -290,13 +290,13 @@ def test_no_save_optim_records_weights_and_a_resume_loading_optim_is_refused(
     monkeypatch.delenv("CLOUDCKPT_ALLOW_PARTIAL_RESUME", raising=False)
     refused = Trainer(areal.Saver, areal.RecoverHandler, *configs(s3.root),
                       storage_options=s3.options)
-    before = _params(refused.actor)
+    before = _weights(refused.actor)
     with pytest.raises(PartialCheckpointError) as err:
         refused.recover()
     assert "is a 'weights' save: it holds no optimizer" in str(err.value)
     assert "set recover.no_load_optim: true, or set CLOUDCKPT_ALLOW_PARTIAL_RESUME=1" in \
         str(err.value)
-    assert all(torch.equal(a, b) for a, b in zip(before, _params(refused.actor), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(before, _weights(refused.actor), strict=True))
     assert refused.recover_handler.last_step_info.global_step == -1
 
     for allow, no_load_optim in ((True, False), (False, True)):
@@ -314,7 +314,7 @@ def test_no_save_optim_records_weights_and_a_resume_loading_optim_is_refused(
         assert info.last_step_info.global_step == 1
         # the saved run's last step (1) is its dump's: the model is back bit-exact
         assert all(torch.equal(a, b) for a, b in
-                   zip(_params(run.actor), _params(saved.actor), strict=True))
+                   zip(_weights(run.actor), _weights(saved.actor), strict=True))
         assert not run.actor.optimizer.state_dict()["state"]  # the optimizer starts fresh
         partial = [r.getMessage() for r in caplog.records if "partial resume" in r.getMessage()]
         assert bool(partial) is allow, partial
