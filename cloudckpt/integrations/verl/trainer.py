@@ -158,7 +158,8 @@ def resolve(trainer: Any) -> str | None:
 def load_step(trainer: Any, critic_dir: str, step_uri: str) -> None:
     """``_load_checkpoint`` from a committed step: each role's workers' own files, then
     ``data.pt`` into the dataloader (as verl does), then the step number. Every role
-    part is checked (kind, step, world size) and ``data.pt`` read before any is loaded."""
+    part is checked (kind, step, world size, its save profile against the role's
+    ``load_contents``: :mod:`.profile`) and ``data.pt`` read before any is loaded."""
     config = trainer.config.trainer
     ckpt = open_step(step_uri)
     step = parse_step(ckpt.uri)

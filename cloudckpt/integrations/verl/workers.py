@@ -9,8 +9,9 @@ rank of the role's workers takes part in one upload that commits the directory a
 the role's part (``.../global_step_N/actor``, kind
 :data:`~cloudckpt.integrations.verl.layout.ROLE_KIND`); a ``huggingface/`` folder
 holding the model (``hf_model`` in ``save_contents``) is committed inside it as an HF
-export of its own, which ``cloudckpt push`` takes. A crash before the commit leaves
-no committed part, so nothing resumes it.
+export of its own, which ``cloudckpt push`` takes. The part records its save profile
+(:mod:`.profile`). A crash before the commit leaves no committed part, so nothing
+resumes it.
 
 An FSDP load reads only the rank's own three files, loads them with
 ``weights_only=True`` (verl's own loader uses ``weights_only=False``), and applies
