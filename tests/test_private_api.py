@@ -43,6 +43,9 @@ FRAMEWORK_INTERNALS = {
     ("integrations/verl/workers.py", "_backfill_optimizer_state"):
         "verl's FSDP checkpoint manager completing a loaded optimizer state, as its own "
         "load_checkpoint does",
+    ("integrations/verl/profile.py", "_has_lora"):
+        "verl's FSDP checkpoint manager telling a LoRA-only save (its own save_checkpoint's "
+        "rule), recorded as the part's save profile",
 }
 
 #: The names by which cloudckpt holds an fsspec filesystem (a backend's ``self.fs``).

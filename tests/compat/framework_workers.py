@@ -429,6 +429,61 @@ def verl_refused(root: str, env: dict[str, str], out: str) -> None:
     Path(out).write_text(json.dumps(report))
 
 
+def verl_profiles(root: str, env: dict[str, str], out: str) -> None:
+    """Save profiles from verl's own options: a step saved without the optimizer
+    (``save_contents: [model, extra]``), one LoRA-only (``save_lora_only``), and their
+    records; the first resumed by a trainer whose ``load_contents`` is verl's default
+    (refused before anything loads), the same with $CLOUDCKPT_ALLOW_PARTIAL_RESUME=1,
+    and by one whose ``load_contents`` leaves the optimizer out (verl's own way); the
+    LoRA step resumed onto the base model, as verl's own load does."""
+    import logging
+
+    from cloudckpt import open_checkpoint
+
+    os.environ.update(env)
+    os.environ.pop("CLOUDCKPT_ALLOW_PARTIAL_RESUME", None)
+    warnings: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                warnings.append(record.getMessage())
+
+    logging.getLogger().addHandler(Keep())
+    weights, lora = f"{root}/weights", f"{root}/lora"
+    trainer_for(weights, 2, contents=["model", "extra"])._save_checkpoint()
+    trainer_for(lora, 2, lora=True)._save_checkpoint()
+    report: dict[str, Any] = {"records": {
+        name: open_checkpoint(f"{uri}/global_step_2/actor").metadata["profile"]
+        for name, uri in (("weights", weights), ("lora", lora))}}
+    report["lora_files"] = sorted(open_checkpoint(f"{lora}/global_step_2/actor").files)
+
+    def resume(case: str, uri: str, allow: bool = False, **options: Any) -> None:
+        if allow:
+            os.environ["CLOUDCKPT_ALLOW_PARTIAL_RESUME"] = "1"
+        fresh = trainer_for(uri, 0, **options)
+        before = digests_of(fresh)["actor"]
+        del warnings[:]
+        try:
+            fresh._load_checkpoint()
+            error = None
+        except Exception as exc:  # noqa: BLE001 - the test reads what was raised
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            os.environ.pop("CLOUDCKPT_ALLOW_PARTIAL_RESUME", None)
+        got = digests_of(fresh)["actor"]  # before `want` reseeds the RNGs
+        want = digests_of(trainer_for(uri, 2, **options))["actor"]
+        report[case] = {"error": error, "step": fresh.global_steps, "warnings": list(warnings),
+                        "unchanged": sorted(k for k in got if got[k] == before[k]),
+                        "as_saved": sorted(k for k in got if got[k] == want[k])}
+
+    resume("refused", weights)
+    resume("allowed", weights, allow=True)
+    resume("load_contents", weights, load=["model", "extra"])
+    resume("lora", lora, lora=True)
+    Path(out).write_text(json.dumps(report))
+
+
 def verl_hf(root: str, env: dict[str, str], out: str) -> None:
     """Step 1 saved with ``hf_model`` in ``save_contents`` (verl gathers the model into
     ``actor/huggingface/``), step 2 without; what each role's part holds."""

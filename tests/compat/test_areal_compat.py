@@ -264,6 +264,64 @@ def test_no_save_optim_writes_the_model_only(s3, tmp_path):
     assert not any(k.startswith("dcp.optim.") for k in names)  # AReaL's own keys
 
 
+def _weights(engine) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in engine.model.state_dict().values()]
+
+
+def test_no_save_optim_records_weights_and_a_resume_loading_optim_is_refused(
+        s3, tmp_path, monkeypatch, caplog):
+    """A dump under ``no_save_optim`` records the ``weights`` profile. A handler with
+    ``no_load_optim: false`` (AReaL's default) resuming it is refused before anything is
+    applied, naming the key and the switch; with $CLOUDCKPT_ALLOW_PARTIAL_RESUME=1 it
+    loads the model and warns that the optimizer starts fresh; with ``no_load_optim:
+    true`` (AReaL's own way) it loads the same without a warning."""
+    from cloudckpt import open_checkpoint
+    from cloudckpt.core import profiles
+    from cloudckpt.errors import PartialCheckpointError
+
+    saved = Trainer(areal.Saver, areal.RecoverHandler, *configs(s3.root, no_save_optim=True),
+                    storage_options=s3.options)
+    saved.train(first_step(), 2)  # dumped at step 1
+    gen = areal.RecoverHandler(configs(s3.root)[1], FT_SPEC,
+                               storage_options=s3.options).slot.current()
+    assert open_checkpoint(gen.uri, s3.options).metadata["profile"] == \
+        {"name": "weights", "lacks": ["optimizer"]}
+
+    monkeypatch.delenv("CLOUDCKPT_ALLOW_PARTIAL_RESUME", raising=False)
+    refused = Trainer(areal.Saver, areal.RecoverHandler, *configs(s3.root),
+                      storage_options=s3.options)
+    before = _weights(refused.actor)
+    with pytest.raises(PartialCheckpointError) as err:
+        refused.recover()
+    assert "is a 'weights' save: it holds no optimizer" in str(err.value)
+    assert "set recover.no_load_optim: true, or set CLOUDCKPT_ALLOW_PARTIAL_RESUME=1" in \
+        str(err.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, _weights(refused.actor), strict=True))
+    assert refused.recover_handler.last_step_info.global_step == -1
+
+    for allow, no_load_optim in ((True, False), (False, True)):
+        monkeypatch.setenv("CLOUDCKPT_ALLOW_PARTIAL_RESUME", "1" if allow else "0")
+        run = Trainer(areal.Saver, areal.RecoverHandler,
+                      *configs(s3.root, no_load_optim=no_load_optim), storage_options=s3.options)
+        caplog.clear()
+        # on the logger itself: AReaL's logging set-up gives logging a new root and
+        # manager, and pytest's capture handler sits on the new root only
+        profiles.log.addHandler(caplog.handler)
+        try:
+            info = run.recover()
+        finally:
+            profiles.log.removeHandler(caplog.handler)
+        assert info.last_step_info.global_step == 1
+        # the saved run's last step (1) is its dump's: the model is back bit-exact
+        assert all(torch.equal(a, b) for a, b in
+                   zip(_weights(run.actor), _weights(saved.actor), strict=True))
+        assert not run.actor.optimizer.state_dict()["state"]  # the optimizer starts fresh
+        partial = [r.getMessage() for r in caplog.records if "partial resume" in r.getMessage()]
+        assert bool(partial) is allow, partial
+        if allow:
+            assert "optimizer start(s) fresh" in partial[0]
+
+
 def test_dataloader_pickle_allow_list(tmp_path):
     """AReaL's own dataloader_info.pkl loads; a pickle that would run code does not."""
     local_root = str(tmp_path / "areal")

@@ -149,9 +149,52 @@ def test_a_step_the_trainer_refuses_loads_nothing(forks, s3, tmp_path):
     assert run_child(forks, "verl_refused", s3.root, s3.env, str(out)) == 0
     report = json.loads(out.read_text())
     assert "critic" in report["no-critic"]["error"]
-    assert "has no optim_world_size_1_rank_0.pt" in report["no-optim"]["error"]
+    # the part records its save profile: refused by it, naming verl's key and the switch
+    assert report["no-optim"]["error"].startswith("PartialCheckpointError: ")
+    assert "'weights' save: it holds no optimizer" in report["no-optim"]["error"]
     for case in report.values():
         assert case["same"] and case["step"] == 0 and case["next"] == [0], case
+
+
+def test_save_profiles_follow_verls_save_contents_and_lora_only(forks, s3, tmp_path):
+    """A step verl saved without its optimizer records ``weights`` (lacking it); a
+    LoRA-only one ``adapters``. A trainer loading verl's default contents from the first
+    is refused before anything loads, naming ``load_contents`` and the switch; with
+    $CLOUDCKPT_ALLOW_PARTIAL_RESUME=1 it loads the model, scheduler and RNG and warns
+    that the optimizer starts fresh; with ``load_contents`` leaving the optimizer out
+    (verl's own option) it loads the same without a word. The LoRA step resumes onto
+    the base model, as verl's own load does."""
+    out = tmp_path / "report.json"
+    assert run_child(forks, "verl_profiles", s3.root, s3.env, str(out)) == 0
+    report = json.loads(out.read_text())
+    assert report["records"] == {
+        "weights": {"name": "weights", "lacks": ["optimizer"]},
+        "lora": {"name": "adapters", "lacks": ["frozen weights"]}}
+    assert "optim_world_size_1_rank_0.pt" in report["lora_files"]
+
+    refused = report["refused"]
+    assert refused["error"].startswith("PartialCheckpointError: "), refused
+    assert "global_step_2/actor is a 'weights' save: it holds no optimizer" in refused["error"]
+    assert ("leave 'optimizer' out of actor_rollout_ref.actor.checkpoint.load_contents, or "
+            "set CLOUDCKPT_ALLOW_PARTIAL_RESUME=1") in refused["error"]
+    assert refused["step"] == 0
+    assert {"model", "optimizer", "scheduler"} <= set(refused["unchanged"])  # nothing loaded
+
+    allowed = report["allowed"]
+    assert allowed["error"] is None and allowed["step"] == 2
+    assert {"model", "scheduler", "rng"} <= set(allowed["as_saved"])
+    assert "optimizer" in allowed["unchanged"] and "optimizer" not in allowed["as_saved"]
+    assert any("partial resume from" in w and "optimizer start(s) fresh" in w
+               for w in allowed["warnings"]), allowed["warnings"]
+
+    own = report["load_contents"]
+    assert own["error"] is None and own["step"] == 2 and own["warnings"] == []
+    assert {"model", "scheduler", "rng"} <= set(own["as_saved"])
+    assert "optimizer" in own["unchanged"]
+
+    lora = report["lora"]
+    assert lora["error"] is None and lora["step"] == 2 and lora["warnings"] == []
+    assert {"model", "optimizer", "scheduler", "rng"} <= set(lora["as_saved"])
 
 
 LOCAL_RUN = """

@@ -74,6 +74,7 @@ def test_sft_steps_commit_to_s3_resume_auto_and_by_path_and_prune_and_megatron_s
     step = open_checkpoint(f"{s3.root}/global_step_3", s3.options)
     step.verify(deep=True)
     assert step.manifest.kind == "verl-sft" and step.metadata["world_size"] == 2
+    assert step.metadata["profile"] == {"name": "full", "lacks": []}  # the engine's manager
     assert {"model_world_size_2_rank_0.pt", "model_world_size_2_rank_1.pt",
             "optim_world_size_2_rank_1.pt", "extra_state_world_size_2_rank_0.pt",
             "fsdp_config.json", "huggingface/config.json", "data_0.pt",
@@ -92,6 +93,7 @@ def assert_megatron_staged(reports: list[dict]) -> None:
     part = reports[0]
     assert part["kind"] == "verl-role"
     assert part["metadata"]["layout"] == "verl-megatron" and part["metadata"]["world_size"] == 2
+    assert part["metadata"]["profile"] == {"name": "full", "lacks": []}  # no PEFT
     for sub in ("model", "optimizer", "extra"):
         assert {f"{sub}/dist_ckpt/.metadata", f"{sub}/dist_ckpt/metadata.json",
                 f"{sub}/dist_ckpt/__0_0.distcp", f"{sub}/dist_ckpt/__1_0.distcp"} <= \

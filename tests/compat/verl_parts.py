@@ -35,7 +35,8 @@ def tiny_model() -> Any:
 class Trainable:
     """One rank's model, optimizer, scheduler and verl's checkpoint manager."""
 
-    def __init__(self, checkpoint_config: dict) -> None:
+    def __init__(self, checkpoint_config: dict, lora: bool = False) -> None:
+        """``lora``: LoRA adapters (peft) on the attention projections, the rest frozen."""
         import torch.distributed as dist
         from omegaconf import OmegaConf
         from torch.distributed.fsdp import fully_shard
@@ -44,11 +45,18 @@ class Trainable:
         if not dist.is_initialized():
             dist.init_process_group("gloo")
         model = tiny_model()
-        for layer in model.model.layers:
+        layers = model.model.layers
+        if lora:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8,
+                                                     target_modules=["q_proj", "v_proj"]))
+        for layer in layers:
             fully_shard(layer)
         fully_shard(model)
         self.model = model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                           lr=1e-3)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / 10))
         self.manager = FSDPCheckpointManager(
@@ -176,11 +184,13 @@ class VerlGroup:
 
 
 def trainer_for(root: str, step: int, *, async_save: bool = False, critic: bool = False,
-                contents: list[str] | None = None, **trainer: Any) -> Any:
+                contents: list[str] | None = None, load: list[str] | None = None,
+                lora: bool = False, **trainer: Any) -> Any:
     """verl's trainer (``__init__`` not run: it starts rollout servers) at step ``step``:
     its roles' states and its dataloader's position are functions of ``step``.
     ``trainer`` overrides ``trainer.*`` keys (``default_local_dir`` is ``root``);
-    ``contents`` is the checkpoint's ``save_contents``."""
+    ``contents`` is the checkpoint's ``save_contents``, ``load`` its ``load_contents``;
+    ``lora``: LoRA adapters saved alone (``save_lora_only``)."""
     from omegaconf import OmegaConf
     from torchdata.stateful_dataloader import StatefulDataLoader
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
@@ -190,13 +200,18 @@ def trainer_for(root: str, step: int, *, async_save: bool = False, critic: bool 
     keys = {"default_local_dir": root, "default_hdfs_dir": None, "resume_mode": "auto",
             "resume_from_path": None, "max_actor_ckpt_to_keep": None,
             "max_critic_ckpt_to_keep": None, "del_local_ckpt_after_load": False, **trainer}
-    checkpoint = {"async_save": async_save}
+    own: dict[str, Any] = {"save_contents": contents} if contents else {}
+    if load is not None:
+        own["load_contents"] = load
+    if lora:
+        own["save_lora_only"] = True
+    checkpoint = {"async_save": async_save, **own}
     t.config = OmegaConf.create({"trainer": keys,
                                  "actor_rollout_ref": {"actor": {"checkpoint": checkpoint}}})
     t.global_steps = step
     t.roles = {}
     for role, offset in [("actor", 0)] + ([("critic", 500)] if critic else []):
-        t.roles[role] = Trainable({"save_contents": contents} if contents else {})
+        t.roles[role] = Trainable(own, lora=lora)
         if step:
             t.roles[role].train(1, step + offset)
     t.trainable = t.roles["actor"]

@@ -7,6 +7,12 @@ directory and committed together as one generation of a slot at the trial's
 directory, then the slot's pointer swaps: weights and recover info can never
 disagree, and a crash mid-dump leaves the previous dump loadable. ``cloudckpt
 download`` of the trial writes the current generation back where AReaL expects it.
+
+A dump records its save profile (:mod:`cloudckpt.core.profiles`): ``weights`` under
+``recover.no_save_optim`` (no optimizer states), ``full`` otherwise. A load that would
+apply optimizer states (``no_load_optim: false``) from a dump without them is refused
+before anything is applied, unless ``$CLOUDCKPT_ALLOW_PARTIAL_RESUME=1`` allows it: then
+the optimizer starts fresh, with a warning.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from typing import Any
 
 from cloudckpt.core.checkpoint import open_checkpoint
 from cloudckpt.core.expected import expect_kind
+from cloudckpt.core.profiles import PROFILE_KEY, WEIGHTS, Profile, recorded
+from cloudckpt.integrations import check_framework_resume
 from cloudckpt.integrations.areal.config import recover_enabled
 from cloudckpt.integrations.areal.dataorder import mark_resumed
 from cloudckpt.integrations.areal.engines import engines_of, save_load_meta
@@ -123,10 +131,10 @@ class RecoverHandler(Periodic):
             data = loaders if coord.initialized() else loaders[0]
             coord.on_coordinator(lambda: write(local / INFO_DIR, step_info, infos, data),
                                  self.group)
+            meta = {"slot": self.root, PROFILE_KEY: saved_profile(self.config).record()}
             self.slot.commit(
                 lambda gen: upload_dir(local, gen, group=self.group, kind=KIND,
-                                       step=step_info.global_step,
-                                       metadata={"slot": self.root}),
+                                       step=step_info.global_step, metadata=meta),
                 step=step_info.global_step, step_info=step_info)
         self.last_step_info = step_info
         log.info("recover checkpoint of global step %d committed to %s",
@@ -162,6 +170,11 @@ class RecoverHandler(Periodic):
         with staging_dir(self.staging, self.group) as local:
             ckpt = coord.checked(lambda: expect_kind(open_checkpoint(gen), KIND,
                                                      "an AReaL recover dump"), self.group)
+            with_optim = not getattr(self.config, "no_load_optim", False)
+            fresh = coord.checked(lambda: check_framework_resume(
+                ckpt.uri, recorded(ckpt.metadata), ["optimizer"] if with_optim else [],
+                framework_key="set recover.no_load_optim: true"), self.group)
+            with_optim = with_optim and "optimizer" not in fresh
             download_dir(ckpt, local, group=self.group)
             # Read and checked on every rank before anything is applied (the world size
             # its dataloader states were saved by among them); the step is the one in the
@@ -180,7 +193,7 @@ class RecoverHandler(Periodic):
             for name, eng in engines.items():
                 eng.load(save_load_meta(
                     path=str(local / name / "recover_checkpoint"), weight_format="dcp",
-                    with_optim=not getattr(self.config, "no_load_optim", False)))
+                    with_optim=with_optim))
             for name, state in schedulers.items():
                 engines[name].lr_scheduler.load_state_dict(state)
             if rng is not None:
@@ -190,6 +203,15 @@ class RecoverHandler(Periodic):
             _sync_inference(engines[inference_engine_update_from], inference_engine,
                             weight_update_meta, info.last_step_info.global_step + 1)
         return info
+
+
+def saved_profile(config: Any) -> Profile:
+    """What a dump holds by AReaL's ``recover.no_save_optim``: everything (``full``), or
+    all but the optimizer states (``weights``; the RNG, LR schedulers, dataloader and
+    recover info are still dumped)."""
+    if getattr(config, "no_save_optim", False):
+        return Profile(WEIGHTS, ("optimizer",))
+    return Profile()
 
 
 def _schedulers(engines: Mapping[str, Any]) -> dict[str, Any]:

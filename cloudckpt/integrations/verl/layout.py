@@ -30,6 +30,8 @@ DATA = "data.pt"
 #: manager's ``dist_ckpt`` directories, which its own load reshards.
 FSDP_LAYOUT = "verl-fsdp"
 MEGATRON_LAYOUT = "verl-megatron"
+#: What verl's checkpoint managers save and load when ``checkpoint_config`` names nothing.
+DEFAULT_CONTENTS = ("model", "optimizer", "extra")
 #: What verl's Megatron manager writes last in a role directory: its contents.
 MEGATRON_CONTENTS = "ckpt_contents.json"
 #: The SFT trainer's dataloader state, one per data-parallel rank.

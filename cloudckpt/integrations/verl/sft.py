@@ -32,8 +32,10 @@ from typing import Any
 from cloudckpt.core import blobs
 from cloudckpt.core.blobs import BlobArea
 from cloudckpt.core.checkpoint import Checkpoint
+from cloudckpt.core.profiles import PROFILE_KEY
 from cloudckpt.core.retention import Managed, apply_retention
 from cloudckpt.errors import ConfigError
+from cloudckpt.integrations.verl import profile
 from cloudckpt.integrations.verl.layout import (
     LORA_META,
     SFT_DATA,
@@ -107,7 +109,10 @@ def _commit(handler: Any, step: int, store: Store, target: Path, *, local: bool
                                    max_ckpt_to_keep=handler.max_ckpt_to_keep if local else None)
     coord.each_rank(lambda: _write_own(handler, target))
     select = files_under(target, started) if local else None
-    meta = {"world_size": coord.world_size(), "layout": "verl-sft"}
+    meta: dict[str, Any] = {"world_size": coord.world_size(), "layout": "verl-sft"}
+    manager = getattr(handler.engine, "checkpoint_manager", None)
+    if manager is not None:  # what the engine's checkpoint manager saved of the state
+        meta[PROFILE_KEY] = profile.saved(manager).record()
     area = BlobArea.above(store, 1) if blobs.requested(None) else None  # $CLOUDCKPT_INCREMENTAL
     return multipart.save(store, role_parts(target, select, area), step=step, kind=SFT_KIND,
                           metadata=meta, blobs=area)

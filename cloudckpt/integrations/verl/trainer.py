@@ -22,9 +22,11 @@ from typing import Any
 from cloudckpt.core.checkpoint import Checkpoint
 from cloudckpt.core.retention import Managed, apply_retention
 from cloudckpt.errors import ConfigError
+from cloudckpt.integrations.verl import profile
 from cloudckpt.integrations.verl.layout import (
     ACTOR,
     DATA,
+    DEFAULT_CONTENTS,
     KIND,
     STEP_RE,
     TRACKER,
@@ -156,12 +158,16 @@ def resolve(trainer: Any) -> str | None:
 def load_step(trainer: Any, critic_dir: str, step_uri: str) -> None:
     """``_load_checkpoint`` from a committed step: each role's workers' own files, then
     ``data.pt`` into the dataloader (as verl does), then the step number. Every role
-    part is checked (kind, step, world size) and ``data.pt`` read before any is loaded."""
+    part is checked (kind, step, world size, its save profile against the role's
+    ``load_contents``: :mod:`.profile`) and ``data.pt`` read before any is loaded."""
     config = trainer.config.trainer
     ckpt = open_step(step_uri)
     step = parse_step(ckpt.uri)
     roles = [(open_role(ckpt.store.child(name).uri, getattr(group, "world_size", None)), group)
              for name, group in _roles(trainer, critic_dir)]
+    for (name, _), (role, _) in zip(_roles(trainer, critic_dir), roles, strict=True):
+        contents, key = _load_contents(trainer.config, name == critic_dir)
+        profile.check_load(role.uri, role.metadata, contents, key)
     data = _data_state(trainer, ckpt, step)
     log.info("resuming verl step %d from %s", step, ckpt.uri)
     for role, group in roles:
@@ -169,6 +175,17 @@ def load_step(trainer: Any, critic_dir: str, step_uri: str) -> None:
     if data is not None:
         trainer.train_dataloader.load_state_dict(data)
     trainer.global_steps = step
+
+
+def _load_contents(config: Any, critic: bool) -> tuple[list[str], str]:
+    """A role's ``checkpoint.load_contents`` (verl's default where unset) and its key."""
+    path = ("critic", "checkpoint") if critic else ("actor_rollout_ref", "actor", "checkpoint")
+    node = config
+    for key in path:
+        node = node.get(key) if node is not None else None
+    contents = node.get("load_contents") if node is not None else None
+    return (list(DEFAULT_CONTENTS) if contents is None else [str(c) for c in contents],
+            ".".join((*path, "load_contents")))
 
 
 def _data_state(trainer: Any, ckpt: Checkpoint, step: int) -> Any:

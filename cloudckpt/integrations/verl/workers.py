@@ -9,8 +9,9 @@ rank of the role's workers takes part in one upload that commits the directory a
 the role's part (``.../global_step_N/actor``, kind
 :data:`~cloudckpt.integrations.verl.layout.ROLE_KIND`); a ``huggingface/`` folder
 holding the model (``hf_model`` in ``save_contents``) is committed inside it as an HF
-export of its own, which ``cloudckpt push`` takes. A crash before the commit leaves
-no committed part, so nothing resumes it.
+export of its own, which ``cloudckpt push`` takes. The part records its save profile
+(:mod:`.profile`). A crash before the commit leaves no committed part, so nothing
+resumes it.
 
 An FSDP load reads only the rank's own three files, loads them with
 ``weights_only=True`` (verl's own loader uses ``weights_only=False``), and applies
@@ -24,7 +25,8 @@ from __future__ import annotations
 import io
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -34,7 +36,9 @@ from cloudckpt.core import blobs, kinds
 from cloudckpt.core.blobs import BlobArea
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
 from cloudckpt.core.expected import expect_kind, expect_step, expect_world_size
+from cloudckpt.core.profiles import PROFILE_KEY
 from cloudckpt.errors import ConfigError, CorruptCheckpointError, IncompleteCheckpointError
+from cloudckpt.integrations.verl import profile
 from cloudckpt.integrations.verl.layout import (
     FSDP_LAYOUT,
     HF_DIR,
@@ -87,7 +91,8 @@ def save_role(own_save: Callable[..., None], manager: Any, uri: str, global_step
     uri = uri.rstrip("/")
     step = step_of_role(uri)
     meta = {"world_size": manager.world_size, "layout": layout,
-            "contents": sorted(manager.checkpoint_save_contents)}
+            "contents": sorted(manager.checkpoint_save_contents),
+            PROFILE_KEY: profile.saved(manager).record()}
     options: dict[str, Any] = {"step": global_step if step is None else step, "kind": ROLE_KIND,
                "metadata": meta}
     store = open_store(uri)
@@ -191,11 +196,28 @@ def load_staged(own_load: Callable[..., None], manager: Any, uri: str) -> Checkp
     from a copy downloaded once per host into a staging directory, removed afterwards;
     call on every rank. A failure on any rank raises on every rank."""
     ckpt = open_role(uri)
-    with staging_dir() as stage:
+    fresh = coord.checked(lambda: profile.check_load(ckpt.uri, ckpt.metadata,
+                                                     manager.checkpoint_load_contents))
+    with staging_dir() as stage, _loading_less(manager, fresh):
         download_dir(ckpt, stage)
         coord.each_rank(lambda: own_load(manager, str(stage), None, False))
     log.info("rank %d loaded verl's %s from %s", manager.rank, MEGATRON_LAYOUT, ckpt.uri)
     return ckpt
+
+
+@contextmanager
+def _loading_less(manager: Any, fresh: set[str]) -> Iterator[None]:
+    """verl's load with ``load_contents`` leaving out what starts ``fresh`` (a partial
+    resume allowed), as its own option would."""
+    if not fresh:
+        yield
+        return
+    contents = manager.checkpoint_load_contents
+    manager.checkpoint_load_contents = profile.narrowed(contents, fresh)
+    try:
+        yield
+    finally:
+        manager.checkpoint_load_contents = contents
 
 
 def _read_state(ckpt: Checkpoint, key: str, setting: str) -> Any:
@@ -219,6 +241,13 @@ def load_role(module: ModuleType, manager: Any, uri: str) -> Checkpoint:
 def _load_mine(module: ModuleType, manager: Any, uri: str) -> Checkpoint:
     ckpt = open_role(uri, manager.world_size)
     world, rank = manager.world_size, manager.rank
+    fresh = profile.check_load(ckpt.uri, ckpt.metadata, manager.checkpoint_load_contents)
+    with _loading_less(manager, fresh):
+        return _apply_mine(module, manager, ckpt, world, rank)
+
+
+def _apply_mine(module: ModuleType, manager: Any, ckpt: Checkpoint, world: int,
+                rank: int) -> Checkpoint:
     if manager.should_load_model:
         assert manager.model is not None, "model must be provided to load 'model'"
     if manager.should_load_optimizer:
