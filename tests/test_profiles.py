@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 from dist_run import run_ranks
+from tier_workers import Position
 
 from cloudckpt import (
     CheckpointManager,
@@ -21,19 +22,6 @@ from cloudckpt import (
 )
 from cloudckpt.contents.inventory import list_contents
 from cloudckpt.runtime.state import loads_state
-
-
-class Counter:
-    """A rank's own state (its data loader position)."""
-
-    def __init__(self, n: int = 0) -> None:
-        self.n = n
-
-    def state_dict(self) -> dict:
-        return {"n": self.n}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.n = state["n"]
 
 
 class Lora(torch.nn.Module):
@@ -96,7 +84,7 @@ def test_a_weights_save_holds_the_model_only_and_a_resume_passes_over_it(s3, cap
     model = torch.nn.Linear(256, 256)
     opt = trained(model)
     mgr = CheckpointManager(s3.root, ManagerOptions(), storage_options=s3.options)
-    what = {"per_rank": {"data": Counter(7)}, "extra": {"note": {"lr": 0.1}}}
+    what = {"per_rank": {"data": Position(7)}, "extra": {"note": {"lr": 0.1}}}
     assert mgr.save(info(10), {"model": model, "optim": opt}, force=True, **what)
     saved_model, saved_opt = frozen(model), frozen(opt)
     with torch.no_grad():
@@ -129,7 +117,7 @@ def test_a_weights_save_holds_the_model_only_and_a_resume_passes_over_it(s3, cap
     torch.manual_seed(1)
     model2 = torch.nn.Linear(256, 256)
     opt2 = trained(model2, seed=1)
-    data, note = Counter(), {}
+    data, note = Position(), {}
     resumer = CheckpointManager(s3.root, ManagerOptions(), storage_options=s3.options)
     with caplog.at_level(logging.INFO, logger="cloudckpt"):
         got = resumer.restore({"model": model2, "optim": opt2}, per_rank={"data": data},
@@ -223,11 +211,11 @@ def test_a_partial_resume_is_refused_and_changes_nothing(memory):
     opt = trained(model)
     mgr = CheckpointManager(memory.root)
     mgr.save(info(3), {"model": model, "optim": opt}, force=True, profile="weights",
-             per_rank={"data": Counter(3)})
+             per_rank={"data": Position(3)})
     torch.manual_seed(9)
     other = torch.nn.Linear(16, 16)
     other_opt = trained(other, seed=9)
-    data = Counter(42)
+    data = Position(42)
     before = frozen(other), frozen(other_opt)
     rng = torch.get_rng_state()
     with pytest.raises(PartialCheckpointError) as err:
@@ -246,11 +234,11 @@ def test_an_allowed_partial_resume_loads_the_model_and_leaves_the_rest(memory, c
     opt = trained(model)
     mgr = CheckpointManager(memory.root)
     mgr.save(info(3), {"model": model, "optim": opt}, force=True, profile="weights",
-             per_rank={"data": Counter(3)}, extra={"note": {"k": 1}})
+             per_rank={"data": Position(3)}, extra={"note": {"k": 1}})
     torch.manual_seed(9)
     other = torch.nn.Linear(16, 16)
     other_opt = trained(other, seed=9)
-    data, note = Counter(42), {}
+    data, note = Position(42), {}
     opt_before = frozen(other_opt)
     with caplog.at_level(logging.WARNING, logger="cloudckpt"):
         got = mgr.restore({"model": other, "optim": other_opt}, uri="weights-step-3",

@@ -9,7 +9,8 @@ blocking sends can wait on each other).
 
 Each stream is a header (the receiver's description of what follows) and a body of
 known size, sent in chunks of at most :data:`CHUNK` bytes through one reused
-buffer a side: memory stays bounded whatever the checkpoint's size. A side that
+pair of buffers a side: memory stays bounded whatever the checkpoint's size. Each side keeps
+two chunks in flight, so reading and writing overlap the wire. A side that
 fails midway goes on with the exchange (zeros out, or discarding what comes in),
 so its peer is never left waiting; the error is raised once the round is over.
 """
@@ -21,8 +22,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 #: Bytes moved per message. Gloo's loopback and TCP transfers reach their speed well
-#: below this; two such buffers a rank bound the memory of a round.
-CHUNK = 16 << 20
+#: below this; four such buffers a rank (two to send, two to receive) bound the memory
+#: of a round.
+CHUNK = 8 << 20
 
 
 class Sink(Protocol):
@@ -68,28 +70,9 @@ def exchange(send_to: int | None, stream: Stream | None, recv_from: int | None,
             sink = sink_for(header.numpy().tobytes() if header is not None else b"")
         except Exception as exc:  # noqa: BLE001 - raised after the round
             error = exc
-    out = _Chunks(stream, chunk) if stream is not None else None
-    inbuf = torch.empty(min(chunk, body), dtype=torch.uint8) if body else None
-    sent = received = 0
-    while (out is not None and not out.done) or received < body:
-        send_t = None
-        if out is not None and not out.done:
-            send_t = out.next()
-            if out.error is not None and error is None:
-                error = out.error
-        take = min(chunk, body - received)
-        recv_t = inbuf[:take] if inbuf is not None and take else None
-        _swap(send_to if send_t is not None else None, send_t,
-              recv_from if recv_t is not None else None, recv_t, group)
-        if send_t is not None:
-            sent += send_t.numel()
-        if recv_t is not None:
-            received += take
-            if sink is not None and error is None:
-                try:
-                    sink.write(memoryview(recv_t.numpy()))  # type: ignore[arg-type]  # numpy's stubs: a buffer from 3.12
-                except Exception as exc:  # noqa: BLE001 - raised after the round
-                    error = exc
+    body_error = _body(send_to, _Chunks(stream, chunk) if stream is not None else None,
+                       recv_from, body, sink if error is None else None, group, chunk)
+    error = error or body_error
     if sink is not None and error is None:
         try:
             sink.close()
@@ -97,6 +80,55 @@ def exchange(send_to: int | None, stream: Stream | None, recv_from: int | None,
             error = exc
     if error is not None:
         raise error
+
+
+def _body(send_to: int | None, out: _Chunks | None, recv_from: int | None, body: int,
+          sink: Sink | None, group: Any, chunk: int) -> BaseException | None:
+    """Move the bodies: chunk ``i`` of each side in buffer ``i % 2``, so that the next
+    chunk is read (sent) or on the wire (received) while this one is on the wire
+    (written to the sink). Two messages a side at most are in flight, each with the tag
+    of its buffer; all of them complete before it returns. The first error of this side."""
+    import torch
+    import torch.distributed as dist
+
+    error: BaseException | None = None
+    n_in = -(-body // chunk)
+    inbufs = [torch.empty(min(chunk, body), dtype=torch.uint8) for _ in range(min(2, n_in))]
+    sends: list[Any] = [None, None]
+    recvs: list[Any] = [None, None]
+
+    def post_recv(i: int) -> None:
+        if i < n_in:
+            n = min(chunk, body - i * chunk)
+            recvs[i % 2] = dist.irecv(inbufs[i % 2][:n], group=group, group_src=recv_from,
+                                      tag=1 + i % 2)
+
+    if recv_from is not None:
+        post_recv(0)
+        post_recv(1)
+    i = 0
+    while (out is not None and not out.done) or (recv_from is not None and i < n_in):
+        b = i % 2
+        if out is not None and not out.done:
+            if sends[b] is not None:
+                sends[b].wait()
+            sends[b] = dist.isend(out.next(b), group=group, group_dst=send_to, tag=1 + b)
+            if out.error is not None and error is None:
+                error = out.error
+        if recv_from is not None and i < n_in:
+            recvs[b].wait()
+            if sink is not None and error is None:
+                n = min(chunk, body - i * chunk)
+                try:
+                    sink.write(memoryview(inbufs[b][:n].numpy()))  # type: ignore[arg-type]  # numpy's stubs: a buffer from 3.12
+                except Exception as exc:  # noqa: BLE001 - raised after the round
+                    error = exc
+            post_recv(i + 2)
+        i += 1
+    for w in sends:
+        if w is not None:
+            w.wait()
+    return error
 
 
 class _Chunks:
@@ -107,8 +139,8 @@ class _Chunks:
         import torch
 
         self.left = stream.size
-        self.buf = torch.empty(min(chunk, stream.size), dtype=torch.uint8) \
-            if stream.size else None
+        self.bufs = [torch.empty(min(chunk, stream.size), dtype=torch.uint8)
+                     for _ in range(2 if stream.size > chunk else 1 if stream.size else 0)]
         self.pieces = stream.pieces()
         self.pending = memoryview(b"")
         self.error: BaseException | None = None
@@ -117,10 +149,11 @@ class _Chunks:
     def done(self) -> bool:
         return self.left == 0
 
-    def next(self) -> Any:
-        assert self.buf is not None
-        n = min(self.buf.numel(), self.left)
-        view = memoryview(self.buf.numpy()).cast("B")  # type: ignore[arg-type]  # as above
+    def next(self, which: int) -> Any:
+        """The next chunk, read into buffer ``which`` (0 or 1; not in flight)."""
+        buf = self.bufs[which]
+        n = min(buf.numel(), self.left)
+        view = memoryview(buf.numpy()).cast("B")  # type: ignore[arg-type]  # numpy's stubs: a buffer from 3.12
         filled = 0
         while filled < n:
             if self.error is not None:
@@ -140,7 +173,7 @@ class _Chunks:
             self.pending = self.pending[take:]
             filled += take
         self.left -= n
-        return self.buf[:n]
+        return buf[:n]
 
 
 def _swap(send_to: int | None, out: Any, recv_from: int | None, into: Any, group: Any) -> Any:
