@@ -447,7 +447,8 @@ class CheckpointManager:
         local = self._local
         if local is not None:
             step = info.global_step if info is not None else None
-            coord.each_rank(lambda: local.prune_after(step), self.group)
+            copies = local.prunes_copies(self.group)
+            coord.each_rank(lambda: local.prune_after(step, copies), self.group)
         return info
 
     def _restore(self, state_dict: Mapping[str, Any], *, uri: str | None = None,

@@ -76,7 +76,8 @@ class Held:
 
 
 class Replicas:
-    """This rank's copies of other ranks' local checkpoints, below ``<path>/replicas``."""
+    """The copies of other ranks' local checkpoints below ``<path>/replicas``, a
+    directory the ranks of a node share (each receives the copies of other ranks)."""
 
     def __init__(self, path: str, managed: Managed, world: int, *, fsync: bool,
                  keep_last: int) -> None:

@@ -187,10 +187,20 @@ class LocalCopies:
         return training.read(self.store.child(name), state,
                              replace(options, as_rank=self.rank), group=coord.SOLO, **objects)
 
-    def prune_after(self, step: int | None) -> list[str]:
+    def prunes_copies(self, group: Any) -> bool:
+        """Whether this rank prunes the copies kept in its node's replicas directory:
+        the ranks of a node share it, and the first of them (by host and directory) does;
+        a collective, on every rank."""
+        if self.replicas is None:
+            return False
+        where = (self.host, os.path.realpath(self.replicas.root))
+        return coord.each_rank(lambda: where, group).index(where) == self.rank
+
+    def prune_after(self, step: int | None, copies: bool = False) -> list[str]:
         """Delete this rank's local checkpoints newer than ``step`` (every one, for
         None), once the job resumed from ``step``: they belong to an abandoned run
-        of steps, and their names are the ones the coming saves need."""
+        of steps, and their names are the ones the coming saves need. ``copies``: the
+        node's copies of other ranks' steps too (:meth:`prunes_copies`)."""
         pruned = []
         for n, name in sorted(self.steps().items()):
             if step is None or n > step:
@@ -198,7 +208,7 @@ class LocalCopies:
                 log.info("local tier: deleted %s (step %d, newer than the resumed step %s)",
                          self.store.child(name).uri, n, step)
                 pruned.append(name)
-        if self.replicas is not None:
+        if self.replicas is not None and copies:
             for copy in self.replicas.prune_after(step, TIER_KEY):
                 log.info("local tier: deleted the copy %s (newer than the resumed step %s)",
                          copy, step)
