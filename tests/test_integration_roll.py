@@ -93,18 +93,15 @@ def dcp_metadata(world: int, size: int) -> bytes:
 
 
 def stage_actor(root: Path, ckpt: str, rank: int, *, hf: bool = False, size: int = 1000,
-                world: int = 1, only_model: bool = False) -> Path:
+                world: int = 1) -> Path:
     """An actor rank's local dir: its DCP shard, and (rank 0, as DCP's coordinator) the
-    ``.metadata`` naming every rank's shard; ``only_model``: the model export alone, as
-    ROLL's ``strategy_config.save_only_model`` saves (no ``dcp/``)."""
+    ``.metadata`` naming every rank's shard."""
     d = root / f"actor_train-{rank}" / ckpt
-    d.mkdir(parents=True, exist_ok=True)
-    if not only_model:
-        (d / "dcp").mkdir(exist_ok=True)
-        (d / "dcp" / f"__{rank}_0.distcp").write_bytes(os.urandom(size))
-        if rank == 0:
-            (d / "dcp" / ".metadata").write_bytes(dcp_metadata(world, size))
-    if hf or only_model:
+    (d / "dcp").mkdir(parents=True, exist_ok=True)
+    (d / "dcp" / f"__{rank}_0.distcp").write_bytes(os.urandom(size))
+    if rank == 0:
+        (d / "dcp" / ".metadata").write_bytes(dcp_metadata(world, size))
+    if hf:
         (d / "config.json").write_text('{"model_type": "tiny"}')
         (d / "model.safetensors").write_bytes(os.urandom(2048))
     return d
@@ -183,47 +180,6 @@ def test_driven_like_roll_layout_and_invisible_until_complete(s3, tmp_path):
     assert local == str(tmp_path / "dl" / "checkpoint-4")
     assert (Path(local) / "model.safetensors").read_bytes() == (actor / "model.safetensors"
                                                                  ).read_bytes()
-
-
-def test_save_only_model_records_weights_and_its_resume_is_refused_unless_allowed(
-        s3, tmp_path, monkeypatch, caplog):
-    """ROLL's ``save_only_model`` save (the model export, no ``dcp/``) records the
-    ``weights`` profile; ROLL's resume (``get_latest_ckpt``) of it is refused before
-    anything is downloaded, naming the key and the switch; with
-    $CLOUDCKPT_ALLOW_PARTIAL_RESUME=1 it downloads, warning what starts fresh. A full
-    save records ``full``."""
-    from cloudckpt.errors import PartialCheckpointError
-
-    monkeypatch.delenv("CLOUDCKPT_ALLOW_PARTIAL_RESUME", raising=False)
-    up = roll_manager_uploader(config(s3, expected_uploads=2))
-    for ckpt, only_model in (("checkpoint-2", False), ("checkpoint-4", True)):
-        actor = stage_actor(tmp_path, ckpt, 0, only_model=only_model)
-        up.upload(ckpt_id=ckpt, local_state_path=str(actor))
-        up.upload(ckpt_id=ckpt, local_state_path=str(stage_pipeline(tmp_path, ckpt, 2)))
-    assert open_checkpoint(s3.uri("checkpoint-2"), s3.options).metadata["profile"] == \
-        {"name": "full", "lacks": []}
-    weights = open_checkpoint(s3.uri("checkpoint-4"), s3.options)
-    assert weights.metadata["profile"] == \
-        {"name": "weights", "lacks": ["lr_scheduler", "optimizer", "rng"]}
-    assert "model.safetensors" in weights.files
-
-    with pytest.raises(PartialCheckpointError) as err:
-        up.get_latest_ckpt()
-    assert "checkpoint-4 is a 'weights' save: it holds no lr_scheduler, optimizer, rng" \
-        in str(err.value)
-    assert "set CLOUDCKPT_ALLOW_PARTIAL_RESUME=1" in str(err.value)
-    assert "strategy_config.save_only_model" in str(err.value)
-    assert not s3.download_dir.exists() or not any(s3.download_dir.iterdir())
-
-    monkeypatch.setenv("CLOUDCKPT_ALLOW_PARTIAL_RESUME", "maybe")
-    with pytest.raises(ConfigError, match="CLOUDCKPT_ALLOW_PARTIAL_RESUME='maybe': set it to 1"):
-        up.get_latest_ckpt()
-    monkeypatch.setenv("CLOUDCKPT_ALLOW_PARTIAL_RESUME", "1")
-    with caplog.at_level(logging.WARNING, logger="cloudckpt"):
-        latest = up.get_latest_ckpt()
-    assert latest == str(s3.download_dir / "checkpoint-4")
-    assert (Path(latest) / "model.safetensors").is_file()
-    assert "lr_scheduler, optimizer, rng start(s) fresh" in caplog.text
 
 
 def upload_in_processes(cfg: dict, s3, ckpt: str, dirs: list[Path], go: Path,

@@ -372,3 +372,15 @@ def test_a_partial_resume_is_refused_on_every_rank(s3):
         assert out["refused"] == "PartialCheckpointError", (rank, out)
         assert out["untouched"] and out["allowed_model"] and out["allowed_optim_kept"], out
         assert out["latest_step"] == 1, out
+
+
+def test_the_integrations_partial_resume_switch_takes_yes_or_no(monkeypatch):
+    from cloudckpt.integrations import ALLOW_PARTIAL_ENV, partial_allowed
+
+    monkeypatch.delenv(ALLOW_PARTIAL_ENV, raising=False)
+    assert partial_allowed() is False
+    monkeypatch.setenv(ALLOW_PARTIAL_ENV, "1")
+    assert partial_allowed() is True
+    monkeypatch.setenv(ALLOW_PARTIAL_ENV, "maybe")
+    with pytest.raises(ConfigError, match="CLOUDCKPT_ALLOW_PARTIAL_RESUME='maybe': set it to 1"):
+        partial_allowed()

@@ -16,7 +16,6 @@ from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter, open_checkpo
 from cloudckpt.core.deletion import remove_leftovers
 from cloudckpt.core.gc import collect, find_garbage
 from cloudckpt.core.manifest import FileEntry, Written
-from cloudckpt.core.profiles import PROFILE_KEY
 from cloudckpt.core.retention import Managed, apply_retention
 from cloudckpt.errors import (
     CheckpointNotFoundError,
@@ -26,13 +25,7 @@ from cloudckpt.errors import (
 )
 from cloudckpt.integrations.roll import membership
 from cloudckpt.integrations.roll.layout import CKPT_RE, KIND
-from cloudckpt.integrations.roll.markers import (
-    part_names,
-    read_markers,
-    resume_problems,
-    saved_profile,
-    summary,
-)
+from cloudckpt.integrations.roll.markers import part_names, read_markers, resume_problems, summary
 from cloudckpt.names import MANIFEST_NAME
 from cloudckpt.storage import Store
 from cloudckpt.training import multipart
@@ -176,8 +169,7 @@ def commit(store: Store, ckpt_id: str, parts: Markers, files: Mapping[str, FileE
     may win), then remove what only a crashed earlier attempt wrote."""
     m = CKPT_RE.match(ckpt_id)
     meta = {"framework": "roll", "parts": sorted(p["part"] for p in parts.values()),
-            "attempt": attempt_id, "clusters": membership.clusters(parts),
-            PROFILE_KEY: saved_profile(files).record()}
+            "attempt": attempt_id, "clusters": membership.clusters(parts)}
     # The parts' uploaders wrote every file at its own path.
     stored = multipart.Stored(Written(key, entry) for key, entry in files.items())
     incremental = any(e.blob for e in files.values())

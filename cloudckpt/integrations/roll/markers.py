@@ -17,10 +17,9 @@ import logging
 import posixpath
 import re
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from cloudckpt.core.profiles import WEIGHTS, Profile
 from cloudckpt.errors import CorruptCheckpointError
 from cloudckpt.integrations.roll.layout import PARTS_DIR as ROLL_PARTS_DIR
 from cloudckpt.integrations.roll.layout import PIPELINE_STATE
@@ -33,13 +32,6 @@ log = logging.getLogger(__name__)
 METADATA_NAME, SUFFIX = ".metadata", ".distcp"
 #: ROLL's per-rank torch files (fsdp2_strategy._build_checkpoint_paths).
 _TORCH_SHARD_RE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
-#: The folder of a worker's DCP state (fsdp2_strategy._get_dcp_checkpoint_dir).
-DCP_DIR = "dcp"
-#: What a worker's ``dcp/`` holds besides the model (``_save_checkpoint_with_dcp``), which
-#: ``strategy_config.save_only_model`` leaves out.
-TRAINING_STATE = ("optimizer", "lr_scheduler", "rng")
-#: A worker's model export (``save_pretrained``, on every save).
-_HF_WEIGHTS_RE = re.compile(r"^(model.*\.safetensors|pytorch_model.*\.bin)$")
 #: Problems named in one message, at most (the rest are counted).
 _SHOWN = 5
 
@@ -71,21 +63,6 @@ def resume_problems(files: Mapping[str, int], read: Callable[[str], bytes]) -> l
         problems += _dcp_problems(folder, files, read)
     problems += _torch_shard_problems(files)
     return problems
-
-
-def saved_profile(files: Iterable[str]) -> Profile:
-    """The save profile of a checkpoint holding ``files``: ``weights`` (lacking
-    :data:`TRAINING_STATE`) where a worker's model export stands in a folder with no
-    training state beside it (no ``dcp/``, no per-rank optimizer files), as ROLL's
-    ``strategy_config.save_only_model`` saves; ``full`` otherwise."""
-    keys = list(files)
-    stateful = {posixpath.dirname(k) for k in keys if (m := _TORCH_SHARD_RE.match(
-        posixpath.basename(k))) and m.group(1) == "optim"}
-    stateful |= {posixpath.dirname(posixpath.dirname(k)) for k in keys
-                 if posixpath.basename(posixpath.dirname(k)) == DCP_DIR}
-    models = {posixpath.dirname(k) for k in keys
-              if _HF_WEIGHTS_RE.match(posixpath.basename(k))}
-    return Profile(WEIGHTS, TRAINING_STATE) if models - stateful else Profile()
 
 
 def summary(problems: list[str]) -> str:

@@ -14,11 +14,9 @@ from typing import Any
 from cloudckpt.core.checkpoint import open_checkpoint
 from cloudckpt.core.expected import expect_kind, expect_step
 from cloudckpt.core.listing import CheckpointInfo, list_checkpoints
-from cloudckpt.core.profiles import check_resume, recorded
 from cloudckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError
-from cloudckpt.integrations import ALLOW_PARTIAL_ENV, partial_allowed
 from cloudckpt.integrations.roll.layout import CKPT_RE, KIND, checkpoint_order
-from cloudckpt.integrations.roll.markers import TRAINING_STATE, part_names, read_markers
+from cloudckpt.integrations.roll.markers import part_names, read_markers
 from cloudckpt.storage import Store, open_store
 
 log = logging.getLogger(__name__)
@@ -98,11 +96,6 @@ def download_checkpoint(uri_or_latest: str, local_dir: str | os.PathLike[str],
     newest committed ``checkpoint-N`` is taken. The files land in
     ``local_dir/checkpoint-N`` in ROLL's layout; files already there with the right
     CRC32C are not fetched again, so a second resume costs nothing.
-
-    A checkpoint saved without its training state
-    (``strategy_config.save_only_model``) is refused before anything is fetched, unless
-    ``$CLOUDCKPT_ALLOW_PARTIAL_RESUME=1`` allows it: ROLL's workers resume from ``dcp/``
-    alone and have no option to load less.
     """
     from cloudckpt.movement.checkpoint_copy import download
 
@@ -123,11 +116,6 @@ def download_checkpoint(uri_or_latest: str, local_dir: str | os.PathLike[str],
     # ROLL resumes at the step its files hold and saves the next ones under their names:
     # a checkpoint copied under another name is refused.
     expect_step(expect_kind(ckpt, KIND, "a ROLL checkpoint"), checkpoint_order(name)[0])
-    check_resume(ckpt.uri, recorded(ckpt.metadata), TRAINING_STATE,
-                 allow_partial=partial_allowed(),
-                 how_to_allow=f"set {ALLOW_PARTIAL_ENV}=1; ROLL has no option to load less: "
-                 "its workers load their state from dcp/ alone, which "
-                 "strategy_config.save_only_model leaves out")
     target = Path(local_dir) / name
     download(ckpt, target)
     return str(target)
