@@ -252,3 +252,30 @@ def test_partners_are_the_same_local_rank_on_the_next_nodes():
     with pytest.raises(ConfigError, match="replicas"):
         LocalTier("/tmp/x", every_steps=1, replicas=-1)
     assert torch.equal(torch.tensor(partners(["x", "y"], 1)), torch.tensor([[1], [0]]))
+
+
+def fetch_from_a_lost_copy(rank: int, world: int, base: str) -> str:
+    """Rank 1 lacks step 3, and rank 0 says it holds a copy that is gone from its disk."""
+    from cloudckpt.core.retention import Managed
+    from cloudckpt.errors import CloudCkptError
+    from cloudckpt.storage import as_store
+    from cloudckpt.training.replicas import Held, Replicas, fetch_missing
+
+    managed = Managed.from_format("training", "step-{step}")
+    held = [Held({3: "step-3"}, {1: {3: "step-3"}}), Held({}, {})]
+    copies = Replicas(f"{base}/node-{rank}", managed, world, fsync=False, keep_last=2)
+    own = as_store(f"{base}/node-{rank}/rank-{rank:05d}")
+    try:
+        fetch_missing(3, held, rank, own, copies, None)
+    except CloudCkptError as exc:
+        return type(exc).__name__
+    return "no error"
+
+
+def test_a_copy_the_holder_cannot_read_fails_the_fetch_on_both_ranks_without_a_hang(tmp_path):
+    """The holder's own error (its copy is gone) is raised on both ranks, promptly: the
+    receiver gets an empty stream instead of waiting for one."""
+    from dist_run import run_ranks
+
+    got = run_ranks("test_replicas.fetch_from_a_lost_copy", 2, str(tmp_path), timeout=120)
+    assert got == {0: "CheckpointNotFoundError", 1: "CheckpointNotFoundError"}, got

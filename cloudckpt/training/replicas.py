@@ -16,8 +16,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
@@ -66,6 +67,23 @@ def partners(hosts: list[str], k: int) -> list[list[int]]:
             for r in range(len(hosts))]
 
 
+def job_steps(store: Store, managed: Managed, job_key: str, rank: int, world: int
+              ) -> dict[int, str]:
+    """The committed local checkpoints directly below ``store`` (a directory) that rank
+    ``rank`` of a job of ``world`` ranks saved (its manifest's ``job_key`` entry says):
+    step -> name."""
+    if not os.path.isdir(store.root):
+        return {}
+    found = {}
+    for c in list_checkpoints(store, index=False):  # each manifest's metadata
+        n = managed(c)
+        job = (c.manifest.metadata.get(job_key) if c.manifest else None) or {}
+        if n is not None and isinstance(job, dict) and job.get("rank") == rank \
+                and job.get("world_size") == world:
+            found[n] = c.name
+    return found
+
+
 @dataclass
 class Held:
     """What one rank holds for a resume: its own committed steps, and the steps of
@@ -97,12 +115,9 @@ class Replicas:
             if not entry.startswith("rank-") or not entry[5:].isdigit():
                 continue
             rank = int(entry[5:])
-            for c in list_checkpoints(self.of(rank), index=False):
-                n = self.managed(c)
-                job = (c.manifest.metadata.get(job_key) if c.manifest else None) or {}
-                if n is not None and isinstance(job, dict) and job.get("rank") == rank \
-                        and job.get("world_size") == self.world:
-                    found.setdefault(rank, {})[n] = c.name
+            steps = job_steps(self.of(rank), self.managed, job_key, rank, self.world)
+            if steps:
+                found[rank] = steps
         return found
 
     def prune_after(self, step: int | None, job_key: str) -> list[str]:
@@ -146,7 +161,6 @@ class CopySink:
         self.manifest = Manifest.from_json(doc["manifest"].encode(), source="a partner's copy")
         self.paths: list[str] = list(doc["paths"])
         self.target = store.child(doc["name"])
-        self.name = doc["name"]
         _clear(self.target, self.manifest)
         self.writer = CheckpointWriter(self.target, step=self.manifest.step,
                                        metadata=self.manifest.metadata,
@@ -197,41 +211,67 @@ def _clear(target: Store, manifest: Manifest) -> None:
         delete_checkpoint(target)
 
 
-class _Receiving:
-    """The sink factory of one round: the stream goes below ``store``; its sink is
-    kept so that a failed round can abandon it."""
+class _Nothing:
+    """The sink of a stream its sender could not make (it sends no bytes)."""
 
-    def __init__(self, store_for: Any) -> None:
+    def write(self, data: memoryview) -> None:
+        raise CorruptCheckpointError("a partner sent bytes after an empty header", {})
+
+    def close(self) -> None:
+        """Nothing was received, nothing is committed."""
+
+
+class _Receiving:
+    """The sink factory of one round: the stream goes below ``store_for(header)``; its
+    sink is kept so that a failed round can abandon it."""
+
+    def __init__(self, store_for: Callable[[dict[str, Any]], Store]) -> None:
         self.store_for = store_for
         self.sink: CopySink | None = None
 
     def __call__(self, header: bytes) -> Sink:
+        if not header:  # the sender failed before it could send: its error is agreed on
+            return _Nothing()
         self.sink = CopySink(self.store_for(json.loads(header)), header)
         return self.sink
 
 
+def _round(send_to: int | None, make_stream: Callable[[], Stream] | None,
+           recv_from: int | None, store_for: Callable[[dict[str, Any]], Store],
+           group: Any) -> None:
+    """One :func:`~cloudckpt.runtime.peerwire.exchange` of copies; any rank's failure
+    raises on every rank. A stream that cannot be made goes out empty, so that its
+    receiver is never left waiting for it."""
+    err: BaseException | None = None
+    stream = None
+    if make_stream is not None:
+        try:
+            stream = make_stream()
+        except Exception as exc:  # noqa: BLE001 - agreed below
+            err = exc
+            stream = Stream(b"", 0, lambda: iter(()))
+    sink = _Receiving(store_for) if recv_from is not None else None
+    try:
+        exchange(send_to, stream, recv_from, sink, group)
+    except Exception as exc:  # noqa: BLE001 - agreed below
+        err = err or exc
+        if sink is not None and sink.sink is not None:
+            sink.sink.abandon()
+    coord.agree(err, group)
+
+
 def replicate(ckpt: Checkpoint, name: str, rank: int, plan: list[list[int]],
-              replicas: Replicas, group: Any) -> list[str]:
+              replicas: Replicas, group: Any) -> None:
     """Send this rank's committed local checkpoint ``ckpt`` (``name``) to each of its
     partners (``plan[rank]``), and receive, commit and retain the copies other ranks
     send this one; call on every rank of ``group``. Round ``d`` sends to the ``d``-th
-    partner. Any rank's failure raises on every rank; returns the names received."""
-    received: list[str] = []
+    partner. Any rank's failure raises on every rank."""
     for d in range(len(plan[rank])):
         sender = next(q for q, ps in enumerate(plan) if ps[d] == rank)
-        sink = _Receiving(lambda doc: replicas.of(int(doc["rank"])))
-        err: BaseException | None = None
-        try:
-            exchange(plan[rank][d], stream_of(ckpt, rank, name), sender, sink, group)
-            received.append(f"rank-{sender:05d}/{name}")
-        except Exception as exc:  # noqa: BLE001 - agreed below
-            err = exc
-            if sink.sink is not None:
-                sink.sink.abandon()
-        coord.agree(err, group)
+        _round(plan[rank][d], lambda: stream_of(ckpt, rank, name), sender,
+               lambda doc: replicas.of(int(doc["rank"])), group)
         apply_retention(replicas.of(sender), replicas.keep_last, number=replicas.managed,
                         keep={name})
-    return received
 
 
 def fetch_missing(step: int, held: list[Held], rank: int, own: Store, replicas: Replicas,
@@ -259,22 +299,15 @@ def fetch_missing(step: int, held: list[Held], rank: int, own: Store, replicas: 
         pairs = rest
         send = next(((r, held[rank].copies[r][step]) for h, r in this_round if h == rank), None)
         recv = next((h for h, r in this_round if r == rank), None)
-        err: BaseException | None = None
-        sink = _Receiving(lambda _doc: own)
-        try:
-            stream = None
-            if send is not None:
-                src = open_checkpoint(replicas.of(send[0]).child(send[1]))
-                stream = stream_of(src, send[0], send[1])
-            exchange(send[0] if send else None, stream, recv, sink if recv is not None else None,
-                     group)
-            got = got or recv is not None
-        except Exception as exc:  # noqa: BLE001 - agreed below
-            err = exc
-            if sink.sink is not None:
-                sink.sink.abandon()
-        coord.agree(err, group)
+        make = partial(_copy_stream, replicas, *send) if send is not None else None
+        _round(send[0] if send else None, make, recv, lambda _doc: own, group)
+        got = got or recv is not None
     return got
+
+
+def _copy_stream(replicas: Replicas, of: int, name: str) -> Stream:
+    """The stream of this rank's copy ``name`` of rank ``of``'s step."""
+    return stream_of(open_checkpoint(replicas.of(of).child(name)), of, name)
 
 
 def available(held: list[Held]) -> list[set[int]]:

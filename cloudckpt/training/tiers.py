@@ -41,7 +41,6 @@ from torch.distributed.checkpoint.metadata import (
 from cloudckpt.core.blobs import BlobArea
 from cloudckpt.core.checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
 from cloudckpt.core.deletion import delete_checkpoint
-from cloudckpt.core.listing import list_checkpoints
 from cloudckpt.core.manifest import FileEntry, Written
 from cloudckpt.core.retention import Managed, apply_retention
 from cloudckpt.dcp.metadata import DCP_KIND, METADATA_NAME, load_metadata
@@ -141,16 +140,7 @@ class LocalCopies:
 
     def steps(self) -> dict[int, str]:
         """This rank's committed local checkpoints of this job's shape: step -> name."""
-        if not os.path.isdir(self.store.root):
-            return {}
-        found = {}
-        for c in list_checkpoints(self.store, index=False):  # each manifest's metadata
-            n = self.managed(c)
-            job = (c.manifest.metadata.get(TIER_KEY) if c.manifest else None) or {}
-            if n is not None and isinstance(job, dict) and job.get("world_size") == self.world \
-                    and job.get("rank") == self.rank:
-                found[n] = c.name
-        return found
+        return replicas.job_steps(self.store, self.managed, TIER_KEY, self.rank, self.world)
 
     def held(self) -> Held:
         """This rank's committed local steps, and the copies it keeps of other ranks'."""
@@ -170,11 +160,11 @@ class LocalCopies:
         return self._plan
 
     def replicate(self, ckpt: Checkpoint, name: str, plan: list[list[int]], group: Any
-                  ) -> list[str]:
+                  ) -> None:
         """Copy ``ckpt`` (this rank's local step ``name``) to its partners and keep the
         copies other ranks send this one; every rank of ``group``."""
         assert self.replicas is not None
-        return replicas.replicate(ckpt, name, self.rank, plan, self.replicas, group)
+        replicas.replicate(ckpt, name, self.rank, plan, self.replicas, group)
 
     def open(self, name: str) -> Checkpoint:
         return open_checkpoint(self.store.child(name))
