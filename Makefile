@@ -23,7 +23,21 @@ AZURITE_PIN ?= azurite@3.37.0
 	npm install -q --no-audit --no-fund --prefix .azurite "$(AZURITE_PIN)"
 	touch $@
 
-setup: $(VENV)/.installed .azurite/.installed
+# LocalStack's own S3 provider, the second S3 implementation the S3-facing tests run
+# against (testkit's LocalStackServer): it needs CPython 3.12+, so it has a virtualenv of
+# its own on one that testkit/localstack-python finds (about a minute). The pins are
+# those pip does not find by itself for this release.
+LOCALSTACK_PIN ?= localstack-core[runtime]==2026.3.0
+LOCALSTACK_VENV ?= .venv-localstack
+$(LOCALSTACK_VENV)/.installed: testkit/localstack-python
+	rm -rf $(LOCALSTACK_VENV)
+	"$$(testkit/localstack-python)" -m venv $(LOCALSTACK_VENV)
+	$(LOCALSTACK_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LOCALSTACK_VENV)/bin/python -m pip install -q "$(LOCALSTACK_PIN)" "cbor2<6" \
+		"pyopenssl<25" "cryptography<45" "service_identity<26"
+	touch $@
+
+setup: $(VENV)/.installed .azurite/.installed $(LOCALSTACK_VENV)/.installed
 
 demo: setup
 	$(PY) examples/demo.py
@@ -131,4 +145,4 @@ install-check:
 	PYTHON="$(PYTHON)" TORCH_PIN="$(TORCH_PIN)" .ci/install_check
 
 clean:
-	rm -rf $(VENV) $(MATRIX_VENV) .azurite .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(MATRIX_VENV) $(LOCALSTACK_VENV) .azurite .pytest_cache .ruff_cache .mypy_cache

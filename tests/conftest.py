@@ -1,7 +1,13 @@
-"""Shared fixtures: real S3 (moto) and GCS (fake-gcs-server) servers on 127.0.0.1.
+"""Shared fixtures: real S3 (moto, LocalStack), GCS (fake-gcs-server) and Azure (Azurite)
+servers on 127.0.0.1.
 
 Each server runs once per test session as a subprocess; state is reset
 between tests. Nothing here skips: a missing server fails the test loudly.
+
+The S3-facing tests take the server from one parameter, ``s3_server`` (through the ``s3``
+and ``backend`` fixtures too): ``--s3-servers=moto,localstack`` runs each on both, and the
+server's name is in the test's id. The default is moto alone; a run without moto keeps
+only the tests that reach an S3 server (``make test-localstack``).
 """
 
 from __future__ import annotations
@@ -27,7 +33,12 @@ from dataclasses import asdict, dataclass, field  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
-from cloudckpt_testkit import AzuriteServer, FakeGcsServer, MotoServer  # noqa: E402
+from cloudckpt_testkit import (  # noqa: E402
+    AzuriteServer,
+    FakeGcsServer,
+    LocalStackServer,
+    MotoServer,
+)
 from helpers import HUB_TOKEN  # noqa: E402
 
 from cloudckpt.storage import RetryPolicy  # noqa: E402
@@ -70,9 +81,71 @@ def _fresh(name: str, scheme: str, server: Any) -> Backend:
                    server.env())
 
 
+S3_SERVERS = ("moto", "localstack")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--s3-servers", default="moto",
+                     help="comma-separated S3 servers the S3-facing tests run against "
+                          f"(of {', '.join(S3_SERVERS)}; default: moto)")
+
+
+def _s3_servers(config: pytest.Config) -> list[str]:
+    names = [n.strip() for n in config.getoption("--s3-servers").split(",") if n.strip()]
+    unknown = sorted(set(names) - set(S3_SERVERS))
+    if unknown or not names:
+        raise pytest.UsageError(f"--s3-servers: unknown {unknown}; use some of {S3_SERVERS}")
+    return names
+
+
+#: ``backend``'s parameters: an S3 one per server (moto's keeps the plain id "s3").
+_BACKENDS = ("file", "memory", "s3", "gcs", "azure")
+
+
+def _backend_id(name: str, server: str | None = None) -> str:
+    return name if server in (None, "moto") else f"{name}-{server}"
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    servers = _s3_servers(metafunc.config)
+    if "s3_server" in metafunc.fixturenames:
+        metafunc.parametrize("s3_server", servers, indirect=True, scope="session")
+    if "backend" in metafunc.fixturenames:
+        params = [(b, srv) for b in _BACKENDS for srv in (servers if b == "s3" else [None])]
+        metafunc.parametrize("backend", params, indirect=True,
+                             ids=[_backend_id(b, srv) for b, srv in params])
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without moto, keep only the tests that reach an S3 server (the LocalStack leg)."""
+    if "moto" in _s3_servers(config):
+        return
+    kept, dropped = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        fixtures = getattr(item, "fixturenames", ())
+        reaches = ("s3_server" in params or "localstack_server" in fixtures
+                   or (params.get("backend") or ("",))[0] == "s3")
+        (kept if reaches else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 @pytest.fixture(scope="session")
 def moto_server():
     yield from _serving(MotoServer(part_min_size=256 * 1024))
+
+
+@pytest.fixture(scope="session")
+def localstack_server():
+    yield from _serving(LocalStackServer())
+
+
+@pytest.fixture(scope="session")
+def s3_server(request) -> Any:
+    """The S3 server of this test's parameter (see the module's doc)."""
+    return request.getfixturevalue(f"{request.param}_server")
 
 
 @pytest.fixture(scope="session")
@@ -86,8 +159,8 @@ def azurite_server():
 
 
 @pytest.fixture
-def s3(moto_server) -> Backend:
-    return _fresh("s3", "s3", moto_server)
+def s3(s3_server) -> Backend:
+    return _fresh("s3", "s3", s3_server)
 
 
 @pytest.fixture
@@ -110,10 +183,14 @@ def memory() -> Backend:
     return Backend("memory", f"memory://cloudckpt-tests/{uuid.uuid4().hex}")
 
 
-@pytest.fixture(params=["file", "memory", "s3", "gcs", "azure"])
+@pytest.fixture
 def backend(request) -> Backend:
-    """Every backend in turn, each over a real endpoint where one exists."""
-    return request.getfixturevalue({"file": "local"}.get(request.param, request.param))
+    """Every backend in turn, each over a real endpoint where one exists (S3 on each of
+    ``--s3-servers``)."""
+    name, server = request.param
+    if name == "s3":
+        return _fresh("s3", "s3", request.getfixturevalue(f"{server}_server"))
+    return request.getfixturevalue({"file": "local"}.get(name, name))
 
 
 @pytest.fixture

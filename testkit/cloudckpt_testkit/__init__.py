@@ -7,6 +7,7 @@ stalling; see :mod:`cloudckpt_testkit.servers`.
 
 from cloudckpt_testkit.faultproxy import FaultPlan, FaultProxy
 from cloudckpt_testkit.hubserver import HubServer
-from cloudckpt_testkit.servers import AzuriteServer, FakeGcsServer, MotoServer
+from cloudckpt_testkit.servers import AzuriteServer, FakeGcsServer, LocalStackServer, MotoServer
 
-__all__ = ["AzuriteServer", "FakeGcsServer", "FaultPlan", "FaultProxy", "HubServer", "MotoServer"]
+__all__ = ["AzuriteServer", "FakeGcsServer", "FaultPlan", "FaultProxy", "HubServer",
+           "LocalStackServer", "MotoServer"]

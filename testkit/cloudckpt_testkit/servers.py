@@ -224,61 +224,24 @@ class _ProcessServer(StartStop):
             return exc.code, exc.read()
 
 
-class MotoServer(_ProcessServer):
-    """moto's S3 server in a child process, its conditional writes atomic as S3's are
-    (:mod:`.moto_atomic`).
+class _S3Server(_ProcessServer):
+    """What the S3 servers share: the credentials, buckets over boto3, and what a
+    client (in process or a subprocess) needs to reach the server."""
 
-    ``part_min_size`` sets moto's ``S3_UPLOAD_PART_MIN_SIZE`` so tests can
-    exercise multipart uploads with small parts instead of 5 MiB ones.
-    """
-
-    _name = "moto"
     ACCESS_KEY = "testing"
     SECRET_KEY = "testing"
     REGION = "us-east-1"
 
-    def __init__(self, part_min_size: int = 5 * 1024 * 1024) -> None:
-        super().__init__()
-        self.part_min_size = part_min_size
+    def _client(self) -> Any:
+        import boto3
 
-    def _command(self, port: int) -> list[str]:
-        return [sys.executable, "-m", "cloudckpt_testkit.moto_atomic", "-H", _HOST, "-p",
-                str(port)]
-
-    def _child_env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(
-            S3_UPLOAD_PART_MIN_SIZE=str(self.part_min_size),
-            AWS_ACCESS_KEY_ID=self.ACCESS_KEY,
-            AWS_SECRET_ACCESS_KEY=self.SECRET_KEY,
-            AWS_DEFAULT_REGION=self.REGION,
-            PYTHONUNBUFFERED="1",
-        )
-        # The child must not point at itself or another endpoint.
-        env.pop("AWS_ENDPOINT_URL", None)
-        env.pop("AWS_ENDPOINT_URL_S3", None)
-        return env
-
-    def _ready_path(self) -> str:
-        return "/moto-api/data.json"
-
-    def reset(self) -> None:
-        """Wipe all moto state (buckets, objects) without restarting."""
-        status, body = self._request("POST", "/moto-api/reset")
-        if status != 200:
-            raise RuntimeError(f"moto reset failed: {status} {body[:200]!r}")
+        return boto3.client("s3", endpoint_url=self.endpoint, region_name=self.REGION,
+                            aws_access_key_id=self.ACCESS_KEY,
+                            aws_secret_access_key=self.SECRET_KEY)
 
     def create_bucket(self, name: str) -> None:
         """Create a bucket through the real S3 API (boto3)."""
-        import boto3
-
-        client = boto3.client(
-            "s3",
-            endpoint_url=self.endpoint,
-            region_name=self.REGION,
-            aws_access_key_id=self.ACCESS_KEY,
-            aws_secret_access_key=self.SECRET_KEY,
-        )
+        client = self._client()
         try:
             client.create_bucket(Bucket=name)
         finally:
@@ -300,6 +263,151 @@ class MotoServer(_ProcessServer):
             "AWS_SECRET_ACCESS_KEY": self.SECRET_KEY,
             "AWS_DEFAULT_REGION": self.REGION,
         }
+
+    def _server_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(AWS_ACCESS_KEY_ID=self.ACCESS_KEY, AWS_SECRET_ACCESS_KEY=self.SECRET_KEY,
+                   AWS_DEFAULT_REGION=self.REGION, PYTHONUNBUFFERED="1")
+        # The server must not point at itself or another endpoint.
+        env.pop("AWS_ENDPOINT_URL", None)
+        env.pop("AWS_ENDPOINT_URL_S3", None)
+        return env
+
+
+class MotoServer(_S3Server):
+    """moto's S3 server in a child process, its conditional writes atomic as S3's are
+    (:mod:`.moto_atomic`).
+
+    ``part_min_size`` sets moto's ``S3_UPLOAD_PART_MIN_SIZE`` so tests can
+    exercise multipart uploads with small parts instead of 5 MiB ones.
+    """
+
+    _name = "moto"
+
+    def __init__(self, part_min_size: int = 5 * 1024 * 1024) -> None:
+        super().__init__()
+        self.part_min_size = part_min_size
+
+    def _command(self, port: int) -> list[str]:
+        return [sys.executable, "-m", "cloudckpt_testkit.moto_atomic", "-H", _HOST, "-p",
+                str(port)]
+
+    def _child_env(self) -> dict[str, str]:
+        return {**self._server_env(), "S3_UPLOAD_PART_MIN_SIZE": str(self.part_min_size)}
+
+    def _ready_path(self) -> str:
+        return "/moto-api/data.json"
+
+    def reset(self) -> None:
+        """Wipe all moto state (buckets, objects) without restarting."""
+        status, body = self._request("POST", "/moto-api/reset")
+        if status != 200:
+            raise RuntimeError(f"moto reset failed: {status} {body[:200]!r}")
+
+
+class LocalStackServer(_S3Server):
+    """LocalStack's own S3 provider (not moto's), S3 only, on 127.0.0.1, in a child
+    process run by a CPython 3.12+ virtualenv of its own (``make setup`` makes it in
+    ``.venv-localstack``; ``$CLOUDCKPT_LOCALSTACK_PYTHON`` names another interpreter).
+
+    Unlike moto it keeps connections alive, verifies ``x-amz-checksum-*`` headers and
+    enforces S3's 5 MiB minimum part size. Each instance keeps its objects in a
+    directory of its own (``root``, else a fresh temporary one), removed at stop.
+    """
+
+    _name = "localstack"
+    # Objects live in its own directory, removed at stop: nothing to save.
+    _graceful_stop = False
+
+    def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
+        super().__init__()
+        self._own_root = root is None
+        self.root = tempfile.mkdtemp(prefix="cloudckpt-localstack-") if root is None \
+            else os.fspath(root)
+
+    def _command(self, port: int) -> list[str]:
+        return [localstack_python(), "-m", "localstack.runtime.main"]
+
+    def _child_env(self) -> dict[str, str]:
+        env = self._server_env()
+        for name in list(env):  # none of the parent's LocalStack settings
+            if name.startswith(("LOCALSTACK_", "GATEWAY_")):
+                del env[name]
+        root = Path(self.root)
+        env.update(
+            SERVICES="s3",
+            EAGER_SERVICE_LOADING="1",
+            # hypercorn binds the host it is given; LocalStack's default server (twisted)
+            # ignores it and listens on every interface.
+            GATEWAY_SERVER="hypercorn",
+            GATEWAY_LISTEN=f"{_HOST}:{self.port}",
+            LOCALSTACK_HOST=f"{_HOST}:{self.port}",
+            # Everything it writes below this instance's own directory.
+            FILESYSTEM_ROOT=str(root / "fs"),
+            LOCALSTACK_VOLUME_DIR=str(root / "volume"),
+            TMPDIR=str(root / "tmp"),
+            DNS_ADDRESS="0",  # no DNS server of its own
+            SKIP_SSL_CERT_DOWNLOAD="1",
+            DISABLE_EVENTS="1",
+        )
+        (root / "tmp").mkdir(parents=True, exist_ok=True)
+        return env
+
+    def _ready_path(self) -> str:
+        return "/_localstack/health"
+
+    def _answers(self, url: str) -> bool:  # type: ignore[override]
+        # It answers HTTP before S3 is loaded: ready once the health check says so.
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as resp:
+                return json.loads(resp.read()).get("services", {}).get("s3") in (
+                    "running", "available")
+        except (OSError, ValueError):
+            return False
+
+    def reset(self) -> None:
+        """Delete every bucket with all its objects, versions and uploads, over the API."""
+        client = self._client()
+        try:
+            for bucket in client.list_buckets().get("Buckets", []):
+                name = bucket["Name"]
+                for page in client.get_paginator("list_multipart_uploads").paginate(
+                        Bucket=name):
+                    for up in page.get("Uploads", []):
+                        client.abort_multipart_upload(Bucket=name, Key=up["Key"],
+                                                      UploadId=up["UploadId"])
+                for page in client.get_paginator("list_object_versions").paginate(
+                        Bucket=name):
+                    doomed = [{"Key": v["Key"], "VersionId": v["VersionId"]}
+                              for v in [*page.get("Versions", []),
+                                        *page.get("DeleteMarkers", [])]]
+                    for i in range(0, len(doomed), 1000):
+                        client.delete_objects(Bucket=name,
+                                              Delete={"Objects": doomed[i:i + 1000],
+                                                      "Quiet": True})
+                client.delete_bucket(Bucket=name)
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        super().stop()
+        if self._own_root:
+            import shutil
+
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+def localstack_python() -> str:
+    """The interpreter of LocalStack's own virtualenv (see :class:`LocalStackServer`)."""
+    named = os.environ.get("CLOUDCKPT_LOCALSTACK_PYTHON")
+    if named:
+        return named
+    local = Path(__file__).resolve().parents[2] / ".venv-localstack" / "bin" / "python"
+    if local.exists():
+        return str(local)
+    raise RuntimeError("LocalStack's virtualenv was not found: run `make setup` (it installs "
+                       "localstack-core into .venv-localstack with a CPython 3.12 or newer), "
+                       "or set CLOUDCKPT_LOCALSTACK_PYTHON to a Python that has it")
 
 
 class FakeGcsServer(_ProcessServer):
