@@ -122,14 +122,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     kept, dropped = [], []
     for item in items:
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        fixtures = getattr(item, "fixturenames", ())
-        reaches = ("s3_server" in params or "localstack_server" in fixtures
-                   or (params.get("backend") or ("",))[0] == "s3")
-        (kept if reaches else dropped).append(item)
+        (kept if _reaches_s3(item) else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+
+
+def _reaches_s3(item: pytest.Item) -> bool:
+    """Whether a test talks to the S3 server: through ``s3_server`` (``s3``, ``backend``),
+    or a parameter naming S3 that it turns into a backend at run time."""
+    if {"s3_server", "localstack_server"} & set(getattr(item, "fixturenames", ())):
+        return True
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    for value in params.values():
+        first = value[0] if isinstance(value, tuple) and value else value
+        if isinstance(first, str) and (first == "s3" or first.startswith(("s3-", "s3_"))):
+            return True
+    return False
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"S3 servers: {', '.join(_s3_servers(config))}"
 
 
 @pytest.fixture(scope="session")
@@ -144,8 +157,10 @@ def localstack_server():
 
 @pytest.fixture(scope="session")
 def s3_server(request) -> Any:
-    """The S3 server of this test's parameter (see the module's doc)."""
-    return request.getfixturevalue(f"{request.param}_server")
+    """The S3 server of this test's parameter; for a test that asks for S3 only at run
+    time (``request.getfixturevalue("s3")``), the first of ``--s3-servers``."""
+    name = getattr(request, "param", None) or _s3_servers(request.config)[0]
+    return request.getfixturevalue(f"{name}_server")
 
 
 @pytest.fixture(scope="session")

@@ -30,8 +30,8 @@ def fresh_probes():
 
 
 @pytest.fixture
-def proxy(moto_server):
-    with FaultProxy(moto_server.endpoint) as p:
+def proxy(s3_server):
+    with FaultProxy(s3_server.endpoint) as p:
         yield p
 
 

@@ -39,9 +39,9 @@ def _nbytes(state) -> int:
 
 
 @pytest.fixture
-def proxied(s3, moto_server):
+def proxied(s3, s3_server):
     """The S3 backend's options pointed at a request-logging proxy in front of moto."""
-    with FaultProxy(moto_server.endpoint) as proxy:
+    with FaultProxy(s3_server.endpoint) as proxy:
         yield proxy, {**s3.options, "endpoint_url": proxy.endpoint}
 
 

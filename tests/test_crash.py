@@ -80,7 +80,7 @@ def test_sigkill_mid_save_never_exposes_a_torn_checkpoint(request, name):
     assert all(c["files"] == 20 for c in report["committed"])
 
 
-def test_sigkill_while_the_manifest_put_is_in_flight_on_s3(s3, moto_server):
+def test_sigkill_while_the_manifest_put_is_in_flight_on_s3(s3, s3_server):
     """The manifest PUT has left the client but not reached S3 when the writer dies."""
     from dataclasses import replace
 
@@ -97,7 +97,7 @@ def test_sigkill_while_the_manifest_put_is_in_flight_on_s3(s3, moto_server):
             victim["proc"].wait(timeout=30)
             proxy.release.set()
 
-    with FaultProxy(moto_server.endpoint, on_request=on_request, hold_action="drop") as proxy:
+    with FaultProxy(s3_server.endpoint, on_request=on_request, hold_action="drop") as proxy:
         via = replace(s3, options={**s3.options, "endpoint_url": proxy.endpoint},
                       env={**s3.env, "AWS_ENDPOINT_URL": proxy.endpoint})
         proc = subprocess.Popen([sys.executable, CHILD, via.uri("step-2"), "2", "none"],

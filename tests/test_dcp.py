@@ -366,7 +366,7 @@ def test_item_checksums_are_packed_and_a_wrong_one_is_refused(s3):
 
 
 @pytest.mark.parametrize("how", ["cloudckpt", "torch"])
-def test_gloo_ranks_read_manifest_and_metadata_once_per_job(s3, moto_server, tmp_path, how):
+def test_gloo_ranks_read_manifest_and_metadata_once_per_job(s3, s3_server, tmp_path, how):
     """Three gloo ranks load (resharding a 2-rank save) through a proxy that logs every
     request: the manifest and .metadata are read once in all, and nothing is listed;
     through cloudckpt.dcp.load, or torch's dcp.load with share_metadata=True."""
@@ -374,7 +374,7 @@ def test_gloo_ranks_read_manifest_and_metadata_once_per_job(s3, moto_server, tmp
 
     uri, ref = s3.uri("w2"), str(tmp_path / "ref.pt")
     run_ranks("dcp_workers.save_sharded", 2, uri, s3.options_json(), ref)
-    with FaultProxy(moto_server.endpoint) as proxy:
+    with FaultProxy(s3_server.endpoint) as proxy:
         opts = json.loads(s3.options_json())
         opts["endpoint_url"] = proxy.endpoint
         assert run_ranks("dcp_workers.load_shared_and_compare", 3, uri, json.dumps(opts), ref,

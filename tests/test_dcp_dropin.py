@@ -256,12 +256,12 @@ def test_validate_checkpoint_id_accepts_exactly_what_the_classes_open(cls, tmp_p
         assert not cls.validate_checkpoint_id(bad), bad
 
 
-def test_a_checkpoint_torch_s_fsspec_writer_left_says_how_to_use_cloudckpt(s3, moto_server,
+def test_a_checkpoint_torch_s_fsspec_writer_left_says_how_to_use_cloudckpt(s3, s3_server,
                                                                         monkeypatch) -> None:
     """dcp.save(checkpoint_id="s3://...") with no storage_writer picks torch's FsspecWriter
     (torch offers no way to register another); cloudckpt pointed at the result says what
     to pass, and adopts it."""
-    for name, value in moto_server.env().items():
+    for name, value in s3_server.env().items():
         monkeypatch.setenv(name, value)
     uri, sd = s3.uri("torch-wrote"), state(1)
     dcp.save(sd, checkpoint_id=uri, no_dist=True)

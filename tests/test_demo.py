@@ -23,9 +23,9 @@ def test_demo_runs():
     assert "checkpoints kept (keep_last=2): ['step-15', 'step-19']" in out.stdout
 
 
-def test_demo_against_an_endpoint_without_its_bucket_says_so(moto_server):
-    env = {**os.environ, **moto_server.env(), "AWS_ENDPOINT_URL": moto_server.endpoint}
-    moto_server.reset()  # no cloudckpt-demo bucket there
+def test_demo_against_an_endpoint_without_its_bucket_says_so(s3_server):
+    env = {**os.environ, **s3_server.env(), "AWS_ENDPOINT_URL": s3_server.endpoint}
+    s3_server.reset()  # no cloudckpt-demo bucket there
     out = subprocess.run([sys.executable, str(DEMO)], capture_output=True, text=True, env=env,
                          timeout=300)
     assert out.returncode == 1, out.stdout + out.stderr

@@ -90,12 +90,12 @@ def test_restore_falls_back_from_another_steps_metadata(request, name, caplog):
         restore(backend, uri=backend.uri("step-2"))
 
 
-def test_a_refused_read_is_not_corruption(s3, moto_server, caplog):
+def test_a_refused_read_is_not_corruption(s3, s3_server, caplog):
     """A 403 on the newest checkpoint's shard is the store's failure: it is raised,
     and nothing falls back to an older step behind it."""
     run(CheckpointManager(s3.root, ManagerOptions(every_steps=1), storage_options=s3.options),
         range(0, 3))
-    with FaultProxy(moto_server.endpoint) as proxy:
+    with FaultProxy(s3_server.endpoint) as proxy:
         proxy.set_plan(FaultPlan(permanent_status=403, match=f"step-2/{SHARD}",
                                  methods=("GET",)))
         opts = {**s3.options, "endpoint_url": proxy.endpoint}

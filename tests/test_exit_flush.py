@@ -100,8 +100,8 @@ def test_a_failure_the_program_saw_is_not_reported_again_at_exit(s3):
     assert "checkpoint LOST" not in err, err
 
 
-def test_a_save_still_running_at_the_exit_deadline_is_reported(s3, moto_server):
-    with FaultProxy(moto_server.endpoint, hold="step-7/cloudckpt-manifest.json") as proxy:
+def test_a_save_still_running_at_the_exit_deadline_is_reported(s3, s3_server):
+    with FaultProxy(s3_server.endpoint, hold="step-7/cloudckpt-manifest.json") as proxy:
         options = _options(s3, proxy.endpoint)
         start = time.monotonic()
         code, err = _run("manager-end", s3.root, options, CLOUDCKPT_EXIT_TIMEOUT="1")
@@ -112,8 +112,8 @@ def test_a_save_still_running_at_the_exit_deadline_is_reported(s3, moto_server):
     assert took < 60, took  # bounded by the timeout, not by the held request
 
 
-def test_sigterm_lets_a_running_save_commit_then_ends_the_process_by_sigterm(s3, moto_server):
-    with FaultProxy(moto_server.endpoint, hold="step-7/cloudckpt-manifest.json") as proxy:
+def test_sigterm_lets_a_running_save_commit_then_ends_the_process_by_sigterm(s3, s3_server):
+    with FaultProxy(s3_server.endpoint, hold="step-7/cloudckpt-manifest.json") as proxy:
         options = _options(s3, proxy.endpoint)
         proc = _start("manager-sleep", s3.root, options)
         assert proc.stdout is not None and proc.stdout.readline().strip() == "saving"

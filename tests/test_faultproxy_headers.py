@@ -85,11 +85,11 @@ def _gcs_read(port: int, bucket: str, name: str) -> tuple[int, bytes]:
 
 
 @pytest.fixture
-def s3_proxy(s3: Any, moto_server: Any) -> Iterator[tuple[FaultProxy, Any, Any, str]]:
+def s3_proxy(s3: Any, s3_server: Any) -> Iterator[tuple[FaultProxy, Any, Any, str]]:
     """(proxy, client through it, client straight to moto, bucket)."""
-    with FaultProxy(moto_server.endpoint) as proxy:
+    with FaultProxy(s3_server.endpoint) as proxy:
         yield (proxy, boto3_s3(proxy.endpoint, max_attempts=0),
-               boto3_s3(moto_server.endpoint, max_attempts=0), _bucket(s3))
+               boto3_s3(s3_server.endpoint, max_attempts=0), _bucket(s3))
 
 
 @pytest.fixture
@@ -317,8 +317,8 @@ def test_request_log_and_counters(s3_proxy: Any) -> None:
     assert (proxy.requests, proxy.requests_by_method, proxy.request_log) == (0, {}, [])
 
 
-def test_request_log_is_bounded(moto_server: Any) -> None:
-    with FaultProxy(moto_server.endpoint, log_limit=2) as proxy:
+def test_request_log_is_bounded(s3_server: Any) -> None:
+    with FaultProxy(s3_server.endpoint, log_limit=2) as proxy:
         for _ in range(3):
             assert _http(proxy.port, "GET", "/")[0] == 200
         assert proxy.requests == 3 and len(proxy.request_log) == 2

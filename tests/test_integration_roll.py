@@ -378,11 +378,11 @@ def test_async_upload_survives_roll_deleting_local(s3, tmp_path):
 
 
 @pytest.mark.parametrize("async_upload", [True, False])
-def test_a_failed_checkpoint_never_stops_the_next(s3, moto_server, tmp_path, caplog,
+def test_a_failed_checkpoint_never_stops_the_next(s3, s3_server, tmp_path, caplog,
                                                   async_upload):
     """checkpoint-2's requests all get 503 until the retries give up; checkpoint-4,
     uploaded right after by the same uploader, commits."""
-    with FaultProxy(moto_server.endpoint) as proxy:
+    with FaultProxy(s3_server.endpoint) as proxy:
         via = replace(s3, options={**s3.options, "endpoint_url": proxy.endpoint,
                                    "retry": RetryPolicy(initial_backoff=0.02, max_backoff=0.1,
                                                         deadline=1.0)})

@@ -36,9 +36,9 @@ def _start(how: str, uri: str, options: dict, **env: str) -> subprocess.Popen:
 
 
 @pytest.fixture
-def slow(s3, moto_server):
+def slow(s3, s3_server):
     """Options reaching moto through a proxy adding 50 ms to every request."""
-    with FaultProxy(moto_server.endpoint, FaultPlan(latency_s=0.05)) as proxy:
+    with FaultProxy(s3_server.endpoint, FaultPlan(latency_s=0.05)) as proxy:
         options = {**json.loads(s3.options_json()), "endpoint_url": proxy.endpoint}
         yield proxy, options
 

@@ -144,8 +144,8 @@ def test_restore_takes_a_relative_uri_below_the_root(where, request, tmp_path, m
     assert list(cwd.iterdir()) == []  # nothing was looked for, or left, where it runs
 
 
-def test_async_save_errors_surface_on_wait(s3, moto_server):
-    with FaultProxy(moto_server.endpoint) as proxy:
+def test_async_save_errors_surface_on_wait(s3, s3_server):
+    with FaultProxy(s3_server.endpoint) as proxy:
         opts = {**s3.options, "endpoint_url": proxy.endpoint,
                 "retry": {"deadline": 2.0, "initial_backoff": 0.01, "max_backoff": 0.1}}
         mgr = CheckpointManager(s3.root, ManagerOptions(every_steps=1, async_save=True),

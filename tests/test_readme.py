@@ -51,18 +51,18 @@ def cli_block() -> str:
     return found[0]
 
 
-def s3_keys(moto_server, prefix: str) -> set[str]:
+def s3_keys(s3_server, prefix: str) -> set[str]:
     """Keys below ``prefix`` in ``bucket``, seen by a client of its own (explicit
     endpoint): proof that the snippets wrote to the server the environment names."""
-    client = boto3.client("s3", endpoint_url=moto_server.endpoint, region_name="us-east-1",
-                          aws_access_key_id=moto_server.ACCESS_KEY,
-                          aws_secret_access_key=moto_server.SECRET_KEY)
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint, region_name="us-east-1",
+                          aws_access_key_id=s3_server.ACCESS_KEY,
+                          aws_secret_access_key=s3_server.SECRET_KEY)
     pages = client.get_paginator("list_objects_v2").paginate(Bucket="bucket", Prefix=prefix)
     return {o["Key"] for page in pages for o in page.get("Contents", [])}
 
 
 @pytest.fixture(scope="module")
-def readme(moto_server, gcs_server, tmp_path_factory):
+def readme(s3_server, gcs_server, tmp_path_factory):
     """The README's Python snippets, run once; both tests look at what they left.
 
     The environment is what a reader sets: the AWS variables, ``HF_ENDPOINT``
@@ -74,12 +74,12 @@ def readme(moto_server, gcs_server, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("readme")
     home = tmp / "hf_home"
-    moto_server.reset()
-    moto_server.create_bucket("bucket")
+    s3_server.reset()
+    s3_server.create_bucket("bucket")
     gcs_server.reset()
     gcs_server.create_bucket("other")
     with pytest.MonkeyPatch.context() as mp, HubServer(token=HUB_TOKEN) as hub:
-        for name, value in {**moto_server.env(), **gcs_server.env(),
+        for name, value in {**s3_server.env(), **gcs_server.env(),
                             "HF_ENDPOINT": hub.endpoint, "HF_TOKEN": HUB_TOKEN,
                             "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"),
                             "HF_TOKEN_PATH": str(home / "token"), "HF_HUB_DISABLE_XET": "1",
@@ -104,14 +104,14 @@ def readme(moto_server, gcs_server, tmp_path_factory):
                 exec(compile(code, str(README), "exec"), ns)
         after = {
             "run": cloudckpt.list_checkpoints("s3://bucket/run", include_uncommitted=True),
-            "keys": s3_keys(moto_server, ""),
+            "keys": s3_keys(s3_server, ""),
         }
         yield {"ns": ns, "out": out.getvalue(), "after": after, "hub": hub, "tmp": tmp,
                "snippets": snippets}
         s3fs.S3FileSystem.clear_instance_cache()
 
 
-def test_python_snippets_run_and_do_what_they_say(readme, moto_server):
+def test_python_snippets_run_and_do_what_they_say(readme, s3_server):
     ns, after, hub = readme["ns"], readme["after"], readme["hub"]
     assert len(readme["snippets"]) >= 5, "README.md lost Python snippets"
 
@@ -207,7 +207,7 @@ def cloudckpt_on_path(tmp: Path) -> dict[str, str]:
             "PYTHONWARNINGS": "ignore"}
 
 
-def test_command_line_block_runs(readme, moto_server, gcs_server):
+def test_command_line_block_runs(readme, s3_server, gcs_server):
     """Every command of the block, run by bash exactly as written, in the directory
     the snippets ran in: the inputs they need come from the README alone."""
     tmp, hub = readme["tmp"], readme["hub"]

@@ -171,7 +171,7 @@ def copies_on(base: Path, node: str, rank: int) -> list[int]:
 
 
 def test_a_lost_node_resumes_from_its_partners_copies_reading_nothing_from_the_bucket(
-        s3, moto_server, tmp_path, reference):
+        s3, s3_server, tmp_path, reference):
     ref_losses, ref_params = reference
     root, base = s3.uri("lost-node"), tmp_path / "nodes"
     first = run_until(_commands(s3.options_json(), root, base), env(s3), base, step=10,
@@ -184,7 +184,7 @@ def test_a_lost_node_resumes_from_its_partners_copies_reading_nothing_from_the_b
     step = max(set.intersection(*map(set, held)))
     assert step >= 9 and step >= max(committed(s3, root))
 
-    with FaultProxy(moto_server.endpoint) as proxy:  # resume only (no step to train)
+    with FaultProxy(s3_server.endpoint) as proxy:  # resume only (no step to train)
         opts = json.dumps({**json.loads(s3.options_json()), "endpoint_url": proxy.endpoint})
         out = run_job(_commands(opts, root, base, "--steps", "0"), env(s3), base)
         assert f"resumed at step {step + 1}" in out

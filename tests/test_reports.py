@@ -13,9 +13,9 @@ from cloudckpt_testkit import FaultPlan, FaultProxy
 from cloudckpt import CheckpointManager, ManagerOptions, StepInfo, open_checkpoint
 
 
-def test_a_reports_counts_match_what_a_request_logging_proxy_saw(s3, moto_server):
+def test_a_reports_counts_match_what_a_request_logging_proxy_saw(s3, s3_server):
     reports = []
-    with FaultProxy(moto_server.endpoint) as proxy:
+    with FaultProxy(s3_server.endpoint) as proxy:
         opts = {**s3.options, "endpoint_url": proxy.endpoint}
         state = {"w": torch.randn(300_000), "b": torch.randn(10)}
         mgr = CheckpointManager(s3.root, ManagerOptions(every_steps=1, keep_last=1,

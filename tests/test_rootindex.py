@@ -87,10 +87,10 @@ def fill(s3, checkpoints: int, others: int) -> None:
         list(pool.map(lambda kv: client.put_object(Bucket=bucket, Key=kv[0], Body=kv[1]), puts))
 
 
-def test_ls_of_300_checkpoints_and_2000_other_objects_makes_3_requests(s3, moto_server, capsys,
+def test_ls_of_300_checkpoints_and_2000_other_objects_makes_3_requests(s3, s3_server, capsys,
                                                                         caplog):
     fill(s3, 300, 2000)
-    with FaultProxy(moto_server.endpoint) as proxy:
+    with FaultProxy(s3_server.endpoint) as proxy:
         args = ["-o", f"endpoint_url={proxy.endpoint}", "-o", f"key={s3.options['key']}",
                 "-o", f"secret={s3.options['secret']}", "ls", "--json", s3.root]
         with caplog.at_level(logging.INFO, LOG):
@@ -262,7 +262,7 @@ def test_the_index_is_cloudckpts_own_mark(memory):
     assert survey(root).kind == OURS  # holding only it: a leftover of cloudckpt's
 
 
-def test_a_big_manifest_is_read_in_one_get_of_the_size_the_index_records(s3, moto_server):
+def test_a_big_manifest_is_read_in_one_get_of_the_size_the_index_records(s3, s3_server):
     """A 3 MiB manifest (over the 1 MiB a manifest of unknown size is first read in)
     opened from the root's listing: the index's record gives its size, so it is one GET
     of exactly its bytes, no HEAD, no second read."""
@@ -272,7 +272,7 @@ def test_a_big_manifest_is_read_in_one_get_of_the_size_the_index_records(s3, mot
     size = open_store(s3.uri("step-1"), s3.options).size(MANIFEST_NAME)
     assert size > 3 * 2**20
     assert recorded(s3).checkpoints["step-1"].manifest_bytes == size
-    with FaultProxy(moto_server.endpoint) as proxy:
+    with FaultProxy(s3_server.endpoint) as proxy:
         found = latest_checkpoint(s3.root, {**s3.options, "endpoint_url": proxy.endpoint})
         manifest_reqs = [r for r in proxy.request_log if r.target.split("?")[0].endswith(
             f"step-1/{MANIFEST_NAME}")]

@@ -165,14 +165,14 @@ def test_environment_endpoint_is_used(s3, monkeypatch):
     assert open_store(s3.root, s3.options).get("env.bin") == b"via environment"
 
 
-def test_s3_uploads_are_checksummed_and_not_hashed_again_into_the_signature(s3, moto_server):
+def test_s3_uploads_are_checksummed_and_not_hashed_again_into_the_signature(s3, s3_server):
     """Over plain HTTP, every upload carries a checksum moto verifies, and no SHA-256 of
     its body (botocore's HTTPS behaviour); signing the body is the user's to ask for, and
     stays on where checksums are turned off."""
     from cloudckpt_testkit import FaultProxy
 
     def uploads(config: dict | None, data: bytes) -> list:
-        with FaultProxy(moto_server.endpoint) as proxy:
+        with FaultProxy(s3_server.endpoint) as proxy:
             opts = {**s3.options, "endpoint_url": proxy.endpoint}
             if config is not None:
                 opts["config_kwargs"] = config

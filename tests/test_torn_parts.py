@@ -54,13 +54,13 @@ def _wait_for(condition, what: str, limit: float = 120.0) -> None:
 
 
 @pytest.fixture
-def torn_copy(s3, moto_server, tmp_path) -> Path:
+def torn_copy(s3, s3_server, tmp_path) -> Path:
     """``cloudckpt cp`` of a committed training checkpoint from moto to local disk,
     interrupted with SIGINT while its shared state is held in flight: the destination
     holds the committed model part and the copy's claim, no root manifest."""
     _training_checkpoint(s3.uri("run"), s3.options)
     dst = tmp_path / "dst" / "step-1"
-    with FaultProxy(moto_server.endpoint, hold=HELD) as proxy:
+    with FaultProxy(s3_server.endpoint, hold=HELD) as proxy:
         proc = subprocess.Popen(
             [sys.executable, "-m", "cloudckpt", "-o", f"endpoint_url={proxy.endpoint}",
              "-o", f"key={s3.options['key']}", "-o", f"secret={s3.options['secret']}",

@@ -624,10 +624,10 @@ def test_one_rank_refusing_state_stops_every_rank(tmp_path):
     assert not (tmp_path / "run").exists() or not list((tmp_path / "run").rglob("*.distcp"))
 
 
-def test_a_bucket_probe_that_is_forbidden_is_not_an_error(s3, moto_server):
+def test_a_bucket_probe_that_is_forbidden_is_not_an_error(s3, s3_server):
     from cloudckpt_testkit import FaultPlan, FaultProxy
 
-    with FaultProxy(moto_server.endpoint) as proxy:
+    with FaultProxy(s3_server.endpoint) as proxy:
         proxy.set_plan(FaultPlan(permanent_status=403, methods=("HEAD",)))
         opts = {**s3.options, "endpoint_url": proxy.endpoint}
         assert list_checkpoints(s3.uri("fresh-run"), opts) == []  # a fresh run: nothing

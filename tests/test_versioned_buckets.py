@@ -49,8 +49,8 @@ def fresh_answers():
 
 
 @pytest.fixture
-def versioned_s3(s3, moto_server):
-    boto3_s3(moto_server.endpoint).put_bucket_versioning(
+def versioned_s3(s3, s3_server):
+    boto3_s3(s3_server.endpoint).put_bucket_versioning(
         Bucket=_bucket(s3), VersioningConfiguration={"Status": "Enabled"})
     return s3
 
@@ -75,9 +75,9 @@ def _checkpoint(backend, name: str, step: int) -> str:
     return f"(5 objects, {size(sum(o.size for o in stored))})"
 
 
-def _noncurrent_s3(s3, moto_server, name: str) -> set[str]:
+def _noncurrent_s3(s3, s3_server, name: str) -> set[str]:
     prefix = _under(s3) + name + "/"
-    listed = boto3_s3(moto_server.endpoint).list_object_versions(Bucket=_bucket(s3),
+    listed = boto3_s3(s3_server.endpoint).list_object_versions(Bucket=_bucket(s3),
                                                                  Prefix=prefix)
     return {v["Key"][len(prefix):] for v in listed.get("Versions", []) if not v["IsLatest"]}
 
@@ -101,7 +101,7 @@ def test_rm_says_the_deleted_objects_stay_as_noncurrent_versions(which, request,
     assert capsys.readouterr().out == f"deleted {backend.uri('step-1')} {deleted}; {STAYS}\n"
     assert "keeps versions" not in caplog.text  # said on the line, not again as a WARNING
     # What it says is so: every object deleted is still there as a version.
-    kept = (_noncurrent_s3(backend, request.getfixturevalue("moto_server"), "step-1")
+    kept = (_noncurrent_s3(backend, request.getfixturevalue("s3_server"), "step-1")
             if which == "s3" else
             _versions_gcs(backend, request.getfixturevalue("gcs_server"), "step-1"))
     assert kept >= {f"part-{i}.bin" for i in range(4)} | {"cloudckpt-manifest.json"}
@@ -130,7 +130,7 @@ def test_gc_says_what_stays(versioned_gcs, capsys):
     assert capsys.readouterr().out.rstrip().endswith(f"(2 objects); {STAYS}")
 
 
-def test_an_unversioned_bucket_and_an_unanswered_question_say_nothing(s3, moto_server, capsys,
+def test_an_unversioned_bucket_and_an_unanswered_question_say_nothing(s3, s3_server, capsys,
                                                                        caplog):
     first, second = _checkpoint(s3, "step-1", 1), _checkpoint(s3, "step-2", 2)
     capsys.readouterr()
@@ -139,10 +139,10 @@ def test_an_unversioned_bucket_and_an_unanswered_question_say_nothing(s3, moto_s
     assert versioning.status(open_store(s3.root, s3.options)) == versioning.OFF
     # A store refusing GetBucketVersioning (no permission): unknown, and the rm stands.
     versioning.forget()
-    boto3_s3(moto_server.endpoint).put_bucket_versioning(
+    boto3_s3(s3_server.endpoint).put_bucket_versioning(
         Bucket=_bucket(s3), VersioningConfiguration={"Status": "Enabled"})
     plan = FaultPlan(match="?versioning", permanent_status=403)
-    with FaultProxy(moto_server.endpoint, plan) as proxy:
+    with FaultProxy(s3_server.endpoint, plan) as proxy:
         opts = {**s3.options, "endpoint_url": proxy.endpoint}
         with caplog.at_level(logging.WARNING, logger="cloudckpt"):
             assert main([*_args(s3), "-o", f"endpoint_url={proxy.endpoint}", "rm",
@@ -161,10 +161,10 @@ def test_local_disk_memory_and_azure_ask_nothing_and_say_nothing(local, memory, 
     assert versioning.what_stays(open_store(azure.root, azure.options)) is None
 
 
-def test_the_documented_lifecycle_rules_are_what_the_services_take(s3, moto_server):
+def test_the_documented_lifecycle_rules_are_what_the_services_take(s3, s3_server):
     s3_rule, gcs_rule = [json.loads(b) for b in re.findall(
         r"```json\n(.*?)```", DOCS.read_text(), flags=re.S) if "ule" in b]
-    client = boto3_s3(moto_server.endpoint)
+    client = boto3_s3(s3_server.endpoint)
     client.put_bucket_lifecycle_configuration(Bucket=_bucket(s3),
                                               LifecycleConfiguration=s3_rule)
     [rule] = client.get_bucket_lifecycle_configuration(Bucket=_bucket(s3))["Rules"]

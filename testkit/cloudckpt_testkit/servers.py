@@ -310,9 +310,11 @@ class LocalStackServer(_S3Server):
     process run by a CPython 3.12+ virtualenv of its own (``make setup`` makes it in
     ``.venv-localstack``; ``$CLOUDCKPT_LOCALSTACK_PYTHON`` names another interpreter).
 
-    Unlike moto it keeps connections alive, verifies ``x-amz-checksum-*`` headers and
-    enforces S3's 5 MiB minimum part size. Each instance keeps its objects in a
-    directory of its own (``root``, else a fresh temporary one), removed at stop.
+    Unlike moto it keeps connections alive, answers ``NoSuchUpload`` to a completed
+    upload's completion and enforces S3's 5 MiB minimum part size; like moto as
+    :mod:`.moto_atomic` runs it, it verifies ``x-amz-checksum-*`` headers. Each instance
+    keeps everything it writes in a directory of its own (``root``, else a fresh
+    temporary one, removed at stop; see :mod:`.localstack_launch`).
     """
 
     _name = "localstack"
@@ -326,7 +328,7 @@ class LocalStackServer(_S3Server):
             else os.fspath(root)
 
     def _command(self, port: int) -> list[str]:
-        return [localstack_python(), "-m", "localstack.runtime.main"]
+        return [localstack_python(), str(Path(__file__).with_name("localstack_launch.py"))]
 
     def _child_env(self) -> dict[str, str]:
         env = self._server_env()
@@ -337,10 +339,12 @@ class LocalStackServer(_S3Server):
         env.update(
             SERVICES="s3",
             EAGER_SERVICE_LOADING="1",
-            # hypercorn binds the host it is given; LocalStack's default server (twisted)
-            # ignores it and listens on every interface.
-            GATEWAY_SERVER="hypercorn",
+            # Its default server (twisted), which keeps connections alive as S3 does; it
+            # ignores the host of GATEWAY_LISTEN, so localstack_launch binds it.
+            GATEWAY_SERVER="twisted",
             GATEWAY_LISTEN=f"{_HOST}:{self.port}",
+            CLOUDCKPT_BIND_HOST=_HOST,
+            CLOUDCKPT_S3_DIR=str(root / "s3"),
             LOCALSTACK_HOST=f"{_HOST}:{self.port}",
             # Everything it writes below this instance's own directory.
             FILESYSTEM_ROOT=str(root / "fs"),
@@ -385,7 +389,10 @@ class LocalStackServer(_S3Server):
                         client.delete_objects(Bucket=name,
                                               Delete={"Objects": doomed[i:i + 1000],
                                                       "Quiet": True})
-                client.delete_bucket(Bucket=name)
+                try:
+                    client.delete_bucket(Bucket=name)
+                except client.exceptions.NoSuchBucket:
+                    pass  # gone already (a request re-sent after its first try was applied)
         finally:
             client.close()
 
@@ -401,6 +408,10 @@ def localstack_python() -> str:
     """The interpreter of LocalStack's own virtualenv (see :class:`LocalStackServer`)."""
     named = os.environ.get("CLOUDCKPT_LOCALSTACK_PYTHON")
     if named:
+        if not os.access(named, os.X_OK):
+            raise RuntimeError(f"CLOUDCKPT_LOCALSTACK_PYTHON={named} is not an executable "
+                               "Python: name the python of a virtualenv with localstack-core "
+                               "(`make setup` makes one in .venv-localstack), or unset it")
         return named
     local = Path(__file__).resolve().parents[2] / ".venv-localstack" / "bin" / "python"
     if local.exists():

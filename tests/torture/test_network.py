@@ -94,7 +94,7 @@ class Net:
 @pytest.fixture(params=["s3", "gcs"])
 def net(request: pytest.FixtureRequest) -> Iterator[Net]:
     backend = request.getfixturevalue(request.param)
-    server = request.getfixturevalue("moto_server" if request.param == "s3" else "gcs_server")
+    server = request.getfixturevalue("s3_server" if request.param == "s3" else "gcs_server")
     with FaultProxy(server.endpoint) as proxy:
         clean = {**backend.options, "part_size": PART_SIZE[backend.name]}
         via = {**clean, "endpoint_url": proxy.endpoint}

@@ -1062,7 +1062,7 @@ def _child_env(extra: Mapping[str, str]) -> dict[str, str]:
     return {**env, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **extra}
 
 
-def test_secrets_never_leak(s3, gcs, hub_server, moto_server, gcs_server, caplog,
+def test_secrets_never_leak(s3, gcs, hub_server, s3_server, gcs_server, caplog,
                             monkeypatch, record) -> None:
     """Unique credentials (S3 secret and session token, a GCS token, Hub tokens) through
     operations that succeed and ones that fail (403, unreachable endpoint, wrong Hub
@@ -1104,7 +1104,7 @@ def test_secrets_never_leak(s3, gcs, hub_server, moto_server, gcs_server, caplog
     list_checkpoints(s3.root, opts)
     delete_checkpoint(s3.uri("copy"), opts)
     # S3, failing
-    with FaultProxy(moto_server.endpoint, FaultPlan(permanent_status=403)) as proxy:
+    with FaultProxy(s3_server.endpoint, FaultPlan(permanent_status=403)) as proxy:
         denied = {**opts, "endpoint_url": proxy.endpoint, "retry": fail_fast}
         failing("403 on open", partial(open_checkpoint, uri, denied))
         failing("403 on write", partial(_write_one, s3.uri("denied"), denied))
@@ -1143,7 +1143,7 @@ def test_secrets_never_leak(s3, gcs, hub_server, moto_server, gcs_server, caplog
                              storage_options=opts, endpoint=hub_server.endpoint)
     failing("Hub wrong token, background", partial(job.result, 60))
     # the CLI, options on the command line and credentials in the environment
-    cli_opts = ["-o", f"endpoint_url={moto_server.endpoint}", "-o", f"key={s3.options['key']}",
+    cli_opts = ["-o", f"endpoint_url={s3_server.endpoint}", "-o", f"key={s3.options['key']}",
                 "-o", f"secret={secret}", "-o", f"token={token}", "-o",
                 "retry=" + json.dumps({"max_attempts": 2, "initial_backoff": 0.01,
                                        "deadline": 3.0})]
