@@ -1,4 +1,5 @@
-"""Retries against real HTTP faults: a proxy between s3fs and moto breaks requests."""
+"""Retries against real HTTP faults: a proxy between s3fs and the S3 server (moto,
+LocalStack) breaks requests."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from cloudckpt.storage import is_transient
 
 
 @pytest.fixture
-def proxied(s3, moto_server):
-    with FaultProxy(moto_server.endpoint) as proxy:
+def proxied(s3, s3_server):
+    with FaultProxy(s3_server.endpoint) as proxy:
         yield replace(s3, options={**s3.options, "endpoint_url": proxy.endpoint}), proxy
 
 
