@@ -305,6 +305,18 @@ class MotoServer(_S3Server):
             raise RuntimeError(f"moto reset failed: {status} {body[:200]!r}")
 
 
+# LocalStack keeps S3 objects' bytes below a fixed path, /tmp/localstack-s3-storage, that
+# no setting moves: every instance on the machine would share it, and one deleting its
+# bucket would delete the bytes of another's bucket of the same name. Its S3 provider
+# reads the path when it starts, so the child sets it first, to the directory in argv[1].
+_LOCALSTACK_MAIN = """\
+import runpy, sys
+import localstack.services.s3.provider as provider
+provider.DEFAULT_S3_TMP_DIR = sys.argv.pop(1)
+runpy.run_module("localstack.runtime.main", run_name="__main__", alter_sys=True)
+"""
+
+
 class LocalStackServer(_S3Server):
     """LocalStack's own S3 provider (not moto's), S3 only, on 127.0.0.1, in a child
     process run by a CPython 3.12+ virtualenv of its own (``make setup`` makes it in
@@ -326,7 +338,7 @@ class LocalStackServer(_S3Server):
             else os.fspath(root)
 
     def _command(self, port: int) -> list[str]:
-        return [localstack_python(), "-m", "localstack.runtime.main"]
+        return [localstack_python(), "-c", _LOCALSTACK_MAIN, str(Path(self.root) / "s3")]
 
     def _child_env(self) -> dict[str, str]:
         env = self._server_env()
