@@ -1,4 +1,5 @@
-"""The fault proxy's header-level behaviours against real moto and fake-gcs-server.
+"""The fault proxy's header-level behaviours against real S3 servers (moto, LocalStack) and
+fake-gcs-server.
 
 ``strip_headers``/``strip_query`` make a store ignore conditional writes,
 ``refuse_headers``/``refuse_query`` make it answer them with an error, and the
@@ -86,7 +87,7 @@ def _gcs_read(port: int, bucket: str, name: str) -> tuple[int, bytes]:
 
 @pytest.fixture
 def s3_proxy(s3: Any, s3_server: Any) -> Iterator[tuple[FaultProxy, Any, Any, str]]:
-    """(proxy, client through it, client straight to moto, bucket)."""
+    """(proxy, client through it, client straight to the S3 server, bucket)."""
     with FaultProxy(s3_server.endpoint) as proxy:
         yield (proxy, boto3_s3(proxy.endpoint, max_attempts=0),
                boto3_s3(s3_server.endpoint, max_attempts=0), _bucket(s3))

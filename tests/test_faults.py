@@ -1,4 +1,5 @@
-"""Retries against real HTTP faults: a proxy between s3fs and moto breaks requests."""
+"""Retries against real HTTP faults: a proxy between s3fs and the S3 server (moto,
+LocalStack) breaks requests."""
 
 from __future__ import annotations
 

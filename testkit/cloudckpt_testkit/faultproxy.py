@@ -25,7 +25,35 @@ Fault kinds (:data:`FAULT_KINDS`):
   body, then RST. A response without a body is not sent at all: the server
   applied the request but the client never hears of it;
 - ``truncate``: forward, send the headers and half of the body, then close
-  cleanly (a body shorter than its Content-Length).
+  cleanly (a body shorter than its Content-Length);
+- ``lose_response``: forward, read the upstream's whole response (the server
+  applied the request), then RST the client connection without sending any of
+  it: the answer lost on the way back;
+- ``corrupt_upload``: flip one byte in the middle of the request body (same
+  length, same headers) and forward it: a body corrupted in flight, which a
+  server verifying a checksum header (``x-amz-checksum-crc32c``, ``Content-MD5``)
+  must refuse. A request without a body is never given this fault.
+
+Every fault that answers or cuts (all but ``reset_upload``) reads the whole
+request body first, so the client has sent all of it: ``slowdown`` and the other
+answered errors leave the connection usable, ``reset`` is an RST before any
+response, ``reset_download`` an RST mid-body. Each works the same on a fresh and
+on a reused (kept-alive) client connection; ``FaultPlan(reused_only=True)``
+confines faults to reused ones, where most production faults land (a pooled
+connection the server or a middlebox has given up on). ``FaultPlan(script=...)``
+gives the first matching requests chosen faults or error answers, in order.
+
+Connections are kept alive on both sides, as a real S3 endpoint keeps them: each
+client connection has its own upstream connection, reused from one request to
+the next (every upstream response is read to its end, bodies empty or not), and
+opened afresh when the upstream closed it (one it closed while idle is noticed
+before reuse, or the request is sent once more on a fresh one). Upstream requests
+say ``Connection: keep-alive`` (LocalStack closes each connection after one answer
+unless asked not to; moto closes it anyway).
+:attr:`FaultProxy.upstream_connections` counts the upstream connections opened
+and :attr:`FaultProxy.client_connections` the client ones accepted; each
+:class:`RequestRecord` says which client connection a request came on and
+whether that connection had served a request before.
 
 :meth:`FaultProxy.restart` and :meth:`FaultProxy.outage` simulate the server
 going away: every open connection is cut, nothing listens for a while
@@ -55,6 +83,7 @@ import http.server
 import json
 import logging
 import random
+import select
 import socket
 import socketserver
 import struct
@@ -82,7 +111,11 @@ FAULT_KINDS = (
     "truncate",
     "reset_upload",
     "reset_download",
+    "lose_response",
+    "corrupt_upload",
 )
+# Faults under which the request is still forwarded (header-level behaviours apply).
+_FORWARDING = frozenset({"truncate", "reset_download", "lose_response", "corrupt_upload"})
 
 _HOP_BY_HOP = frozenset(
     {
@@ -110,9 +143,24 @@ _GCS_PREFIXES = (
 _ERRORS: dict[int, tuple[str, str]] = {
     403: ("AccessDenied", "Access Denied"),
     404: ("NoSuchKey", "The specified key does not exist."),
+    409: (
+        "ConditionalRequestConflict",
+        "A conflicting conditional operation is currently in progress against this resource. "
+        "Please try again.",
+    ),
     429: ("Throttling", "Rate exceeded"),
     500: ("InternalError", "We encountered an internal error. Please try again."),
     503: ("SlowDown", "Please reduce your request rate."),
+}
+# S3 error code -> message, for scripted ``(status, code)`` answers whose code is not
+# the one _ERRORS gives that status.
+_MESSAGES: dict[str, str] = {
+    **{code: message for code, message in _ERRORS.values()},
+    "NoSuchUpload": "The specified upload does not exist. The upload ID may be invalid, "
+    "or the upload may have been aborted or completed.",
+    "PreconditionFailed": "At least one of the pre-conditions you specified did not hold",
+    "BadDigest": "The Content-MD5 or checksum value that you specified did not match "
+    "what the server received.",
 }
 # status -> (S3 error code, GCS reason) for requests refused under refuse_headers/_query.
 _REFUSALS: dict[int, tuple[str, str]] = {
@@ -132,6 +180,10 @@ _COPY_CHUNK = 64 * 1024
 # went through, and the copy completed before the test could interrupt it).
 _HOLD_TIMEOUT_S = 300.0
 _REBIND_TIMEOUT_S = 5.0
+
+
+#: A :attr:`FaultPlan.script` item: a fault kind, or ``(status, S3 error code)``.
+ScriptItem = str | tuple[int, str]
 
 
 @dataclass
@@ -175,7 +227,26 @@ class FaultPlan:
 
     Faults that do not forward (``slowdown``, ``reset``, ``permanent_status``,
     ...) take precedence over a refusal; ``truncate``/``reset_download`` cut
-    the refusal's response as they would the upstream's.
+    the refusal's response as they would the upstream's, ``lose_response``
+    drops it (RST), ``corrupt_upload`` leaves it as it is.
+
+    ``reused_only=True`` confines faults (random, scripted and
+    ``permanent_status``) to requests arriving on a client connection that has
+    already served a request (a pooled, kept-alive connection); ``latency_s``
+    and the header-level behaviours still apply to every matching request.
+
+    ``script`` gives the first requests that faults apply to (under ``match``,
+    ``exclude``, ``methods`` and ``reused_only``) these actions, one per request
+    in order, before anything random or ``permanent_status``: each item is a
+    fault kind (``"lose_response"``) or a ``(status, code)`` pair that the
+    proxy answers itself without forwarding, after reading the request body
+    (the connection stays usable), with an S3 XML error
+    (``<Error><Code>code</Code><Message>...``; the message of a known code such
+    as ``NoSuchUpload`` or ``ConditionalRequestConflict``) or GCS JSON on a GCS
+    path. A ``"corrupt_upload"`` item waits for a request with a body. Scripted
+    faults are counted in :attr:`FaultProxy.faults` (a pair under its code, e.g.
+    ``{"NoSuchUpload": 1}``) and within ``max_faults``; a lone pair may be given
+    as ``script=(409, "ConditionalRequestConflict")``.
     """
 
     error_rate: float = 0.0
@@ -197,8 +268,11 @@ class FaultPlan:
     refuse_headers: tuple[str, ...] = ()
     refuse_query: tuple[str, ...] = ()
     refuse_status: int = 501
+    reused_only: bool = False
+    script: tuple[ScriptItem, ...] = ()
 
     def __post_init__(self) -> None:
+        self.script = _script(self.script)
         unknown = set(self.kinds) - set(FAULT_KINDS)
         if unknown:
             raise ValueError(f"unknown fault kinds {sorted(unknown)}; use {FAULT_KINDS}")
@@ -222,12 +296,18 @@ class FaultPlan:
             raise ValueError("refuse_status must be an HTTP error status (400-599)")
 
     def applies_to(self, method: str, target: str) -> bool:
-        """Whether this plan's faults and latency apply to a request."""
+        """Whether this plan's faults and latency apply to a request (``reused_only``
+        aside: see :meth:`faults_apply_to`)."""
         if self.match is not None and self.match not in target:
             return False
         if self.exclude is not None and self.exclude in target:
             return False
         return self.methods is None or method.upper() in self.methods
+
+    def faults_apply_to(self, method: str, target: str, reused: bool) -> bool:
+        """Whether this plan's faults apply to a request that came on a client
+        connection which had (``reused``) or had not served a request before."""
+        return self.applies_to(method, target) and (reused or not self.reused_only)
 
     def _refusal(self, headers: Any, target: str) -> tuple[str, bool] | None:
         """(name as the client spelled it, is a query parameter) of the first
@@ -257,6 +337,42 @@ class RequestRecord(NamedTuple):
     refused: str | None
     #: Header and query names removed before forwarding (as the client spelled them).
     stripped: tuple[str, ...]
+    #: Which client connection it came on (1 for the first the proxy accepted, ...).
+    connection: int = 0
+    #: Whether that connection had served a request before (a kept-alive one).
+    reused: bool = False
+
+
+def _script(value: Any) -> tuple[ScriptItem, ...]:
+    """``value`` as a tuple of checked script items (a lone kind or pair is one item)."""
+    if isinstance(value, str) or (
+        isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[0], int)
+    ):
+        value = (value,)
+    items: list[ScriptItem] = []
+    for item in value:
+        if isinstance(item, str):
+            if item not in FAULT_KINDS:
+                raise ValueError(f"unknown fault kind {item!r} in script; use {FAULT_KINDS}")
+            items.append(item)
+            continue
+        if (
+            isinstance(item, (tuple, list))
+            and len(item) == 2
+            and isinstance(item[0], int)
+            and isinstance(item[1], str)
+            and item[1]
+        ):
+            status, code = int(item[0]), str(item[1])
+            if not 400 <= status <= 599:
+                raise ValueError(f"script item {item!r}: status must be 400-599")
+            items.append((status, code))
+            continue
+        raise ValueError(
+            f"script item {item!r} is neither a fault kind nor a (status, code) pair "
+            '(e.g. "lose_response" or (404, "NoSuchUpload"))'
+        )
+    return tuple(items)
 
 
 def _names(value: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
@@ -299,6 +415,38 @@ class _Decision(NamedTuple):
     target: str | None = None
     #: Headers added to the forwarded request (``rewrite_headers``).
     add_headers: tuple[tuple[str, str], ...] = ()
+    #: S3 error code of an answered error (a scripted pair); "": the status's own.
+    code: str = ""
+
+
+def _flip_middle_byte(body: bytes) -> bytes:
+    """``body`` with its middle byte inverted: same length, different bytes."""
+    mid = len(body) // 2
+    return body[:mid] + bytes([body[mid] ^ 0xFF]) + body[mid + 1 :]
+
+
+class _UpstreamConnection(http.client.HTTPConnection):
+    """A connection to the upstream that counts the TCP connections it opens."""
+
+    def __init__(self, proxy: FaultProxy, host: str, port: int, timeout: float) -> None:
+        super().__init__(host, port, timeout=timeout)
+        self._proxy = proxy
+
+    def connect(self) -> None:
+        super().connect()
+        self._proxy._upstream_opened()
+
+    def gone(self) -> bool:
+        """Whether this idle connection is unusable: the server closed it (EOF is
+        readable) or sent something unasked."""
+        sock = self.sock
+        if sock is None:
+            return False  # not connected: the next request connects afresh
+        try:
+            readable, _, _ = select.select([sock], [], [], 0)
+        except (OSError, ValueError):
+            return True
+        return bool(readable)
 
 
 class _Server(http.server.ThreadingHTTPServer):
@@ -370,7 +518,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
-        self._upstream: http.client.HTTPConnection | None = None
+        self._upstream: _UpstreamConnection | None = None
+        self._conn_no = self.server.proxy._accepted()
+        self._served = 0  # requests this client connection brought so far
 
     def finish(self) -> None:
         try:
@@ -384,7 +534,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     # -- request handling --------------------------------------------------
     def _handle(self) -> None:
         proxy = self.server.proxy
-        decision = proxy._decide(self.command, self.path, self.headers)
+        reused = self._served > 0
+        self._served += 1
+        decision = proxy._decide(self.command, self.path, self.headers, self._conn_no, reused)
         kind, action, latency = decision.kind, decision.action, decision.latency
         if action == "reset_upload":
             try:
@@ -401,6 +553,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             proxy._undo(kind)  # the client went away first: nothing was injected
             self.close_connection = True
             return
+        if action == "corrupt_upload":
+            if body:
+                body = _flip_middle_byte(body)
+            else:  # an empty chunked body: nothing to corrupt
+                proxy._undo(kind)
         proxy._notify(self.command, self.path)
         stopping = self.server.stopping
         if proxy._should_hold(self.path):
@@ -414,8 +571,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
             return
         try:
-            if action is None or action in ("truncate", "reset_download"):
-                cut = None if action is None else str(action)
+            if action is None or action in _FORWARDING:
+                cut = None if action in (None, "corrupt_upload") else str(action)
                 if decision.refused is not None:
                     name, is_query = decision.refused
                     self._send_refusal(decision.refuse_status, name, is_query, cut)
@@ -424,7 +581,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             elif action == "reset":
                 self._reset()
             else:
-                self._send_error_response(int(action))
+                self._send_error_response(int(action), decision.code)
         except OSError as exc:
             # Client went away (e.g. killed mid-request): nothing to answer.
             logger.debug("fault proxy: client write failed: %s", exc)
@@ -494,11 +651,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if decision.target is not None:
                 path = decision.target
         target = proxy._upstream_prefix + path
+        if self._upstream is not None and self._upstream.gone():
+            self._drop_upstream()  # closed by the server while idle: not worth a try
         for attempt in (0, 1):
             fresh = self._upstream is None
             if fresh:
-                self._upstream = http.client.HTTPConnection(
-                    proxy._upstream_host, proxy._upstream_port, timeout=120
+                self._upstream = _UpstreamConnection(
+                    proxy, proxy._upstream_host, proxy._upstream_port, timeout=120
                 )
             conn = self._upstream
             assert conn is not None
@@ -509,6 +668,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                         conn.putheader(name, value)
                 for name, value in decision.add_headers if decision is not None else ():
                     conn.putheader(name, value)
+                # LocalStack closes a connection after each answer unless asked not to.
+                conn.putheader("Connection", "keep-alive")
                 if chunked:
                     conn.putheader("Transfer-Encoding", "chunked")
                 conn.endheaders(body if body else None, encode_chunked=chunked)
@@ -533,7 +694,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
         ``cut="truncate"`` sends half of the response body then closes cleanly;
         ``cut="reset_download"`` sends half of it then RSTs (and nothing at all
-        when the response has no body).
+        when the response has no body); ``cut="lose_response"`` sends nothing and
+        RSTs. Every upstream response is read to its end (or its connection
+        dropped), so the upstream connection serves this client's next request.
         """
         reset = cut == "reset_download"
         try:
@@ -544,9 +707,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._send_simple(502, b"upstream unavailable", "text/plain")
             return
 
-        if self.server.stopping.is_set():
-            # Restarted while the request was upstream: this connection is gone.
-            resp.read()
+        if self.server.stopping.is_set() or cut == "lose_response":
+            # Restarted while the request was upstream (this connection is gone), or
+            # the answer is to be lost: the upstream applied it, the client never hears.
+            try:
+                resp.read()
+            except (OSError, http.client.HTTPException):
+                self._drop_upstream()
             self._finish_upstream(resp)
             self._reset()
             return
@@ -588,10 +755,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             except OSError:
                 self._drop_upstream()  # upstream conn is mid-body; unusable
                 raise
+        # Reading the (now empty) rest marks the response done; an empty body
+        # (Content-Length: 0) is never read in the loop, and http.client refuses
+        # the connection's next request until its response is read to its end.
+        resp.read()
         self._finish_upstream(resp)
 
     def _finish_upstream(self, resp: http.client.HTTPResponse) -> None:
-        if resp.will_close:
+        """Keep the upstream connection for the next request only if it can serve one."""
+        if resp.will_close or not resp.isclosed():
             self._drop_upstream()
 
     def _rewrite_location(self, value: str) -> str:
@@ -678,8 +850,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if body:
             self.wfile.write(body)
 
-    def _send_error_response(self, status: int) -> None:
-        code, message = _ERRORS.get(status, (f"Error{status}", f"Injected error {status}"))
+    def _send_error_response(self, status: int, code: str = "") -> None:
+        """Answer ``status`` with an error body: S3 XML, or GCS JSON on a GCS path.
+
+        ``code`` is the S3 error code (default: the one :data:`_ERRORS` gives the status).
+        """
+        default = _ERRORS.get(status, (f"Error{status}", f"Injected error {status}"))
+        if code and code != default[0]:
+            message = _MESSAGES.get(code, f"Injected error {status} {code}")
+        else:
+            code, message = default
         if self.path.startswith(_GCS_PREFIXES):
             doc = {
                 "error": {
@@ -692,7 +872,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         else:
             xml = (
                 '<?xml version="1.0" encoding="UTF-8"?>\n'
-                f"<Error><Code>{code}</Code><Message>{message}</Message>"
+                f"<Error><Code>{xml_escape(code)}</Code><Message>{xml_escape(message)}</Message>"
                 "<RequestId>FAULTPROXY</RequestId></Error>"
             )
             self._send_simple(status, xml.encode(), "application/xml")
@@ -763,6 +943,10 @@ class FaultProxy(StartStop):
         self._wake = threading.Event()  # ends a restart's downtime early (stop, resume)
         self._outage_threads: list[threading.Thread] = []
         self.cut_connections = 0
+        self._script_pos = 0  # the plan's next script item
+        self._conn_serial = 0  # client connections numbered, never reset
+        self._client_conns = 0
+        self._upstream_conns = 0
 
     # -- lifecycle ---------------------------------------------------------
     def start(self) -> None:
@@ -908,6 +1092,7 @@ class FaultProxy(StartStop):
             self._rng = random.Random(plan.seed)
             self._plan_faults = 0
             self._burst_left = 0
+            self._script_pos = 0
 
     @property
     def requests(self) -> int:
@@ -932,6 +1117,20 @@ class FaultProxy(StartStop):
         """Response body bytes relayed to clients (forwarded answers, cut ones in part)."""
         with self._lock:
             return self._bytes_out
+
+    @property
+    def upstream_connections(self) -> int:
+        """TCP connections the proxy opened to the upstream: fewer than the requests
+        forwarded when the upstream keeps connections alive (one per client connection
+        at best), one per request when it closes each (moto answers ``Connection: close``)."""
+        with self._lock:
+            return self._upstream_conns
+
+    @property
+    def client_connections(self) -> int:
+        """Client connections the proxy accepted."""
+        with self._lock:
+            return self._client_conns
 
     @property
     def request_log(self) -> list[RequestRecord]:
@@ -959,9 +1158,12 @@ class FaultProxy(StartStop):
         )
 
     def reset_counters(self) -> None:
-        """Zero ``requests``, ``requests_by_method``, ``faults`` and ``bytes_out`` and
-        clear ``request_log`` (the plan's fault budget is kept)."""
+        """Zero ``requests``, ``requests_by_method``, ``faults``, ``bytes_out``,
+        ``upstream_connections`` and ``client_connections`` and clear ``request_log``
+        (the plan's fault budget and script position are kept)."""
         with self._lock:
+            self._upstream_conns = 0
+            self._client_conns = 0
             self._bytes_out = 0
             self._requests = 0
             self._faults = {}
@@ -969,11 +1171,29 @@ class FaultProxy(StartStop):
             self._log.clear()
 
     # -- called from handler threads ---------------------------------------
-    def _decide(self, method: str, target: str, headers: Any) -> _Decision:
+    def _accepted(self) -> int:
+        """Count a client connection accepted; returns its number."""
+        with self._lock:
+            self._conn_serial += 1
+            self._client_conns += 1
+            return self._conn_serial
+
+    def _upstream_opened(self) -> None:
+        with self._lock:
+            self._upstream_conns += 1
+
+    def _decide(
+        self, method: str, target: str, headers: Any, connection: int = 0, reused: bool = False
+    ) -> _Decision:
         """What to do with a request (and log it): fault, refusal, stripping.
 
-        ``headers`` is the client's header mapping (an ``email.message.Message``).
+        ``headers`` is the client's header mapping (an ``email.message.Message``);
+        ``connection`` the client connection's number, ``reused`` whether it had
+        served a request before.
         """
+        te = str(headers.get("Transfer-Encoding", "")).lower()
+        length = str(headers.get("Content-Length", "") or "0").strip()
+        has_body = "chunked" in te or (length.isdigit() and int(length) > 0)
         hdrs: dict[str, str] = {}
         for name, value in headers.items():
             key = name.lower()
@@ -982,13 +1202,13 @@ class FaultProxy(StartStop):
             self._requests += 1
             self._by_method[method] = self._by_method.get(method, 0) + 1
             plan = self._plan
-            kind, action, latency = self._draw(plan, method, target)
+            kind, action, latency, code = self._draw(plan, method, target, reused, has_body)
             refused = None
             drop: frozenset[str] = frozenset()
             forward_target = None
             stripped: list[str] = []
             added: list[tuple[str, str]] = []
-            if action in (None, "truncate", "reset_download") and plan.applies_to(method, target):
+            if (action is None or action in _FORWARDING) and plan.applies_to(method, target):
                 refused = plan._refusal(headers, target)
                 if refused is None:
                     if plan.strip_headers:
@@ -1007,25 +1227,39 @@ class FaultProxy(StartStop):
                             stripped.append(src)
             refused_name = refused[0] if refused else None
             self._log.append(
-                RequestRecord(method, target, hdrs, kind, refused_name, tuple(stripped))
+                RequestRecord(
+                    method, target, hdrs, kind, refused_name, tuple(stripped), connection, reused
+                )
             )
             return _Decision(
                 kind, action, latency, refused, plan.refuse_status, drop, forward_target,
-                tuple(added),
+                tuple(added), code,
             )
 
     def _draw(
-        self, plan: FaultPlan, method: str, target: str
-    ) -> tuple[str, int | str | None, float]:
-        """(kind, action, latency) under ``plan``: action None = forward, else a kind/status.
-        Called with the lock held."""
+        self, plan: FaultPlan, method: str, target: str, reused: bool, has_body: bool
+    ) -> tuple[str, int | str | None, float, str]:
+        """(kind, action, latency, S3 error code) under ``plan``: action None = forward,
+        else a kind/status; the code is "" but for a scripted pair. Called with the lock
+        held."""
         if not plan.applies_to(method, target):
-            return "", None, 0.0
+            return "", None, 0.0, ""
+        if not plan.faults_apply_to(method, target, reused):
+            return "", None, plan.latency_s, ""
         if plan.max_faults is not None and self._plan_faults >= plan.max_faults:
-            return "", None, plan.latency_s
+            return "", None, plan.latency_s, ""
         action: int | str | None = None
-        kind = ""
-        if plan.permanent_status is not None:
+        kind = code = ""
+        if self._script_pos < len(plan.script):
+            item = plan.script[self._script_pos]
+            if item == "corrupt_upload" and not has_body:
+                return "", None, plan.latency_s, ""  # the item waits for a body
+            self._script_pos += 1
+            if isinstance(item, str):
+                kind, action = item, _KIND_STATUS.get(item, item)
+            else:
+                (action, code), kind = item, item[1]
+        elif plan.permanent_status is not None:
             action, kind = plan.permanent_status, "permanent"
         elif self._burst_left > 0:
             self._burst_left -= 1
@@ -1035,10 +1269,12 @@ class FaultProxy(StartStop):
             action = _KIND_STATUS.get(kind, kind)
             self._burst_left = plan.burst - 1
             self._burst_kind, self._burst_action = kind, action
+        if action == "corrupt_upload" and not has_body:
+            return "", None, plan.latency_s, ""  # nothing to corrupt
         if action is not None:
             self._plan_faults += 1
             self._faults[kind] = self._faults.get(kind, 0) + 1
-        return kind, action, plan.latency_s
+        return kind, action, plan.latency_s, code
 
     def _undo(self, kind: str) -> None:
         """Uncount a fault that could not be delivered (the client left first)."""
