@@ -169,3 +169,29 @@ def test_the_servers_refuse_a_body_its_checksum_does_not_match(s3, s3_server, he
     assert not client.list_parts(Bucket=bucket, Key="crc/part.bin",
                                  UploadId=upload).get("Parts")
     client.abort_multipart_upload(Bucket=bucket, Key="crc/part.bin", UploadId=upload)
+
+
+def _client_error(operation: str, status: int, code: str) -> Exception:
+    import botocore.exceptions
+
+    return botocore.exceptions.ClientError(
+        {"Error": {"Code": code, "Message": "..."},
+         "ResponseMetadata": {"HTTPStatusCode": status}}, operation)
+
+
+@pytest.mark.parametrize(("operation", "status", "code", "retried"), [
+    ("PutObject", 409, "ConditionalRequestConflict", True),
+    ("PutObject", 400, "BadDigest", True),
+    ("UploadPart", 400, "BadDigest", True),
+    ("PutObject", 400, "XAmzContentSHA256Mismatch", True),
+    # A part list disagreeing with the parts: sending it again changes nothing.
+    ("CompleteMultipartUpload", 400, "BadDigest", False),
+    ("PutObject", 412, "PreconditionFailed", False),
+    ("PutObject", 409, "FileAlreadyExists", False),
+    ("PutObject", 400, "InvalidArgument", False),
+])
+def test_which_s3_answers_are_retried(operation, status, code, retried):
+    from cloudckpt.storage import is_transient
+    from cloudckpt.storage.backends.s3 import errors
+
+    assert is_transient(_client_error(operation, status, code), errors) is retried
