@@ -385,7 +385,10 @@ class LocalStackServer(_S3Server):
                         client.delete_objects(Bucket=name,
                                               Delete={"Objects": doomed[i:i + 1000],
                                                       "Quiet": True})
-                client.delete_bucket(Bucket=name)
+                try:
+                    client.delete_bucket(Bucket=name)
+                except client.exceptions.NoSuchBucket:
+                    pass  # gone already (a request re-sent after its first try was applied)
         finally:
             client.close()
 
