@@ -310,9 +310,13 @@ class LocalStackServer(_S3Server):
     process run by a CPython 3.12+ virtualenv of its own (``make setup`` makes it in
     ``.venv-localstack``; ``$CLOUDCKPT_LOCALSTACK_PYTHON`` names another interpreter).
 
-    Unlike moto it keeps connections alive, verifies ``x-amz-checksum-*`` headers and
-    enforces S3's 5 MiB minimum part size. Each instance keeps its objects in a
-    directory of its own (``root``, else a fresh temporary one), removed at stop.
+    Unlike moto it keeps a connection alive when asked (``Connection: keep-alive``),
+    answers ``NoSuchUpload`` to a completed upload's completion and enforces S3's 5 MiB
+    minimum part size; like moto as :mod:`.moto_atomic` runs it, it verifies
+    ``x-amz-checksum-*`` headers. Each instance keeps its objects in a directory of its
+    own (``root``, else a fresh temporary one), removed at stop: LocalStack's own is one
+    fixed path for every instance on the machine, where one instance deleting a bucket
+    deletes the files of another's bucket of that name, so it is moved below ``root``.
     """
 
     _name = "localstack"
@@ -326,7 +330,7 @@ class LocalStackServer(_S3Server):
             else os.fspath(root)
 
     def _command(self, port: int) -> list[str]:
-        return [localstack_python(), "-m", "localstack.runtime.main"]
+        return [localstack_python(), "-c", _LOCALSTACK_MAIN, str(Path(self.root) / "s3")]
 
     def _child_env(self) -> dict[str, str]:
         env = self._server_env()
@@ -398,6 +402,17 @@ class LocalStackServer(_S3Server):
             import shutil
 
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+#: LocalStack's main, its S3 files (a fixed path, shared by every instance) moved to
+#: the directory given as the first argument.
+_LOCALSTACK_MAIN = """
+import sys
+import localstack.services.s3.provider as provider
+provider.DEFAULT_S3_TMP_DIR = sys.argv[1]
+from localstack.runtime.main import main
+main()
+"""
 
 
 def localstack_python() -> str:
