@@ -120,7 +120,9 @@ class S3Backend(StreamedRanges, FsspecBackend):
         except OSError as exc:
             code = _code(exc) or ""
             if status_of(exc, self) != 400 or "Digest" in code or "Mismatch" in code:
-                raise  # a checksum that did not match is never retried without it
+                # A checksum that did not match is never dropped: the store's policy
+                # sends the bytes again with it (a body damaged on the way).
+                raise
             version = self.put(path, data)  # the store refuses the header, not the bytes
         if key not in _CHECKSUM_REFUSED:
             _CHECKSUM_REFUSED.add(key)
@@ -173,9 +175,11 @@ class S3Backend(StreamedRanges, FsspecBackend):
         except OSError as exc:
             code = _code(exc)
             # 412 from S3's own headers; 409 from stores' own create-only headers
-            # (OSS "FileAlreadyExists", IBM COS "ObjectAlreadyExists").
-            if code in ("PreconditionFailed", "ConditionalRequestConflict", "412",
-                        "FileAlreadyExists", "ObjectAlreadyExists", "409"):
+            # (OSS "FileAlreadyExists", IBM COS "ObjectAlreadyExists"). S3's own 409,
+            # ConditionalRequestConflict (a race with another operation on the key,
+            # nothing written), is no lost race: it is retried (errors.classify).
+            if code in ("PreconditionFailed", "412", "FileAlreadyExists",
+                        "ObjectAlreadyExists", "409"):
                 raise FileExistsError(path) from exc
             raise
 
@@ -301,6 +305,9 @@ class _MultipartWriter(PartWriter):
             # derives from our parts' ETags.
             if _code(exc) != "NoSuchUpload" or not self._is_ours(tokens, size):
                 raise
+            log.info("completing the upload of s3://%s: the server had completed it and "
+                     "its answer was lost; the object there is the one our parts make",
+                     self._path)
 
     def _is_ours(self, tokens: list[Any], size: int) -> bool:
         """Whether the object is the one our parts make (its ETag is the MD5 of their

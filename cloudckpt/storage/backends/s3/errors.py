@@ -26,6 +26,15 @@ TRANSIENT_CODES = frozenset({
     "ServiceUnavailable",
     "OperationAborted",
 })
+#: Codes worth retrying whatever the status: a conditional write that raced another
+#: operation on the key (409; AWS says to retry it: it was neither applied nor lost).
+RETRY_ANY_STATUS = frozenset({"ConditionalRequestConflict"})
+#: An upload whose body the server found other than its checksum (or signed SHA-256)
+#: says: damaged on the way. The client still holds the right bytes, so sending them
+#: again, checksum and all, is worth it; a CompleteMultipartUpload's BadDigest (a part
+#: list disagreeing with the parts) is not.
+DAMAGED_BODY = frozenset({"BadDigest", "XAmzContentSHA256Mismatch"})
+_UPLOADS = frozenset({"PutObject", "UploadPart"})
 #: botocore's names for a connection that failed or broke.
 _CONNECTION_WORDS = ("Connection", "Timeout", "Payload", "Disconnected", "IncompleteRead",
                      "ReadTimeout", "ProxyError")
@@ -42,7 +51,9 @@ def classify(exc: BaseException) -> Classified | None:
         code = response.get("Error", {}).get("Code")
         status = int(status) if status else None
         code = str(code) if code else None
-        transient = status is None and code in TRANSIENT_CODES
+        transient = ((status is None and code in TRANSIENT_CODES) or code in RETRY_ANY_STATUS
+                     or (code in DAMAGED_BODY
+                         and getattr(exc, "operation_name", None) in _UPLOADS))
         return Classified(Failure.TRANSIENT if transient else None, status, code)
     name = type(exc).__name__
     if name in ("NoCredentialsError", "PartialCredentialsError"):  # before any request
