@@ -19,7 +19,7 @@ import botocore.exceptions
 import google_crc32c
 import pytest
 from cloudckpt_testkit import FaultPlan, FaultProxy
-from cloudckpt_testkit.faultproxy import RequestRecord, _strip_query
+from cloudckpt_testkit.faultplan import RequestRecord, without_query
 from helpers import boto3_s3
 
 # -- helpers -------------------------------------------------------------------
@@ -340,14 +340,14 @@ def test_plan_validation() -> None:
 
 def test_strip_query_keeps_other_parameters_verbatim() -> None:
     names = ("ifGenerationMatch", "ifMetagenerationMatch")
-    assert _strip_query("/o?ifGenerationMatch=0", names) == ("/o", ["ifGenerationMatch"])
-    assert _strip_query("/o?a=%2F&ifGenerationMatch=5&b", names) == (
+    assert without_query("/o?ifGenerationMatch=0", names) == ("/o", ["ifGenerationMatch"])
+    assert without_query("/o?a=%2F&ifGenerationMatch=5&b", names) == (
         "/o?a=%2F&b",
         ["ifGenerationMatch"],
     )
-    assert _strip_query("/o?ifGeneration%4Datch=1&ifMetagenerationMatch=2&x=1", names) == (
+    assert without_query("/o?ifGeneration%4Datch=1&ifMetagenerationMatch=2&x=1", names) == (
         "/o?x=1",
         ["ifGenerationMatch", "ifMetagenerationMatch"],
     )
-    assert _strip_query("/o?IFGENERATIONMATCH=0", names) == ("/o?IFGENERATIONMATCH=0", [])
-    assert _strip_query("/o", names) == ("/o", [])
+    assert without_query("/o?IFGENERATIONMATCH=0", names) == ("/o?IFGENERATIONMATCH=0", [])
+    assert without_query("/o", names) == ("/o", [])

@@ -27,7 +27,7 @@ import botocore.exceptions
 import google_crc32c
 import pytest
 from cloudckpt_testkit import FaultPlan, FaultProxy, LocalStackServer, faultproxy
-from cloudckpt_testkit.faultproxy import RequestRecord
+from cloudckpt_testkit.faultplan import RequestRecord
 from helpers import boto3_s3
 
 from cloudckpt import CheckpointWriter, open_checkpoint
