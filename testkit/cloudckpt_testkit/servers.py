@@ -318,6 +318,8 @@ class LocalStackServer(_S3Server):
     """
 
     _name = "localstack"
+    #: The smallest part it takes, S3's own (moto's is set per instance).
+    part_min_size = 5 * 1024 * 1024
     # Objects live in its own directory, removed at stop: nothing to save.
     _graceful_stop = False
 
