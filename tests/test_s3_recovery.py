@@ -97,6 +97,25 @@ def test_a_conditional_write_answered_409_is_retried_not_lost(proxied, s3, write
     assert proxy.faults == {"ConditionalRequestConflict": 1}
 
 
+def test_a_commit_applied_whose_answer_was_lost_is_ours(proxied, s3, caplog):
+    """The manifest's create-only PUT is applied on a pooled connection and its answer
+    lost: the retry is refused (412, the key exists), and the manifest there is
+    recognised as ours by its bytes; the checkpoint is committed, not reported lost."""
+    via, proxy = proxied
+    _probe_first(via)
+    proxy.set_plan(FaultPlan(methods=("PUT",), match=MANIFEST_NAME, reused_only=True,
+                             script=("lose_response",)))
+    with caplog.at_level(logging.INFO, logger="cloudckpt"):
+        with CheckpointWriter(via.uri("step-1"), step=1, storage_options=via.options) as w:
+            w.put("a.bin", b"weights")
+    assert proxy.faults == {"lose_response": 1}
+    assert proxy.count_requests(MANIFEST_NAME, method="PUT", header="if-none-match") == 2
+    assert any("holds our bytes already" in m for m in caplog.messages)
+    ckpt = open_checkpoint(s3.uri("step-1"), s3.options)
+    ckpt.verify(deep=True)
+    assert ckpt.read("a.bin") == b"weights"
+
+
 def test_a_412_is_still_a_lost_race(proxied):
     """What 409 is not: a create-only write of a key that exists fails at once as a
     conflict, with no retry."""
