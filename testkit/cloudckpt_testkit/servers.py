@@ -362,7 +362,8 @@ class LocalStackServer(_S3Server):
     def _ready_path(self) -> str:
         return "/_localstack/health"
 
-    def _answers(self, url: str) -> bool:  # type: ignore[override]
+    @staticmethod
+    def _answers(url: str) -> bool:
         # It answers HTTP before S3 is loaded: ready once the health check says so.
         try:
             with urllib.request.urlopen(url, timeout=1.0) as resp:
@@ -384,13 +385,13 @@ class LocalStackServer(_S3Server):
                                                       UploadId=up["UploadId"])
                 for page in client.get_paginator("list_object_versions").paginate(
                         Bucket=name):
+                    # A page holds at most 1000 entries, DeleteObjects' own limit.
                     doomed = [{"Key": v["Key"], "VersionId": v["VersionId"]}
                               for v in [*page.get("Versions", []),
                                         *page.get("DeleteMarkers", [])]]
-                    for i in range(0, len(doomed), 1000):
+                    if doomed:
                         client.delete_objects(Bucket=name,
-                                              Delete={"Objects": doomed[i:i + 1000],
-                                                      "Quiet": True})
+                                              Delete={"Objects": doomed, "Quiet": True})
                 try:
                     client.delete_bucket(Bucket=name)
                 except client.exceptions.NoSuchBucket:
